@@ -1,0 +1,145 @@
+"""Benchmark plumbing: CUDA-event medians, the measured physical ceilings, optional torch, tables.
+
+Every benchmark reports against what the chip can do, measured in the same run: the
+device-to-device copy bandwidth (bytes read + written) and, where torch is installed, the
+bf16 matrix rate of cuBLAS on random data. torch and CuPy are only ever imported here, lazily,
+and only for comparison.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from functools import lru_cache
+from typing import Any, Callable, Sequence
+
+from cuda.bindings import driver as cu
+
+from gpu_runtime import CudaBackend
+from gpu_runtime.driver import call
+
+
+class Events:
+    """Start/stop event pair on one stream; ``elapsed_ms`` after the stop event completed."""
+
+    def __init__(self) -> None:
+        self.start = call(cu.cuEventCreate, cu.CUevent_flags.CU_EVENT_DEFAULT)
+        self.stop = call(cu.cuEventCreate, cu.CUevent_flags.CU_EVENT_DEFAULT)
+
+    def elapsed_ms(self) -> float:
+        call(cu.cuEventSynchronize, self.stop)
+        return float(call(cu.cuEventElapsedTime, self.start, self.stop))
+
+    def close(self) -> None:
+        cu.cuEventDestroy(self.start)
+        cu.cuEventDestroy(self.stop)
+
+
+def gpu_time_ms(fn: Callable[[int], Any], *, stream: int = 0, warmup: int = 5, iters: int = 30) -> float:
+    """Median GPU time of ``fn(i)`` (i = iteration, to rotate inputs) measured with CUDA events."""
+    ev = Events()
+    try:
+        for i in range(warmup):
+            fn(i)
+        times = []
+        for i in range(iters):
+            call(cu.cuEventRecord, ev.start, stream)
+            fn(warmup + i)
+            call(cu.cuEventRecord, ev.stop, stream)
+            times.append(ev.elapsed_ms())
+        return statistics.median(times)
+    finally:
+        ev.close()
+
+
+def wall_time_us(fn: Callable[[int], Any], sync: Callable[[], Any], *, warmup: int = 20,
+                 iters: int = 200) -> float:
+    """Median host wall time per call of ``fn``, each call followed by ``sync``."""
+    for i in range(warmup):
+        fn(i)
+        sync()
+    times = []
+    for i in range(iters):
+        t0 = time.perf_counter()
+        fn(i)
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def host_time_us(fn: Callable[[int], Any], *, warmup: int = 200, iters: int = 5000) -> float:
+    """Mean host time per call of ``fn`` in a tight loop (the launch-cost measure)."""
+    for i in range(warmup):
+        fn(i)
+    t0 = time.perf_counter()
+    for i in range(iters):
+        fn(i)
+    return (time.perf_counter() - t0) / iters * 1e6
+
+
+@lru_cache(maxsize=None)
+def copy_bandwidth(gpu: CudaBackend, nbytes: int = 1 << 31) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    src, dst = gpu.alloc(nbytes), gpu.alloc(nbytes)
+    try:
+        gpu.memset(src, 0x3C, nbytes)
+        ms = gpu_time_ms(lambda i: gpu.copy_d2d_async(dst, src, nbytes), warmup=3, iters=10)
+    finally:
+        gpu.free(src)
+        gpu.free(dst)
+    return 2 * nbytes / (ms * 1e-3)
+
+
+def torch_or_none() -> Any:
+    try:
+        import torch
+
+        return torch if torch.cuda.is_available() else None
+    except Exception:
+        return None
+
+
+@lru_cache(maxsize=None)
+def matmul_rate() -> float | None:
+    """cuBLAS bf16 FLOP/s at 8192^3 on random data through torch, None without torch."""
+    torch = torch_or_none()
+    if torch is None:
+        return None
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = torch_time_ms(lambda i: a @ b)
+    return 2 * n**3 / (ms * 1e-3)
+
+
+def torch_time_ms(fn: Callable[[int], Any], *, warmup: int = 5, iters: int = 30) -> float:
+    """Median time of a torch callable with torch's own CUDA events (its current stream)."""
+    torch = torch_or_none()
+    for i in range(warmup):
+        fn(i)
+    times = []
+    for i in range(iters):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(warmup + i)
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times)
+
+
+def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    def fmt(v: Any) -> str:
+        if v is None:
+            return "-"
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+        return str(v)
+
+    cells = [[fmt(v) for v in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(header)]
+    print(f"\n## {title}")
+    print("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for r in cells:
+        print("| " + " | ".join(c.rjust(w) for c, w in zip(r, widths)) + " |")

@@ -1,0 +1,205 @@
+"""NVRTC compilation of ``kernels/*.cu`` with an on-disk cache.
+
+Targets: ``sm_XX[a]`` gives a cubin for that exact chip (what the backend loads: a cubin from an
+NVRTC newer than the driver still loads, PTX does not); ``compute_XX`` gives PTX (what
+``make kernels`` builds on a machine with no GPU, to check every module compiles).
+
+Cache entries are keyed by sha256 over the schema version, the NVRTC version, the target, the
+options, the source bytes and the bytes of every header it includes (local headers followed
+recursively, CUDA headers at their top level). Entries are written atomically (temp file +
+``os.replace``) and carry a digest of their payload, so a truncated or corrupt entry is detected
+and rebuilt. An unwritable cache directory costs a warning, not a failure.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import tempfile
+import warnings
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from cuda.bindings import nvrtc
+
+from .errors import NvrtcError
+
+CACHE_SCHEMA = 1
+_MAGIC = b"GRTCACHE"
+_INCLUDE = re.compile(r'^\s*#\s*include\s*([<"])([^>"]+)[>"]', re.M)
+BASE_OPTIONS: tuple[str, ...] = ("-std=c++17", "-lineinfo")
+
+
+def kernel_dir() -> Path:
+    """Where the ``.cu`` files live: ``$GPU_RUNTIME_KERNEL_DIR``, else the copy shipped inside an
+    installed ``gpu_runtime``, else the source tree's ``kernels/``."""
+    env = os.environ.get("GPU_RUNTIME_KERNEL_DIR")
+    if env:
+        return Path(env)
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "kernels", here.parent / "kernels"):
+        if candidate.is_dir():
+            return candidate
+    raise FileNotFoundError("no kernels/ directory next to gpu_runtime; set GPU_RUNTIME_KERNEL_DIR")
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("GPU_RUNTIME_CACHE_DIR")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "gpu_runtime"
+
+
+@lru_cache(maxsize=1)
+def cuda_include_dir() -> str:
+    """The CUDA headers NVRTC needs (``cuda_bf16.h``, ``cuda_fp8.h``), found by cuda.pathfinder."""
+    from cuda.pathfinder import find_nvidia_header_directory
+
+    found = find_nvidia_header_directory("cudart")
+    if not found:
+        raise FileNotFoundError(
+            "CUDA runtime headers not found (pip install 'cuda-toolkit[cudart]' or set CUDA_HOME)"
+        )
+    return str(found)
+
+
+@lru_cache(maxsize=1)
+def nvrtc_version() -> tuple[int, int]:
+    err, major, minor = nvrtc.nvrtcVersion()
+    _check(err, "nvrtcVersion", "-")
+    return int(major), int(minor)
+
+
+def target_for(major: int, minor: int) -> str:
+    """Cubin target for a device: the arch-specific ``a`` variant from Hopper on, so that
+    kernels may use wgmma and friends (the cubin only ever runs on this exact chip)."""
+    return f"sm_{major}{minor}" + ("a" if major >= 9 else "")
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """One compiled module: ``image`` is a cubin for ``sm_*`` targets, NUL-terminated PTX else."""
+
+    image: bytes
+    target: str
+    log: str
+    cached: bool
+
+
+def _check(err: object, what: str, source: str, log: str = "") -> None:
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        name = getattr(err, "name", str(err))
+        raise NvrtcError(name, source, log or what)
+
+
+def _headers(source: str, src_dir: Path, seen: set[Path] | None = None) -> list[tuple[str, bytes]]:
+    """(name, bytes) of every header ``source`` includes; local ones followed recursively."""
+    seen = set() if seen is None else seen
+    out: list[tuple[str, bytes]] = []
+    for quote, name in _INCLUDE.findall(source):
+        local = src_dir / name
+        if local.is_file() and local not in seen:
+            seen.add(local)
+            text = local.read_bytes()
+            out.append((name, text))
+            out.extend(_headers(text.decode(), local.parent, seen))
+        elif quote == "<" or not local.is_file():
+            system = Path(cuda_include_dir()) / name
+            if system.is_file() and system not in seen:
+                seen.add(system)
+                out.append((name, system.read_bytes()))
+    return out
+
+
+def cache_key(source: bytes, headers: list[tuple[str, bytes]], target: str,
+              options: tuple[str, ...], version: tuple[int, int]) -> str:
+    h = hashlib.sha256()
+    for part in (str(CACHE_SCHEMA), f"{version[0]}.{version[1]}", target, "\0".join(options)):
+        h.update(part.encode() + b"\0")
+    h.update(hashlib.sha256(source).digest())
+    for name, text in headers:
+        h.update(name.encode() + b"\0" + hashlib.sha256(text).digest())
+    return h.hexdigest()
+
+
+def _read_entry(path: Path) -> bytes | None:
+    try:
+        blob = path.read_bytes()
+    except OSError:
+        return None
+    if len(blob) < 40 or blob[:8] != _MAGIC:
+        return None
+    payload = blob[40:]
+    if hashlib.sha256(payload).digest() != blob[8:40]:
+        return None
+    return payload
+
+
+def _write_entry(path: Path, payload: bytes) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(_MAGIC + hashlib.sha256(payload).digest() + payload)
+        os.replace(tmp, path)
+    except OSError as exc:
+        warnings.warn(f"kernel cache not written ({exc}); compiled in memory only", stacklevel=3)
+
+
+def _nvrtc_compile(source: bytes, name: str, target: str, options: tuple[str, ...]) -> tuple[bytes, str]:
+    err, prog = nvrtc.nvrtcCreateProgram(source, name.encode(), 0, [], [])
+    _check(err, "nvrtcCreateProgram", name)
+    try:
+        opts = [o.encode() for o in options] + [f"--gpu-architecture={target}".encode()]
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+        log_buf = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, log_buf)
+        log = log_buf.rstrip(b"\0").decode(errors="replace").strip()
+        _check(err, "nvrtcCompileProgram", name, log)
+        if target.startswith("sm_"):
+            err, size = nvrtc.nvrtcGetCUBINSize(prog)
+            image = b" " * size
+            (err2,) = nvrtc.nvrtcGetCUBIN(prog, image)
+        else:
+            err, size = nvrtc.nvrtcGetPTXSize(prog)
+            image = b" " * size
+            (err2,) = nvrtc.nvrtcGetPTX(prog, image)
+        _check(err, "nvrtcGet*Size", name, log)
+        _check(err2, "nvrtcGet*", name, log)
+        return image, log
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+def compile_module(path: Path, target: str, options: tuple[str, ...] = (),
+                   use_cache: bool = True, refresh: bool = False) -> Compiled:
+    """Compile one ``.cu`` file for ``target`` through the cache (``use_cache=False``: neither
+    read nor write it; ``refresh=True``: compile anew and overwrite the entry)."""
+    path = Path(path)
+    source = path.read_bytes()
+    options = BASE_OPTIONS + (f"-I{path.parent}", f"-I{cuda_include_dir()}") + tuple(options)
+    version = nvrtc_version()
+    key_options = tuple(o for o in options if not o.startswith("-I"))  # paths differ per machine
+    key = cache_key(source, _headers(source.decode(), path.parent), target, key_options, version)
+    entry = cache_dir() / f"{path.stem}-{target}-{key[:32]}.bin"
+    if use_cache and not refresh:
+        cached = _read_entry(entry)
+        if cached is not None:
+            return Compiled(cached, target, "", cached=True)
+    image, log = _nvrtc_compile(source, path.name, target, options)
+    if use_cache:
+        _write_entry(entry, image)
+    return Compiled(image, target, log, cached=False)
+
+
+def evict(path: Path, target: str) -> None:
+    """Remove every cache entry of one module and target (used when a cached image fails to load)."""
+    for entry in cache_dir().glob(f"{Path(path).stem}-{target}-*.bin"):
+        try:
+            entry.unlink()
+        except OSError:
+            pass

@@ -1,0 +1,97 @@
+"""``DeviceArray``: a typed view of device memory (pointer, shape, numpy dtype).
+
+Launches still take ``DevicePtr``; this exists so tests and engines can move numpy data in and
+out in one line, and hand results to CuPy, Numba or torch without a copy through
+``__cuda_array_interface__`` (v3). bf16 and fp8 export as opaque ``<V2``/``|V1`` typestrs,
+the only spelling the interface has for them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from .gpu import DevicePtr, GpuBackend
+
+
+class DeviceArray:
+    __slots__ = ("gpu", "ptr", "shape", "dtype", "owner", "stream", "__weakref__")
+
+    def __init__(self, gpu: GpuBackend, ptr: int, shape: Sequence[int], dtype: Any,
+                 *, owner: bool = False, stream: int = 0) -> None:
+        self.gpu = gpu
+        self.ptr = DevicePtr(ptr)
+        self.shape = tuple(int(s) for s in shape)
+        self.dtype = np.dtype(dtype)
+        self.owner = owner
+        self.stream = stream
+
+    # -- construction -----------------------------------------------------------------------
+    @classmethod
+    def empty(cls, gpu: GpuBackend, shape: Sequence[int], dtype: Any, stream: int = 0) -> "DeviceArray":
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        return cls(gpu, gpu.alloc(max(nbytes, 1)), shape, dtype, owner=True, stream=stream)
+
+    @classmethod
+    def from_numpy(cls, gpu: GpuBackend, host: np.ndarray, stream: int = 0) -> "DeviceArray":
+        host = np.ascontiguousarray(host)
+        out = cls.empty(gpu, host.shape, host.dtype, stream)
+        gpu.copy_h2d_async(host, out.ptr, stream)
+        return out
+
+    # -- data movement ----------------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    def upload(self, host: np.ndarray) -> "DeviceArray":
+        host = np.ascontiguousarray(host, dtype=self.dtype)
+        if host.shape != self.shape:
+            raise ValueError(f"upload of shape {host.shape} into a DeviceArray of shape {self.shape}")
+        self.gpu.copy_h2d_async(host, self.ptr, self.stream)
+        return self
+
+    def to_numpy(self) -> np.ndarray:
+        out = np.empty(self.shape, self.dtype)
+        self.gpu.copy_d2h(out, self.ptr, self.stream)
+        return out
+
+    def fill_bytes(self, byte: int) -> "DeviceArray":
+        """Set every byte (tests poison outputs with 0xFF: a bf16 NaN, an id no table has)."""
+        self.gpu.memset(self.ptr, byte, self.nbytes, self.stream)
+        return self
+
+    # -- interop ----------------------------------------------------------------------------
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        return {
+            "shape": self.shape,
+            "typestr": self.dtype.str,
+            "data": (int(self.ptr), False),
+            "version": 3,
+            "strides": None,
+            "stream": self.stream or None,
+        }
+
+    # -- lifetime ---------------------------------------------------------------------------
+    def free(self) -> None:
+        if self.owner and self.ptr and not getattr(self.gpu, "closed", False):
+            self.gpu.free(self.ptr)
+        self.ptr = DevicePtr(0)
+
+    def __enter__(self) -> "DeviceArray":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.free()
+
+    def __repr__(self) -> str:
+        return f"DeviceArray({self.ptr!r}, shape={self.shape}, dtype={self.dtype})"
+
+
+

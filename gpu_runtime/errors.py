@@ -1,0 +1,48 @@
+"""Exceptions of the runtime: every failure names the call and the CUDA/NVRTC status."""
+
+from __future__ import annotations
+
+
+class GpuError(RuntimeError):
+    """Base class of every error the runtime raises on purpose."""
+
+
+class NoDeviceError(GpuError):
+    """No usable CUDA driver or device: GPU work cannot run on this machine."""
+
+
+class CudaError(GpuError):
+    """A driver call returned something other than CUDA_SUCCESS.
+
+    The message starts with the CUresult's name (``CUDA_ERROR_INVALID_VALUE: cuMemAlloc ...``)
+    so that logs can be grepped for it; ``result`` keeps the numeric code.
+    """
+
+    def __init__(self, result: int, call: str, detail: str = "") -> None:
+        self.result = int(result)
+        self.call = call
+        self.name = _cuda_result_name(self.result)
+        super().__init__(f"{self.name}: {call}" + (f" ({detail})" if detail else ""))
+
+
+class NvrtcError(GpuError):
+    """NVRTC refused a kernel source; ``log`` holds the compiler's own file:line messages."""
+
+    def __init__(self, result: str, source: str, log: str) -> None:
+        self.result = result
+        self.source = source
+        self.log = log
+        super().__init__(f"{result}: compiling {source}\n{log}".rstrip())
+
+
+class KernelNotFoundError(GpuError, LookupError):
+    """A kernel module file, or a kernel inside it, does not exist."""
+
+
+def _cuda_result_name(code: int) -> str:
+    try:
+        from cuda.bindings.driver import CUresult
+
+        return CUresult(code).name
+    except Exception:  # unknown code, or bindings missing
+        return f"CUresult({code})"

@@ -1,0 +1,435 @@
+"""Device pointers, kernel handles, the ``GpuBackend`` interface and its CUDA implementation.
+
+The layers are written against ``GpuBackend`` only, so a test can record what a launcher builds
+without a GPU; ``CudaBackend`` implements it on ``cuda.bindings.driver`` with the device's
+primary context (the one the CUDA runtime, CuPy and torch share).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+import threading
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+from cuda.bindings import driver as cu
+
+from . import compiler, driver
+from .driver import call
+from .errors import CudaError, GpuError, KernelNotFoundError, NoDeviceError
+from .signatures import module_signatures
+from .staging import PinnedStaging
+
+
+class DevicePtr(int):
+    """A device address; 0 is null. Behaves as an int, prints as hex."""
+
+    __slots__ = ()
+
+    def __new__(cls, value: int = 0) -> "DevicePtr":
+        value = int(value)
+        if not 0 <= value < 1 << 64:
+            raise ValueError(f"device pointer out of range: {value}")
+        return super().__new__(cls, value)
+
+    def offset(self, nbytes: int) -> "DevicePtr":
+        """The address ``nbytes`` further on (null stays an error, not a small address)."""
+        if not self:
+            raise ValueError("offset of a null DevicePtr")
+        return DevicePtr(int(self) + nbytes)
+
+    def __repr__(self) -> str:
+        return f"DevicePtr(0x{int(self):x})"
+
+
+class KernelHandle(int):
+    """A loaded kernel; 0 means "not loaded" (``try_kernel`` on a missing kernel)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"KernelHandle(0x{int(self):x})"
+
+
+Host = Any  # bytes, bytearray, memoryview or a numpy array
+
+
+class GpuBackend(ABC):
+    """What the layers need from a GPU. Streams are raw ``CUstream`` handles as ints, 0 = default."""
+
+    @abstractmethod
+    def kernel(self, module: str, name: str) -> KernelHandle:
+        """Load ``kernels/<module>.cu`` if needed and return kernel ``name``; raises if missing."""
+
+    @abstractmethod
+    def alloc(self, nbytes: int) -> DevicePtr: ...
+
+    @abstractmethod
+    def free(self, ptr: int) -> None: ...
+
+    @abstractmethod
+    def memset(self, ptr: int, byte: int, nbytes: int, stream: int = 0) -> None: ...
+
+    @abstractmethod
+    def copy_h2d_async(self, host: Host, dst: int, stream: int = 0) -> None:
+        """Upload ``host``; the caller may reuse ``host`` as soon as this returns."""
+
+    @abstractmethod
+    def copy_d2h(self, host_out: Host, src: int, stream: int = 0) -> None:
+        """Fill ``host_out`` from ``src`` after the work queued on ``stream``; returns when done."""
+
+    @abstractmethod
+    def synchronize(self, stream: int = 0) -> None: ...
+
+    @abstractmethod
+    def create_stream(self) -> int: ...
+
+    @abstractmethod
+    def launch(self, kernel: KernelHandle, grid: tuple[int, int, int], block: tuple[int, int, int],
+               shared_mem: int, stream: int, kinds: str, args: Sequence[int | float]) -> None:
+        """Launch primitive behind ``KernelLaunch``: ``kinds`` has one letter per argument
+        (``P`` pointer, ``U`` u32, ``I`` i32, ``F`` f32, ``L`` u64), already range-checked."""
+
+
+_STRUCT_CODES = {"P": "Q", "U": "I", "I": "i", "F": "f", "L": "Q"}
+
+
+def host_view(host: Host, writable: bool = False) -> tuple[int, int, Any]:
+    """(address, nbytes, keep-alive object) of a C-contiguous host buffer."""
+    arr = host if isinstance(host, np.ndarray) else np.frombuffer(host, dtype=np.uint8)
+    if not arr.flags.c_contiguous:
+        raise ValueError("host buffer must be C-contiguous")
+    if writable and not arr.flags.writeable:
+        raise ValueError("host output buffer is read-only")
+    return arr.ctypes.data, arr.nbytes, arr
+
+
+class _ArgPlan:
+    """Packed-argument scratch for one argument-kind string: the C ABI layout (``struct``'s native
+    alignment is the C ABI's) and a ``void*[]`` pointing into it, built once and reused for every
+    launch of that shape on one thread. ``cuLaunchKernel`` copies the arguments before returning,
+    so reuse is safe."""
+
+    __slots__ = ("packer", "buffer", "pointers", "params", "offsets", "sizes")
+
+    def __init__(self, kinds: str) -> None:
+        fmt = "@" + "".join(_STRUCT_CODES[k] for k in kinds)
+        self.packer = struct.Struct(fmt)
+        self.sizes = [struct.calcsize("@" + _STRUCT_CODES[k]) for k in kinds]
+        self.offsets = [
+            struct.calcsize(fmt[: i + 2]) - self.sizes[i] for i in range(len(kinds))
+        ]
+        self.buffer = ctypes.create_string_buffer(max(self.packer.size, 1))
+        base = ctypes.addressof(self.buffer)
+        self.pointers = (ctypes.c_void_p * max(len(kinds), 1))(*[base + o for o in self.offsets])
+        self.params = ctypes.addressof(self.pointers) if kinds else 0
+
+
+class CudaBackend(GpuBackend):
+    """``GpuBackend`` on the CUDA driver API, on one device's primary context.
+
+    Owns what it hands out: allocations, streams, loaded modules and the pinned staging pool are
+    released by ``close()`` (or leaving a ``with`` block). Safe to use from several threads, each
+    with its own streams: the context is made current on each thread at its first call.
+    """
+
+    def __init__(self, device: int = 0, *, target: str | None = None,
+                 kernel_dir: str | Path | None = None, options: Sequence[str] = ()) -> None:
+        driver.init()
+        count = driver.device_count()
+        if not 0 <= device < count:
+            raise NoDeviceError(f"CUDA device {device} requested, {count} present")
+        self.device = device
+        self._dev = call(cu.cuDeviceGet, device)
+        self._ctx = call(cu.cuDevicePrimaryCtxRetain, self._dev)
+        call(cu.cuCtxSetCurrent, self._ctx)
+        self.compute_capability = driver.compute_capability(device)
+        self.target = target or compiler.target_for(*self.compute_capability)
+        self.kernel_dir = Path(kernel_dir) if kernel_dir else compiler.kernel_dir()
+        self.options = tuple(options)
+        attr = cu.CUdevice_attribute
+        get = lambda a: int(call(cu.cuDeviceGetAttribute, a, self._dev))  # noqa: E731
+        self.sm_count = get(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        self.l2_bytes = get(attr.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)
+        self.max_shared_optin = get(attr.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+        self.name = call(cu.cuDeviceGetName, 256, self._dev).split(b"\0")[0].decode()
+
+        self._modules: dict[str, Any] = {}
+        self._signatures: dict[str, dict[str, str]] = {}
+        self._kernels: dict[tuple[str, str], KernelHandle] = {}
+        self._kernel_names: dict[int, tuple[str, str]] = {}
+        self._checked: set[tuple[int, str]] = set()
+        self._shared_set: dict[int, int] = {}
+        self._allocs: dict[int, int] = {}
+        self._streams: set[int] = set()
+        self._staging = PinnedStaging()
+        self._lock = threading.RLock()
+        self._tls = threading.local()
+        self._tls.plans = {}
+        self.closed = False
+
+    # -- context and lifetime ---------------------------------------------------------------
+    def _bind(self) -> dict[str, _ArgPlan]:
+        """Make the context current on this thread (once per thread); return its arg plans."""
+        try:
+            return self._tls.plans
+        except AttributeError:
+            if self.closed:
+                raise GpuError("CudaBackend is closed") from None
+            call(cu.cuCtxSetCurrent, self._ctx)
+            self._tls.plans = {}
+            return self._tls.plans
+
+    def _live(self) -> None:
+        if self.closed:
+            raise GpuError("CudaBackend is closed")
+        self._bind()
+
+    def close(self) -> None:
+        """Wait for the device, then free allocations, streams, modules, staging; idempotent."""
+        if self.closed:
+            return
+        self._bind()
+        with self._lock:
+            self.closed = True
+            call(cu.cuCtxSynchronize)
+            for ptr in list(self._allocs):
+                call(cu.cuMemFree, ptr)
+            for stream in list(self._streams):
+                call(cu.cuStreamDestroy, stream)
+            for module in self._modules.values():
+                call(cu.cuModuleUnload, module)
+            self._staging.close()
+            self._allocs.clear()
+            self._streams.clear()
+            self._modules.clear()
+            self._kernels.clear()
+            self._kernel_names.clear()
+            self._checked.clear()
+            call(cu.cuDevicePrimaryCtxRelease, self._dev)
+
+    def __enter__(self) -> "CudaBackend":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- kernels ----------------------------------------------------------------------------
+    def kernel(self, module: str, name: str) -> KernelHandle:
+        handle = self._kernels.get((module, name))
+        if handle is not None:
+            return handle
+        self._live()
+        with self._lock:
+            mod = self._module(module)
+            try:
+                fn = call(cu.cuModuleGetFunction, mod, name.encode())
+            except CudaError as exc:
+                raise KernelNotFoundError(f"kernel {name!r} not in module {module!r} ({exc.name})") from exc
+            handle = KernelHandle(int(fn))
+            self._kernels[(module, name)] = handle
+            self._kernel_names[int(handle)] = (module, name)
+            return handle
+
+    def _module(self, module: str) -> Any:
+        loaded = self._modules.get(module)
+        if loaded is not None:
+            return loaded
+        path = self.kernel_dir / f"{module}.cu"
+        if not path.is_file():
+            raise KernelNotFoundError(f"no kernel module {module!r} ({path} does not exist)")
+        compiled = compiler.compile_module(path, self.target, self.options)
+        try:
+            loaded = call(cu.cuModuleLoadData, compiled.image)
+        except CudaError:
+            if not compiled.cached:
+                raise
+            compiler.evict(path, self.target)  # a stale or damaged entry: rebuild it once
+            compiled = compiler.compile_module(path, self.target, self.options)
+            loaded = call(cu.cuModuleLoadData, compiled.image)
+        self._modules[module] = loaded
+        self._signatures[module] = module_signatures(path)
+        return loaded
+
+    def kernel_name(self, kernel: int) -> str:
+        module, name = self._kernel_names.get(int(kernel), ("?", f"<unknown kernel 0x{int(kernel):x}>"))
+        return f"{module}.{name}"
+
+    def _check_launch(self, kernel: int, kinds: str, plan: _ArgPlan) -> None:
+        """Once per (kernel, kinds): the kernel is ours, and the arguments match its signature
+        (kinds read from the source, offsets and sizes from ``cuFuncGetParamInfo``)."""
+        if int(kernel) not in self._kernel_names:
+            state = "backend is closed" if self.closed else "not loaded by this backend"
+            raise GpuError(f"kernel handle 0x{int(kernel):x}: {state}")
+        module, name = self._kernel_names[int(kernel)]
+        expected = self._signatures[module].get(name)
+        where = f"{module}.{name}"
+        if expected is not None and expected != kinds:
+            raise TypeError(_mismatch(where, expected, kinds))
+        layout = self._param_layout(kernel)
+        if layout is not None:  # None: this driver cannot report layouts
+            if len(layout) != len(kinds):
+                raise TypeError(f"{where}: takes {len(layout)} arguments, {len(kinds)} given")
+            for i, (offset, size) in enumerate(layout):
+                if (offset, size) != (plan.offsets[i], plan.sizes[i]):
+                    raise TypeError(
+                        f"{where}: argument {i} is {size} bytes at offset {offset}, "
+                        f"launch packs {plan.sizes[i]} bytes at offset {plan.offsets[i]}"
+                    )
+        self._checked.add((int(kernel), kinds))
+
+    @staticmethod
+    def _param_layout(kernel: int) -> list[tuple[int, int]] | None:
+        """(offset, size) of each parameter from ``cuFuncGetParamInfo`` (CUDA 12.4+)."""
+        layout: list[tuple[int, int]] = []
+        while True:
+            try:
+                err, offset, size = cu.cuFuncGetParamInfo(kernel, len(layout))
+            except AttributeError:
+                return None
+            if err == cu.CUresult.CUDA_ERROR_INVALID_VALUE:  # past the last parameter
+                return layout
+            if err:
+                return None
+            layout.append((int(offset), int(size)))
+
+    def launch(self, kernel: KernelHandle, grid: tuple[int, int, int], block: tuple[int, int, int],
+               shared_mem: int, stream: int, kinds: str, args: Sequence[int | float]) -> None:
+        try:
+            plans = self._tls.plans
+        except AttributeError:
+            plans = self._bind()
+        plan = plans.get(kinds)
+        if plan is None:
+            plan = plans[kinds] = _ArgPlan(kinds)
+        if (kernel, kinds) not in self._checked:
+            self._check_launch(kernel, kinds, plan)
+        if shared_mem > 48 * 1024 and self._shared_set.get(kernel, 0) < shared_mem:
+            self._raise_shared_limit(kernel, shared_mem)
+        plan.packer.pack_into(plan.buffer, 0, *args)
+        gx, gy, gz = grid
+        bx, by, bz = block
+        (err,) = cu.cuLaunchKernel(kernel, gx, gy, gz, bx, by, bz, shared_mem, stream, plan.params, 0)
+        if err:
+            raise CudaError(err, "cuLaunchKernel", f"{self.kernel_name(kernel)} grid={grid} "
+                            f"block={block} shared={shared_mem}")
+
+    def _raise_shared_limit(self, kernel: int, shared_mem: int) -> None:
+        if shared_mem > self.max_shared_optin:
+            raise ValueError(f"{self.kernel_name(kernel)}: {shared_mem} bytes of shared memory, "
+                             f"device allows {self.max_shared_optin}")
+        attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        call(cu.cuFuncSetAttribute, kernel, attr, shared_mem)
+        self._shared_set[kernel] = shared_mem
+
+    # -- memory -----------------------------------------------------------------------------
+    def alloc(self, nbytes: int) -> DevicePtr:
+        nbytes = _count(nbytes, "alloc size")
+        if nbytes == 0:
+            raise ValueError("alloc of 0 bytes")
+        self._live()
+        ptr = int(call(cu.cuMemAlloc, nbytes, detail=f"{nbytes} bytes"))
+        with self._lock:
+            self._allocs[ptr] = nbytes
+        return DevicePtr(ptr)
+
+    def free(self, ptr: int) -> None:
+        if not ptr:
+            return
+        self._live()
+        with self._lock:
+            if int(ptr) not in self._allocs:
+                raise ValueError(f"free of {DevicePtr(ptr)!r}: not allocated by this backend (or freed twice)")
+            del self._allocs[int(ptr)]
+        call(cu.cuMemFree, int(ptr))
+
+    def allocation_size(self, ptr: int) -> int | None:
+        """Size of the allocation that starts at ``ptr``, None if it is not one of ours."""
+        return self._allocs.get(int(ptr))
+
+    def memset(self, ptr: int, byte: int, nbytes: int, stream: int = 0) -> None:
+        _require(ptr, "memset")
+        if not 0 <= int(byte) <= 255:
+            raise ValueError(f"memset byte must be 0..255, got {byte}")
+        nbytes = _count(nbytes, "memset size")
+        if nbytes:
+            self._live()
+            call(cu.cuMemsetD8Async, int(ptr), int(byte), nbytes, stream)
+
+    def copy_h2d_async(self, host: Host, dst: int, stream: int = 0) -> None:
+        _require(dst, "copy_h2d_async destination")
+        addr, nbytes, keep = host_view(host)
+        if nbytes:
+            self._live()
+            self._staging.upload(addr, nbytes, int(dst), stream)
+        del keep
+
+    def copy_d2h(self, host_out: Host, src: int, stream: int = 0) -> None:
+        _require(src, "copy_d2h source")
+        addr, nbytes, keep = host_view(host_out, writable=True)
+        if nbytes:
+            self._live()
+            call(cu.cuMemcpyDtoHAsync, addr, int(src), nbytes, stream)
+            call(cu.cuStreamSynchronize, stream)
+        del keep
+
+    def copy_d2d_async(self, dst: int, src: int, nbytes: int, stream: int = 0) -> None:
+        _require(dst, "copy_d2d_async destination")
+        _require(src, "copy_d2d_async source")
+        nbytes = _count(nbytes, "copy size")
+        if nbytes:
+            self._live()
+            call(cu.cuMemcpyDtoDAsync, int(dst), int(src), nbytes, stream)
+
+    def mem_info(self) -> tuple[int, int]:
+        """(free, total) device memory in bytes."""
+        self._live()
+        free, total = call(cu.cuMemGetInfo)
+        return int(free), int(total)
+
+    @property
+    def pinned_buffers(self) -> int:
+        return self._staging.buffers
+
+    # -- streams ----------------------------------------------------------------------------
+    def create_stream(self) -> int:
+        self._live()
+        stream = int(call(cu.cuStreamCreate, cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
+        with self._lock:
+            self._streams.add(stream)
+        return stream
+
+    def destroy_stream(self, stream: int) -> None:
+        self._live()
+        with self._lock:
+            if stream not in self._streams:
+                raise ValueError(f"stream 0x{stream:x} was not created by this backend")
+            self._streams.discard(stream)
+        call(cu.cuStreamSynchronize, stream)
+        call(cu.cuStreamDestroy, stream)
+
+    def synchronize(self, stream: int = 0) -> None:
+        self._live()
+        call(cu.cuStreamSynchronize, stream)
+
+
+def _mismatch(where: str, expected: str, given: str) -> str:
+    names = {"P": "pointer", "U": "u32", "I": "i32", "F": "f32", "L": "u64"}
+    if len(expected) != len(given):
+        return f"{where}: takes {len(expected)} arguments ({expected}), {len(given)} given ({given})"
+    i = next(i for i, (a, b) in enumerate(zip(expected, given)) if a != b)
+    return f"{where}: argument {i} must be {names[expected[i]]}, launch passes {names[given[i]]}"
+
+
+def _require(ptr: int, what: str) -> None:
+    if not ptr:
+        raise ValueError(f"{what}: null device pointer")
+
+
+def _count(n: int, what: str) -> int:
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+        raise ValueError(f"{what} must be a non-negative int, got {n!r}")
+    return int(n)

@@ -1,0 +1,126 @@
+"""``KernelLaunch``: the positional argument builder the seeds launch every kernel with.
+
+Each ``arg_*`` range-checks its value and records a kind letter; ``launch`` hands kinds and
+values to the backend, which packs them to the C ABI and checks them, once per kernel and shape,
+against the kernel's own signature. Kept lean: the n-gram layer launches dozens of kernels a call.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from .gpu import GpuBackend, KernelHandle
+
+_U32 = 1 << 32
+_U64 = 1 << 64
+_I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
+_GRID_MAX = ((1 << 31) - 1, 65535, 65535)
+_BLOCK_MAX = (1024, 1024, 64)
+
+
+def _int(value: object, what: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    try:  # numpy integers and other exact integer types
+        if isinstance(value, bool):
+            raise TypeError
+        return value.__index__()  # type: ignore[attr-defined]
+    except (AttributeError, TypeError):
+        raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r}") from None
+
+
+def _dims(dims: Sequence[int], limits: tuple[int, int, int], what: str) -> tuple[int, int, int]:
+    if len(dims) != 3:
+        raise ValueError(f"{what} must have 3 dimensions, got {list(dims)}")
+    out = tuple(_int(d, what) for d in dims)
+    for d, limit in zip(out, limits):
+        if not 1 <= d <= limit:
+            raise ValueError(f"{what} {list(out)}: each dimension must be in 1..{list(limits)}")
+    return out  # type: ignore[return-value]
+
+
+class KernelLaunch:
+    """``KernelLaunch(gpu, k).grid([x,y,z]).block([x,y,z]).arg_ptr(p).arg_u32(n).launch(stream)``."""
+
+    __slots__ = ("_gpu", "_kernel", "_grid", "_block", "_shared", "_kinds", "_args")
+
+    def __init__(self, gpu: GpuBackend, kernel: KernelHandle) -> None:
+        if not kernel:
+            raise ValueError("KernelLaunch: null kernel handle (the kernel was not loaded)")
+        self._gpu = gpu
+        self._kernel = kernel
+        self._grid = (1, 1, 1)
+        self._block = (1, 1, 1)
+        self._shared = 0
+        self._kinds = ""
+        self._args: list[int | float] = []
+
+    @classmethod
+    def new(cls, gpu: GpuBackend, kernel: KernelHandle) -> "KernelLaunch":
+        """The seed's spelling, ``KernelLaunch::new(gpu, kernel)``."""
+        return cls(gpu, kernel)
+
+    def grid(self, dims: Sequence[int]) -> "KernelLaunch":
+        self._grid = _dims(dims, _GRID_MAX, "grid")
+        return self
+
+    def block(self, dims: Sequence[int]) -> "KernelLaunch":
+        block = _dims(dims, _BLOCK_MAX, "block")
+        if block[0] * block[1] * block[2] > 1024:
+            raise ValueError(f"block {list(block)}: more than 1024 threads")
+        self._block = block
+        return self
+
+    def shared_mem(self, nbytes: int) -> "KernelLaunch":
+        nbytes = _int(nbytes, "shared_mem")
+        if not 0 <= nbytes < _U32:
+            raise ValueError(f"shared_mem must be in 0..2**32-1, got {nbytes}")
+        self._shared = nbytes
+        return self
+
+    def arg_ptr(self, ptr: int) -> "KernelLaunch":
+        value = _int(ptr, "pointer argument")
+        if not 0 <= value < _U64:
+            raise ValueError(f"argument {len(self._args)}: pointer {value} out of range")
+        self._kinds += "P"
+        self._args.append(value)
+        return self
+
+    def arg_u32(self, value: int) -> "KernelLaunch":
+        value = _int(value, "u32 argument")
+        if not 0 <= value < _U32:
+            raise ValueError(f"argument {len(self._args)}: {value} does not fit u32")
+        self._kinds += "U"
+        self._args.append(value)
+        return self
+
+    def arg_i32(self, value: int) -> "KernelLaunch":
+        value = _int(value, "i32 argument")
+        if not _I32_MIN <= value <= _I32_MAX:
+            raise ValueError(f"argument {len(self._args)}: {value} does not fit i32")
+        self._kinds += "I"
+        self._args.append(value)
+        return self
+
+    def arg_u64(self, value: int) -> "KernelLaunch":
+        value = _int(value, "u64 argument")
+        if not 0 <= value < _U64:
+            raise ValueError(f"argument {len(self._args)}: {value} does not fit u64")
+        self._kinds += "L"
+        self._args.append(value)
+        return self
+
+    def arg_f32(self, value: float) -> "KernelLaunch":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
+            raise TypeError(f"argument {len(self._args)}: f32 needs a real number, got {value!r}")
+        value = float(value)
+        if math.isfinite(value) and abs(value) > 3.4028234663852886e38:
+            raise ValueError(f"argument {len(self._args)}: {value} overflows f32")
+        self._kinds += "F"
+        self._args.append(value)
+        return self
+
+    def launch(self, stream: int = 0) -> None:
+        self._gpu.launch(self._kernel, self._grid, self._block, self._shared, stream,
+                         self._kinds, self._args)

@@ -1,0 +1,32 @@
+// Shared by every kernel module: fixed-width integer types (NVRTC has no <cstdint> without
+// extra headers), the bf16 / fp8 type names the signatures use, and small helpers.
+#pragma once
+
+#ifdef __CUDACC_RTC__
+typedef unsigned char uint8_t;
+typedef unsigned short uint16_t;
+typedef unsigned int uint32_t;
+typedef int int32_t;
+typedef unsigned long long uint64_t;
+typedef long long int64_t;
+typedef unsigned long long uintptr_t;
+#else
+#include <cstdint>
+#endif
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+typedef __nv_bfloat16 bf16;
+typedef __nv_fp8_e4m3 fp8;
+
+// True when every pointer given is 16-byte aligned (the vector paths need it).
+__device__ __forceinline__ bool aligned16(const void* a, const void* b) {
+    return ((reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(b)) & 15) == 0;
+}
+
+// out + scale * x with exactly two fp32 roundings and no FMA contraction, so numpy's float32
+// arithmetic reproduces it bit for bit.
+__device__ __forceinline__ float scaled_sum(float out, float scale, float x) {
+    return __fadd_rn(out, __fmul_rn(scale, x));
+}

@@ -1,0 +1,79 @@
+"""Test helpers: device buffers with canary guards, poisoning, upload and download in one line."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from gpu_runtime import CudaBackend, DevicePtr
+
+GUARD = 256  # bytes of canary on each side of a guarded buffer
+POISON = 0xFF  # bf16 0xFFFF is NaN, u32 0xFFFFFFFF is an id no table has
+
+
+class Guarded:
+    """A device buffer of ``shape``/``dtype`` at ``ptr`` (optionally ``misalign`` bytes off a
+    16-byte boundary), with random canary bytes before and after that no kernel may touch."""
+
+    def __init__(self, gpu: CudaBackend, shape: Any, dtype: Any, rng: np.random.Generator,
+                 misalign: int = 0) -> None:
+        self.gpu, self.shape, self.dtype = gpu, tuple(np.atleast_1d(shape)), np.dtype(dtype)
+        self.nbytes = int(np.prod(self.shape)) * self.dtype.itemsize
+        self.lead = GUARD + misalign
+        self.total = self.lead + self.nbytes + GUARD
+        self.base = gpu.alloc(self.total)
+        self.ptr = DevicePtr(self.base + self.lead)
+        self.canary = rng.integers(0, 256, self.total, dtype=np.uint8)
+        gpu.copy_h2d_async(self.canary, self.base)
+
+    def poison(self) -> "Guarded":
+        self.gpu.memset(self.ptr, POISON, self.nbytes)
+        return self
+
+    def upload(self, host: np.ndarray) -> "Guarded":
+        host = np.ascontiguousarray(host, dtype=self.dtype)
+        assert host.nbytes == self.nbytes
+        self.gpu.copy_h2d_async(host, self.ptr)
+        return self
+
+    def read(self) -> np.ndarray:
+        out = np.empty(self.shape, self.dtype)
+        self.gpu.copy_d2h(out, self.ptr)
+        return out
+
+    def assert_guards_intact(self) -> None:
+        raw = np.empty(self.total, np.uint8)
+        self.gpu.copy_d2h(raw, self.base)
+        head, tail = slice(0, self.lead), slice(self.lead + self.nbytes, self.total)
+        assert np.array_equal(raw[head], self.canary[head]), "write before the buffer"
+        assert np.array_equal(raw[tail], self.canary[tail]), "write past the buffer"
+
+    def free(self) -> None:
+        self.gpu.free(self.base)
+
+    def __enter__(self) -> "Guarded":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.free()
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    """The raw bits of a 2- or 4-byte array, for bit-exact comparisons (NaN == NaN)."""
+    return a.view({2: np.uint16, 4: np.uint32, 1: np.uint8}[a.dtype.itemsize])
+
+
+def random_bf16(rng: np.random.Generator, shape: Any, scale: float = 1.0) -> np.ndarray:
+    import ml_dtypes
+
+    return (rng.standard_normal(shape) * scale).astype(np.float32).astype(ml_dtypes.bfloat16)
+
+
+def random_fp8(rng: np.random.Generator, shape: Any) -> np.ndarray:
+    """Random e4m3 values over the whole finite range (every bit pattern but the two NaNs)."""
+    import ml_dtypes
+
+    raw = rng.integers(0, 256, shape, dtype=np.uint8)
+    raw[(raw & 0x7F) == 0x7F] = 0x3C  # NaN patterns -> 1.5
+    return raw.view(ml_dtypes.float8_e4m3fn)

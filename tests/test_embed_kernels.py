@@ -1,0 +1,101 @@
+"""embed_from_argmax.cu against the numpy reference: bit-exact gathers and argmax."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from layers import reference as ref
+from layers.ops.embed import batched_embed, batched_embed_fp8, embed_from_argmax
+from tests.helpers import Guarded, bits, random_bf16, random_fp8
+
+pytestmark = pytest.mark.gpu
+BF16 = ml_dtypes.bfloat16
+
+
+@pytest.fixture(scope="module")
+def kernels(gpu):
+    return {name: gpu.kernel("embed_from_argmax", name)
+            for name in ("batched_embed", "batched_embed_fp8", "embed_from_argmax_bf16")}
+
+
+@pytest.mark.parametrize("dim", [1, 7, 64, 256, 4096])
+@pytest.mark.parametrize("n", [1, 3, 257])
+@pytest.mark.parametrize("misalign", [0, 2])
+def test_batched_embed_bit_exact(gpu, kernels, rng, dim, n, misalign):
+    rows = 1000
+    table = random_bf16(rng, (rows, dim))
+    ids = rng.integers(0, rows, n, dtype=np.uint32)
+    ids[0] = rows - 1  # the last row, where an off-by-one would read past the table
+    with Guarded(gpu, (rows, dim), BF16, rng, misalign) as t, Guarded(gpu, n, np.uint32, rng) as i, \
+            Guarded(gpu, (n, dim), BF16, rng, misalign) as o:
+        t.upload(table), i.upload(ids), o.poison()
+        batched_embed(gpu, kernels["batched_embed"], i.ptr, t.ptr, o.ptr, n, dim, 0)
+        np.testing.assert_array_equal(bits(o.read()), bits(ref.batched_embed(table, ids)))
+        for g in (t, i, o):
+            g.assert_guards_intact()
+
+
+@pytest.mark.parametrize("dim", [1, 7, 64, 256, 4096])
+@pytest.mark.parametrize("n", [1, 5, 129])
+@pytest.mark.parametrize("misalign", [0, 4])
+def test_batched_embed_fp8_bit_exact(gpu, kernels, rng, dim, n, misalign):
+    rows = 600
+    table = random_fp8(rng, (rows, dim))
+    scale = np.exp(rng.uniform(-8, 8, rows)).astype(np.float32)
+    scale[:4] = [1e-38, 3e-30, 1e30, 2.5e35]  # subnormal products, and near bf16's range end
+    ids = rng.integers(0, rows, n, dtype=np.uint32)
+    ids[: min(n, 4)] = np.arange(min(n, 4))
+    with Guarded(gpu, (rows, dim), ml_dtypes.float8_e4m3fn, rng, misalign) as t, \
+            Guarded(gpu, rows, np.float32, rng) as s, Guarded(gpu, n, np.uint32, rng) as i, \
+            Guarded(gpu, (n, dim), BF16, rng, misalign // 2) as o:
+        t.upload(table), s.upload(scale), i.upload(ids), o.poison()
+        batched_embed_fp8(gpu, kernels["batched_embed_fp8"], i.ptr, t.ptr, s.ptr, o.ptr, n, dim, 0)
+        np.testing.assert_array_equal(bits(o.read()), bits(ref.batched_embed_fp8(table, scale, ids)))
+        for g in (t, s, i, o):
+            g.assert_guards_intact()
+
+
+def _logits_with_edge_rows(rng, m, vocab):
+    x = rng.standard_normal((m, vocab)).astype(np.float32)
+    x[rng.random((m, vocab)) < 0.05] = np.nan
+    if m >= 5 and vocab >= 4:
+        top = np.float32(9.0)
+        x[0, [vocab - 1, 1, vocab // 2]] = top  # ties: lowest index wins
+        x[1, :] = np.nan  # all NaN: id 0
+        x[2, :] = -np.inf  # all -inf: lowest index, 0
+        x[2, 0] = np.nan  # ... and a NaN at 0 does not win: 1
+        x[3, :] = np.nan
+        x[3, vocab - 1] = -5.0  # the only number, at the end
+        x[4, 0] = np.inf
+        x[4, 1] = np.nan
+    return x.astype(BF16)
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 1000, 32003, 131072])
+@pytest.mark.parametrize("m", [1, 5])
+def test_embed_from_argmax(gpu, kernels, rng, vocab, m):
+    dim = 33 if vocab % 2 else 256
+    logits = _logits_with_edge_rows(rng, m, vocab)
+    table = random_bf16(rng, (vocab, dim))
+    want_ids, want_rows = ref.embed_from_argmax(logits, table)
+    if m >= 5 and vocab >= 4:
+        assert list(want_ids[:4]) == [1, 0, 1, vocab - 1] and want_ids[4] == 0
+    with Guarded(gpu, (m, vocab), BF16, rng) as lg, Guarded(gpu, (vocab, dim), BF16, rng) as t, \
+            Guarded(gpu, (m, dim), BF16, rng) as o, Guarded(gpu, m, np.uint32, rng) as ids:
+        lg.upload(logits), t.upload(table), o.poison(), ids.poison()
+        embed_from_argmax(gpu, kernels["embed_from_argmax_bf16"], lg.ptr, vocab, t.ptr, o.ptr,
+                          ids.ptr, m, dim, 0)
+        np.testing.assert_array_equal(ids.read(), want_ids)
+        np.testing.assert_array_equal(bits(o.read()), bits(want_rows))
+        for g in (lg, t, o, ids):
+            g.assert_guards_intact()
+
+
+def test_zero_rows_launch_nothing(gpu, kernels, rng):
+    with Guarded(gpu, 8, BF16, rng) as o:
+        o.poison()
+        batched_embed(gpu, kernels["batched_embed"], o.ptr, o.ptr, o.ptr, 0, 8, 0)
+        assert (bits(o.read()) == 0xFFFF).all()
+        o.assert_guards_intact()

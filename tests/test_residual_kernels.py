@@ -1,0 +1,40 @@
+"""residual_add.cu against the numpy reference: bit-exact, aligned and unaligned."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from layers import reference as ref
+from layers.ops.residual import residual_add, scaled_add
+from tests.helpers import Guarded, bits, random_bf16
+
+pytestmark = pytest.mark.gpu
+BF16 = ml_dtypes.bfloat16
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 1000, (1 << 20) + 5])
+@pytest.mark.parametrize("scale", [1 / 17, -0.37, 1e-30, 0.0, 3.0])
+@pytest.mark.parametrize("misalign", [0, 2])
+def test_scaled_add_bit_exact(gpu, rng, n, scale, misalign):
+    kernel = gpu.kernel("residual_add", "bf16_scaled_add")
+    out0, x = random_bf16(rng, n, 4.0), random_bf16(rng, n)
+    with Guarded(gpu, n, BF16, rng, misalign) as o, Guarded(gpu, n, BF16, rng) as g:
+        o.upload(out0), g.upload(x)
+        scaled_add(gpu, kernel, o.ptr, g.ptr, scale, n, 0)
+        np.testing.assert_array_equal(bits(o.read()), bits(ref.scaled_add(out0, x, scale)))
+        o.assert_guards_intact()
+        g.assert_guards_intact()
+
+
+@pytest.mark.parametrize("n", [1, 15, 4096, 100003])
+@pytest.mark.parametrize("misalign", [0, 6])
+def test_residual_add_bit_exact(gpu, rng, n, misalign):
+    kernel = gpu.kernel("residual_add", "bf16_residual_add")
+    out0, x = random_bf16(rng, n, 3.0), random_bf16(rng, n)
+    with Guarded(gpu, n, BF16, rng, misalign) as o, Guarded(gpu, n, BF16, rng, misalign) as g:
+        o.upload(out0), g.upload(x)
+        residual_add(gpu, kernel, o.ptr, g.ptr, n, 0)
+        np.testing.assert_array_equal(bits(o.read()), bits(ref.residual_add(out0, x)))
+        o.assert_guards_intact()

@@ -1,0 +1,252 @@
+"""Runtime checks that need no GPU: argument building and packing, signatures, NVRTC and its cache."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gpu_runtime import CudaError, DevicePtr, KernelHandle, KernelLaunch, NvrtcError, compiler
+from gpu_runtime.gpu import _ArgPlan
+from gpu_runtime.signatures import parse_signatures
+from layers.ops.loading import try_kernel
+from tests.fakes import RecordingBackend
+
+KERNEL_FILES = sorted(compiler.kernel_dir().glob("*.cu"))
+
+
+# -- KernelLaunch ---------------------------------------------------------------------------
+def test_launch_records_kinds_values_and_shape():
+    gpu = RecordingBackend()
+    k = gpu.kernel("m", "k")
+    (KernelLaunch(gpu, k).grid([3, 2, 1]).block([128, 1, 1]).shared_mem(1024)
+     .arg_ptr(DevicePtr(0x1000)).arg_u32(np.uint32(7)).arg_i32(-5).arg_f32(0.5).arg_u64(2**63)
+     .launch(17))
+    (launch,) = gpu.launches
+    assert (launch.grid, launch.block, launch.shared_mem, launch.stream) == ((3, 2, 1), (128, 1, 1), 1024, 17)
+    assert launch.kinds == "PUIFL"
+    assert launch.args == [0x1000, 7, -5, 0.5, 2**63]
+
+
+@pytest.mark.parametrize("build, error", [
+    (lambda L: L.arg_u32(-1), ValueError),
+    (lambda L: L.arg_u32(2**32), ValueError),
+    (lambda L: L.arg_u32(1.0), TypeError),
+    (lambda L: L.arg_u32(True), TypeError),
+    (lambda L: L.arg_u32("3"), TypeError),
+    (lambda L: L.arg_i32(2**31), ValueError),
+    (lambda L: L.arg_i32(-(2**31) - 1), ValueError),
+    (lambda L: L.arg_u64(2**64), ValueError),
+    (lambda L: L.arg_u64(-1), ValueError),
+    (lambda L: L.arg_ptr(-1), ValueError),
+    (lambda L: L.arg_ptr(1.5), TypeError),
+    (lambda L: L.arg_f32("x"), TypeError),
+    (lambda L: L.arg_f32(1e39), ValueError),
+    (lambda L: L.grid([0, 1, 1]), ValueError),
+    (lambda L: L.grid([1, 65536, 1]), ValueError),
+    (lambda L: L.grid([2**31, 1, 1]), ValueError),
+    (lambda L: L.grid([1, 1]), ValueError),
+    (lambda L: L.block([1025, 1, 1]), ValueError),
+    (lambda L: L.block([32, 32, 2]), ValueError),
+    (lambda L: L.block([1, 1, 65]), ValueError),
+    (lambda L: L.block([0, 1, 1]), ValueError),
+    (lambda L: L.shared_mem(-1), ValueError),
+])
+def test_launch_refuses_bad_values(build, error):
+    gpu = RecordingBackend()
+    with pytest.raises(error):
+        build(KernelLaunch(gpu, gpu.kernel("m", "k")))
+    assert gpu.launches == []
+
+
+def test_launch_refuses_null_kernel():
+    with pytest.raises(ValueError, match="null kernel"):
+        KernelLaunch(RecordingBackend(), KernelHandle(0))
+    assert KernelLaunch.new(RecordingBackend(), KernelHandle(3)) is not None
+
+
+def test_extreme_values_accepted():
+    gpu = RecordingBackend()
+    (KernelLaunch(gpu, gpu.kernel("m", "k")).grid([2**31 - 1, 65535, 65535]).block([1024, 1, 1])
+     .arg_u32(0).arg_u32(2**32 - 1).arg_i32(-(2**31)).arg_i32(2**31 - 1).arg_u64(2**64 - 1)
+     .arg_f32(float("inf")).arg_f32(float("nan")).launch(0))
+    assert gpu.launches[0].kinds == "UUIILFF"
+
+
+# -- packing to the C ABI -------------------------------------------------------------------
+@pytest.mark.parametrize("kinds, offsets, size", [
+    ("PPPUU", [0, 8, 16, 24, 28], 32),
+    ("PUIFL", [0, 8, 12, 16, 24], 32),
+    ("UPU", [0, 8, 16], 20),
+    ("PPFU", [0, 8, 16, 20], 24),
+    ("PPIPPPPUU", [0, 8, 16, 24, 32, 40, 48, 56, 60], 64),
+    ("ULUL", [0, 8, 16, 24], 32),
+])
+def test_arg_plan_matches_c_abi_offsets(kinds, offsets, size):
+    plan = _ArgPlan(kinds)
+    assert plan.offsets == offsets
+    assert plan.packer.size == size
+
+
+def test_arg_plan_packs_bytes_where_pointers_point():
+    plan = _ArgPlan("PUIFL")
+    values = [0x1122334455667788, 0xDEADBEEF, -2, 1.25, 2**64 - 3]
+    plan.packer.pack_into(plan.buffer, 0, *values)
+    raw = [ctypes.string_at(plan.pointers[i], s) for i, s in enumerate(plan.sizes)]
+    assert raw == [struct.pack("<Q", values[0]), struct.pack("<I", values[1]),
+                   struct.pack("<i", values[2]), struct.pack("<f", values[3]),
+                   struct.pack("<Q", values[4])]
+
+
+# -- value types ----------------------------------------------------------------------------
+def test_device_ptr_and_kernel_handle_are_ints():
+    p = DevicePtr(0x1000)
+    assert p == 0x1000 and isinstance(p, int) and repr(p) == "DevicePtr(0x1000)"
+    assert p.offset(16) == 0x1010
+    assert not DevicePtr(0) and not KernelHandle(0)
+    with pytest.raises(ValueError):
+        DevicePtr(-1)
+    with pytest.raises(ValueError):
+        DevicePtr(0).offset(4)
+
+
+def test_try_kernel_gives_zero_for_missing_kernels_only():
+    gpu = RecordingBackend(missing={("token_overlay", "*")})
+    assert try_kernel(gpu, "token_overlay", "embed_rowdiff_bf16") == KernelHandle(0)
+    assert try_kernel(gpu, "gemm", "x") != 0
+
+
+def test_cuda_error_names_the_result():
+    err = CudaError(1, "cuMemAlloc", "64 bytes")
+    assert str(err) == "CUDA_ERROR_INVALID_VALUE: cuMemAlloc (64 bytes)"
+    assert CudaError(2, "cuMemAlloc").name == "CUDA_ERROR_OUT_OF_MEMORY"
+
+
+# -- signatures -----------------------------------------------------------------------------
+def test_parse_signatures_kinds():
+    src = '''
+    // extern "C" __global__ void commented_out(int x)
+    extern "C" __global__ void __launch_bounds__(256) a(const bf16* __restrict__ x, uint32_t n,
+        int32_t s, float f, uint64_t big, const int32_t* const* tab) {}
+    extern "C" __global__ void b() {}
+    '''
+    assert parse_signatures(src) == {"a": "PUIFLP", "b": ""}
+
+
+def test_every_kernel_module_declares_kernels():
+    for path in KERNEL_FILES:
+        assert parse_signatures(path.read_text()), f"{path.name} declares no extern C kernels"
+
+
+# -- NVRTC and the cache --------------------------------------------------------------------
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("GPU_RUNTIME_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.mark.parametrize("target", ["compute_90", "sm_90a"])
+@pytest.mark.parametrize("path", KERNEL_FILES, ids=lambda p: p.stem)
+def test_every_module_compiles_without_warnings(path, target, cache):
+    out = compiler.compile_module(path, target)
+    assert out.log == "", out.log
+    assert len(out.image) > 0
+    if target.startswith("compute"):
+        text = out.image.decode(errors="replace")
+        for name in parse_signatures(path.read_text()):
+            assert f".entry {name}(" in text
+
+
+def _module(tmp_path: Path, body: str, header: str = "#define ADD 1\n") -> Path:
+    (tmp_path / "helper.cuh").write_text(header)
+    src = tmp_path / "tiny.cu"
+    src.write_text('#include "helper.cuh"\n' + body)
+    return src
+
+
+_BODY = 'extern "C" __global__ void k(float* x) { x[0] += ADD; }\n'
+
+
+def test_cache_hit_then_corrupt_entry_rebuilt(tmp_path, cache):
+    src = _module(tmp_path, _BODY)
+    first = compiler.compile_module(src, "compute_90")
+    assert not first.cached
+    again = compiler.compile_module(src, "compute_90")
+    assert again.cached and again.image == first.image
+    (entry,) = cache.glob("tiny-*.bin")
+    for damage in (lambda b: b[: len(b) // 2], lambda b: b[:-1] + bytes([b[-1] ^ 1]), lambda b: b""):
+        entry.write_bytes(damage(entry.read_bytes()))
+        rebuilt = compiler.compile_module(src, "compute_90")
+        assert not rebuilt.cached and rebuilt.image == first.image
+        assert compiler.compile_module(src, "compute_90").cached
+
+
+def test_cache_key_follows_source_header_options_version(tmp_path, cache):
+    src = _module(tmp_path, _BODY)
+    headers = compiler._headers(src.read_text(), tmp_path)
+    assert [name for name, _ in headers][:1] == ["helper.cuh"]
+    base = compiler.cache_key(src.read_bytes(), headers, "sm_90a", ("-O3",), (13, 0))
+    variants = [
+        compiler.cache_key(src.read_bytes() + b" ", headers, "sm_90a", ("-O3",), (13, 0)),
+        compiler.cache_key(src.read_bytes(), [("helper.cuh", b"#define ADD 2\n")], "sm_90a", ("-O3",), (13, 0)),
+        compiler.cache_key(src.read_bytes(), headers, "sm_90a", ("-O2",), (13, 0)),
+        compiler.cache_key(src.read_bytes(), headers, "sm_90a", ("-O3",), (13, 1)),
+        compiler.cache_key(src.read_bytes(), headers, "sm_100a", ("-O3",), (13, 0)),
+    ]
+    assert len({base, *variants}) == 6
+    # A header change alone gives a new entry, not a stale hit.
+    compiler.compile_module(src, "compute_90")
+    (tmp_path / "helper.cuh").write_text("#define ADD 2\n")
+    assert not compiler.compile_module(src, "compute_90").cached
+
+
+def test_unwritable_cache_warns_and_compiles(tmp_path, monkeypatch):
+    blocker = tmp_path / "file-not-dir"
+    blocker.write_text("")
+    monkeypatch.setenv("GPU_RUNTIME_CACHE_DIR", str(blocker / "cache"))
+    src = _module(tmp_path, _BODY)
+    with pytest.warns(UserWarning, match="kernel cache not written"):
+        out = compiler.compile_module(src, "compute_90")
+    assert out.image
+
+
+def test_nvrtc_error_carries_log_with_file_and_line(tmp_path, cache):
+    src = _module(tmp_path, 'extern "C" __global__ void k(float* x) {\n  x[0] = undefined_name;\n}\n')
+    with pytest.raises(NvrtcError) as info:
+        compiler.compile_module(src, "compute_90")
+    assert "NVRTC_ERROR_COMPILATION" in str(info.value)
+    assert "tiny.cu(3)" in info.value.log and "undefined_name" in info.value.log
+
+
+def test_precompile_reports_each_module(capsys, cache):
+    from gpu_runtime import precompile
+
+    assert precompile.main(["--arch", "compute_90"]) == 0
+    out = capsys.readouterr().out
+    for path in KERNEL_FILES:
+        assert f"ok   {path.stem}" in out
+
+
+def test_precompile_fails_on_error(tmp_path, cache, capsys):
+    from gpu_runtime import precompile
+
+    bad = _module(tmp_path, 'extern "C" __global__ void k(float* x) { x[0] = nope; }\n')
+    assert precompile.main(["--arch", "compute_90", str(bad)]) == 1
+    assert "nope" in capsys.readouterr().err
+
+
+def test_target_for_device():
+    assert compiler.target_for(9, 0) == "sm_90a"
+    assert compiler.target_for(8, 6) == "sm_86"
+
+
+def test_kernel_dir_env_override(monkeypatch, tmp_path):
+    monkeypatch.setenv("GPU_RUNTIME_KERNEL_DIR", str(tmp_path))
+    assert compiler.kernel_dir() == tmp_path
+    monkeypatch.delenv("GPU_RUNTIME_KERNEL_DIR")
+    assert (compiler.kernel_dir() / "common.cuh").is_file()
+    assert os.path.isdir(compiler.kernel_dir())

@@ -1,0 +1,241 @@
+"""The CUDA backend on a real device: memory, copies, streams, launches, refusals, teardown."""
+
+from __future__ import annotations
+
+import struct
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gpu_runtime import (CudaBackend, CudaError, DeviceArray, DevicePtr, GpuError, KernelLaunch,
+                         KernelNotFoundError)
+
+pytestmark = pytest.mark.gpu
+TEST_KERNELS = Path(__file__).parent / "kernels"
+
+
+@pytest.fixture(scope="module")
+def tgpu(gpu):
+    """A second backend on the same device whose kernel directory holds the test kernels."""
+    backend = CudaBackend(kernel_dir=TEST_KERNELS)
+    yield backend
+    backend.close()
+
+
+@pytest.mark.parametrize("nbytes", [1, 7, 4097, (1 << 20) + 3])
+def test_h2d_d2h_round_trip(gpu, rng, nbytes):
+    host = rng.integers(0, 256, nbytes, dtype=np.uint8)
+    ptr = gpu.alloc(nbytes)
+    try:
+        gpu.copy_h2d_async(host, ptr)
+        back = np.full(nbytes, 0xA5, np.uint8)
+        gpu.copy_d2h(back, ptr)
+        np.testing.assert_array_equal(back, host)
+        byte = int(rng.integers(0, 256))
+        gpu.memset(ptr, byte, nbytes)
+        gpu.copy_d2h(back, ptr)
+        assert (back == byte).all()
+    finally:
+        gpu.free(ptr)
+
+
+def test_bytes_and_memoryview_uploads(gpu, rng):
+    data = rng.integers(0, 256, 1000, dtype=np.uint8)
+    ptr = gpu.alloc(1000)
+    try:
+        for host in (data.tobytes(), bytearray(data.tobytes()), memoryview(data.tobytes())):
+            gpu.memset(ptr, 0, 1000)
+            gpu.copy_h2d_async(host, ptr)
+            back = np.empty(1000, np.uint8)
+            gpu.copy_d2h(back, ptr)
+            np.testing.assert_array_equal(back, data)
+    finally:
+        gpu.free(ptr)
+
+
+def test_every_argument_kind_reaches_the_kernel(tgpu, rng):
+    k = tgpu.kernel("runtime_test", "arg_echo")
+    out = tgpu.alloc(5 * 8)
+    try:
+        u = int(rng.integers(0, 2**32))
+        i = int(rng.integers(-(2**31), 2**31))
+        f = float(np.float32(rng.standard_normal()))
+        big = int(rng.integers(0, 2**63)) * 2 + 1
+        KernelLaunch(tgpu, k).arg_ptr(out).arg_u32(u).arg_i32(i).arg_f32(f).arg_u64(big).arg_ptr(out).launch(0)
+        back = np.empty(5, np.uint64)
+        tgpu.copy_d2h(back, out)
+        assert int(back[0]) == u
+        assert int(back[1]) == i % 2**64
+        assert struct.unpack("<f", struct.pack("<I", int(back[2])))[0] == f
+        assert int(back[3]) == big
+        assert int(back[4]) == int(out)
+    finally:
+        tgpu.free(out)
+
+
+def test_argument_mismatches_refused_before_launch(tgpu):
+    k = tgpu.kernel("runtime_test", "arg_echo")
+    out = tgpu.alloc(40)
+    try:
+        with pytest.raises(TypeError, match=r"runtime_test.arg_echo: takes 6 arguments"):
+            KernelLaunch(tgpu, k).arg_ptr(out).arg_u32(1).launch(0)
+        with pytest.raises(TypeError, match=r"argument 3 must be f32, launch passes u32"):
+            KernelLaunch(tgpu, k).arg_ptr(out).arg_u32(1).arg_i32(2).arg_u32(3).arg_u64(4).arg_ptr(out).launch(0)
+        with pytest.raises(TypeError, match=r"argument 1 must be u32, launch passes pointer"):
+            KernelLaunch(tgpu, k).arg_ptr(out).arg_ptr(out).arg_i32(2).arg_f32(3).arg_u64(4).arg_ptr(out).launch(0)
+    finally:
+        tgpu.free(out)
+
+
+def test_param_info_check_without_source_signature(tgpu):
+    """Where the source signature is unknown, the driver's parameter layout still refuses."""
+    k = tgpu.kernel("runtime_test", "add_u32")
+    saved = tgpu._signatures["runtime_test"].pop("add_u32")
+    try:
+        with pytest.raises(TypeError, match=r"add_u32: takes 4 arguments, 3 given"):
+            KernelLaunch(tgpu, k).arg_ptr(1).arg_ptr(2).arg_u32(3).launch(0)
+        with pytest.raises(TypeError, match=r"argument 2 is 4 bytes at offset 16, launch packs 8"):
+            KernelLaunch(tgpu, k).arg_ptr(1).arg_ptr(2).arg_u64(3).arg_u32(4).launch(0)
+    finally:
+        tgpu._signatures["runtime_test"]["add_u32"] = saved
+
+
+def test_stream_ordering_and_async_upload_from_reused_buffer(tgpu, rng):
+    """Work queued on a non-default stream runs in order, and an upload issued behind a busy
+    stream reads the caller's data as it was at the call, though the caller overwrites it."""
+    n = 1 << 16
+    stream = tgpu.create_stream()
+    spin = tgpu.kernel("runtime_test", "spin")
+    add = tgpu.kernel("runtime_test", "add_u32")
+    a, b = tgpu.alloc(4 * n), tgpu.alloc(4 * n)
+    try:
+        host = rng.integers(0, 2**31, n, dtype=np.uint32)
+        expected = host.copy()
+        KernelLaunch(tgpu, spin).arg_u64(50_000_000).launch(stream)  # 50 ms busy
+        tgpu.copy_h2d_async(host, a, stream)
+        host[:] = 0xDEADBEEF  # the caller reuses its buffer right away
+        for step in range(1, 6):  # a -> b -> a ... each adds `step`
+            src, dst = (a, b) if step % 2 else (b, a)
+            (KernelLaunch(tgpu, add).grid([64, 1, 1]).block([256, 1, 1])
+             .arg_ptr(dst).arg_ptr(src).arg_u32(step).arg_u32(n).launch(stream))
+        back = np.empty(n, np.uint32)
+        tgpu.copy_d2h(back, b, stream)
+        np.testing.assert_array_equal(back, expected + np.uint32(15))
+    finally:
+        tgpu.free(a)
+        tgpu.free(b)
+        tgpu.destroy_stream(stream)
+
+
+def test_staging_buffers_are_recycled(gpu, rng):
+    ptr = gpu.alloc(1 << 16)
+    try:
+        for _ in range(3):
+            gpu.copy_h2d_async(rng.integers(0, 255, 1 << 16, dtype=np.uint8), ptr)
+        gpu.synchronize()
+        before = gpu.pinned_buffers
+        for _ in range(50):
+            gpu.copy_h2d_async(rng.integers(0, 255, 1 << 16, dtype=np.uint8), ptr)
+            gpu.synchronize()
+        assert gpu.pinned_buffers == before
+    finally:
+        gpu.free(ptr)
+
+
+def test_free_returns_device_memory(gpu):
+    gpu.synchronize()
+    baseline = gpu.mem_info()[0]
+    ptrs = [gpu.alloc(256 << 20) for _ in range(4)]
+    assert gpu.mem_info()[0] <= baseline - (1 << 30)
+    for p in ptrs:
+        gpu.free(p)
+    assert abs(gpu.mem_info()[0] - baseline) <= 2 << 20
+
+
+def test_refusals_name_the_problem(gpu):
+    with pytest.raises(CudaError, match="CUDA_ERROR_OUT_OF_MEMORY: cuMemAlloc"):
+        gpu.alloc(1 << 50)
+    with pytest.raises(ValueError, match="0 bytes"):
+        gpu.alloc(0)
+    with pytest.raises(ValueError, match="null device pointer"):
+        gpu.memset(DevicePtr(0), 0, 4)
+    with pytest.raises(ValueError, match="null device pointer"):
+        gpu.copy_h2d_async(b"abcd", 0)
+    with pytest.raises(ValueError, match="not allocated by this backend"):
+        gpu.free(DevicePtr(0x1234))
+    with pytest.raises(ValueError, match="read-only"):
+        ptr = gpu.alloc(4)
+        try:
+            gpu.copy_d2h(b"four", ptr)
+        finally:
+            gpu.free(ptr)
+    with pytest.raises(KernelNotFoundError, match="no kernel module"):
+        gpu.kernel("no_such_module", "k")
+    with pytest.raises(KernelNotFoundError, match="not in module"):
+        gpu.kernel("residual_add", "no_such_kernel")
+
+
+def test_kernel_lookup_is_cached(gpu):
+    assert gpu.kernel("residual_add", "bf16_scaled_add") is gpu.kernel("residual_add", "bf16_scaled_add")
+
+
+def test_device_array_round_trip_and_interface(gpu, rng):
+    host = rng.standard_normal((3, 5)).astype(np.float32)
+    with DeviceArray.from_numpy(gpu, host) as arr:
+        np.testing.assert_array_equal(arr.to_numpy(), host)
+        cai = arr.__cuda_array_interface__
+        assert cai["shape"] == (3, 5) and cai["typestr"] == "<f4" and cai["version"] == 3
+        assert cai["data"] == (int(arr.ptr), False)
+        arr.fill_bytes(0)
+        assert (arr.to_numpy() == 0).all()
+
+
+def test_two_threads_with_their_own_streams(tgpu, rng):
+    n = 1 << 14
+    results: dict[int, np.ndarray] = {}
+    errors: list[BaseException] = []
+
+    def work(tag: int) -> None:
+        try:
+            stream = tgpu.create_stream()
+            add = tgpu.kernel("runtime_test", "add_u32")
+            a, b = tgpu.alloc(4 * n), tgpu.alloc(4 * n)
+            tgpu.copy_h2d_async(np.arange(n, dtype=np.uint32), a, stream)
+            for _ in range(200):
+                (KernelLaunch(tgpu, add).grid([16, 1, 1]).block([256, 1, 1])
+                 .arg_ptr(b).arg_ptr(a).arg_u32(tag).arg_u32(n).launch(stream))
+                (KernelLaunch(tgpu, add).grid([16, 1, 1]).block([256, 1, 1])
+                 .arg_ptr(a).arg_ptr(b).arg_u32(0).arg_u32(n).launch(stream))
+            out = np.empty(n, np.uint32)
+            tgpu.copy_d2h(out, a, stream)
+            results[tag] = out
+            tgpu.free(a)
+            tgpu.free(b)
+            tgpu.destroy_stream(stream)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(tag,)) for tag in (1, 3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for tag in (1, 3):
+        np.testing.assert_array_equal(results[tag], np.arange(n, dtype=np.uint32) + 200 * tag)
+
+
+def test_closed_backend_refuses_and_close_is_idempotent(gpu):
+    backend = CudaBackend()
+    ptr = backend.alloc(1024)
+    backend.kernel("residual_add", "bf16_residual_add")
+    backend.close()
+    backend.close()
+    with pytest.raises(GpuError, match="closed"):
+        backend.alloc(16)
+    with pytest.raises(GpuError, match="closed"):
+        backend.memset(ptr, 0, 16)
+    with pytest.raises(GpuError):
+        KernelLaunch(backend, backend.kernel("residual_add", "bf16_residual_add"))

@@ -156,21 +156,23 @@ def _nvrtc_compile(source: bytes, name: str, target: str, options: tuple[str, ..
         opts = [o.encode() for o in options] + [f"--gpu-architecture={target}".encode()]
         (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         _, size = nvrtc.nvrtcGetProgramLogSize(prog)
-        log_buf = b" " * size
+        # Mutable buffers: NVRTC writes into them, and ``b" " * 1`` would be CPython's shared
+        # one-byte ``b" "`` object, which the write would corrupt for the whole process.
+        log_buf = bytearray(size)
         nvrtc.nvrtcGetProgramLog(prog, log_buf)
-        log = log_buf.rstrip(b"\0").decode(errors="replace").strip()
+        log = bytes(log_buf).rstrip(b"\0").decode(errors="replace").strip()
         _check(err, "nvrtcCompileProgram", name, log)
         if target.startswith("sm_"):
             err, size = nvrtc.nvrtcGetCUBINSize(prog)
-            image = b" " * size
+            image = bytearray(size)
             (err2,) = nvrtc.nvrtcGetCUBIN(prog, image)
         else:
             err, size = nvrtc.nvrtcGetPTXSize(prog)
-            image = b" " * size
+            image = bytearray(size)
             (err2,) = nvrtc.nvrtcGetPTX(prog, image)
         _check(err, "nvrtcGet*Size", name, log)
         _check(err2, "nvrtcGet*", name, log)
-        return image, log
+        return bytes(image), log
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 

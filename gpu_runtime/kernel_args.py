@@ -79,37 +79,25 @@ class KernelLaunch:
         self._shared = nbytes
         return self
 
-    def arg_ptr(self, ptr: int) -> "KernelLaunch":
-        value = _int(ptr, "pointer argument")
-        if not 0 <= value < _U64:
-            raise ValueError(f"argument {len(self._args)}: pointer {value} out of range")
-        self._kinds += "P"
+    def _push_int(self, kind: str, value: int, low: int, high: int, what: str) -> "KernelLaunch":
+        value = _int(value, f"{what} argument")
+        if not low <= value < high:
+            raise ValueError(f"argument {len(self._args)}: {value} does not fit {what}")
+        self._kinds += kind
         self._args.append(value)
         return self
+
+    def arg_ptr(self, ptr: int) -> "KernelLaunch":
+        return self._push_int("P", ptr, 0, _U64, "pointer")
 
     def arg_u32(self, value: int) -> "KernelLaunch":
-        value = _int(value, "u32 argument")
-        if not 0 <= value < _U32:
-            raise ValueError(f"argument {len(self._args)}: {value} does not fit u32")
-        self._kinds += "U"
-        self._args.append(value)
-        return self
+        return self._push_int("U", value, 0, _U32, "u32")
 
     def arg_i32(self, value: int) -> "KernelLaunch":
-        value = _int(value, "i32 argument")
-        if not _I32_MIN <= value <= _I32_MAX:
-            raise ValueError(f"argument {len(self._args)}: {value} does not fit i32")
-        self._kinds += "I"
-        self._args.append(value)
-        return self
+        return self._push_int("I", value, _I32_MIN, _I32_MAX + 1, "i32")
 
     def arg_u64(self, value: int) -> "KernelLaunch":
-        value = _int(value, "u64 argument")
-        if not 0 <= value < _U64:
-            raise ValueError(f"argument {len(self._args)}: {value} does not fit u64")
-        self._kinds += "L"
-        self._args.append(value)
-        return self
+        return self._push_int("L", value, 0, _U64, "u64")
 
     def arg_f32(self, value: float) -> "KernelLaunch":
         if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "__float__"):

@@ -9,6 +9,8 @@ the reference accumulates in fp32 or fp64 and the tests use a tolerance.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import ml_dtypes
 import numpy as np
 
@@ -55,3 +57,173 @@ def scaled_add(out: np.ndarray, x: np.ndarray, scale: float) -> np.ndarray:
 
 def residual_add(out: np.ndarray, x: np.ndarray) -> np.ndarray:
     return (out.astype(np.float32) + x.astype(np.float32)).astype(BF16)
+
+
+# -- gemm.cu -------------------------------------------------------------------------------
+def gemm_bf16(a: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """``a @ w^T`` accumulated exactly enough (fp64) and rounded once to bf16: what an fp32
+    accumulating kernel gives up to accumulation-order error, far below a bf16 ulp."""
+    return (a.astype(np.float64) @ w.astype(np.float64).T).astype(np.float32).astype(BF16)
+
+
+def gemm_fp64(a: np.ndarray, w: np.ndarray) -> np.ndarray:
+    return a.astype(np.float64) @ w.astype(np.float64).T
+
+
+# -- the n-gram embedding layer ------------------------------------------------------------
+def gather_table(table: np.ndarray, scale: np.ndarray | None, ids: np.ndarray) -> np.ndarray:
+    """What the gather kernel writes for one table: bf16 rows, or fp8 rows times their scale."""
+    return batched_embed(table, ids) if scale is None else batched_embed_fp8(table, scale, ids)
+
+
+def ngram_embed(dims, word: np.ndarray, tables: list[tuple[np.ndarray, np.ndarray | None]],
+                projs: list[np.ndarray], ctx_tokens: np.ndarray, seq_len: int) -> np.ndarray:
+    """The seed's algorithm in numpy with its bf16 roundings: zeroed out, then ``scaled_add`` of
+    the word rows, then per table gather -> bf16 GEMM -> ``scaled_add``; scale f32(1/(1+T))."""
+    from .ngram_embed.ids import ngram_ids
+
+    ctx = np.asarray(ctx_tokens, dtype=np.int64)
+    inv = np.float32(1.0) / np.float32(1 + dims.num_tables())
+    out = np.zeros((seq_len, dims.hidden_size), BF16)
+    out = scaled_add(out, word[ctx[len(ctx) - seq_len:]], inv)
+    for (table, scale), proj, ids in zip(tables, projs, ngram_ids(dims, ctx)):
+        gathered = gather_table(table, scale, ids[len(ids) - seq_len:])
+        out = scaled_add(out, gemm_bf16(gathered, proj), inv)
+    return out
+
+
+def ngram_embed_ideal(dims, word: np.ndarray, tables: list[tuple[np.ndarray, np.ndarray | None]],
+                      projs: list[np.ndarray], ctx_tokens: np.ndarray, seq_len: int) -> np.ndarray:
+    """The same function in fp64 with no intermediate rounding (table rows dequantised exactly)."""
+    from .ngram_embed.ids import ngram_ids
+
+    ctx = np.asarray(ctx_tokens, dtype=np.int64)
+    acc = word[ctx[len(ctx) - seq_len:]].astype(np.float64)
+    for (table, scale), proj, ids in zip(tables, projs, ngram_ids(dims, ctx)):
+        tail = ids[len(ids) - seq_len:]
+        rows = table[tail].astype(np.float64)
+        if scale is not None:
+            rows *= scale[tail].astype(np.float64)[:, None]
+        acc += rows @ proj.astype(np.float64).T
+    return acc / (1 + dims.num_tables())
+
+
+# -- token_overlay.cu ----------------------------------------------------------------------
+# Per-slot tables are Python sequences indexed by slot (None = a null table entry), the host
+# picture of the device pointer tables; each reference applies the kernel's skip rules
+# literally. The LM-head dot product follows the kernel's own summation order (``lmhead_dot``):
+# bf16 x bf16 products are exact in fp32, so the GPU's fma chain and numpy's multiply-then-add
+# give the same fp32 value barring overflow or underflow of a product.
+def _f32(a: np.ndarray) -> np.ndarray:
+    return np.asarray(a).astype(np.float32)
+
+
+def rowdiff_ref(base: np.ndarray, served: np.ndarray, thresh: float) -> np.ndarray:
+    """``uint8[rows]``: 1 where ``max_i |base[r,i] - served[r,i]| > thresh`` (fp32 difference),
+    a NaN difference counting as greater and equal values (equal infinities) differing by 0."""
+    a, b = _f32(base), _f32(served)
+    with np.errstate(invalid="ignore"):
+        d = np.where(a == b, np.float32(0), np.abs(a - b))
+        return np.any(~(d <= np.float32(thresh)), axis=1).astype(np.uint8)
+
+
+def row_slots(seq_slot: np.ndarray | None, active: int, count: int) -> np.ndarray:
+    """The slot each row reads: ``seq_slot[r]``, or ``active`` for every row when it is None."""
+    if seq_slot is None:
+        return np.full(count, active, np.int64)
+    return np.asarray(seq_slot, np.int64)
+
+
+def embed_overlay_ref(out: np.ndarray, ids: np.ndarray, seq_slot: np.ndarray | None, active: int,
+                      slot_maps: Sequence[np.ndarray | None], slot_rows: Sequence[np.ndarray | None],
+                      n_tab: Sequence[int], vocab: int) -> np.ndarray:
+    """``embed_overlay_routed_bf16`` on a gathered ``[tokens, h]`` bf16 array: a copy of ``out``
+    with each overridden token's row replaced (bit for bit) by its slot's replacement row."""
+    res = np.array(out, copy=True)
+    ids = np.asarray(ids, np.uint64)
+    slots = row_slots(seq_slot, active, len(ids))
+    for r, (s, tok) in enumerate(zip(slots, ids)):
+        if s < 0 or slot_maps[s] is None or slot_rows[s] is None or tok >= vocab:
+            continue
+        slot = int(slot_maps[s][tok])
+        if slot < 0 or slot >= n_tab[s]:
+            continue
+        res[r] = slot_rows[s][slot]
+    return res
+
+
+def lmhead_dot(x: np.ndarray, w: np.ndarray, vector: bool) -> np.ndarray:
+    """fp32 dot products of bf16 rows in the kernel's order: ``x``, ``w`` are ``[..., h]``; the
+    result is ``[...]`` float32. ``vector``: the 16-byte path (h % 8 == 0 and aligned rows),
+    lane l summing 8-element chunks l, l+32, ...; otherwise lane l sums elements l, l+32, ....
+    Then the xor butterfly over the 32 lane partial sums."""
+    p = _f32(x) * _f32(w)  # exact
+    h = p.shape[-1]
+    lead = p.shape[:-1]
+    chunk = 8 if vector else 1
+    if vector and h % 8:
+        raise ValueError("the vector path needs h % 8 == 0")
+    n_chunks = h // chunk
+    steps = -(-n_chunks // 32)
+    padded = np.zeros(lead + (steps * 32 * chunk,), np.float32)
+    padded[..., :h] = p
+    # [..., step, lane, k]: chunk c = step * 32 + lane, element c * chunk + k
+    lanes = padded.reshape(lead + (steps, 32, chunk))
+    acc = np.zeros(lead + (32,), np.float32)
+    for t in range(steps):
+        for k in range(chunk):
+            acc = acc + lanes[..., t, :, k]  # zero padding adds exactly 0 (acc + 0 == acc)
+    perm = np.arange(32)
+    for off in (16, 8, 4, 2, 1):
+        acc = acc + acc[..., perm ^ off]
+    return acc[..., 0]
+
+
+def lmhead_overlay_ref(logits: np.ndarray, hidden: np.ndarray, seq_slot: np.ndarray | None,
+                       active: int, slot_rows: Sequence[np.ndarray | None],
+                       slot_ids: Sequence[np.ndarray | None], n_tab: Sequence[int],
+                       max_n_override: int, vocab: int,
+                       vector: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``lmhead_overlay_routed_{bf16,f32}`` on ``[m, vocab]`` logits (bf16 or float32).
+
+    Returns (a copy of ``logits`` with the overridden columns recomputed, a bool mask of the
+    elements the kernel writes). ``vector`` defaults to ``h % 8 == 0`` (aligned device rows).
+    """
+    res = np.array(logits, copy=True)
+    written = np.zeros(res.shape, bool)
+    h = hidden.shape[1]
+    vec = (h % 8 == 0) if vector is None else vector
+    slots = row_slots(seq_slot, active, hidden.shape[0])
+    for r, s in enumerate(slots):
+        if s < 0 or slot_rows[s] is None or slot_ids[s] is None:
+            continue
+        n = min(max(int(n_tab[s]), 0), max_n_override)
+        toks = np.asarray(slot_ids[s][:n], np.int64)
+        js = np.flatnonzero((toks >= 0) & (toks < vocab))
+        if js.size == 0:
+            continue
+        values = lmhead_dot(np.broadcast_to(hidden[r], (js.size, h)), slot_rows[s][js], vec)
+        res[r, toks[js]] = values.astype(res.dtype)
+        written[r, toks[js]] = True
+    return res, written
+
+
+def gather_then_overlay_ref(table: np.ndarray, ids: np.ndarray, seq_slot: np.ndarray | None,
+                            active: int, slot_maps: Sequence[np.ndarray | None],
+                            slot_rows: Sequence[np.ndarray | None], n_tab: Sequence[int]) -> np.ndarray:
+    """The adapter-routed embedding: ``table[ids]`` (the plain gather), then the overlay."""
+    ids = np.asarray(ids)
+    gathered = np.asarray(table)[ids.astype(np.int64)]
+    return embed_overlay_ref(gathered, ids, seq_slot, active, slot_maps, slot_rows, n_tab,
+                             table.shape[0])
+
+
+def logits_then_overlay_ref(hidden: np.ndarray, lm_head: np.ndarray, seq_slot: np.ndarray | None,
+                            active: int, slot_rows: Sequence[np.ndarray | None],
+                            slot_ids: Sequence[np.ndarray | None], n_tab: Sequence[int],
+                            max_n_override: int, dtype: np.dtype = BF16) -> tuple[np.ndarray, np.ndarray]:
+    """The adapter-routed logits: ``hidden @ lm_head^T`` in fp32, cast to ``dtype`` (bf16 or
+    float32), then the LM-head overlay. Returns (logits, mask of the overlay's columns)."""
+    logits = (_f32(hidden) @ _f32(lm_head).T).astype(dtype)
+    return lmhead_overlay_ref(logits, hidden, seq_slot, active, slot_rows, slot_ids, n_tab,
+                              max_n_override, lm_head.shape[0])

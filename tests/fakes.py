@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from gpu_runtime import DevicePtr, GpuBackend, KernelHandle, KernelNotFoundError
+from gpu_runtime.gpu import host_view
 
 
 @dataclass
@@ -52,7 +54,8 @@ class RecordingBackend(GpuBackend):
         self.ops.append(("memset", ptr, byte, nbytes, stream))
 
     def copy_h2d_async(self, host: Any, dst: int, stream: int = 0) -> None:
-        self.ops.append(("h2d", bytes(memoryview(host).cast("B")), dst, stream))
+        addr, nbytes, _keep = host_view(host)
+        self.ops.append(("h2d", ctypes.string_at(addr, nbytes), dst, stream))
 
     def copy_d2h(self, host_out: Any, src: int, stream: int = 0) -> None:
         self.ops.append(("d2h", src, stream))

@@ -1,5 +1,13 @@
 """One Python launcher per kernel, arguments in the kernel's positional order."""
 
+from .embed import batched_embed, batched_embed_fp8, embed_from_argmax
+from .gemm import dense_gemm_bf16_pipelined
 from .loading import try_kernel
+from .residual import residual_add, scaled_add
+from .token_overlay import OverlayKernels, embed_overlay_routed, embed_rowdiff, lmhead_overlay_routed
 
-__all__ = ["try_kernel"]
+__all__ = [
+    "OverlayKernels", "batched_embed", "batched_embed_fp8", "dense_gemm_bf16_pipelined",
+    "embed_from_argmax", "embed_overlay_routed", "embed_rowdiff", "lmhead_overlay_routed",
+    "residual_add", "scaled_add", "try_kernel",
+]

@@ -1,0 +1,103 @@
+"""The seed-faithful n-gram embedding: GPU and wall time per call, host hashing, torch, floors.
+
+Configuration (issue 5): D = 4096, N = 3, K = 8 (T = 16 tables), table dim 256, 2^20 + 2c rows
+per table (8 GiB of bf16 tables), vocab 128k; S new tokens after a 4096-token context.
+torch eager runs the same algorithm (index, linear, add per table) on the same device memory.
+Floors: bytes the call must move over the measured copy bandwidth (word rows, table rows, the
+projections read once, out written once), and FLOPs over the measured cuBLAS bf16 rate.
+"""
+
+from __future__ import annotations
+
+import time
+
+import ml_dtypes
+import numpy as np
+
+from bench.common import (copy_bandwidth, gpu_time_ms, matmul_rate, print_table, torch_or_none,
+                          torch_time_ms, wall_time_us)
+from gpu_runtime import CudaBackend, DeviceArray, DevicePtr
+from layers.ngram_embed import NgramDims, NgramEmbedding, NgramTable, ngram_ids_tail
+from layers.weight_map import BF16, DenseWeight
+
+SEQ_LENS = (1, 16, 128, 2048, 8192)
+CONTEXT = 4096
+
+
+def device_weight(gpu: CudaBackend, rng: np.random.Generator, rows: int, cols: int,
+                  scale: float) -> DenseWeight:
+    """A bf16 weight filled by tiling one random 32 MiB block (cheap to make at 8 GiB)."""
+    block = (rng.standard_normal(min(rows * cols, 1 << 24)) * scale).astype(np.float32).astype(BF16)
+    ptr = gpu.alloc(rows * cols * 2)
+    total = rows * cols
+    for off in range(0, total, block.size):
+        gpu.copy_h2d_async(block[: min(block.size, total - off)], ptr + 2 * off)
+    return DenseWeight(ptr, (rows, cols), np.dtype(BF16), DevicePtr(0), gpu)
+
+
+def torch_view(gpu: CudaBackend, w: DenseWeight):
+    """The same device memory as a torch bf16 tensor (no copy)."""
+    torch = torch_or_none()
+    arr = DeviceArray(gpu, w.weight, w.shape, np.int16)
+    return torch.as_tensor(arr, device="cuda").view(torch.bfloat16)
+
+
+def main() -> None:
+    rng = np.random.default_rng(0)
+    dims = NgramDims(vocab_size=131072, hidden_size=4096, max_ngram=3, splits=8,
+                     base_rows=1 << 20, row_bias=0, table_dim=256, eos_id=None)
+    t, h, td = dims.num_tables(), dims.hidden_size, dims.table_dim()
+    with CudaBackend() as gpu:
+        bw, rate = copy_bandwidth(gpu), matmul_rate()
+        word = device_weight(gpu, rng, dims.vocab_size, h, 1.0)
+        tables = [NgramTable.Bf16(device_weight(gpu, rng, dims.table_rows(c), td, 1.0)) for c in range(t)]
+        projs = [device_weight(gpu, rng, h, td, td**-0.5) for _ in range(t)]
+        layer = NgramEmbedding(dims, word, tables, projs, max(SEQ_LENS), gpu)
+        stream = gpu.create_stream()
+        out = gpu.alloc(max(SEQ_LENS) * h * 2)
+        torch = torch_or_none()
+        if torch is not None:
+            t_word = torch_view(gpu, word)
+            t_tables = [torch_view(gpu, tb.weight) for tb in tables]
+            t_projs = [torch_view(gpu, p) for p in projs]
+            F = torch.nn.functional
+        rows = []
+        for s in SEQ_LENS:
+            contexts = [rng.integers(0, dims.vocab_size, CONTEXT + s) for _ in range(8)]
+            call = lambda i: layer.embed(contexts[i % 8], s, out, gpu, stream)  # noqa: E731
+            gpu_ms = gpu_time_ms(call, stream=stream, warmup=3, iters=20)
+            wall_us = wall_time_us(call, lambda: gpu.synchronize(stream), warmup=3, iters=20)
+            t0 = time.perf_counter()
+            for i in range(20):
+                ngram_ids_tail(dims, contexts[i % 8], s)
+            hash_us = (time.perf_counter() - t0) / 20 * 1e6
+            moved = s * h * 2 + s * t * td * 2 + t * h * td * 2 + s * h * 2
+            flops = 2 * s * h * td * t
+            floor_ms = max(moved / bw, flops / rate if rate else 0.0) * 1e3
+            torch_ms = None
+            if torch is not None:
+                inv = 1.0 / (1 + t)
+                ids_dev = [[torch.from_numpy(ids.astype(np.int64)).cuda()
+                            for ids in ngram_ids_tail(dims, ctx, s)] for ctx in contexts]
+                new_dev = [torch.from_numpy(ctx[-s:].astype(np.int64)).cuda() for ctx in contexts]
+
+                def torch_call(i: int):
+                    o = torch.zeros(s, h, device="cuda", dtype=torch.bfloat16)
+                    o.add_(t_word[new_dev[i % 8]], alpha=inv)
+                    for c in range(t):
+                        o.add_(F.linear(t_tables[c][ids_dev[i % 8][c]], t_projs[c]), alpha=inv)
+                    return o
+
+                torch_ms = torch_time_ms(torch_call, warmup=3, iters=20)
+            rows.append((s, gpu_ms * 1e3, wall_us, hash_us, torch_ms * 1e3 if torch_ms else None,
+                         torch_ms / gpu_ms if torch_ms else None, floor_ms * 1e3, gpu_ms / floor_ms))
+        print(f"measured: copy {bw / 1e12:.2f} TB/s, bf16 matmul "
+              f"{rate / 1e12 if rate else float('nan'):.0f} TFLOP/s; T = {t}, D = {h}, table dim {td}")
+        print_table("n-gram embedding, seed-faithful path (per call)",
+                    ["S", "GPU us", "wall us", "hash us", "torch us", "torch/ours", "floor us",
+                     "x floor"], rows)
+        layer.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,215 @@
+"""``NgramEmbedding``: the seed's GPU n-gram embedding, step for step.
+
+Per call: zero ``out``; gather the new tokens' word rows and add them scaled by 1/(1+T); then
+for each of the T = K*(N-1) tables, upload its hashed ids, gather its rows (bf16, fp8 with
+scales, or from a cached table's arena), project them to the hidden size with the bf16 GEMM and
+add the projection scaled by 1/(1+T). That is 1 + T gathers, T GEMMs and T + 1 scaled adds, with
+the running sum rounded to bf16 after every add, exactly as the seed does.
+
+Host work per call is bounded by ``seq_len`` (only the last ``seq_len + N - 1`` tokens are
+hashed and validated), not by the context length. Uploads go through the backend's pinned
+staging, so the host buffers of one call are free when it returns. The device staging buffers
+are reused by every call: calls on one stream are ordered, but two streams must not run the
+same ``NgramEmbedding`` at once.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from gpu_runtime import DevicePtr, GpuBackend
+
+from ..ops import embed as embed_ops
+from ..ops import gemm as gemm_ops
+from ..ops import residual as residual_ops
+from ..ops.checks import require_ptr
+from ..weight_map import BF16, DenseWeight
+from .dims import NgramDims
+from .ids import ngram_ids_tail
+from .tables import AnyTable, Bf16Table, CachedTable, Fp8Table, check_table
+
+U32_LIMIT = 1 << 32
+
+
+class NgramEmbedding:
+    def __init__(self, dims: NgramDims, word: DenseWeight, tables: Sequence[AnyTable],
+                 projs: Sequence[DenseWeight], max_tokens: int, gpu: GpuBackend) -> None:
+        t, h, td = dims.num_tables(), dims.hidden_size, dims.table_dim()
+        if len(tables) != t:
+            raise ValueError(f"table count: {len(tables)} tables, dims need {t}")
+        if len(projs) != t:
+            raise ValueError(f"proj count: {len(projs)} projections, dims need {t}")
+        if word.shape != (dims.vocab_size, h) or word.dtype != BF16:
+            raise ValueError(f"word embedding must be ({dims.vocab_size}, {h}) bfloat16, "
+                             f"got {word.shape} {word.dtype}")
+        for index, table in enumerate(tables):
+            check_table(table, index, dims.table_rows(index), td)
+        for index, proj in enumerate(projs):
+            if proj.shape != (h, td) or proj.dtype != BF16:
+                raise ValueError(f"proj {index} must be ({h}, {td}) bfloat16, got {proj.shape} {proj.dtype}")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+        self.dims = dims
+        self.word = word
+        self.tables = list(tables)
+        self.projs = list(projs)
+        self.gpu = gpu
+        self.batched_embed_k = gpu.kernel("embed_from_argmax", "batched_embed")
+        self.batched_embed_fp8_k = gpu.kernel("embed_from_argmax", "batched_embed_fp8")
+        self.gemm_k = gpu.kernel("gemm", "dense_gemm_bf16_pipelined")
+        self.scaled_add_k = gpu.kernel("residual_add", "bf16_scaled_add")
+        self.max_tokens = max_tokens
+        self._owned: list[DenseWeight] = []  # weights built by from_numpy / from_safetensors
+        self.ids_dev = DevicePtr(0)
+        self.gather_buf = DevicePtr(0)
+        self.proj_buf = DevicePtr(0)
+        try:
+            self.ids_dev = gpu.alloc(max_tokens * 4)
+            self.gather_buf = gpu.alloc(max_tokens * td * 2)
+            self.proj_buf = gpu.alloc(max_tokens * h * 2)
+        except BaseException:
+            self.close()
+            raise
+
+    @classmethod
+    def from_numpy(cls, dims: NgramDims, word: np.ndarray,
+                   tables: Sequence[np.ndarray | tuple[np.ndarray, np.ndarray]],
+                   projs: Sequence[np.ndarray], max_tokens: int, gpu: GpuBackend,
+                   stream: int = 0) -> "NgramEmbedding":
+        """Upload host weights; each table is a bf16 array or an ``(fp8 array, f32 scales)``
+        pair. The layer owns the uploaded weights and frees them in ``close()``."""
+        owned: list[DenseWeight] = []
+
+        def upload(array: np.ndarray, scale: np.ndarray | None = None) -> DenseWeight:
+            owned.append(DenseWeight.from_numpy(gpu, array, scale, stream))
+            return owned[-1]
+
+        try:
+            w = upload(word)
+            dev_tables: list[AnyTable] = []
+            for table in tables:
+                if isinstance(table, tuple):
+                    dev_tables.append(Fp8Table(upload(*table)))
+                else:
+                    dev_tables.append(Bf16Table(upload(table)))
+            dev_projs = [upload(p) for p in projs]
+            layer = cls(dims, w, dev_tables, dev_projs, max_tokens, gpu)
+        except BaseException:
+            for weight in owned:
+                weight.close()
+            raise
+        layer._owned = owned
+        return layer
+
+    @classmethod
+    def from_safetensors(cls, path: str, dims: NgramDims, max_tokens: int, gpu: GpuBackend,
+                         prefix: str = "", stream: int = 0) -> "NgramEmbedding":
+        """Load ``{prefix}word.weight``, ``{prefix}tables.{c}.weight`` (bf16, or F8_E4M3 with
+        ``{prefix}tables.{c}.row_scale`` f32) and ``{prefix}projs.{c}.weight`` (README)."""
+        from ..safetensors_io import load
+
+        tensors = load(path)
+
+        def get(name: str) -> np.ndarray:
+            try:
+                return tensors[prefix + name]
+            except KeyError:
+                raise KeyError(f"{path}: no tensor {prefix + name!r}") from None
+
+        tables: list[np.ndarray | tuple[np.ndarray, np.ndarray]] = []
+        for c in range(dims.num_tables()):
+            scale = tensors.get(f"{prefix}tables.{c}.row_scale")
+            table = get(f"tables.{c}.weight")
+            tables.append(table if scale is None else (table, scale))
+        projs = [get(f"projs.{c}.weight") for c in range(dims.num_tables())]
+        return cls.from_numpy(dims, get("word.weight"), tables, projs, max_tokens, gpu, stream)
+
+    def embed(self, ctx_tokens: Sequence[int] | np.ndarray, seq_len: int, out: int,
+              gpu: GpuBackend, stream: int = 0) -> None:
+        """Embedding of the last ``seq_len`` tokens of ``ctx_tokens`` into ``out``
+        (``[seq_len, hidden]`` bf16). Everything is validated before the first launch."""
+        if self.ids_dev == 0:
+            raise ValueError("ngram embed: NgramEmbedding is closed")
+        if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 0:
+            raise ValueError(f"ngram embed: seq_len must be a non-negative int, got {seq_len!r}")
+        seq_len = int(seq_len)
+        if seq_len > self.max_tokens:
+            raise ValueError(f"ngram embed: seq_len over staging ({seq_len} > max_tokens {self.max_tokens})")
+        ctx = np.asarray(ctx_tokens)
+        if ctx.ndim != 1:
+            raise ValueError(f"ngram embed: ctx_tokens must be 1-D, got shape {ctx.shape}")
+        if seq_len > ctx.shape[0]:
+            raise ValueError(f"ngram embed: seq_len over ctx ({seq_len} > {ctx.shape[0]} tokens)")
+        if seq_len == 0:
+            return
+        require_ptr(out, "ngram embed out")
+        dims = self.dims
+        h, td = dims.hidden_size, dims.table_dim()
+        # Hashing validates the tokens it reads (ids < V); the new tokens are among them.
+        all_ids = ngram_ids_tail(dims, ctx, seq_len)
+        id_arrays = []
+        for index, ids in enumerate(all_ids):
+            if ids.size and int(ids.max()) >= U32_LIMIT:
+                raise ValueError(f"ngram embed: table {index} id exceeds u32")
+            id_arrays.append(ids.astype(np.uint32))
+        new_tokens = ctx[ctx.shape[0] - seq_len:].astype(np.uint32)
+        inv_scale = float(np.float32(1.0) / np.float32(1 + dims.num_tables()))  # f32, as the seed
+
+        # Zero `out`, then add the base row and each table's projection scaled by 1 / (1 + T).
+        gpu.memset(out, 0, seq_len * h * 2, stream)
+
+        # Base word rows for the new tokens only.
+        gpu.copy_h2d_async(new_tokens, self.ids_dev, stream)
+        embed_ops.batched_embed(gpu, self.batched_embed_k, self.ids_dev, self.word.weight,
+                                self.proj_buf, seq_len, h, stream)
+        residual_ops.scaled_add(gpu, self.scaled_add_k, out, self.proj_buf, inv_scale, seq_len * h, stream)
+
+        # Hash ids of the tail, then one table at a time.
+        for index, ids in enumerate(id_arrays):
+            gpu.copy_h2d_async(ids, self.ids_dev, stream)
+            table = self.tables[index]
+            match table:
+                case CachedTable(cache):
+                    # An NVMe-backed table maps the ids to arena slots (`resolve`), which
+                    # replace the ids before the gather.
+                    slots: list[int] = []
+                    cache.resolve(ids.tolist(), slots)
+                    gpu.copy_h2d_async(np.asarray(slots, dtype=np.uint32), self.ids_dev, stream)
+                    arena = DevicePtr(cache.table_dev_va())
+                    scale = cache.scale_dev_va()
+                    if scale is not None:
+                        embed_ops.batched_embed_fp8(gpu, self.batched_embed_fp8_k, self.ids_dev, arena,
+                                                    DevicePtr(scale), self.gather_buf, seq_len, td, stream)
+                    else:
+                        embed_ops.batched_embed(gpu, self.batched_embed_k, self.ids_dev, arena,
+                                                self.gather_buf, seq_len, td, stream)
+                    cache.end_batch()
+                case Bf16Table(w):
+                    embed_ops.batched_embed(gpu, self.batched_embed_k, self.ids_dev, w.weight,
+                                            self.gather_buf, seq_len, td, stream)
+                case Fp8Table(w):
+                    embed_ops.batched_embed_fp8(gpu, self.batched_embed_fp8_k, self.ids_dev, w.weight,
+                                                w.row_scale, self.gather_buf, seq_len, td, stream)
+            gemm_ops.dense_gemm_bf16_pipelined(gpu, self.gemm_k, self.gather_buf, self.projs[index],
+                                               self.proj_buf, seq_len, h, td, stream)
+            residual_ops.scaled_add(gpu, self.scaled_add_k, out, self.proj_buf, inv_scale,
+                                    seq_len * h, stream)
+
+    def close(self) -> None:
+        """Free the staging buffers, and the weights if this layer uploaded them itself."""
+        for weight in self._owned:
+            weight.close()
+        self._owned = []
+        for name in ("ids_dev", "gather_buf", "proj_buf"):
+            ptr = getattr(self, name)
+            if ptr and not getattr(self.gpu, "closed", False):
+                self.gpu.free(ptr)
+            setattr(self, name, DevicePtr(0))
+
+    def __enter__(self) -> "NgramEmbedding":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,225 @@
+"""Hashed n-gram ids (Over-Encoding, Huang et al. 2025, Algorithm 1; LongCat-Flash's variant).
+
+For table ``c`` (order ``n = c // K + 2``, modulus ``M_c = table_rows(c)``) and position ``p``::
+
+    id[c][p] = (sum_{d=0}^{n-1} tokens[p-d] * V**d) mod M_c
+
+with ``tokens[p-d] = 0`` before the start and, when ``eos_id`` is set, for every ``d > 0`` at or
+beyond the nearest EOS strictly before ``p`` (an EOS position keeps its own token at ``d = 0``).
+
+Exact integer arithmetic, whatever V and N: ``V**d mod M_c`` is precomputed with Python ints, and
+the numpy work is in uint64 with a proven bound on every intermediate value:
+
+* ``NgramDims`` guarantees ``M_c <= 2**63``. Let ``s = 64 - bitlen(M_max - 1)``, so that
+  ``2**s * M_max <= 2**64``. A factor below ``2**s`` times a residue below ``M_max`` never wraps.
+* If every token fits in ``s`` bits (``V <= 2**s``: any V below 2**32 with any table below 2**32
+  rows, the practical case), products are formed directly from the tokens. Otherwise each token
+  is first reduced mod ``M_c`` and split into base-``2**s`` digits, each digit multiplied by
+  ``V**d * 2**(s*j) mod M_c``.
+* Products are summed while a running Python-int upper bound says the sum stays below 2**64;
+  before it would not, the sum is reduced mod ``M_c``, after which sum + product is at most
+  ``(M-1) + (2**s - 1)(M-1) = 2**s (M-1) < 2**64``. In the practical case (V near 2**17, tables
+  below 2**32 rows: products below 2**49) there is a single reduction, at the end.
+
+All loops are over look-back distance, digit and nothing else: each step is one numpy operation
+over all ``T`` tables and all positions at once (a ``[T, len]`` uint64 array).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .dims import NgramDims
+
+_U64_MAX = (1 << 64) - 1
+
+
+def ngram_ids(dims: NgramDims, tokens: Any) -> list[np.ndarray]:
+    """T int64 arrays of ``len(tokens)`` ids, in table order ``c = (n-2)*K + k``."""
+    return list(ngram_ids_array(dims, tokens))
+
+
+def ngram_ids_array(dims: NgramDims, tokens: Any) -> np.ndarray:
+    """The ids of every position as one ``[T, len(tokens)]`` int64 array."""
+    tok = _validated_tokens(dims, np.asarray(tokens), offset=0)
+    return _hash(dims, tok).view(np.int64)  # every id < M_c <= 2**63
+
+
+def ngram_ids_tail(dims: NgramDims, tokens: Any, seq_len: int) -> list[np.ndarray]:
+    """The ids of the last ``seq_len`` positions only: ``ngram_ids(dims, tokens)[c][len - seq_len:]``.
+
+    Reads (and validates) only the last ``seq_len + N - 1`` tokens, the longest look-back of the
+    last ``seq_len`` positions, so a decode step costs the same after 10 or 10**6 context tokens.
+    A window that reaches the start of the context is zero-padded exactly as the full computation
+    pads; one that starts later holds every token the look-back (and its EOS test) can touch.
+    """
+    arr = _as_sequence_array(tokens)
+    total = len(arr)
+    if isinstance(seq_len, (bool, np.bool_)) or not isinstance(seq_len, (int, np.integer)):
+        raise ValueError(f"ngram ids: seq_len must be an int, got {seq_len!r}")
+    seq_len = int(seq_len)
+    if not 0 <= seq_len <= total:
+        raise ValueError(f"ngram ids: seq_len must be in 0..len(tokens) = 0..{total}, got {seq_len}")
+    start = max(0, total - seq_len - (dims.max_ngram - 1))
+    window = np.asarray(arr[start:])
+    tok = _validated_tokens(dims, window, offset=start)
+    ids = _hash(dims, tok)[:, tok.shape[0] - seq_len:].view(np.int64)
+    return list(ids)
+
+
+def _as_sequence_array(tokens: Any) -> Any:
+    """``tokens`` as something sliceable without copying the whole context (an ndarray stays as it
+    is, a list or tuple is sliced before conversion); refuses anything that is not 1-D."""
+    if isinstance(tokens, np.ndarray):
+        if tokens.ndim != 1:
+            raise ValueError(f"ngram ids: tokens must be 1-D, got shape {tokens.shape}")
+        return tokens
+    if isinstance(tokens, Sequence) and not isinstance(tokens, (str, bytes)):
+        return tokens  # element types and nesting are checked on the window that is read
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise ValueError(f"ngram ids: tokens must be 1-D, got shape {arr.shape}")
+    return arr
+
+
+def _validated_tokens(dims: NgramDims, arr: np.ndarray, offset: int) -> np.ndarray:
+    """Check a 1-D integer array of ids in 0..V-1; return it as uint64. ``offset`` is the window's
+    position in the context, so errors name the context position."""
+    if arr.ndim != 1:
+        raise ValueError(f"ngram ids: tokens must be 1-D, got shape {arr.shape}")
+    if arr.shape[0] == 0:
+        return np.zeros(0, dtype=np.uint64)
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"ngram ids: tokens must be integers, got dtype {arr.dtype}")
+    v = dims.vocab_size
+    info = np.iinfo(arr.dtype)
+    bad = np.zeros(arr.shape[0], dtype=bool)
+    if info.min < 0:
+        bad |= arr < 0
+    if info.max >= v:
+        bad |= arr >= arr.dtype.type(v)
+    if bad.any():
+        pos = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"ngram ids: token {int(arr[pos])} at position {pos + offset} outside "
+                         f"0..V-1 = 0..{v - 1}")
+    return arr.astype(np.uint64, copy=False)
+
+
+@dataclass(frozen=True)
+class _HashPlan:
+    """Everything ``_hash`` needs that depends on the dims only (cached: a decode step hashes a
+    handful of tokens, so per-call Python set-up would dominate)."""
+
+    m_col: np.ndarray  # [T, 1] uint64 moduli
+    m_max: int
+    s: int  # digit width in bits: (2**s - 1) * (M_max - 1) < 2**64
+    reduce_first: bool  # tokens wider than s bits: reduce mod M_c before splitting
+    top: int  # largest value of a (reduced) token
+    n_digits: int
+    # per look-back distance d, per digit j: ([T, 1] uint64 multipliers V**d * 2**(s*j) mod M_c,
+    # 0 for tables of order <= d; the largest product digit * multiplier)
+    mults: tuple[tuple[tuple[np.ndarray, int], ...], ...]
+
+
+@functools.lru_cache(maxsize=64)
+def _plan(dims: NgramDims) -> _HashPlan:
+    t, k, v = dims.num_tables(), dims.splits, dims.vocab_size
+    moduli = [dims.table_rows(c) for c in range(t)]
+    orders = [c // k + 2 for c in range(t)]
+    m_max = max(moduli)
+    s = min(63, 64 - (m_max - 1).bit_length())  # 1 <= s <= 63 as m_max <= 2**63
+    digit_mask = (1 << s) - 1
+    # Tokens that fit one digit are used as they are: (2**s - 1) * (M - 1) < 2**64.
+    reduce_first = (v - 1).bit_length() > s
+    top = min(v, m_max) - 1 if reduce_first else v - 1
+    n_digits = -(-top.bit_length() // s)
+    mults = []
+    for d in range(dims.max_ngram):
+        v_pow = [pow(v, d, m) for m in moduli]
+        per_digit = []
+        for j in range(n_digits):
+            mult = [(v_pow[c] << (s * j)) % moduli[c] if orders[c] > d else 0 for c in range(t)]
+            digit_top = min(digit_mask, top >> (s * j))
+            mult_col = np.array(mult, dtype=np.uint64).reshape(t, 1)
+            mult_col.flags.writeable = False
+            per_digit.append((mult_col, digit_top * max(mult)))
+        mults.append(tuple(per_digit))
+    m_col = np.array(moduli, dtype=np.uint64).reshape(t, 1)
+    m_col.flags.writeable = False
+    return _HashPlan(m_col, m_max, s, reduce_first, top, n_digits, tuple(mults))
+
+
+def _hash(dims: NgramDims, tok: np.ndarray) -> np.ndarray:
+    """``[T, len]`` uint64 ids of validated uint64 tokens (see the module docstring for the bounds)."""
+    t, length = dims.num_tables(), tok.shape[0]
+    plan = _plan(dims)
+    if length == 0 or plan.m_max == 1:
+        return np.zeros((t, length), dtype=np.uint64)
+    m_col, s = plan.m_col, plan.s
+    # Reduced tokens are per table ([T, len]); tokens used as they are broadcast ([len]).
+    base = tok.reshape(1, length) % m_col if plan.reduce_first else tok
+    digit_mask = np.uint64((1 << s) - 1)
+
+    # In-place ops on two [T, len] buffers from np.empty: a prefill of thousands of tokens makes
+    # arrays of megabytes, where fresh temporaries or np.zeros (calloc: a page fault on every
+    # first write) cost more than the arithmetic. The first term initialises acc.
+    acc = np.empty((t, length), dtype=np.uint64)
+    term = np.empty_like(acc)
+    acc_top = -1  # upper bound of every value in acc; -1 while acc holds nothing yet
+    alive = None  # EOS: positions whose look-back has not yet crossed an EOS
+    for d in range(min(dims.max_ngram, length)):
+        look = _look_back(tok, base, d, dims.eos_id, alive)
+        if look is None:
+            break
+        shifted, alive = look
+        for j, (mult, term_top) in enumerate(plan.mults[d]):
+            if term_top == 0:
+                continue
+            out = acc if acc_top < 0 else term
+            if plan.n_digits == 1:
+                np.multiply(shifted, mult, out=out)
+            else:
+                np.right_shift(shifted, np.uint64(s * j), out=out)
+                out &= digit_mask
+                out *= mult
+            if acc_top < 0:
+                acc_top = term_top
+                continue
+            if acc_top + term_top > _U64_MAX:
+                # After this, acc + term <= (M-1) + (2**s - 1)(M-1) = 2**s (M-1) < 2**64.
+                acc %= m_col
+                acc_top = plan.m_max - 1
+            acc += term
+            acc_top += term_top
+    if acc_top < 0:  # V = 1: every token is 0
+        acc.fill(0)
+    acc %= m_col
+    return acc
+
+
+def _look_back(tok: np.ndarray, base: np.ndarray, d: int, eos_id: int | None,
+               alive: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None] | None:
+    """``base`` shifted right by ``d`` positions (zeros before the start), with the terms of
+    positions whose look-back crossed an EOS at distance 1..d zeroed. Returns the shifted values
+    and the updated ``alive`` mask, or None when no position can reach back ``d`` any more."""
+    if d == 0:
+        return base, None
+    length = tok.shape[0]
+    shifted = np.empty_like(base)
+    shifted[..., :d] = 0
+    shifted[..., d:] = base[..., :length - d]
+    if eos_id is None:
+        return shifted, None
+    step_ok = np.empty(length, dtype=bool)
+    step_ok[:d] = True
+    np.not_equal(tok[:length - d], np.uint64(eos_id), out=step_ok[d:])
+    alive = step_ok if alive is None else alive & step_ok
+    if not alive[d:].any():
+        return None
+    shifted *= alive  # bool -> 0/1 in uint64
+    return shifted, alive

@@ -1,0 +1,294 @@
+"""NgramEmbedding: the seed's launch sequence (CPU) and the whole layer against numpy (GPU)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from gpu_runtime import DevicePtr
+from layers import reference as ref
+from layers.ngram_embed import NgramDims, NgramEmbedding, NgramTable
+from layers.weight_map import DenseWeight
+from tests.fakes import RecordingBackend
+from tests.helpers import Guarded, bits, random_bf16, random_fp8
+
+BF16 = ml_dtypes.bfloat16
+FP8 = ml_dtypes.float8_e4m3fn
+
+
+@dataclass
+class HostLayer:
+    """Random weights of one layer, on the host, in the form the reference takes."""
+
+    dims: NgramDims
+    word: np.ndarray
+    tables: list[tuple[np.ndarray, np.ndarray | None]]
+    projs: list[np.ndarray]
+
+
+def random_layer(rng, dims: NgramDims, kinds: str) -> HostLayer:
+    """``kinds`` picks each table's storage: 'b' bf16, 'f' fp8, cycled over the tables."""
+    td, h = dims.table_dim(), dims.hidden_size
+    word = random_bf16(rng, (dims.vocab_size, h))
+    tables, projs = [], []
+    for c in range(dims.num_tables()):
+        rows = dims.table_rows(c)
+        if kinds[c % len(kinds)] == "f":
+            tables.append((random_fp8(rng, (rows, td)), rng.uniform(0.002, 0.02, rows).astype(np.float32)))
+        else:
+            tables.append((random_bf16(rng, (rows, td)), None))
+        projs.append(random_bf16(rng, (h, td), 1 / np.sqrt(td)))
+    return HostLayer(dims, word, tables, projs)
+
+
+@dataclass
+class IdentityCache:
+    """A ``RowSource`` whose arena is the whole table and whose slot for id i is i: it runs the
+    seed's Cached branch (ids -> slots -> arena gather) with a known answer."""
+
+    weight: DenseWeight
+    rows: int = 0
+    dim: int = 0
+    calls: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.rows, self.dim = self.weight.shape
+
+    def resolve(self, ids, slots_out) -> None:
+        self.calls.append("resolve")
+        slots_out.extend(int(i) for i in ids)
+
+    def table_dev_va(self) -> int:
+        return int(self.weight.weight)
+
+    def scale_dev_va(self) -> int | None:
+        return int(self.weight.row_scale) if self.weight.row_scale else None
+
+    def end_batch(self) -> None:
+        self.calls.append("end_batch")
+
+
+def device_layer(gpu, host: HostLayer, max_tokens: int, cached: bool = False) -> NgramEmbedding:
+    word = DenseWeight.from_numpy(gpu, host.word)
+    tables = []
+    for table, scale in host.tables:
+        w = DenseWeight.from_numpy(gpu, table, scale)
+        if cached:
+            tables.append(NgramTable.Cached(IdentityCache(w)))
+        else:
+            tables.append(NgramTable.Fp8(w) if scale is not None else NgramTable.Bf16(w))
+    projs = [DenseWeight.from_numpy(gpu, p) for p in host.projs]
+    return NgramEmbedding(host.dims, word, tables, projs, max_tokens, gpu)
+
+
+def free_layer(layer: NgramEmbedding) -> None:
+    layer.word.close()
+    for t in layer.tables:
+        (t.cache.weight if isinstance(t, NgramTable.Cached) else t.weight).close()
+    for p in layer.projs:
+        p.close()
+    layer.close()
+
+
+def small_dims(**kw) -> NgramDims:
+    base = dict(vocab_size=500, hidden_size=40, max_ngram=3, splits=2, base_rows=61, row_bias=1,
+                table_dim=None, eos_id=None)
+    base.update(kw)
+    return NgramDims(**base)
+
+
+# -- CPU: the seed's launch sequence and refusals -------------------------------------------
+def test_launch_sequence_is_the_seeds():
+    gpu = RecordingBackend()
+    dims = small_dims()
+    layer = device_layer(gpu, random_layer(np.random.default_rng(1), dims, "bf"), max_tokens=16)
+    gpu.launches.clear()
+    gpu.ops.clear()
+    layer.embed(np.arange(10) % dims.vocab_size, 4, DevicePtr(0x900000), gpu, stream=7)
+    names = [gpu.kernel_of(launch)[1] for launch in gpu.launches]
+    t = dims.num_tables()
+    expected = ["batched_embed", "bf16_scaled_add"]
+    for c in range(t):
+        expected += ["batched_embed_fp8" if c % 2 else "batched_embed", "dense_gemm_bf16_pipelined",
+                     "bf16_scaled_add"]
+    assert names == expected
+    assert gpu.ops[0][0] == "memset" and gpu.ops[0][1] == 0x900000 and gpu.ops[0][3] == 4 * 40 * 2
+    assert all(launch.stream == 7 for launch in gpu.launches)
+    inv = np.float32(1) / np.float32(1 + t)
+    scaled = [l for l in gpu.launches if gpu.kernel_of(l)[1] == "bf16_scaled_add"]
+    assert all(l.args[2] == float(inv) for l in scaled)
+    uploads = [op for op in gpu.ops if op[0] == "h2d"]
+    assert len(uploads) == 1 + t and all(len(u[1]) == 4 * 4 for u in uploads)
+
+
+def test_cached_branch_resolves_then_ends_batch():
+    gpu = RecordingBackend()
+    dims = small_dims(max_ngram=2, splits=1)
+    layer = device_layer(gpu, random_layer(np.random.default_rng(2), dims, "b"), 8, cached=True)
+    layer.embed([1, 2, 3], 2, DevicePtr(0x900000), gpu)
+    assert layer.tables[0].cache.calls == ["resolve", "end_batch"]
+    uploads = [op for op in gpu.ops if op[0] == "h2d" and len(op[1]) == 8]
+    assert len(uploads) == 3  # new tokens, then the table's ids, then its slots (the seed's order)
+
+
+@pytest.mark.parametrize("case, error, match", [
+    (dict(tables=-1), ValueError, "table count"),
+    (dict(projs=-1), ValueError, "proj count"),
+    (dict(proj_shape=True), ValueError, "proj 0 must be"),
+    (dict(table_dtype=True), TypeError, "NgramTable.Bf16 holds float8"),
+    (dict(table_rows=True), ValueError, "table 1: shape"),
+    (dict(max_tokens=0), ValueError, "max_tokens"),
+])
+def test_constructor_refusals(case, error, match):
+    gpu = RecordingBackend()
+    dims = small_dims()
+    host = random_layer(np.random.default_rng(3), dims, "b")
+    word = DenseWeight.from_numpy(gpu, host.word)
+    tables = [NgramTable.Bf16(DenseWeight.from_numpy(gpu, t)) for t, _ in host.tables]
+    projs = [DenseWeight.from_numpy(gpu, p) for p in host.projs]
+    if case.get("tables"):
+        tables = tables[:-1]
+    if case.get("projs"):
+        projs = projs[:-1]
+    if case.get("proj_shape"):
+        projs[0] = DenseWeight.from_numpy(gpu, host.projs[0][:, :-1])
+    if case.get("table_dtype"):
+        tables[0] = NgramTable.Bf16(DenseWeight.from_numpy(gpu, random_fp8(np.random.default_rng(0), host.tables[0][0].shape), np.ones(host.tables[0][0].shape[0], np.float32)))
+    if case.get("table_rows"):
+        tables[1] = NgramTable.Bf16(DenseWeight.from_numpy(gpu, host.tables[1][0][:-1]))
+    with pytest.raises(error, match=match):
+        NgramEmbedding(dims, word, tables, projs, case.get("max_tokens", 8), gpu)
+    assert gpu.launches == []
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda L, g: L.embed([1, 2, 500], 1, 0x1000, g), ValueError, "500"),
+    (lambda L, g: L.embed([1, 2, 3], 9, 0x1000, g), ValueError, "over staging"),
+    (lambda L, g: L.embed([1, 2, 3], 4, 0x1000, g), ValueError, "over ctx"),
+    (lambda L, g: L.embed([1, 2, 3], -1, 0x1000, g), ValueError, "non-negative"),
+    (lambda L, g: L.embed([1, 2, 3], 2, 0, g), ValueError, "null device pointer"),
+    (lambda L, g: L.embed([[1, 2, 3]], 1, 0x1000, g), ValueError, "1-D"),
+    (lambda L, g: L.embed([1.5, 2, 3], 1, 0x1000, g), (TypeError, ValueError), None),
+])
+def test_embed_refusals_launch_and_write_nothing(call, error, match):
+    gpu = RecordingBackend()
+    layer = device_layer(gpu, random_layer(np.random.default_rng(4), small_dims(), "b"), max_tokens=8)
+    gpu.ops.clear()
+    with pytest.raises(error, match=match):
+        call(layer, gpu)
+    assert gpu.launches == [] and gpu.ops == []
+
+
+def test_seq_len_zero_is_a_no_op():
+    gpu = RecordingBackend()
+    layer = device_layer(gpu, random_layer(np.random.default_rng(5), small_dims(), "b"), max_tokens=8)
+    gpu.ops.clear()
+    layer.embed([1, 2, 3], 0, 0x1000, gpu)
+    assert gpu.launches == [] and gpu.ops == []
+
+
+# -- GPU: the whole layer against the reference ---------------------------------------------
+def _check_against_reference(gpu, rng, host: HostLayer, ctx: np.ndarray, seq_len: int,
+                             cached: bool = False) -> None:
+    layer = device_layer(gpu, host, max_tokens=max(seq_len, 1), cached=cached)
+    try:
+        with Guarded(gpu, (seq_len, host.dims.hidden_size), BF16, rng) as out:
+            out.poison()
+            layer.embed(ctx, seq_len, out.ptr, gpu, 0)
+            got = out.read()
+            out.assert_guards_intact()
+    finally:
+        free_layer(layer)
+    want = ref.ngram_embed(host.dims, host.word, host.tables, host.projs, ctx, seq_len)
+    ideal = ref.ngram_embed_ideal(host.dims, host.word, host.tables, host.projs, ctx, seq_len)
+    g, w = got.astype(np.float64), want.astype(np.float64)
+    assert np.isfinite(g).all(), "unwritten (poisoned) elements"
+    # The GEMM's fp32 accumulation order may flip a bf16 rounding; it then carries through
+    # the later adds. Elementwise: within 4 bf16 ulps of the row's magnitude.
+    ulp = np.abs(w).max(axis=1, keepdims=True) * 2.0**-7
+    assert (np.abs(g - w) <= 4 * ulp + 1e-30).all()
+    rel = np.linalg.norm(g - ideal) / np.linalg.norm(ideal)
+    assert rel < 1e-2, rel
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, k", [(2, 1), (3, 2), (4, 4), (5, 8), (3, 8), (2, 4)])
+@pytest.mark.parametrize("kinds", ["b", "f", "bf"])
+def test_layer_matches_reference_prefill_and_decode(gpu, rng, n, k, kinds):
+    vocab = int(rng.integers(300, 5000))
+    td = int(rng.choice([1, 7, 9, 16, 33]))
+    dims = NgramDims(vocab_size=vocab, hidden_size=int(rng.choice([37, 64, 129])), max_ngram=n,
+                     splits=k, base_rows=int(rng.integers(50, 3000)), row_bias=int(rng.integers(0, 2)),
+                     table_dim=td, eos_id=int(rng.integers(0, vocab)) if rng.random() < 0.5 else None)
+    host = random_layer(rng, dims, kinds)
+    ctx = rng.integers(0, vocab, int(rng.integers(40, 200)))
+    if dims.eos_id is not None:
+        ctx[rng.random(ctx.size) < 0.05] = dims.eos_id
+    _check_against_reference(gpu, rng, host, ctx, ctx.size)  # prefill
+    long_ctx = rng.integers(0, vocab, 3000)
+    _check_against_reference(gpu, rng, host, long_ctx, 1)  # decode after a long context
+    _check_against_reference(gpu, rng, host, long_ctx, 17)
+
+
+@pytest.mark.gpu
+def test_layer_at_model_width(gpu, rng):
+    dims = NgramDims(vocab_size=32000, hidden_size=1024, max_ngram=3, splits=4, base_rows=5000,
+                     row_bias=1, table_dim=None, eos_id=2)
+    host = random_layer(rng, dims, "bf")
+    _check_against_reference(gpu, rng, host, rng.integers(0, 32000, 300), 300)
+
+
+@pytest.mark.gpu
+def test_cached_identity_tables_match_resident(gpu, rng):
+    dims = small_dims(max_ngram=4, splits=2, table_dim=11)
+    host = random_layer(rng, dims, "fb")
+    ctx = rng.integers(0, dims.vocab_size, 64)
+    _check_against_reference(gpu, rng, host, ctx, 20, cached=True)
+
+
+@pytest.mark.gpu
+def test_gpu_refusal_leaves_output_untouched(gpu, rng):
+    dims = small_dims()
+    layer = device_layer(gpu, random_layer(rng, dims, "b"), max_tokens=8)
+    try:
+        with Guarded(gpu, (8, dims.hidden_size), BF16, rng) as out:
+            before = out.read()
+            for bad in (lambda: layer.embed([1, 2, dims.vocab_size], 2, out.ptr, gpu),
+                        lambda: layer.embed(list(range(20)), 9, out.ptr, gpu)):
+                with pytest.raises(ValueError):
+                    bad()
+            layer.embed([1, 2, 3], 0, out.ptr, gpu)
+            np.testing.assert_array_equal(bits(out.read()), bits(before))
+    finally:
+        free_layer(layer)
+
+
+@pytest.mark.gpu
+def test_from_safetensors_equals_from_numpy(gpu, rng, tmp_path):
+    from layers import safetensors_io
+
+    dims = small_dims(max_ngram=3, splits=2, table_dim=7)
+    host = random_layer(rng, dims, "bf")
+    tensors = {"model.ngram.word.weight": host.word}
+    for c, ((table, scale), proj) in enumerate(zip(host.tables, host.projs)):
+        tensors[f"model.ngram.tables.{c}.weight"] = table
+        if scale is not None:
+            tensors[f"model.ngram.tables.{c}.row_scale"] = scale
+        tensors[f"model.ngram.projs.{c}.weight"] = proj
+    path = tmp_path / "ngram.safetensors"
+    safetensors_io.save(path, tensors)
+    ctx = rng.integers(0, dims.vocab_size, 50)
+    results = []
+    for make in (lambda: NgramEmbedding.from_safetensors(str(path), dims, 50, gpu, prefix="model.ngram."),
+                 lambda: NgramEmbedding.from_numpy(
+                     dims, host.word, [t if s is None else (t, s) for t, s in host.tables],
+                     host.projs, 50, gpu)):
+        with make() as layer, Guarded(gpu, (50, dims.hidden_size), BF16, rng) as out:
+            out.poison()
+            layer.embed(ctx, 50, out.ptr, gpu)
+            results.append(out.read())
+    np.testing.assert_array_equal(bits(results[0]), bits(results[1]))
+    assert np.isfinite(results[0].astype(np.float32)).all()

@@ -1,0 +1,58 @@
+"""safetensors reading and writing: every dtype the layers use, fp8 included, and refusals."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from layers import safetensors_io
+from tests.helpers import random_bf16, random_fp8
+
+
+def test_round_trip_every_layer_dtype(tmp_path, rng):
+    tensors = {
+        "word.weight": random_bf16(rng, (7, 5)),
+        "tables.0.weight": random_fp8(rng, (9, 3)),
+        "tables.0.row_scale": rng.random(9).astype(np.float32),
+        "ids": rng.integers(-5, 5, 4).astype(np.int32),
+        "empty": np.zeros((0, 3), np.float32),
+    }
+    path = tmp_path / "w.safetensors"
+    safetensors_io.save(path, tensors)
+    back = safetensors_io.load(path)
+    assert set(back) == set(tensors)
+    for name, array in tensors.items():
+        assert back[name].dtype == array.dtype and back[name].shape == array.shape
+        np.testing.assert_array_equal(back[name].view(np.uint8), array.view(np.uint8))
+    assert not back["word.weight"].flags.writeable
+
+
+def test_truncated_file_and_unknown_dtype_refused(tmp_path, rng):
+    path = tmp_path / "w.safetensors"
+    safetensors_io.save(path, {"a": random_bf16(rng, (64, 64))})
+    path.write_bytes(path.read_bytes()[:-10])
+    with pytest.raises(ValueError, match="does not hold shape"):
+        safetensors_io.load(path)
+    header = json.dumps({"x": {"dtype": "F8_E5M2", "shape": [1], "data_offsets": [0, 1]}}).encode()
+    path.write_bytes(struct.pack("<Q", len(header)) + header + b"\0")
+    with pytest.raises(TypeError, match="unsupported dtype F8_E5M2"):
+        safetensors_io.load(path)
+
+
+def test_agrees_with_the_safetensors_package(tmp_path, rng):
+    st = pytest.importorskip("safetensors.numpy")
+    a, f = random_bf16(rng, (6, 4)), rng.random((3, 2)).astype(np.float32)
+    ours = tmp_path / "ours.safetensors"
+    safetensors_io.save(ours, {"a": a, "f": f})
+    theirs = st.load_file(str(ours))
+    np.testing.assert_array_equal(theirs["a"].view(np.uint16), a.view(np.uint16))
+    np.testing.assert_array_equal(theirs["f"], f)
+    written = tmp_path / "theirs.safetensors"
+    st.save_file({"a": a, "f": f}, str(written))
+    back = safetensors_io.load(written)
+    assert back["a"].dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(back["a"].view(np.uint16), a.view(np.uint16))

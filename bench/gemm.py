@@ -1,0 +1,119 @@
+"""The GEMM table: ``dense_gemm_bf16_pipelined`` against torch's ``F.linear`` (cuBLAS) and the floor.
+
+For each (m, n, k): our median time (CUDA events), TFLOP/s, torch's time on the same shapes and
+bf16 data where torch is installed, the speed ratio (torch time / ours: > 1 means we are faster),
+and the physical floor max(bytes / copy bandwidth, flops / cuBLAS rate at 8192^3), with our
+fraction of it. Bytes are a and w read once and c written once, which is what the copy bandwidth
+(read + write) measures. Shapes whose inputs fit in L2 rotate among enough input sets that their
+total exceeds twice the L2, so w comes from HBM as it does in the model. The mma.sync path is
+also timed alone on the large shapes, to compare with wgmma.
+"""
+
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+
+from bench.common import (copy_bandwidth, gpu_time_ms, matmul_rate, print_table, torch_or_none,
+                          torch_time_ms)
+from gpu_runtime import CudaBackend, DevicePtr
+from layers.ops import gemm
+from layers.ops.gemm import dense_gemm_bf16_pipelined
+from layers.weight_map import BF16, DenseWeight
+
+SHAPES = [(1, 4096, 256), (16, 4096, 256), (128, 4096, 256), (4096, 4096, 256),
+          (1, 4096, 4096), (64, 4096, 4096), (4096, 4096, 4096), (8192, 8192, 8192)]
+FORCED = [("tiled", (4096, 4096, 4096)), ("tiled", (8192, 8192, 8192))]
+MAX_SETS = 64
+_POOL_VALUES = 1 << 23  # 16 MB of random bf16, tiled over every buffer
+
+
+def _input_sets(set_bytes: int, l2_bytes: int) -> int:
+    """Input sets to rotate through so that together they exceed twice the L2."""
+    return max(1, min(MAX_SETS, math.ceil(2 * l2_bytes / set_bytes)))
+
+
+def _fill(gpu: CudaBackend, ptr: int, nbytes: int, pool: np.ndarray) -> None:
+    raw = pool.view(np.uint8)
+    for off in range(0, nbytes, raw.size):
+        gpu.copy_h2d_async(raw[: min(raw.size, nbytes - off)], DevicePtr(ptr + off))
+
+
+def _ours_ms(gpu: CudaBackend, m: int, n: int, k: int, sets: int, pool: np.ndarray,
+             path: str | None) -> float:
+    kern = gpu.kernel("gemm", gemm.KERNEL)
+    bufs = []
+    try:
+        for _ in range(sets):
+            a, w, c = gpu.alloc(m * k * 2), gpu.alloc(n * k * 2), gpu.alloc(m * n * 2)
+            bufs += [a, w, c]
+            _fill(gpu, a, m * k * 2, pool)
+            _fill(gpu, w, n * k * 2, pool)
+        gpu.synchronize()
+        runs = [(bufs[3 * i], DenseWeight(bufs[3 * i + 1], (n, k), BF16), bufs[3 * i + 2])
+                for i in range(sets)]
+
+        def step(i: int) -> None:
+            a, w, c = runs[i % sets]
+            dense_gemm_bf16_pipelined(gpu, kern, a, w, c, m, n, k, 0, path=path)
+
+        return gpu_time_ms(step)
+    finally:
+        for ptr in bufs:
+            gpu.free(ptr)
+
+
+def _torch_ms(m: int, n: int, k: int, sets: int) -> float | None:
+    torch = torch_or_none()
+    if torch is None:
+        return None
+    xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
+    try:
+        return torch_time_ms(lambda i: torch.nn.functional.linear(xs[i % sets], ws[i % sets]))
+    finally:
+        del xs, ws
+        torch.cuda.empty_cache()
+
+
+def gemm_rows(gpu: CudaBackend, bw: float, rate: float | None) -> list[tuple]:
+    rng = np.random.default_rng(0)
+    pool = rng.standard_normal(_POOL_VALUES).astype(np.float32).astype(ml_dtypes.bfloat16)
+    wgmma = gemm.wgmma_available(gpu)
+    rows = []
+    for path, (m, n, k) in [(None, s) for s in SHAPES] + FORCED:
+        set_bytes = (m * k + n * k + m * n) * 2
+        sets = _input_sets(set_bytes, gpu.l2_bytes)
+        chosen = gemm.plan(m, n, k, path, wgmma=wgmma).path
+        ms = _ours_ms(gpu, m, n, k, sets, pool, path)
+        t_ms = _torch_ms(m, n, k, sets) if path is None else None
+        flops = 2 * m * n * k
+        floor_s = max(set_bytes / bw, flops / rate if rate else 0.0)
+        rows.append((f"{m}x{n}x{k}", chosen, sets, ms * 1e3, flops / (ms * 1e-3) / 1e12,
+                     t_ms * 1e3 if t_ms else None, t_ms / ms if t_ms else None,
+                     floor_s * 1e6, floor_s / (ms * 1e-3)))
+    return rows
+
+
+def gemm_table(gpu: CudaBackend) -> None:
+    """Print the GEMM table (torch columns empty without torch)."""
+    bw = copy_bandwidth(gpu)
+    rate = matmul_rate()
+    rate_txt = f"{rate / 1e12:.0f} TFLOP/s" if rate else "n/a (no torch: floor is bytes only)"
+    print(f"device {gpu.name}: copy bandwidth {bw / 1e12:.2f} TB/s (read + write), "
+          f"cuBLAS bf16 at 8192^3 {rate_txt}; L2 {gpu.l2_bytes >> 20} MB")
+    print_table("dense_gemm_bf16_pipelined (bf16, fp32 accumulation)",
+                ["m x n x k", "path", "sets", "us", "TFLOP/s", "torch us", "torch/ours",
+                 "floor us", "floor/ours"],
+                gemm_rows(gpu, bw, rate))
+
+
+def main() -> None:
+    with CudaBackend() as gpu:
+        gemm_table(gpu)
+
+
+if __name__ == "__main__":
+    main()

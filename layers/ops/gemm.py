@@ -1,0 +1,203 @@
+"""Launcher of ``kernels/gemm.cu``: the dense bf16 GEMM ``c[m,n] = a[m,k] @ w[n,k]^T``.
+
+fp32 accumulation, one rounding to bf16. The launcher picks the path and its launch shape from
+(m, n, k); the kernels re-derive what they need from the same sizes, so every constant below
+mirrors a ``constexpr`` in ``gemm.cu`` (a CPU test compares them). A launch whose block or shared
+memory does not match its path still computes the right answer (the kernels fall back to a
+scalar loop), only slowly: a mismatch here would show in the benchmark, not in correctness.
+
+Paths:
+- ``small``  (m <= 64, the n-gram layer's decode/prefill GEMMs): 32 columns of c per CTA, the K
+  loop split across its 8 warps, partials reduced in shared memory; bound by reading w once.
+- ``tiled``  mma.sync tensor-core tiles 128x256, 128x128 or 64x64 (``pick_tile``).
+- ``wgmma``  sm_90a wgmma 128x256 tiles; chosen for large m on an sm_90a device.
+- ``simt``   one output per thread (a check on the others, never chosen automatically).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gpu_runtime import GpuBackend, KernelHandle, KernelLaunch
+
+from ..weight_map import BF16, DenseWeight
+from .checks import require_count, require_ptr
+
+MODULE = "gemm"
+KERNEL = "dense_gemm_bf16_pipelined"
+KERNELS = {
+    "small": "dense_gemm_bf16_small_m",
+    "tiled": "dense_gemm_bf16_tiled",
+    "wgmma": "dense_gemm_bf16_wgmma",
+    "simt": "dense_gemm_bf16_simt",
+}
+PATHS = ("small", "tiled", "tiled_128x256", "tiled_128x128", "tiled_64x64", "wgmma", "simt")
+
+THREADS = 256
+WARPS = THREADS // 32
+MAX_DIM = (1 << 31) - 1  # the kernels index k with 32-bit arithmetic
+
+# small path (gemm.cu: kSmall*)
+SMALL_MAX_ROWS = 64
+SMALL_COLS = 32
+SMALL_STAGES = 6      # ring depth for NT <= 4
+SMALL_STAGES_NT8 = 4  # ... and for NT = 8
+SMALL_W_PIECES = 4
+PIECE_BYTES = 32 * 16
+
+# tiled path (gemm.cu: kTile*; the kernel takes the largest config its shared memory holds)
+TILE_K = 32
+TILE_STAGES = 4
+TILE_CONFIGS = ((128, 256), (128, 128), (64, 64))  # largest first
+FILL_TILES = 128
+PAD_SLACK = 1.1
+
+# wgmma path (gemm.cu: kWg*)
+WG_BM, WG_BN, WG_BK, WG_STAGES = 128, 256, 64, 4
+WG_SMEM = WG_STAGES * (WG_BM + WG_BN) * WG_BK * 2 + 1024
+
+# Set False to keep large GEMMs on the mma.sync path (e.g. if the wgmma path misbehaves).
+WGMMA_AUTO = True
+
+_GRID_MAX = (1 << 31) - 1
+_SIMT_BLOCKS_MAX = 1 << 16  # grid-stride beyond this
+
+
+@dataclass(frozen=True)
+class GemmPlan:
+    """Which kernel of ``gemm.cu`` runs, and its launch shape."""
+
+    path: str
+    kernel: str
+    grid: int
+    shared_mem: int
+
+
+def _cdiv(x: int, d: int) -> int:
+    return -(-x // d)
+
+
+def small_nt(m: int) -> int:
+    """n8 tiles of a rows per small-path work item (gemm.cu ``small_nt``)."""
+    rows = min(m, SMALL_MAX_ROWS)
+    return 1 if rows <= 8 else 2 if rows <= 16 else 4 if rows <= 32 else 8
+
+
+def small_smem(m: int) -> int:
+    nt = small_nt(m)
+    stages = SMALL_STAGES_NT8 if nt >= 8 else SMALL_STAGES
+    return WARPS * stages * (SMALL_W_PIECES + nt) * PIECE_BYTES
+
+
+def tile_smem(bm: int, bn: int) -> int:
+    return TILE_STAGES * (bm + bn) * TILE_K * 2
+
+
+def tile_count(m: int, n: int, bm: int, bn: int) -> int:
+    return _cdiv(m, bm) * _cdiv(n, bn)
+
+
+def padded_area(m: int, n: int, bm: int, bn: int) -> int:
+    """Outputs computed with (bm, bn) tiles, padding included: the work a config really does."""
+    return _cdiv(m, bm) * bm * _cdiv(n, bn) * bn
+
+
+def pick_tile(m: int, n: int) -> tuple[int, int]:
+    """The tiled config for a shape: among those with >= FILL_TILES tiles (a full wave on 132
+    SMs at one CTA each), the largest whose padded work is within PAD_SLACK of the least; with
+    none, the smallest config (most CTAs)."""
+    fills = [cfg for cfg in TILE_CONFIGS if tile_count(m, n, *cfg) >= FILL_TILES]
+    if not fills:
+        return TILE_CONFIGS[-1]
+    least = min(padded_area(m, n, *cfg) for cfg in fills)
+    return next(cfg for cfg in fills if padded_area(m, n, *cfg) <= PAD_SLACK * least)
+
+
+def use_wgmma(m: int, n: int) -> bool:
+    """wgmma's 128x256 tiles for shapes they fill without much more padding than the tiled pick."""
+    return (tile_count(m, n, WG_BM, WG_BN) >= FILL_TILES
+            and padded_area(m, n, WG_BM, WG_BN) <= PAD_SLACK * padded_area(m, n, *pick_tile(m, n)))
+
+
+def wgmma_available(gpu: GpuBackend) -> bool:
+    """wgmma exists on sm_90a only; the CUDA backend compiles for ``gpu.target``."""
+    return WGMMA_AUTO and getattr(gpu, "target", None) == "sm_90a"
+
+
+def plan(m: int, n: int, k: int, path: str | None = None, *, wgmma: bool = False) -> GemmPlan:
+    """The launch for ``c[m,n] = a[m,k] @ w[n,k]^T`` (all sizes >= 1).
+
+    ``path=None`` chooses: small for m <= 64, wgmma (when ``wgmma``) for shapes with enough
+    128x256 tiles, else the tiled config ``pick_tile`` gives, run by the contract's kernel.
+    """
+    if path is None:
+        if m <= SMALL_MAX_ROWS:
+            return GemmPlan("small", KERNEL, _small_grid(m, n), small_smem(m))
+        if wgmma and use_wgmma(m, n):
+            return GemmPlan("wgmma", KERNELS["wgmma"], _grid(tile_count(m, n, WG_BM, WG_BN)), WG_SMEM)
+        bm, bn = pick_tile(m, n)
+        return GemmPlan(f"tiled_{bm}x{bn}", KERNEL, _grid(tile_count(m, n, bm, bn)), tile_smem(bm, bn))
+    if path == "small":
+        return GemmPlan(path, KERNELS["small"], _small_grid(m, n), small_smem(m))
+    if path == "tiled" or path.startswith("tiled_"):
+        bm, bn = pick_tile(m, n) if path == "tiled" else _tile_config(path)
+        return GemmPlan(f"tiled_{bm}x{bn}", KERNELS["tiled"], _grid(tile_count(m, n, bm, bn)),
+                        tile_smem(bm, bn))
+    if path == "wgmma":
+        return GemmPlan(path, KERNELS["wgmma"], _grid(tile_count(m, n, WG_BM, WG_BN)), WG_SMEM)
+    if path == "simt":
+        return GemmPlan(path, KERNELS["simt"], min(_cdiv(m * n, THREADS), _SIMT_BLOCKS_MAX), 0)
+    raise ValueError(f"unknown GEMM path {path!r}; one of {PATHS} or None")
+
+
+def _tile_config(path: str) -> tuple[int, int]:
+    for bm, bn in TILE_CONFIGS:
+        if path == f"tiled_{bm}x{bn}":
+            return bm, bn
+    raise ValueError(f"unknown GEMM path {path!r}; one of {PATHS} or None")
+
+
+def _small_grid(m: int, n: int) -> int:
+    return _grid(_cdiv(n, SMALL_COLS) * _cdiv(m, SMALL_MAX_ROWS))
+
+
+def _grid(items: int) -> int:
+    return min(items, _GRID_MAX)  # the kernels loop grid-stride over the rest
+
+
+def _check_weight(w: DenseWeight, n: int, k: int) -> None:
+    if not isinstance(w, DenseWeight):
+        raise TypeError(f"dense_gemm_bf16_pipelined: w must be a DenseWeight, got {type(w).__name__}")
+    if w.dtype != BF16:
+        raise TypeError(f"dense_gemm_bf16_pipelined: w dtype {w.dtype}, expected {BF16} (bfloat16)")
+    if tuple(w.shape) != (n, k):
+        raise ValueError(f"dense_gemm_bf16_pipelined: w shape {tuple(w.shape)}, expected (n, k) = {(n, k)}")
+    require_ptr(w.weight, "dense_gemm_bf16_pipelined w")
+
+
+def dense_gemm_bf16_pipelined(gpu: GpuBackend, kernel: KernelHandle, a: int, w: DenseWeight, c: int,
+                              m: int, n: int, k: int, stream: int, *,
+                              path: str | None = None) -> None:
+    """``c[m,n] = bf16(a[m,k] @ w[n,k]^T)``: bf16 row-major a, c; w a (n, k) bf16 ``DenseWeight``.
+
+    ``kernel`` is ``gpu.kernel("gemm", "dense_gemm_bf16_pipelined")``; other paths of the module
+    are looked up here (the backend caches them). ``path`` forces one (tests, benchmarks).
+    Every check runs before any launch; m, n or k == 0 is a no-op.
+    """
+    if not kernel:
+        raise ValueError("dense_gemm_bf16_pipelined: kernel not loaded (KernelHandle(0))")
+    m, n, k = require_count(m, "m"), require_count(n, "n"), require_count(k, "k")
+    for size, what in ((m, "m"), (n, "n"), (k, "k")):
+        if size > MAX_DIM:
+            raise ValueError(f"dense_gemm_bf16_pipelined: {what} = {size} exceeds {MAX_DIM}")
+    _check_weight(w, n, k)
+    require_ptr(a, "dense_gemm_bf16_pipelined a")
+    require_ptr(c, "dense_gemm_bf16_pipelined c")
+    if path is not None and path not in PATHS:
+        raise ValueError(f"unknown GEMM path {path!r}; one of {PATHS} or None")
+    if m == 0 or n == 0 or k == 0:
+        return
+    p = plan(m, n, k, path, wgmma=wgmma_available(gpu))
+    handle = kernel if p.kernel == KERNEL else gpu.kernel(MODULE, p.kernel)
+    (KernelLaunch(gpu, handle).grid([p.grid, 1, 1]).block([THREADS, 1, 1]).shared_mem(p.shared_mem)
+     .arg_ptr(a).arg_ptr(w.weight).arg_ptr(c).arg_u32(m).arg_u32(n).arg_u32(k).launch(stream))

@@ -1,0 +1,339 @@
+"""gemm.cu against the numpy reference, every path; the launcher's checks and plans on the CPU.
+
+Tolerance (elementwise, against ``gemm_bf16``: fp32 accumulation, one bf16 rounding). Products of
+two bf16 values are exact in fp32, so the kernel's fp32 sum y and numpy's z differ from the exact
+sum x only by accumulation order: |y - x|, |z - x| <= k * 2^-23 * S with S = sum |a_i w_i| (the
+standard gamma_k bound, with 2^-23 rather than 2^-24 per addition to allow a truncating
+tensor-core adder). Rounding each to bf16 adds at most half a bf16 ulp each; y and z are close,
+so both halves are within one ulp of |ref| at most twice as large. Hence
+    |gpu - ref| <= 2 ulp_bf16(|ref|) + 2 k 2^-23 S.
+An indexing bug moves a result by O(|x|), far outside it; the relative Frobenius error against the
+fp64 product (< 1e-2) catches a dropped block of k. Small-integer inputs make every fp32 sum
+exact in any order, so there the kernel must match the reference bit for bit (which also pins
+round-to-nearest-even).
+"""
+
+from __future__ import annotations
+
+import re
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from gpu_runtime import DevicePtr, KernelHandle, KernelLaunch, compiler
+from layers.reference import gemm_bf16, gemm_fp64
+from layers.ops import gemm
+from layers.ops.gemm import dense_gemm_bf16_pipelined
+from layers.weight_map import BF16, FP8, DenseWeight
+from tests.fakes import RecordingBackend
+from tests.helpers import Guarded, bits, random_bf16
+
+MAX_SHARED_OPTIN = 232448  # H100/H200 per-block opt-in limit
+
+
+def _p(i: int) -> DevicePtr:
+    return DevicePtr(0x100000 * (i + 1))
+
+
+def _weight(n: int, k: int, dtype=BF16, ptr: int = 0x200000) -> DenseWeight:
+    return DenseWeight(DevicePtr(ptr), (n, k), np.dtype(dtype))
+
+
+class Sm90aBackend(RecordingBackend):
+    """A recording backend that says it compiles for sm_90a (wgmma available)."""
+
+    target = "sm_90a"
+
+
+# -- CPU: launch plans -------------------------------------------------------------------------
+def test_small_m_launches_the_given_kernel_with_its_plan():
+    gpu = RecordingBackend()
+    kern = gpu.kernel("gemm", gemm.KERNEL)
+    dense_gemm_bf16_pipelined(gpu, kern, _p(0), _weight(4096, 256), _p(2), 16, 4096, 256, 7)
+    (launch,) = gpu.launches
+    assert launch.kernel == kern
+    assert launch.grid == (128, 1, 1) and launch.block == (256, 1, 1)
+    assert launch.shared_mem == 8 * 6 * (4 + 2) * 512
+    assert launch.kinds == "PPPUUU" and launch.stream == 7
+    assert launch.args == [int(_p(0)), 0x200000, int(_p(2)), 16, 4096, 256]
+
+
+@pytest.mark.parametrize("m, nt", [(1, 1), (8, 1), (9, 2), (16, 2), (17, 4), (32, 4), (33, 8), (64, 8)])
+def test_small_plan_sizes_by_m(m, nt):
+    p = gemm.plan(m, 4096, 4096)
+    assert p.kernel == gemm.KERNEL and p.path == "small"
+    assert p.shared_mem == 8 * (4 if nt == 8 else 6) * (4 + nt) * 512 <= MAX_SHARED_OPTIN
+    assert p.grid == 4096 // 32
+
+
+@pytest.mark.parametrize("m, n, expected", [
+    (65, 4096, (64, 64)), (128, 4096, (64, 64)), (1000, 4096, (128, 256)), (1000, 2048, (128, 128)),
+    (4096, 4096, (128, 256)), (4096, 100, (64, 64)), (100000, 100, (128, 128)),
+])
+def test_large_m_without_wgmma_runs_tiled_on_the_given_kernel(m, n, expected):
+    gpu = RecordingBackend()
+    kern = gpu.kernel("gemm", gemm.KERNEL)
+    dense_gemm_bf16_pipelined(gpu, kern, _p(0), _weight(n, 64), _p(2), m, n, 64, 0)
+    (launch,) = gpu.launches
+    bm, bn = expected
+    assert launch.kernel == kern
+    assert launch.shared_mem == 4 * (bm + bn) * 32 * 2
+    assert launch.grid == (-(-m // bm) * -(-n // bn), 1, 1)
+
+
+def test_large_m_on_sm90a_runs_wgmma():
+    gpu = Sm90aBackend()
+    kern = gpu.kernel("gemm", gemm.KERNEL)
+    dense_gemm_bf16_pipelined(gpu, kern, _p(0), _weight(4096, 4096), _p(2), 4096, 4096, 4096, 3)
+    (launch,) = gpu.launches
+    assert gpu.kernel_of(launch) == ("gemm", "dense_gemm_bf16_wgmma")
+    assert launch.grid == (32 * 16, 1, 1) and launch.shared_mem == gemm.WG_SMEM == 197632
+    assert launch.args[3:] == [4096, 4096, 4096] and launch.stream == 3
+    # too few 128x256 tiles for wgmma: back to the tiled path of the given kernel
+    gpu.launches.clear()
+    dense_gemm_bf16_pipelined(gpu, kern, _p(0), _weight(4096, 64), _p(2), 128, 4096, 64, 3)
+    assert gpu.launches[0].kernel == kern
+
+
+@pytest.mark.parametrize("path, name, smem", [
+    ("small", "dense_gemm_bf16_small_m", 8 * 4 * (4 + 8) * 512),
+    ("tiled", "dense_gemm_bf16_tiled", 4 * (64 + 64) * 64),
+    ("tiled_128x256", "dense_gemm_bf16_tiled", 4 * (128 + 256) * 64),
+    ("tiled_128x128", "dense_gemm_bf16_tiled", 4 * (128 + 128) * 64),
+    ("tiled_64x64", "dense_gemm_bf16_tiled", 4 * (64 + 64) * 64),
+    ("wgmma", "dense_gemm_bf16_wgmma", 197632),
+    ("simt", "dense_gemm_bf16_simt", 0),
+])
+def test_forced_paths_launch_their_kernel(path, name, smem):
+    gpu = RecordingBackend()
+    kern = gpu.kernel("gemm", gemm.KERNEL)
+    dense_gemm_bf16_pipelined(gpu, kern, _p(0), _weight(300, 72), _p(2), 200, 300, 72, 5, path=path)
+    (launch,) = gpu.launches
+    assert gpu.kernel_of(launch) == ("gemm", name)
+    assert launch.shared_mem == smem <= MAX_SHARED_OPTIN
+    assert launch.block == (256, 1, 1) and launch.kinds == "PPPUUU" and launch.stream == 5
+
+
+def _cu_constants() -> dict[str, int]:
+    """Every ``constexpr uint32_t kName = <integer expression>;`` in gemm.cu, evaluated."""
+    text = re.sub(r"//[^\n]*", "", (compiler.kernel_dir() / "gemm.cu").read_text())
+    values: dict[str, int] = {}
+    for name, expr in re.findall(r"^constexpr\s+uint32_t\s+(k\w+)\s*=\s*([^;]+);", text, re.M):
+        values[name] = int(eval(expr.replace("/", "//"), {"__builtins__": {}}, dict(values)))
+    return values
+
+
+def test_launcher_constants_mirror_the_kernel():
+    cu = _cu_constants()
+    assert cu["kThreads"] == gemm.THREADS
+    assert (cu["kSmallMaxRows"], cu["kSmallCols"], cu["kSmallStages"], cu["kSmallStagesNT8"],
+            cu["kSmallWPieces"], cu["kPieceBytes"]) == (
+        gemm.SMALL_MAX_ROWS, gemm.SMALL_COLS, gemm.SMALL_STAGES, gemm.SMALL_STAGES_NT8,
+        gemm.SMALL_W_PIECES, gemm.PIECE_BYTES)
+    assert (cu["kTileK"], cu["kTileStages"]) == (gemm.TILE_K, gemm.TILE_STAGES)
+    assert (cu["kWgBM"], cu["kWgBN"], cu["kWgBK"], cu["kWgStages"], cu["kWgSmem"]) == (
+        gemm.WG_BM, gemm.WG_BN, gemm.WG_BK, gemm.WG_STAGES, gemm.WG_SMEM)
+    # run_tiled takes the largest config the shared memory holds, largest first, as TILE_CONFIGS
+    source = (compiler.kernel_dir() / "gemm.cu").read_text()
+    tried = [tuple(map(int, t)) for t in re.findall(r"dyn >= tile_smem_bytes<(\d+), (\d+)>", source)]
+    assert tried == list(gemm.TILE_CONFIGS)
+    called = {tuple(map(int, t)) for t in re.findall(r"tiled_gemm<(\d+), (\d+)>\(", source)}
+    assert called == set(gemm.TILE_CONFIGS)
+    assert sorted({gemm.tile_smem(*cfg) for cfg in gemm.TILE_CONFIGS}, reverse=True) == [
+        gemm.tile_smem(*cfg) for cfg in gemm.TILE_CONFIGS]  # distinct, so smem names the config
+
+
+# -- CPU: bad input, refused before any launch ---------------------------------------------------
+def _refused(exc: type[Exception], match: str, *args, **kwargs) -> None:
+    gpu = RecordingBackend()
+    kern = gpu.kernel("gemm", gemm.KERNEL)
+    with pytest.raises(exc, match=match):
+        dense_gemm_bf16_pipelined(gpu, kern, *args, **kwargs)
+    assert gpu.launches == [] and gpu.ops == []
+
+
+def test_wrong_weight_shape_names_both():
+    _refused(ValueError, r"\(4096, 256\).*\(4096, 255\)", _p(0), _weight(4096, 256), _p(2), 4, 4096, 255, 0)
+    _refused(ValueError, r"\(256, 4096\).*\(4096, 256\)", _p(0), _weight(256, 4096), _p(2), 4, 4096, 256, 0)
+
+
+def test_wrong_weight_dtype_names_both():
+    _refused(TypeError, r"float8_e4m3fn.*bfloat16", _p(0), _weight(8, 8, FP8), _p(2), 4, 8, 8, 0)
+    _refused(TypeError, r"float32.*bfloat16", _p(0), _weight(8, 8, np.float32), _p(2), 4, 8, 8, 0)
+
+
+def test_weight_must_be_a_dense_weight():
+    _refused(TypeError, "DenseWeight", _p(0), _p(1), _p(2), 4, 8, 8, 0)
+
+
+@pytest.mark.parametrize("which", ["a", "c", "w"])
+def test_null_pointers_refused(which):
+    a = DevicePtr(0) if which == "a" else _p(0)
+    c = DevicePtr(0) if which == "c" else _p(2)
+    w = _weight(8, 8, ptr=0) if which == "w" else _weight(8, 8)
+    _refused(ValueError, "null", a, w, c, 4, 8, 8, 0)
+
+
+def test_sizes_out_of_range_refused():
+    big = 1 << 31
+    _refused(ValueError, "k = ", _p(0), _weight(8, big), _p(2), 4, 8, big, 0)
+    _refused(ValueError, "m", _p(0), _weight(8, 8), _p(2), -1, 8, 8, 0)
+    _refused(TypeError, "m", _p(0), _weight(8, 8), _p(2), 4.0, 8, 8, 0)
+
+
+def test_null_kernel_and_unknown_path_refused():
+    gpu = RecordingBackend()
+    with pytest.raises(ValueError, match="kernel"):
+        dense_gemm_bf16_pipelined(gpu, KernelHandle(0), _p(0), _weight(8, 8), _p(2), 4, 8, 8, 0)
+    _refused(ValueError, "path", _p(0), _weight(8, 8), _p(2), 4, 8, 8, 0, path="cublas")
+    assert gpu.launches == []
+
+
+@pytest.mark.parametrize("m, n, k", [(0, 8, 8), (4, 0, 8), (4, 8, 0), (0, 0, 0)])
+def test_zero_sizes_launch_nothing(m, n, k):
+    gpu = RecordingBackend()
+    kern = gpu.kernel("gemm", gemm.KERNEL)
+    dense_gemm_bf16_pipelined(gpu, kern, _p(0), _weight(n, k), _p(2), m, n, k, 0)
+    assert gpu.launches == [] and gpu.ops == []
+
+
+# -- GPU helpers -------------------------------------------------------------------------------
+def bf16_ulp(x: np.ndarray) -> np.ndarray:
+    """Spacing of bf16 values at |x| (8 significant bits; subnormal spacing below 2^-126)."""
+    x = np.maximum(np.abs(np.asarray(x, np.float64)), 2.0**-126)
+    return 2.0 ** (np.floor(np.log2(x)) - 7)
+
+
+def check_gemm(a: np.ndarray, w: np.ndarray, got: np.ndarray) -> None:
+    """Elementwise within the accumulation-order tolerance of ``gemm_bf16``, and close to fp64."""
+    g = got.astype(np.float64)
+    assert np.isfinite(g).all(), f"{(~np.isfinite(g)).sum()} unwritten (poisoned) or non-finite outputs"
+    ref = gemm_bf16(a, w).astype(np.float64)
+    k = a.shape[1]
+    s = np.abs(a.astype(np.float32)) @ np.abs(w.astype(np.float32)).T
+    tol = 2 * bf16_ulp(ref) + 2 * k * 2.0**-23 * s.astype(np.float64)
+    err = np.abs(g - ref)
+    bad = err > tol
+    if bad.any():
+        i, j = np.unravel_index(np.argmax(err / tol), err.shape)
+        raise AssertionError(f"{bad.sum()} of {bad.size} outside tolerance; worst at ({i}, {j}): "
+                             f"gpu {g[i, j]!r}, ref {ref[i, j]!r}, tol {tol[i, j]!r}")
+    ideal = gemm_fp64(a, w)
+    rel = np.linalg.norm(g - ideal) / np.linalg.norm(ideal)
+    assert rel < 1e-2, rel
+
+
+def run_gemm(gpu, rng, a: np.ndarray, w: np.ndarray, *, path: str | None = None,
+             ab_misalign: int = 0, c_misalign: int = 0) -> np.ndarray:
+    """c = a @ w^T through the launcher with guarded, poisoned buffers; checks the guards."""
+    (m, k), n = a.shape, w.shape[0]
+    kern = gpu.kernel("gemm", gemm.KERNEL)
+    with Guarded(gpu, (m, k), BF16, rng, ab_misalign) as ga, \
+         Guarded(gpu, (n, k), BF16, rng, ab_misalign) as gw, \
+         Guarded(gpu, (m, n), BF16, rng, c_misalign) as gc:
+        ga.upload(a)
+        gw.upload(w)
+        gc.poison()
+        dense_gemm_bf16_pipelined(gpu, kern, ga.ptr, DenseWeight(gw.ptr, (n, k), BF16), gc.ptr,
+                                  m, n, k, 0, path=path)
+        got = gc.read()
+        gc.assert_guards_intact()
+        ga.assert_guards_intact()
+        gw.assert_guards_intact()
+        np.testing.assert_array_equal(bits(ga.read()), bits(a))  # inputs untouched
+        np.testing.assert_array_equal(bits(gw.read()), bits(w))
+    return got
+
+
+# -- GPU: the whole size grid, default path --------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [1, 7, 256, 4096])
+@pytest.mark.parametrize("n", [1, 8, 100, 4096])
+@pytest.mark.parametrize("m", [1, 3, 17, 64, 128, 1000])
+def test_gemm_matches_reference(gpu, rng, m, n, k):
+    a, w = random_bf16(rng, (m, k)), random_bf16(rng, (n, k))
+    check_gemm(a, w, run_gemm(gpu, rng, a, w))
+
+
+# -- GPU: every path forced, aligned and not ---------------------------------------------------
+FORCED_SHAPES = [(1, 1, 1), (3, 100, 7), (17, 264, 264), (64, 257, 1000), (130, 300, 520),
+                 (1000, 520, 72), (257, 4096, 256)]
+ALIGNMENTS = {"aligned": (0, 0), "c_off2": (0, 2), "all_off2": (2, 2), "ab_off8": (8, 0)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("alignment", sorted(ALIGNMENTS))
+@pytest.mark.parametrize("m, n, k", FORCED_SHAPES)
+@pytest.mark.parametrize("path", [None, *gemm.PATHS])
+def test_every_path_matches_reference(gpu, rng, path, m, n, k, alignment):
+    ab_off, c_off = ALIGNMENTS[alignment]
+    a, w = random_bf16(rng, (m, k)), random_bf16(rng, (n, k))
+    check_gemm(a, w, run_gemm(gpu, rng, a, w, path=path, ab_misalign=ab_off, c_misalign=c_off))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, n, k", [(1, 40, 7), (5, 72, 4096), (64, 96, 1032), (200, 264, 2048),
+                                     (129, 257, 4104)])
+@pytest.mark.parametrize("path", [None, *gemm.PATHS])
+def test_exact_sums_are_bit_exact(gpu, rng, path, m, n, k):
+    """Integers in [-8, 8]: every partial sum is an integer below 2^24, exact in fp32 in any
+    order, so the one bf16 rounding (nearest even) must agree bit for bit."""
+    a = rng.integers(-8, 9, (m, k)).astype(np.float32).astype(BF16)
+    w = rng.integers(-8, 9, (n, k)).astype(np.float32).astype(BF16)
+    got = run_gemm(gpu, rng, a, w, path=path)
+    np.testing.assert_array_equal(bits(got), bits(gemm_bf16(a, w)))
+
+
+@pytest.mark.gpu
+def test_bf16_rounding_is_nearest_even(gpu, rng):
+    """k = 1: c = bf16(a * w) exactly; products with many low bits exercise every rounding case."""
+    m, n = 64, 4096
+    a, w = random_bf16(rng, (m, 1)), random_bf16(rng, (n, 1))
+    for path in (None, "tiled_64x64", "wgmma", "simt"):
+        got = run_gemm(gpu, rng, a, w, path=path)
+        np.testing.assert_array_equal(bits(got), bits(gemm_bf16(a, w)), err_msg=str(path))
+
+
+# -- GPU: the contract's kernel launched by others, with their own launch shapes -------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, n, k", [(16, 300, 264), (200, 300, 72)])
+@pytest.mark.parametrize("grid, block, smem", [
+    ((1, 1, 1), (256, 1, 1), "plan"),     # one CTA loops over every work item
+    ((7, 3, 2), (256, 1, 1), "plan"),     # a 3-D grid, unrelated to the work
+    ((5, 1, 1), (128, 1, 1), 0),          # another block size: scalar fallback
+    ((3, 1, 1), (256, 1, 1), 0),          # no shared memory: scalar fallback
+    ((2, 1, 1), (32, 2, 2), 1024),
+])
+def test_pipelined_kernel_correct_for_any_launch(gpu, rng, m, n, k, grid, block, smem):
+    a, w = random_bf16(rng, (m, k)), random_bf16(rng, (n, k))
+    kern = gpu.kernel("gemm", gemm.KERNEL)
+    shared = gemm.plan(m, n, k).shared_mem if smem == "plan" else smem
+    with Guarded(gpu, (m, k), BF16, rng) as ga, Guarded(gpu, (n, k), BF16, rng) as gw, \
+         Guarded(gpu, (m, n), BF16, rng) as gc:
+        ga.upload(a)
+        gw.upload(w)
+        gc.poison()
+        (KernelLaunch(gpu, kern).grid(list(grid)).block(list(block)).shared_mem(shared)
+         .arg_ptr(ga.ptr).arg_ptr(gw.ptr).arg_ptr(gc.ptr).arg_u32(m).arg_u32(n).arg_u32(k).launch(0))
+        got = gc.read()
+        gc.assert_guards_intact()
+    check_gemm(a, w, got)
+
+
+# -- GPU: zero sizes write nothing -----------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, n, k", [(0, 8, 16), (4, 0, 16), (4, 8, 0)])
+def test_zero_sizes_leave_c_untouched(gpu, rng, m, n, k):
+    kern = gpu.kernel("gemm", gemm.KERNEL)
+    before = random_bf16(rng, (4, 8))
+    with Guarded(gpu, (4, 16), BF16, rng) as ga, Guarded(gpu, (8, 16), BF16, rng) as gw, \
+         Guarded(gpu, (4, 8), BF16, rng) as gc:
+        ga.upload(random_bf16(rng, (4, 16)))
+        gw.upload(random_bf16(rng, (8, 16)))
+        gc.upload(before)
+        dense_gemm_bf16_pipelined(gpu, kern, ga.ptr, DenseWeight(gw.ptr, (n, k), BF16), gc.ptr,
+                                  m, n, k, 0)
+        gpu.synchronize()
+        np.testing.assert_array_equal(bits(gc.read()), bits(before))
+        gc.assert_guards_intact()

@@ -49,7 +49,7 @@ def cuda_core_launcher(gpu: CudaBackend, out: int, x: int):
     kernel = Program(source, code_type="c++", options=opts).compile("cubin").get_kernel("bf16_scaled_add")
     stream = dev.create_stream()
     config = LaunchConfig(grid=1, block=256)
-    args = (ctypes.c_void_p(out), ctypes.c_void_p(x), ctypes.c_float(0.5), ctypes.c_uint32(N))
+    args = (np.uint64(out), np.uint64(x), np.float32(0.5), np.uint32(N))  # pointers as 8-byte ints
 
     def go(i: int) -> None:
         launch(stream, config, kernel, *args)

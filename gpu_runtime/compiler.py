@@ -29,7 +29,9 @@ from .errors import NvrtcError
 CACHE_SCHEMA = 1
 _MAGIC = b"GRTCACHE"
 _INCLUDE = re.compile(r'^\s*#\s*include\s*([<"])([^>"]+)[>"]', re.M)
-BASE_OPTIONS: tuple[str, ...] = ("-std=c++17", "-lineinfo")
+# -default-device: NVRTC 13.0 treats an unannotated (generic) lambda inside a kernel as host code
+# and refuses it; nvcc and newer NVRTC infer __device__. Every function in kernels/ is device code.
+BASE_OPTIONS: tuple[str, ...] = ("-std=c++17", "-lineinfo", "-default-device")
 
 
 def kernel_dir() -> Path:

@@ -52,6 +52,77 @@ def gpu_time_ms(fn: Callable[[int], Any], *, stream: int = 0, warmup: int = 5, i
         ev.close()
 
 
+GATE_BYTES = 4 << 30  # a ~2 ms device copy: longer than the host takes to queue one batch
+
+
+class Gate:
+    """Holds a stream behind a large device copy on a side stream while a batch of launches is
+    queued, so that the batch then runs back to back and events time the GPU, not the host's
+    launch rate (which bounds any kernel of a few microseconds timed one launch at a time)."""
+
+    def __init__(self) -> None:
+        self.side = int(call(cu.cuStreamCreate, cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
+        self.src = int(call(cu.cuMemAlloc, GATE_BYTES))
+        self.dst = int(call(cu.cuMemAlloc, GATE_BYTES))
+        call(cu.cuMemsetD8Async, self.src, 0x11, GATE_BYTES, self.side)
+        self.event = call(cu.cuEventCreate, cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+
+    def hold(self, stream: int) -> None:
+        call(cu.cuMemcpyDtoDAsync, self.dst, self.src, GATE_BYTES, self.side)
+        call(cu.cuEventRecord, self.event, self.side)
+        call(cu.cuStreamWaitEvent, stream, self.event, 0)
+
+    def expired(self) -> bool:
+        """True when the copy had finished before the batch was queued (host time leaked in)."""
+        (err,) = cu.cuEventQuery(self.event)
+        return err == cu.CUresult.CUDA_SUCCESS
+
+    def close(self) -> None:
+        call(cu.cuStreamSynchronize, self.side)
+        cu.cuEventDestroy(self.event)
+        cu.cuMemFree(self.src)
+        cu.cuMemFree(self.dst)
+        cu.cuStreamDestroy(self.side)
+
+
+_gate: Gate | None = None
+
+
+def gate() -> Gate:
+    global _gate
+    if _gate is None:
+        _gate = Gate()
+    return _gate
+
+
+def gated_gpu_us(fn: Callable[[int], Any], *, stream: int = 0, batch: int = 16, warmup: int = 2,
+                 iters: int = 10) -> tuple[float, int]:
+    """(median GPU us per ``fn(i)`` run back to back behind a gate, measurements whose gate
+    expired). ``i`` counts calls, to rotate inputs. ``stream`` may be torch's current stream."""
+    ev, g = Events(), gate()
+    times, expired = [], 0
+    try:
+        for it in range(warmup + iters):
+            g.hold(stream)
+            call(cu.cuEventRecord, ev.start, stream)
+            for j in range(batch):
+                fn(it * batch + j)
+            call(cu.cuEventRecord, ev.stop, stream)
+            late = g.expired()
+            ms = ev.elapsed_ms()
+            if it >= warmup:
+                times.append(ms * 1e3 / batch)
+                expired += late
+    finally:
+        ev.close()
+    return statistics.median(times), expired
+
+
+def torch_stream() -> int:
+    """torch's current CUDA stream as a raw handle (to gate and time torch the same way)."""
+    return int(torch_or_none().cuda.current_stream().cuda_stream)
+
+
 def wall_time_us(fn: Callable[[int], Any], sync: Callable[[], Any], *, warmup: int = 20,
                  iters: int = 200) -> float:
     """Median host wall time per call of ``fn``, each call followed by ``sync``."""

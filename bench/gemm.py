@@ -16,8 +16,8 @@ import math
 import ml_dtypes
 import numpy as np
 
-from bench.common import (copy_bandwidth, gpu_time_ms, matmul_rate, print_table, torch_or_none,
-                          torch_time_ms)
+from bench.common import (copy_bandwidth, gated_gpu_us, matmul_rate, print_table, torch_or_none,
+                          torch_stream)
 from gpu_runtime import CudaBackend, DevicePtr
 from layers.ops import gemm
 from layers.ops.gemm import dense_gemm_bf16_pipelined
@@ -59,7 +59,7 @@ def _ours_ms(gpu: CudaBackend, m: int, n: int, k: int, sets: int, pool: np.ndarr
             a, w, c = runs[i % sets]
             dense_gemm_bf16_pipelined(gpu, kern, a, w, c, m, n, k, 0, path=path)
 
-        return gpu_time_ms(step)
+        return gated_gpu_us(step)[0] / 1e3
     finally:
         for ptr in bufs:
             gpu.free(ptr)
@@ -72,9 +72,10 @@ def _torch_ms(m: int, n: int, k: int, sets: int) -> float | None:
     xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
     ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
     try:
-        return torch_time_ms(lambda i: torch.nn.functional.linear(xs[i % sets], ws[i % sets]))
+        return gated_gpu_us(lambda i: torch.nn.functional.linear(xs[i % sets], ws[i % sets]),
+                            stream=torch_stream())[0] / 1e3
     finally:
-        del xs, ws
+        xs.clear(), ws.clear()
         torch.cuda.empty_cache()
 
 

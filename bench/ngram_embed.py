@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 
-import ml_dtypes
 import numpy as np
 
 from bench.common import (copy_bandwidth, gpu_time_ms, matmul_rate, print_table, torch_or_none,

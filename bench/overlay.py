@@ -16,17 +16,14 @@ forward. Each launch in a batch uses another of ``BATCH`` input sets (more bytes
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass
 from typing import Callable
 
 import ml_dtypes
 import numpy as np
-from cuda.bindings import driver as cu
 
-from bench.common import Events, copy_bandwidth, matmul_rate, print_table
+from bench.common import copy_bandwidth, gated_gpu_us, matmul_rate, print_table
 from gpu_runtime import CudaBackend, DevicePtr
-from gpu_runtime.driver import call
 from layers.ops.loading import try_kernel
 from layers.ops.token_overlay import OverlayKernels
 from layers.overlay import AdapterOverlay, OverlaySlots, TableOverlay
@@ -35,34 +32,6 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 H, TOKENS, ADAPTERS, OVERRIDES, VOCAB = 4096, 256, 4, 64, 131072
 BATCH = 32          # launches per measurement, one input set each
 ITERS, WARMUP = 15, 3
-GATE_BYTES = 4 << 30  # ~2 ms of copy on an H200: longer than queuing a batch
-
-
-class Gate:
-    """Holds a stream behind a device copy on a side stream while launches are queued."""
-
-    def __init__(self, gpu: CudaBackend) -> None:
-        self.gpu = gpu
-        self.side = gpu.create_stream()
-        self.src, self.dst = gpu.alloc(GATE_BYTES), gpu.alloc(GATE_BYTES)
-        gpu.memset(self.src, 0x11, GATE_BYTES)
-        self.event = call(cu.cuEventCreate, cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)
-
-    def hold(self, stream: int) -> None:
-        self.gpu.copy_d2d_async(self.dst, self.src, GATE_BYTES, self.side)
-        call(cu.cuEventRecord, self.event, self.side)
-        call(cu.cuStreamWaitEvent, stream, self.event, 0)
-
-    def expired(self) -> bool:
-        """True when the copy already finished: the host was slower than the gate."""
-        (err,) = cu.cuEventQuery(self.event)
-        return err == cu.CUresult.CUDA_SUCCESS
-
-    def close(self) -> None:
-        self.gpu.synchronize(self.side)
-        cu.cuEventDestroy(self.event)
-        self.gpu.free(self.src)
-        self.gpu.free(self.dst)
 
 
 @dataclass
@@ -71,25 +40,11 @@ class Timing:
     gate_expired: int       # measurements whose gate ran out before the batch was queued
 
 
-def batched_time(gpu: CudaBackend, gate: Gate, stream: int, launch: Callable[[int], None]) -> Timing:
+def batched_time(stream: int, launch: Callable[[int], None]) -> Timing:
     """Median GPU time of one ``launch(i)`` (i = input set), launches run back to back."""
-    ev = Events()
-    times, expired = [], 0
-    try:
-        for it in range(WARMUP + ITERS):
-            gate.hold(stream)
-            call(cu.cuEventRecord, ev.start, stream)
-            for i in range(BATCH):
-                launch(i)
-            call(cu.cuEventRecord, ev.stop, stream)
-            late = gate.expired()
-            ms = ev.elapsed_ms()
-            if it >= WARMUP:
-                times.append(ms * 1e3 / BATCH)
-                expired += late
-    finally:
-        ev.close()
-    return Timing(statistics.median(times), expired)
+    us, expired = gated_gpu_us(lambda i: launch(i % BATCH), stream=stream, batch=BATCH,
+                               warmup=WARMUP, iters=ITERS)
+    return Timing(us, expired)
 
 
 @dataclass
@@ -150,7 +105,6 @@ def main() -> None:
     stream = gpu.create_stream()
     owned: list[DevicePtr] = []
     copy_bw = copy_bandwidth(gpu)
-    gate = Gate(gpu)
     sets = [make_set(gpu, rng, kernels, owned, stream) for _ in range(BATCH)]
     table = gpu.alloc(VOCAB * H * 2)  # the served embedding (1 GiB); contents irrelevant
     owned.append(table)
@@ -177,19 +131,19 @@ def main() -> None:
     copy_bytes = TOKENS * 2 * row_bytes            # every token: read its row, write it
     gather_bytes = TOKENS * (4 + 2 * row_bytes)
     timings: dict[str, Timing] = {
-        "embed overlay, no token overridden": batched_time(gpu, gate, stream,
+        "embed overlay, no token overridden": batched_time(stream,
                                                            embed_overlay(lambda s: s.ids_miss)),
-        "embed overlay, every token overridden": batched_time(gpu, gate, stream,
+        "embed overlay, every token overridden": batched_time(stream,
                                                               embed_overlay(lambda s: s.ids_hit)),
     }
     if gather is not None:
         hit = embed_overlay(lambda s: s.ids_hit)
-        timings["batched_embed gather"] = batched_time(gpu, gate, stream, gather)
+        timings["batched_embed gather"] = batched_time(stream, gather)
 
         def both(i: int) -> None:
             gather(i)
             hit(i)
-        timings["gather + overlay (every token)"] = batched_time(gpu, gate, stream, both)
+        timings["gather + overlay (every token)"] = batched_time(stream, both)
 
     rows = []
     gather_us = timings["batched_embed gather"].us if "batched_embed gather" in timings else None
@@ -214,7 +168,7 @@ def main() -> None:
     rows = []
     for dtype, name, logits_of in ((BF16, "lmhead overlay bf16", lambda s: s.logits_bf16),
                                    (np.dtype(np.float32), "lmhead overlay f32", lambda s: s.logits_f32)):
-        t = batched_time(gpu, gate, stream, lmhead(dtype, logits_of))
+        t = batched_time(stream, lmhead(dtype, logits_of))
         unique = TOKENS * row_bytes + ADAPTERS * OVERRIDES * (row_bytes + 4) + TOKENS * 4 \
             + pairs * dtype.itemsize
         l2_reads = pairs * 2 * row_bytes            # each warp reads its hidden row and its override row
@@ -232,7 +186,6 @@ def main() -> None:
           "gate copy ran: those include host time.")
 
     gpu.synchronize(stream)
-    gate.close()
     for s in sets:
         s.slots.close(stream)
     for ptr in owned:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from .gpu import GpuBackend, KernelHandle
+from .gpu import DevicePtr, GpuBackend, KernelHandle
 
 _U32 = 1 << 32
 _U64 = 1 << 64
@@ -61,11 +61,25 @@ class KernelLaunch:
         """The seed's spelling, ``KernelLaunch::new(gpu, kernel)``."""
         return cls(gpu, kernel)
 
+    # Each setter has a fast path for plain in-range ints (the common case, a few hundred ns
+    # cheaper) and falls back to the general conversion and checks, which also phrase errors.
     def grid(self, dims: Sequence[int]) -> "KernelLaunch":
+        if len(dims) == 3:
+            x, y, z = dims
+            if (type(x) is int and type(y) is int and type(z) is int
+                    and 0 < x <= 2147483647 and 0 < y <= 65535 and 0 < z <= 65535):
+                self._grid = (x, y, z)
+                return self
         self._grid = _dims(dims, _GRID_MAX, "grid")
         return self
 
     def block(self, dims: Sequence[int]) -> "KernelLaunch":
+        if len(dims) == 3:
+            x, y, z = dims
+            if (type(x) is int and type(y) is int and type(z) is int
+                    and 0 < x and 0 < y and 0 < z <= 64 and x * y * z <= 1024):
+                self._block = (x, y, z)
+                return self
         block = _dims(dims, _BLOCK_MAX, "block")
         if block[0] * block[1] * block[2] > 1024:
             raise ValueError(f"block {list(block)}: more than 1024 threads")
@@ -88,9 +102,17 @@ class KernelLaunch:
         return self
 
     def arg_ptr(self, ptr: int) -> "KernelLaunch":
+        if type(ptr) is DevicePtr:  # in range by construction
+            self._kinds += "P"
+            self._args.append(ptr)
+            return self
         return self._push_int("P", ptr, 0, _U64, "pointer")
 
     def arg_u32(self, value: int) -> "KernelLaunch":
+        if type(value) is int and 0 <= value < _U32:
+            self._kinds += "U"
+            self._args.append(value)
+            return self
         return self._push_int("U", value, 0, _U32, "u32")
 
     def arg_i32(self, value: int) -> "KernelLaunch":
@@ -100,6 +122,10 @@ class KernelLaunch:
         return self._push_int("L", value, 0, _U64, "u64")
 
     def arg_f32(self, value: float) -> "KernelLaunch":
+        if type(value) is float and -3.4028234663852886e38 <= value <= 3.4028234663852886e38:
+            self._kinds += "F"
+            self._args.append(value)
+            return self
         if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
             raise TypeError(f"argument {len(self._args)}: f32 needs a real number, got {value!r}")
         value = float(value)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from collections import deque
 
 from cuda.bindings import driver as cu
 
@@ -27,7 +28,7 @@ class PinnedStaging:
 
     def __init__(self) -> None:
         self._free: dict[int, list[int]] = {}
-        self._busy: list[tuple[int, int, int]] = []  # (event, size class, host pointer)
+        self._busy: deque[tuple[int, int, int]] = deque()  # (event, size class, host), oldest first
         self._events: list[int] = []
         self._owned: list[int] = []
         self._lock = threading.Lock()
@@ -65,17 +66,20 @@ class PinnedStaging:
         return host
 
     def _reclaim(self) -> None:
-        still_busy = []
-        for event, cls, host in self._busy:
+        """Free the buffers whose copies are done, oldest first, stopping at the first pending
+        one: uploads complete in issue order on a stream, so this costs O(1) per upload (a
+        buffer behind a slower stream's pending copy just waits for a later reclaim)."""
+        busy = self._busy
+        while busy:
+            event, cls, host = busy[0]
             (err,) = cu.cuEventQuery(event)
             if err == cu.CUresult.CUDA_ERROR_NOT_READY:
-                still_busy.append((event, cls, host))
-                continue
+                return
             if err:
                 call(cu.cuEventQuery, event)  # raises with the CUresult named
+            busy.popleft()
             self._events.append(event)
             self._free.setdefault(cls, []).append(host)
-        self._busy = still_busy
 
     def close(self) -> None:
         """Free every buffer and event; the caller has synchronised the context first."""

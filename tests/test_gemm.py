@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import re
 
-import ml_dtypes
 import numpy as np
 import pytest
 

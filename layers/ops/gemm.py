@@ -16,6 +16,8 @@ Paths:
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from dataclasses import dataclass
 
 from gpu_runtime import GpuBackend, KernelHandle, KernelLaunch
@@ -124,6 +126,7 @@ def wgmma_available(gpu: GpuBackend) -> bool:
     return WGMMA_AUTO and getattr(gpu, "target", None) == "sm_90a"
 
 
+@lru_cache(maxsize=4096)  # pure in its arguments; a decode loop asks for the same few shapes
 def plan(m: int, n: int, k: int, path: str | None = None, *, wgmma: bool = False) -> GemmPlan:
     """The launch for ``c[m,n] = a[m,k] @ w[n,k]^T`` (all sizes >= 1).
 

@@ -6,6 +6,7 @@ ARCH ?=
 LOG_DIR ?= .logs
 BENCHES ?= launch kernels overlay ngram_embed
 SANITIZERS ?= memcheck racecheck initcheck synccheck
+SANITIZE_TESTS ?= tests
 
 .PHONY: kernels test bench gpu-check sanitize
 
@@ -30,6 +31,6 @@ sanitize:
 	@for tool in $(SANITIZERS); do \
 	  echo "== compute-sanitizer --tool $$tool"; \
 	  compute-sanitizer --tool $$tool --error-exitcode 99 --print-limit 20 \
-	    $(PYTHON) -m pytest -q -m gpu -p no:cacheprovider 2>&1 | tee $(LOG_DIR)/sanitize-$$tool.log \
+	    $(PYTHON) -m pytest -q -m gpu -p no:cacheprovider $(SANITIZE_TESTS) 2>&1 | tee $(LOG_DIR)/sanitize-$$tool.log \
 	    || exit 1; \
 	done

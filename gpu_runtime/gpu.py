@@ -283,18 +283,25 @@ class CudaBackend(GpuBackend):
 
     @staticmethod
     def _param_layout(kernel: int) -> list[tuple[int, int]] | None:
-        """(offset, size) of each parameter from ``cuFuncGetParamInfo`` (CUDA 12.4+)."""
+        """(offset, size) of each parameter from the driver (CUDA 12.4+), None where the driver
+        cannot say. With ``cuFuncGetParamCount`` (CUDA 13) no call is made past the last one."""
+        info = getattr(cu, "cuFuncGetParamInfo", None)
+        if info is None:
+            return None
+        count_fn = getattr(cu, "cuFuncGetParamCount", None)
+        count = None
+        if count_fn is not None:
+            err, value = count_fn(kernel)
+            count = None if err else int(value)
         layout: list[tuple[int, int]] = []
-        while True:
-            try:
-                err, offset, size = cu.cuFuncGetParamInfo(kernel, len(layout))
-            except AttributeError:
-                return None
-            if err == cu.CUresult.CUDA_ERROR_INVALID_VALUE:  # past the last parameter
-                return layout
+        while count is None or len(layout) < count:
+            err, offset, size = info(kernel, len(layout))
+            if err == cu.CUresult.CUDA_ERROR_INVALID_VALUE and count is None:
+                return layout  # probed past the last parameter
             if err:
                 return None
             layout.append((int(offset), int(size)))
+        return layout
 
     def launch(self, kernel: KernelHandle, grid: tuple[int, int, int], block: tuple[int, int, int],
                shared_mem: int, stream: int, kinds: str, args: Sequence[int | float]) -> None:

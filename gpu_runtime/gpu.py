@@ -284,15 +284,17 @@ class CudaBackend(GpuBackend):
     @staticmethod
     def _param_layout(kernel: int) -> list[tuple[int, int]] | None:
         """(offset, size) of each parameter from the driver (CUDA 12.4+), None where the driver
-        cannot say. With ``cuFuncGetParamCount`` (CUDA 13) no call is made past the last one."""
+        cannot say. Where the driver has ``cuFuncGetParamCount`` no call goes past the last one;
+        elsewhere the end is found by probing (one CUDA_ERROR_INVALID_VALUE, once per kernel)."""
         info = getattr(cu, "cuFuncGetParamInfo", None)
         if info is None:
             return None
-        count_fn = getattr(cu, "cuFuncGetParamCount", None)
         count = None
-        if count_fn is not None:
-            err, value = count_fn(kernel)
+        try:  # the bindings may know it while the driver (13.0) does not: RuntimeError
+            err, value = cu.cuFuncGetParamCount(kernel)
             count = None if err else int(value)
+        except (AttributeError, RuntimeError):
+            pass
         layout: list[tuple[int, int]] = []
         while count is None or len(layout) < count:
             err, offset, size = info(kernel, len(layout))

@@ -251,3 +251,26 @@ def test_kernel_dir_env_override(monkeypatch, tmp_path):
     monkeypatch.delenv("GPU_RUNTIME_KERNEL_DIR")
     assert (compiler.kernel_dir() / "common.cuh").is_file()
     assert os.path.isdir(compiler.kernel_dir())
+
+
+def test_param_layout_without_driver_param_count(monkeypatch):
+    """Bindings newer than the driver: cuFuncGetParamCount raises; the layout is probed."""
+    from cuda.bindings import driver as cu
+
+    from gpu_runtime.gpu import CudaBackend
+
+    def missing(kernel):
+        raise RuntimeError('Function "cuFuncGetParamCount" not found')
+
+    layout = [(0, 8), (8, 4), (12, 4)]
+
+    def info(kernel, i):
+        if i < len(layout):
+            return (cu.CUresult.CUDA_SUCCESS, *layout[i])
+        return (cu.CUresult.CUDA_ERROR_INVALID_VALUE, None, None)
+
+    monkeypatch.setattr(cu, "cuFuncGetParamCount", missing, raising=False)
+    monkeypatch.setattr(cu, "cuFuncGetParamInfo", info)
+    assert CudaBackend._param_layout(1) == layout
+    monkeypatch.setattr(cu, "cuFuncGetParamCount", lambda k: (cu.CUresult.CUDA_SUCCESS, 2), raising=False)
+    assert CudaBackend._param_layout(1) == layout[:2]

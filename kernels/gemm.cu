@@ -165,6 +165,20 @@ struct Flag {
 
 // One 16-byte slot of shared memory <- elements kk .. kk+7 of `row`, or zeros when !ok.
 // Fast: cp.async (src-size 0 zero-fills and reads nothing; `row` is then any valid address).
+// Row pointers of `kLoads` rows row0, row0 + stride, ... of a K-major operand, and whether each
+// row exists (a missing row reads row 0 with a zero-fill predicate, never past the operand).
+template <uint32_t kLoads>
+__device__ __forceinline__ void row_sources(const bf16* base, uint32_t row0, uint32_t stride,
+                                            uint32_t rows, uint32_t k, const bf16* (&src)[kLoads],
+                                            bool (&ok)[kLoads]) {
+#pragma unroll
+    for (uint32_t i = 0; i < kLoads; ++i) {
+        const uint32_t r = row0 + i * stride;
+        ok[i] = r < rows;
+        src[i] = base + static_cast<uint64_t>(ok[i] ? r : 0) * k;
+    }
+}
+
 template <bool kFast>
 __device__ __forceinline__ void load_slot(uint32_t dst, const bf16* row, bool ok, uint32_t kk,
                                           uint32_t k) {
@@ -257,12 +271,7 @@ __device__ __forceinline__ void small_m_gemm(const bf16* a, const bf16* w, bf16*
         }
         const bf16* asrc[NT];
         bool aok[NT];
-#pragma unroll
-        for (uint32_t j = 0; j < NT; ++j) {
-            const uint32_t r = row0 + 8 * j + g;
-            aok[j] = r < m;
-            asrc[j] = a + static_cast<uint64_t>(aok[j] ? r : 0) * k;
-        }
+        row_sources(a, row0 + g, 8, m, k, asrc, aok);
         auto load_as = [&](auto flag, uint32_t stage, uint32_t chunk) {
             constexpr bool kFast = decltype(flag)::value;
             const uint32_t kk = chunk * kSmallChunk + 8 * t;
@@ -415,20 +424,10 @@ __device__ __forceinline__ void tiled_gemm(const bf16* a, const bf16* w, bf16* c
         const uint32_t m0 = static_cast<uint32_t>(tm) * BM, n0 = static_cast<uint32_t>(tn) * BN;
         const bf16* asrc[kALoads];
         bool aok[kALoads];
-#pragma unroll
-        for (uint32_t i = 0; i < kALoads; ++i) {
-            const uint32_t r = m0 + ld_row + i * kRowsPerPass;
-            aok[i] = r < m;
-            asrc[i] = a + static_cast<uint64_t>(aok[i] ? r : 0) * k;
-        }
+        row_sources(a, m0 + ld_row, kRowsPerPass, m, k, asrc, aok);
         const bf16* bsrc[kBLoads];
         bool bok[kBLoads];
-#pragma unroll
-        for (uint32_t i = 0; i < kBLoads; ++i) {
-            const uint32_t r = n0 + ld_row + i * kRowsPerPass;
-            bok[i] = r < n;
-            bsrc[i] = w + static_cast<uint64_t>(bok[i] ? r : 0) * k;
-        }
+        row_sources(w, n0 + ld_row, kRowsPerPass, n, k, bsrc, bok);
         auto load_as = [&](auto flag, uint32_t stage, uint32_t kt) {
             constexpr bool kFast = decltype(flag)::value;
             const uint32_t kk = kt * kTileK + ld_ch * 8;
@@ -614,20 +613,10 @@ __device__ __forceinline__ void wgmma_gemm(const bf16* a, const bf16* w, bf16* c
         const uint32_t m0 = static_cast<uint32_t>(tm) * kWgBM, n0 = static_cast<uint32_t>(tn) * kWgBN;
         const bf16* asrc[kALoads];
         bool aok[kALoads];
-#pragma unroll
-        for (uint32_t i = 0; i < kALoads; ++i) {
-            const uint32_t r = m0 + ld_row + i * kRowsPerPass;
-            aok[i] = r < m;
-            asrc[i] = a + static_cast<uint64_t>(aok[i] ? r : 0) * k;
-        }
+        row_sources(a, m0 + ld_row, kRowsPerPass, m, k, asrc, aok);
         const bf16* bsrc[kBLoads];
         bool bok[kBLoads];
-#pragma unroll
-        for (uint32_t i = 0; i < kBLoads; ++i) {
-            const uint32_t r = n0 + ld_row + i * kRowsPerPass;
-            bok[i] = r < n;
-            bsrc[i] = w + static_cast<uint64_t>(bok[i] ? r : 0) * k;
-        }
+        row_sources(w, n0 + ld_row, kRowsPerPass, n, k, bsrc, bok);
         auto load_as = [&](auto flag, uint32_t stage, uint32_t kt) {
             constexpr bool kFast = decltype(flag)::value;
             const uint32_t kk = kt * kWgBK + ld_ch * 8;

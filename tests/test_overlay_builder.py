@@ -17,6 +17,7 @@ from layers.overlay import (AdapterOverlay, OverlaySlots, TableOverlay, build_ov
                             overlay_from_trainable_tokens)
 from layers.ops.token_overlay import OverlayKernels
 from layers.weight_map import DenseWeight
+from tests.helpers import bits, random_bf16
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
@@ -104,10 +105,6 @@ class MemGpu(GpuBackend):
             self.copy_h2d_async(rowdiff_ref(a, b, thresh), flags)
 
 
-def bf16_table(rng, shape) -> np.ndarray:
-    return rng.standard_normal(shape).astype(BF16)
-
-
 def adapter_copy(rng, served: np.ndarray, rows: Sequence[int], scale: float = 1.0) -> np.ndarray:
     """``served`` with ``rows`` replaced by fresh random rows."""
     out = served.copy()
@@ -115,33 +112,29 @@ def adapter_copy(rng, served: np.ndarray, rows: Sequence[int], scale: float = 1.
     return out
 
 
-def bits(a: np.ndarray) -> np.ndarray:
-    return np.asarray(a).view(np.uint16 if a.dtype == BF16 else np.uint32)
-
-
 # -- CPU: TableOverlay and the trainable-tokens form ---------------------------------------------
 
 def test_table_overlay_sorts_and_validates(rng):
-    rows = bf16_table(rng, (4, 5))
+    rows = random_bf16(rng, (4, 5))
     t = TableOverlay.of([9, 2, 7, 0], rows, vocab=10)
     np.testing.assert_array_equal(t.ids, [0, 2, 7, 9])
     np.testing.assert_array_equal(bits(t.rows), bits(rows[[3, 1, 2, 0]]))
     assert t.ids.dtype == np.int32 and (t.n, t.h) == (4, 5)
     assert not t.ids.flags.writeable and not t.rows.flags.writeable
     with pytest.raises(ValueError, match="duplicate"):
-        TableOverlay.of([1, 2, 1], bf16_table(rng, (3, 5)))
+        TableOverlay.of([1, 2, 1], random_bf16(rng, (3, 5)))
     with pytest.raises(ValueError, match="negative"):
-        TableOverlay.of([1, -2], bf16_table(rng, (2, 5)))
+        TableOverlay.of([1, -2], random_bf16(rng, (2, 5)))
     with pytest.raises(ValueError, match="vocab"):
-        TableOverlay.of([1, 10], bf16_table(rng, (2, 5)), vocab=10)
+        TableOverlay.of([1, 10], random_bf16(rng, (2, 5)), vocab=10)
     with pytest.raises(ValueError, match="rows"):
-        TableOverlay.of([1, 2, 3], bf16_table(rng, (2, 5)))
+        TableOverlay.of([1, 2, 3], random_bf16(rng, (2, 5)))
     with pytest.raises(ValueError):
         TableOverlay.of([1], np.zeros(5, BF16))
     with pytest.raises(TypeError):
         TableOverlay.of([1], np.zeros((1, 5), np.int32))
     with pytest.raises(ValueError, match="sorted"):
-        TableOverlay(np.array([3, 1], np.int32), bf16_table(rng, (2, 5)))
+        TableOverlay(np.array([3, 1], np.int32), random_bf16(rng, (2, 5)))
     assert TableOverlay.empty(8).n == 0 and TableOverlay.empty(8).h == 8
 
 
@@ -152,7 +145,7 @@ def test_trainable_tokens_forms(rng):
     np.testing.assert_array_equal(ov.embed.ids, [1, 3, 5])
     np.testing.assert_array_equal(bits(ov.embed.rows), bits(emb[[1, 2, 0]].astype(BF16)))
     assert ov.lm_head is ov.embed
-    lm = bf16_table(rng, (3, 6))
+    lm = random_bf16(rng, (3, 6))
     ov2 = overlay_from_trainable_tokens(idx, emb, lm)
     np.testing.assert_array_equal(bits(ov2.lm_head.rows), bits(lm[[1, 2, 0]]))
     ov3 = overlay_from_trainable_tokens(idx, emb)
@@ -166,7 +159,7 @@ def test_trainable_tokens_forms(rng):
     with pytest.raises(ValueError):
         overlay_from_trainable_tokens(idx, emb[:2])
     with pytest.raises(ValueError, match="width"):
-        overlay_from_trainable_tokens(idx, emb, bf16_table(rng, (3, 7)))
+        overlay_from_trainable_tokens(idx, emb, random_bf16(rng, (3, 7)))
 
 
 # -- CPU: build_overlay on the host-memory backend -----------------------------------------------
@@ -176,7 +169,7 @@ def test_build_overlay_finds_rows(rng, device_adapter):
     gpu = MemGpu()
     k = OverlayKernels.new(gpu)
     vocab, h = 70, 12
-    served_e, served_l = bf16_table(rng, (vocab, h)), bf16_table(rng, (vocab, h))
+    served_e, served_l = random_bf16(rng, (vocab, h)), random_bf16(rng, (vocab, h))
     ad_e = adapter_copy(rng, served_e, [3, 4, 5, 40, 69])
     ad_l = adapter_copy(rng, served_l, [0, 17])
     se, sl = DenseWeight.from_numpy(gpu, served_e), DenseWeight.from_numpy(gpu, served_l)
@@ -200,7 +193,7 @@ def test_build_overlay_finds_rows(rng, device_adapter):
 def test_build_overlay_threshold(rng):
     gpu = MemGpu()
     k = OverlayKernels.new(gpu)
-    served = bf16_table(rng, (20, 8))
+    served = random_bf16(rng, (20, 8))
     ad = served.copy()
     ad[2, 1] = np.float32(ad[2, 1]) + np.float32(0.5)   # small change
     ad[9] = (rng.standard_normal(8) * 10).astype(BF16)  # big change
@@ -213,7 +206,7 @@ def test_build_overlay_threshold(rng):
 def test_build_overlay_refusals(rng):
     gpu = MemGpu()
     k = OverlayKernels.new(gpu)
-    served = bf16_table(rng, (10, 4))
+    served = random_bf16(rng, (10, 4))
     se = DenseWeight.from_numpy(gpu, served)
     live = set(gpu.mem)
     with pytest.raises(KernelNotFoundError, match="overlay"):
@@ -222,9 +215,9 @@ def test_build_overlay_refusals(rng):
     with pytest.raises(KernelNotFoundError):
         build_overlay(gpu, no_lm, se, None, se, served)
     with pytest.raises(ValueError, match="shape"):
-        build_overlay(gpu, k, se, bf16_table(rng, (10, 5)))
+        build_overlay(gpu, k, se, random_bf16(rng, (10, 5)))
     with pytest.raises(ValueError, match="shape"):
-        build_overlay(gpu, k, se, bf16_table(rng, (11, 4)))
+        build_overlay(gpu, k, se, random_bf16(rng, (11, 4)))
     with pytest.raises(ValueError, match="served"):
         build_overlay(gpu, k, None, served)
     with pytest.raises(ValueError, match="served"):
@@ -276,9 +269,9 @@ def check_slot_contents(gpu: MemGpu, slots: OverlaySlots, slot: int, ov: Adapter
 
 
 def random_overlay(rng, vocab: int, h: int, n_embed: int, n_lm: int | None) -> AdapterOverlay:
-    emb = TableOverlay.of(rng.choice(vocab, n_embed, replace=False), bf16_table(rng, (n_embed, h)))
+    emb = TableOverlay.of(rng.choice(vocab, n_embed, replace=False), random_bf16(rng, (n_embed, h)))
     lm = None if n_lm is None else TableOverlay.of(rng.choice(vocab, n_lm, replace=False),
-                                                   bf16_table(rng, (n_lm, h)))
+                                                   random_bf16(rng, (n_lm, h)))
     return AdapterOverlay(emb, lm)
 
 
@@ -348,9 +341,9 @@ def test_slots_refusals(rng):
     with pytest.raises(ValueError, match="width"):
         slots.load(0, random_overlay(rng, 30, 6, 3, None))
     with pytest.raises(ValueError, match="vocab"):
-        slots.load(0, AdapterOverlay(TableOverlay.of([3, 30], bf16_table(rng, (2, 5)))))
+        slots.load(0, AdapterOverlay(TableOverlay.of([3, 30], random_bf16(rng, (2, 5)))))
     with pytest.raises(ValueError, match="vocab"):
-        slots.load(0, AdapterOverlay(None, TableOverlay.of([31], bf16_table(rng, (1, 5)))))
+        slots.load(0, AdapterOverlay(None, TableOverlay.of([31], random_bf16(rng, (1, 5)))))
     slots.load(0, good)
     with pytest.raises(ValueError, match="width"):
         slots.replace(0, random_overlay(rng, 30, 4, 1, None))
@@ -475,7 +468,7 @@ def check_logits(got, ref, mask, init, abs_dot_max: float, h: int):
 def test_build_overlay_on_gpu(gpu, rng, device_adapter, h):
     k = OverlayKernels.new(gpu)
     vocab = 700
-    served_e, served_l = bf16_table(rng, (vocab, h)), bf16_table(rng, (vocab, h))
+    served_e, served_l = random_bf16(rng, (vocab, h)), random_bf16(rng, (vocab, h))
     changed_e = rng.choice(np.setdiff1d(np.arange(vocab), [5]), 37, replace=False)
     changed_l = rng.choice(vocab, 11, replace=False)
     ad_e, ad_l = adapter_copy(rng, served_e, changed_e), adapter_copy(rng, served_l, changed_l)
@@ -507,7 +500,7 @@ def test_build_overlay_on_gpu(gpu, rng, device_adapter, h):
 def _load_mixed_adapters(gpu, rng, k, vocab, h, slots):
     """Slot 0: built from full tables; 1: trainable tokens, tied; 2: trainable tokens, embedding
     only; 3: empty. Returns (served embed, served lm head, overlays per slot)."""
-    served_e, served_l = bf16_table(rng, (vocab, h)), bf16_table(rng, (vocab, h))
+    served_e, served_l = random_bf16(rng, (vocab, h)), random_bf16(rng, (vocab, h))
     se, sl = DenseWeight.from_numpy(gpu, served_e), DenseWeight.from_numpy(gpu, served_l)
     try:
         a = build_overlay(gpu, k, se, adapter_copy(rng, served_e, rng.choice(vocab, 40, replace=False)),
@@ -516,9 +509,9 @@ def _load_mixed_adapters(gpu, rng, k, vocab, h, slots):
         se.close()
         sl.close()
     idx = rng.choice(vocab, 25, replace=False)
-    b = overlay_from_trainable_tokens(idx, bf16_table(rng, (25, h)), tied=True, vocab=vocab)
+    b = overlay_from_trainable_tokens(idx, random_bf16(rng, (25, h)), tied=True, vocab=vocab)
     idx = rng.choice(vocab, 30, replace=False)
-    c = overlay_from_trainable_tokens(idx, bf16_table(rng, (30, h)), vocab=vocab)
+    c = overlay_from_trainable_tokens(idx, random_bf16(rng, (30, h)), vocab=vocab)
     d = AdapterOverlay(TableOverlay.empty(h), TableOverlay.empty(h))
     overlays = [a, b, c, d]
     for s, ov in enumerate(overlays):
@@ -553,7 +546,7 @@ def test_slots_end_to_end(gpu, rng, h):
 
         lm_rows, lm_ids, lm_n = lm_ref_tables(per_slot)
         m = 64
-        hidden = bf16_table(rng, (m, h))
+        hidden = random_bf16(rng, (m, h))
         seq = rng.integers(-1, 5, m).astype(np.int32)
         for dtype in (BF16, F32):
             ref, mask = logits_then_overlay_ref(hidden, served_l, seq, 0, lm_rows, lm_ids, lm_n,
@@ -572,11 +565,11 @@ def test_slots_end_to_end(gpu, rng, h):
 def test_evict_then_reuse_leaves_nothing(gpu, rng):
     k = OverlayKernels.new(gpu)
     vocab, h, slot = 80, 40, 1
-    a = overlay_from_trainable_tokens(np.arange(0, 40), bf16_table(rng, (40, h)), tied=True)
-    b = overlay_from_trainable_tokens(np.arange(30, 35), bf16_table(rng, (5, h)), tied=True)
+    a = overlay_from_trainable_tokens(np.arange(0, 40), random_bf16(rng, (40, h)), tied=True)
+    b = overlay_from_trainable_tokens(np.arange(30, 35), random_bf16(rng, (5, h)), tied=True)
     ids = np.arange(vocab, dtype=np.uint32)
-    table = bf16_table(rng, (vocab, h))
-    hidden = bf16_table(rng, (vocab, h))
+    table = random_bf16(rng, (vocab, h))
+    hidden = random_bf16(rng, (vocab, h))
     with OverlaySlots(gpu, 3, vocab, h, kernels=k) as slots, \
             DeviceArray.from_numpy(gpu, ids) as ids_dev, \
             DeviceArray.empty(gpu, (vocab, h), BF16) as out, \

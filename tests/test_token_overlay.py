@@ -5,17 +5,18 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import ml_dtypes
 import numpy as np
 import pytest
 
-from gpu_runtime import DeviceArray, DevicePtr, GpuBackend, KernelHandle, KernelNotFoundError
+from gpu_runtime import DeviceArray, DevicePtr, KernelHandle
 from gpu_runtime.signatures import module_signatures
 from layers.reference import embed_overlay_ref, lmhead_dot, lmhead_overlay_ref, rowdiff_ref
 from layers.ops.token_overlay import (OverlayKernels, embed_overlay_routed, embed_rowdiff,
                                       lmhead_overlay_routed)
+from tests.fakes import RecordingBackend
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 KERNEL_FILE = Path(__file__).resolve().parent.parent / "kernels" / "token_overlay.cu"
@@ -27,32 +28,15 @@ SIGNATURES = {
 }
 
 
-# -- CPU: a backend that records launches ----------------------------------------------------
+# -- CPU: launches recorded by tests.fakes.RecordingBackend ----------------------------------------
 
-class RecordingGpu(GpuBackend):
-    """Hands out kernel handles by name and records launches; no memory (the launchers need none)."""
+def _only_rowdiff() -> RecordingBackend:
+    """A backend whose token_overlay module has the rowdiff kernel and nothing else."""
+    return RecordingBackend(missing={("token_overlay", n) for n in SIGNATURES if n != "embed_rowdiff_bf16"})
 
-    def __init__(self, known: Sequence[str] = tuple(SIGNATURES)) -> None:
-        self.known = {name: KernelHandle(0x100 + i) for i, name in enumerate(known)}
-        self.names = {int(h): n for n, h in self.known.items()}
-        self.launches: list[dict[str, Any]] = []
 
-    def kernel(self, module: str, name: str) -> KernelHandle:
-        if module != "token_overlay" or name not in self.known:
-            raise KernelNotFoundError(f"{module}.{name}")
-        return self.known[name]
-
-    def launch(self, kernel, grid, block, shared_mem, stream, kinds, args) -> None:
-        self.launches.append(dict(name=self.names.get(int(kernel)), grid=grid, block=block,
-                                  shared=shared_mem, stream=stream, kinds=kinds, args=list(args)))
-
-    def alloc(self, nbytes): raise NotImplementedError
-    def free(self, ptr): raise NotImplementedError
-    def memset(self, ptr, byte, nbytes, stream=0): raise NotImplementedError
-    def copy_h2d_async(self, host, dst, stream=0): raise NotImplementedError
-    def copy_d2h(self, host_out, src, stream=0): raise NotImplementedError
-    def synchronize(self, stream=0): raise NotImplementedError
-    def create_stream(self): raise NotImplementedError
+def _name(gpu: RecordingBackend, launch) -> str:
+    return gpu.kernel_of(launch)[1]
 
 
 P = [DevicePtr(0x10000 * (i + 1)) for i in range(8)]
@@ -88,12 +72,12 @@ def test_kernel_signatures_are_specs():
 
 
 def test_overlay_kernels_new_and_default():
-    gpu = RecordingGpu()
+    gpu = RecordingBackend()
     k = OverlayKernels.new(gpu)
     assert (k.rowdiff, k.embed_overlay, k.lmhead_overlay_bf16, k.lmhead_overlay_f32) == tuple(
-        gpu.known[n] for n in SIGNATURES)
-    missing = OverlayKernels.new(RecordingGpu(known=["embed_rowdiff_bf16"]))
-    assert missing.rowdiff == gpu.known["embed_rowdiff_bf16"]
+        gpu.kernel("token_overlay", n) for n in SIGNATURES)
+    missing = OverlayKernels.new(_only_rowdiff())
+    assert missing.rowdiff == gpu.kernel("token_overlay", "embed_rowdiff_bf16")
     assert missing.embed_overlay == missing.lmhead_overlay_bf16 == missing.lmhead_overlay_f32 == 0
     d = OverlayKernels.default()
     assert d.rowdiff == d.embed_overlay == d.lmhead_overlay_bf16 == d.lmhead_overlay_f32 == 0
@@ -101,50 +85,50 @@ def test_overlay_kernels_new_and_default():
 
 
 def test_rowdiff_launch_matches_seed():
-    gpu = RecordingGpu()
+    gpu = RecordingBackend()
     k = OverlayKernels.new(gpu)
     _rowdiff(gpu, k.rowdiff, rows=513, h=33, thresh=0.25, stream=7)
     (rec,) = gpu.launches
-    assert rec["name"] == "embed_rowdiff_bf16"
-    assert (rec["grid"], rec["block"], rec["shared"], rec["stream"]) == ((3, 1, 1), (256, 1, 1), 0, 7)
-    assert rec["kinds"] == SIGNATURES["embed_rowdiff_bf16"]
-    assert rec["args"] == [P[0], P[1], P[2], 513, 33, 0.25]
+    assert _name(gpu, rec) == "embed_rowdiff_bf16"
+    assert (rec.grid, rec.block, rec.shared_mem, rec.stream) == ((3, 1, 1), (256, 1, 1), 0, 7)
+    assert rec.kinds == SIGNATURES["embed_rowdiff_bf16"]
+    assert rec.args == [P[0], P[1], P[2], 513, 33, 0.25]
 
 
 def test_embed_overlay_launch_matches_seed():
-    gpu = RecordingGpu()
+    gpu = RecordingBackend()
     k = OverlayKernels.new(gpu)
     _embed(gpu, k.embed_overlay, num_tokens=77, active=-3, h=4095, vocab=1000, stream=3)
     (rec,) = gpu.launches
-    assert rec["name"] == "embed_overlay_routed_bf16"
-    assert (rec["grid"], rec["block"], rec["shared"], rec["stream"]) == ((77, 1, 1), (256, 1, 1), 0, 3)
-    assert rec["kinds"] == SIGNATURES["embed_overlay_routed_bf16"]
-    assert rec["args"] == [P[0], P[1], -3, P[2], P[3], P[4], P[5], 4095, 1000]
+    assert _name(gpu, rec) == "embed_overlay_routed_bf16"
+    assert (rec.grid, rec.block, rec.shared_mem, rec.stream) == ((77, 1, 1), (256, 1, 1), 0, 3)
+    assert rec.kinds == SIGNATURES["embed_overlay_routed_bf16"]
+    assert rec.args == [P[0], P[1], -3, P[2], P[3], P[4], P[5], 4095, 1000]
 
 
 @pytest.mark.parametrize("which", ["lmhead_overlay_bf16", "lmhead_overlay_f32"])
 def test_lmhead_overlay_launch_matches_seed(which):
-    gpu = RecordingGpu()
+    gpu = RecordingBackend()
     k = getattr(OverlayKernels.new(gpu), which)
     _lmhead(gpu, k, m=6, max_n_override=9, h=64, vocab=131072, active=2, stream=5)
     (rec,) = gpu.launches
-    assert rec["name"] == {"lmhead_overlay_bf16": "lmhead_overlay_routed_bf16",
+    assert _name(gpu, rec) == {"lmhead_overlay_bf16": "lmhead_overlay_routed_bf16",
                            "lmhead_overlay_f32": "lmhead_overlay_routed_f32"}[which]
-    assert (rec["grid"], rec["block"], rec["shared"], rec["stream"]) == ((6, 9, 1), (32, 1, 1), 0, 5)
-    assert rec["kinds"] == SIGNATURES[rec["name"]]
-    assert rec["args"] == [P[0], P[1], 2, P[2], P[3], P[4], P[5], 64, 131072]
+    assert (rec.grid, rec.block, rec.shared_mem, rec.stream) == ((6, 9, 1), (32, 1, 1), 0, 5)
+    assert rec.kinds == SIGNATURES[_name(gpu, rec)]
+    assert rec.args == [P[0], P[1], 2, P[2], P[3], P[4], P[5], 64, 131072]
 
 
 def test_null_seq_slot_is_allowed():
-    gpu = RecordingGpu()
+    gpu = RecordingBackend()
     k = OverlayKernels.new(gpu)
     _embed(gpu, k.embed_overlay, seq_slot=0, active=1)
     _lmhead(gpu, k.lmhead_overlay_f32, seq_slot=DevicePtr(0), active=-1)
-    assert [r["args"][1:3] for r in gpu.launches] == [[0, 1], [0, -1]]
+    assert [r.args[1:3] for r in gpu.launches] == [[0, 1], [0, -1]]
 
 
 def test_zero_handle_hooks_launch_nothing():
-    gpu = RecordingGpu()
+    gpu = RecordingBackend()
     zero = OverlayKernels.default()
     _embed(gpu, zero.embed_overlay)
     _lmhead(gpu, zero.lmhead_overlay_bf16)
@@ -156,7 +140,7 @@ def test_zero_handle_hooks_launch_nothing():
 
 
 def test_zero_counts_are_noops():
-    gpu = RecordingGpu()
+    gpu = RecordingBackend()
     k = OverlayKernels.new(gpu)
     _rowdiff(gpu, k.rowdiff, rows=0, base=0, served=0, flags=0)
     _embed(gpu, k.embed_overlay, num_tokens=0, ids=0, out=0)
@@ -173,7 +157,7 @@ def test_zero_counts_are_noops():
     ("lmhead", "logits"),
 ])
 def test_null_required_pointer_refused_before_launch(launcher, ptr):
-    gpu = RecordingGpu()
+    gpu = RecordingBackend()
     k = OverlayKernels.new(gpu)
     call = {"rowdiff": (_rowdiff, k.rowdiff), "embed": (_embed, k.embed_overlay),
             "lmhead": (_lmhead, k.lmhead_overlay_bf16)}[launcher]
@@ -191,7 +175,7 @@ def test_null_required_pointer_refused_before_launch(launcher, ptr):
     ("lmhead", dict(m=-2)), ("lmhead", dict(active=-(1 << 31) - 1)),
 ])
 def test_bad_sizes_refused_before_launch(launcher, kw):
-    gpu = RecordingGpu()
+    gpu = RecordingBackend()
     k = OverlayKernels.new(gpu)
     call = {"rowdiff": (_rowdiff, k.rowdiff), "embed": (_embed, k.embed_overlay),
             "lmhead": (_lmhead, k.lmhead_overlay_f32)}[launcher]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -77,3 +78,21 @@ def random_fp8(rng: np.random.Generator, shape: Any) -> np.ndarray:
     raw = rng.integers(0, 256, shape, dtype=np.uint8)
     raw[(raw & 0x7F) == 0x7F] = 0x3C  # NaN patterns -> 1.5
     return raw.view(ml_dtypes.float8_e4m3fn)
+
+
+class WindowOnly(Sequence):
+    """A huge context that fails the test if anything outside the last ``window`` tokens is read."""
+
+    def __init__(self, length: int, tail: list[int]) -> None:
+        self.length, self.tail = length, tail
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if not isinstance(index, slice):
+            raise AssertionError(f"element access {index!r}: the tail path must slice")
+        start, stop, step = index.indices(self.length)
+        first = self.length - len(self.tail)
+        assert step == 1 and stop == self.length and start >= first, f"read {index} beyond the tail"
+        return self.tail[start - first:]

@@ -292,3 +292,18 @@ def test_from_safetensors_equals_from_numpy(gpu, rng, tmp_path):
             results.append(out.read())
     np.testing.assert_array_equal(bits(results[0]), bits(results[1]))
     assert np.isfinite(results[0].astype(np.float32)).all()
+
+
+def test_decode_reads_only_the_tail_of_the_context():
+    """Host work is bounded by seq_len: a 10**12-token context is never read beyond its tail."""
+    from tests.helpers import WindowOnly
+
+    gpu = RecordingBackend()
+    dims = small_dims()
+    layer = device_layer(gpu, random_layer(np.random.default_rng(6), dims, "b"), max_tokens=8)
+    tail = [5, 6, 7, 8]
+    gpu.ops.clear()
+    layer.embed(WindowOnly(10**12, tail), 2, DevicePtr(0x900000), gpu)
+    uploads = [op[1] for op in gpu.ops if op[0] == "h2d"]
+    assert uploads[0] == np.array([7, 8], np.uint32).tobytes()
+    assert len(gpu.launches) == 2 + 3 * dims.num_tables()

@@ -16,6 +16,7 @@ import pytest
 
 from layers.ngram_embed.dims import MAX_TABLE_ROWS, NgramDims
 from layers.ngram_embed.ids import ngram_ids, ngram_ids_array, ngram_ids_tail
+from tests.helpers import WindowOnly
 
 
 # ---- reference ------------------------------------------------------------------------------
@@ -283,28 +284,10 @@ def test_tail_equals_full(rng: np.random.Generator, with_eos: bool) -> None:
             assert all(np.array_equal(a, b) for a, b in zip(list_tail, tail))
 
 
-class _WindowOnly(Sequence):
-    """A huge context that fails the test if anything outside the last ``window`` tokens is read."""
-
-    def __init__(self, length: int, tail: list[int]) -> None:
-        self.length, self.tail = length, tail
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, index):  # type: ignore[override]
-        if not isinstance(index, slice):
-            raise AssertionError(f"element access {index!r}: the tail path must slice")
-        start, stop, step = index.indices(self.length)
-        first = self.length - len(self.tail)
-        assert step == 1 and stop == self.length and start >= first, f"read {index} beyond the tail"
-        return self.tail[start - first:]
-
-
 def test_tail_reads_only_the_window() -> None:
     dims = NgramDims.longcat_flash(10, 64, 3, 1, 1.5, eos_id=9)
     tail_tokens = [9, 2, 9, 9, 3, 4, 9]  # the hand example: ids known
-    ctx = _WindowOnly(10**12, tail_tokens)
+    ctx = WindowOnly(10**12, tail_tokens)
     # seq_len 3 reads the last 3 + N - 1 = 5 tokens: [9, 9, 3, 4, 9] -> positions p4..p6 above.
     assert_ids_equal(ngram_ids_tail(dims, ctx, 3), [[3, 2, 1], [3, 16, 7]])
     assert_ids_equal(ngram_ids_tail(dims, ctx, 0), [[], []])

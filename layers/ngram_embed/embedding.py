@@ -137,24 +137,28 @@ class NgramEmbedding:
         seq_len = int(seq_len)
         if seq_len > self.max_tokens:
             raise ValueError(f"ngram embed: seq_len over staging ({seq_len} > max_tokens {self.max_tokens})")
-        ctx = np.asarray(ctx_tokens)
-        if ctx.ndim != 1:
-            raise ValueError(f"ngram embed: ctx_tokens must be 1-D, got shape {ctx.shape}")
-        if seq_len > ctx.shape[0]:
-            raise ValueError(f"ngram embed: seq_len over ctx ({seq_len} > {ctx.shape[0]} tokens)")
+        # Only the tail is converted: a decode step must not copy a long context list.
+        if not hasattr(ctx_tokens, "__len__") or getattr(ctx_tokens, "ndim", 1) != 1:
+            raise ValueError(f"ngram embed: ctx_tokens must be 1-D, got shape {np.shape(ctx_tokens)}")
+        n_ctx = len(ctx_tokens)
+        tail = np.asarray(ctx_tokens[max(n_ctx - max(seq_len, 1), 0):])
+        if tail.ndim != 1:
+            raise ValueError(f"ngram embed: ctx_tokens must be 1-D, got rows of shape {tail.shape[1:]}")
+        if seq_len > n_ctx:
+            raise ValueError(f"ngram embed: seq_len over ctx ({seq_len} > {n_ctx} tokens)")
         if seq_len == 0:
             return
         require_ptr(out, "ngram embed out")
         dims = self.dims
         h, td = dims.hidden_size, dims.table_dim()
         # Hashing validates the tokens it reads (ids < V); the new tokens are among them.
-        all_ids = ngram_ids_tail(dims, ctx, seq_len)
+        all_ids = ngram_ids_tail(dims, ctx_tokens, seq_len)
         id_arrays = []
         for index, ids in enumerate(all_ids):
             if ids.size and int(ids.max()) >= U32_LIMIT:
                 raise ValueError(f"ngram embed: table {index} id exceeds u32")
             id_arrays.append(ids.astype(np.uint32))
-        new_tokens = ctx[ctx.shape[0] - seq_len:].astype(np.uint32)
+        new_tokens = tail[tail.shape[0] - seq_len:].astype(np.uint32)
         inv_scale = float(np.float32(1.0) / np.float32(1 + dims.num_tables()))  # f32, as the seed
 
         # Zero `out`, then add the base row and each table's projection scaled by 1 / (1 + T).

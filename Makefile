@@ -4,7 +4,7 @@ SHELL := /bin/bash
 PYTHON ?= python3
 ARCH ?=
 LOG_DIR ?= .logs
-BENCHES ?= launch kernels overlay ngram_embed
+BENCHES ?= launch kernels overlay ngram_embed cached
 SANITIZERS ?= memcheck racecheck initcheck synccheck
 SANITIZE_TESTS ?= tests
 

@@ -93,6 +93,55 @@ class GpuBackend(ABC):
         """Launch primitive behind ``KernelLaunch``: ``kinds`` has one letter per argument
         (``P`` pointer, ``U`` u32, ``I`` i32, ``F`` f32, ``L`` u64), already range-checked."""
 
+    # Optional: pinned host buffers and events, for code that overlaps host I/O with copies
+    # (the row cache). Backends without them refuse clearly.
+    def alloc_host(self, nbytes: int) -> np.ndarray:
+        """A page-locked uint8 host buffer (the DMA engine reads it directly)."""
+        raise NotImplementedError(f"{type(self).__name__} has no pinned host memory")
+
+    def free_host(self, array: np.ndarray) -> None:
+        raise NotImplementedError(f"{type(self).__name__} has no pinned host memory")
+
+    def upload_pinned_async(self, host: np.ndarray, dst: int, stream: int = 0) -> None:
+        """Copy from (a view of) an ``alloc_host`` buffer with no staging copy. The DMA reads
+        ``host`` after this returns: do not touch it before an event recorded after the copy."""
+        raise NotImplementedError(f"{type(self).__name__} has no pinned host memory")
+
+    def create_event(self) -> int:
+        raise NotImplementedError(f"{type(self).__name__} has no events")
+
+    def record_event(self, event: int, stream: int = 0) -> None:
+        raise NotImplementedError(f"{type(self).__name__} has no events")
+
+    def wait_event(self, stream: int, event: int) -> None:
+        """Work queued on ``stream`` after this waits for ``event`` (on the GPU; the host goes on)."""
+        raise NotImplementedError(f"{type(self).__name__} has no events")
+
+    def event_synchronize(self, event: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} has no events")
+
+    def destroy_event(self, event: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} has no events")
+
+    # Optional: CUDA graphs, to replay a captured sequence of launches with one call.
+    def begin_capture(self, stream: int) -> None:
+        """Record the work queued on ``stream`` (not the default stream) instead of running it."""
+        raise NotImplementedError(f"{type(self).__name__} has no graphs")
+
+    def end_capture(self, stream: int) -> int:
+        """Stop recording; returns an executable graph handle for ``launch_graph``."""
+        raise NotImplementedError(f"{type(self).__name__} has no graphs")
+
+    def abort_capture(self, stream: int) -> None:
+        """Stop recording and discard it (after an error during capture)."""
+        raise NotImplementedError(f"{type(self).__name__} has no graphs")
+
+    def launch_graph(self, graph: int, stream: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} has no graphs")
+
+    def destroy_graph(self, graph: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} has no graphs")
+
 
 _STRUCT_CODES = {"P": "Q", "U": "I", "I": "i", "F": "f", "L": "Q"}
 
@@ -165,6 +214,9 @@ class CudaBackend(GpuBackend):
         self._shared_set: dict[int, int] = {}
         self._allocs: dict[int, int] = {}
         self._streams: set[int] = set()
+        self._events: set[int] = set()
+        self._graphs: dict[int, Any] = {}  # executable graphs by handle
+        self._host: dict[int, int] = {}  # pinned host buffers: address -> bytes
         self._staging = PinnedStaging()
         self._lock = threading.RLock()
         self._tls = threading.local()
@@ -200,6 +252,15 @@ class CudaBackend(GpuBackend):
                 call(cu.cuMemFree, ptr)
             for stream in list(self._streams):
                 call(cu.cuStreamDestroy, stream)
+            for graph in self._graphs.values():
+                call(cu.cuGraphExecDestroy, graph)
+            for event in list(self._events):
+                call(cu.cuEventDestroy, event)
+            for addr in list(self._host):
+                call(cu.cuMemFreeHost, addr)
+            self._events.clear()
+            self._graphs.clear()
+            self._host.clear()
             for module in self._modules.values():
                 call(cu.cuModuleUnload, module)
             self._staging.close()
@@ -401,7 +462,36 @@ class CudaBackend(GpuBackend):
 
     @property
     def pinned_buffers(self) -> int:
-        return self._staging.buffers
+        """Pinned host buffers held: the staging pool's and ``alloc_host``'s (for leak tests)."""
+        return self._staging.buffers + len(self._host)
+
+    def alloc_host(self, nbytes: int) -> np.ndarray:
+        nbytes = _count(nbytes, "alloc_host size")
+        if nbytes == 0:
+            raise ValueError("alloc_host of 0 bytes")
+        self._live()
+        addr = int(call(cu.cuMemHostAlloc, nbytes, 0, detail=f"{nbytes} bytes"))
+        with self._lock:
+            self._host[addr] = nbytes
+        return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(addr))
+
+    def free_host(self, array: np.ndarray) -> None:
+        addr = int(array.ctypes.data)
+        self._live()
+        with self._lock:
+            if self._host.get(addr) != array.nbytes:
+                raise ValueError(f"free_host of 0x{addr:x}: not a whole buffer from alloc_host (or freed twice)")
+            del self._host[addr]
+        call(cu.cuMemFreeHost, addr)
+
+    def upload_pinned_async(self, host: np.ndarray, dst: int, stream: int = 0) -> None:
+        _require(dst, "upload_pinned_async destination")
+        addr, nbytes, _ = host_view(host)
+        if not any(base <= addr and addr + nbytes <= base + size for base, size in self._host.items()):
+            raise ValueError("upload_pinned_async: host buffer is not inside an alloc_host buffer")
+        if nbytes:
+            self._live()
+            call(cu.cuMemcpyHtoDAsync, int(dst), addr, nbytes, stream)
 
     # -- streams ----------------------------------------------------------------------------
     def create_stream(self) -> int:
@@ -424,6 +514,73 @@ class CudaBackend(GpuBackend):
         self._live()
         call(cu.cuStreamSynchronize, stream)
 
+    # -- events -----------------------------------------------------------------------------
+    def create_event(self) -> int:
+        self._live()
+        event = int(call(cu.cuEventCreate, cu.CUevent_flags.CU_EVENT_DISABLE_TIMING))
+        with self._lock:
+            self._events.add(event)
+        return event
+
+    def record_event(self, event: int, stream: int = 0) -> None:
+        self._live()
+        call(cu.cuEventRecord, event, stream)
+
+    def wait_event(self, stream: int, event: int) -> None:
+        self._live()
+        call(cu.cuStreamWaitEvent, stream, event, 0)
+
+    def event_synchronize(self, event: int) -> None:
+        self._live()
+        call(cu.cuEventSynchronize, event)
+
+    def destroy_event(self, event: int) -> None:
+        self._live()
+        with self._lock:
+            if event not in self._events:
+                raise ValueError(f"event 0x{event:x} was not created by this backend (or destroyed twice)")
+            self._events.discard(event)
+        call(cu.cuEventDestroy, event)
+
+
+    # -- graphs -----------------------------------------------------------------------------
+    def begin_capture(self, stream: int) -> None:
+        if not stream:
+            raise ValueError("begin_capture: the default stream cannot be captured; use create_stream()")
+        self._live()
+        mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+        call(cu.cuStreamBeginCapture, stream, mode)
+
+    def end_capture(self, stream: int) -> int:
+        self._live()
+        graph = call(cu.cuStreamEndCapture, stream)
+        try:
+            exe = call(cu.cuGraphInstantiate, graph, 0)
+        finally:
+            call(cu.cuGraphDestroy, graph)  # the executable graph keeps what it needs
+        with self._lock:
+            self._graphs[int(exe)] = exe
+        return int(exe)
+
+    def abort_capture(self, stream: int) -> None:
+        self._live()
+        (err, graph) = cu.cuStreamEndCapture(stream)  # may fail: the capture was invalidated
+        if not err and graph is not None and int(graph):
+            call(cu.cuGraphDestroy, graph)
+
+    def launch_graph(self, graph: int, stream: int) -> None:
+        exe = self._graphs.get(int(graph))
+        if exe is None:
+            raise ValueError(f"launch_graph: 0x{int(graph):x} is not a live graph of this backend")
+        call(cu.cuGraphLaunch, exe, stream)
+
+    def destroy_graph(self, graph: int) -> None:
+        self._live()
+        with self._lock:
+            exe = self._graphs.pop(int(graph), None)
+        if exe is None:
+            raise ValueError(f"destroy_graph: 0x{int(graph):x} is not a live graph of this backend")
+        call(cu.cuGraphExecDestroy, exe)
 
 def _mismatch(where: str, expected: str, given: str) -> str:
     names = {"P": "pointer", "U": "u32", "I": "i32", "F": "f32", "L": "u64"}

@@ -1,10 +1,16 @@
-"""A GpuBackend that records launches and does no GPU work, for CPU tests of launchers."""
+"""GpuBackends without a GPU: ``RecordingBackend`` records launches and does nothing;
+``MemoryBackend`` keeps device memory in host arrays and emulates chosen kernels, so host logic
+(overlay slots, the row cache) runs end to end in CI."""
 
 from __future__ import annotations
 
+import bisect
 import ctypes
+import threading
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
+
+import numpy as np
 
 from gpu_runtime import DevicePtr, GpuBackend, KernelHandle, KernelNotFoundError
 from gpu_runtime.gpu import host_view
@@ -72,3 +78,131 @@ class RecordingBackend(GpuBackend):
 
     def kernel_of(self, launch: Launch) -> tuple[str, str]:
         return self.names[launch.kernel]
+
+
+class MemoryBackend(GpuBackend):
+    """Device memory simulated in host memory (fresh allocations read 0xEE); launches are
+    recorded and the kernels named in ``emulate`` run as ``fn(gpu, args)``. Work is done at
+    once, so streams and events are no-ops; pinned buffers are ordinary arrays."""
+
+    def __init__(self, module: str, names: Sequence[str],
+                 emulate: dict[str, Callable[["MemoryBackend", list], None]] | None = None) -> None:
+        self.module = module
+        self.mem: dict[int, np.ndarray] = {}
+        self.host: dict[int, np.ndarray] = {}
+        self.events: set[int] = set()
+        self.streams: set[int] = set()
+        self.next = 0x7000_0000
+        self.launches: list[dict[str, Any]] = []
+        self.syncs: list[int] = []
+        self.handles = {n: KernelHandle(0x100 + i) for i, n in enumerate(names)}
+        self.names = {int(h): n for n, h in self.handles.items()}
+        self.emulate = emulate or {}
+        self._lock = threading.Lock()  # the row cache's I/O thread launches too
+
+    def _find(self, ptr: int, nbytes: int) -> tuple[np.ndarray, int]:
+        bases = sorted(self.mem)
+        i = bisect.bisect_right(bases, int(ptr)) - 1
+        if i < 0:
+            raise AssertionError(f"access to unallocated 0x{int(ptr):x}")
+        base = bases[i]
+        buf = self.mem[base]
+        off = int(ptr) - base
+        if off + nbytes > buf.size:
+            raise AssertionError(f"access past allocation 0x{base:x}+{buf.size}: {off}+{nbytes}")
+        return buf, off
+
+    def read(self, ptr: int, nbytes: int) -> np.ndarray:
+        buf, off = self._find(ptr, nbytes)
+        return buf[off:off + nbytes].copy()
+
+    def read_as(self, ptr: int, count: int, dtype) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        return self.read(ptr, count * dtype.itemsize).view(dtype)
+
+    def kernel(self, module: str, name: str) -> KernelHandle:
+        if module != self.module or name not in self.handles:
+            raise KernelNotFoundError(f"{module}.{name}")
+        return self.handles[name]
+
+    def alloc(self, nbytes: int) -> DevicePtr:
+        assert nbytes > 0
+        with self._lock:
+            ptr = self.next
+            self.mem[ptr] = np.full(nbytes, 0xEE, np.uint8)
+            self.next += (nbytes + 0xFFFF) & ~0xFFF
+        return DevicePtr(ptr)
+
+    def free(self, ptr: int) -> None:
+        if ptr:
+            assert int(ptr) in self.mem, f"free of 0x{int(ptr):x}: not allocated (or freed twice)"
+            del self.mem[int(ptr)]
+
+    def memset(self, ptr, byte, nbytes, stream=0) -> None:
+        buf, off = self._find(ptr, nbytes)
+        buf[off:off + nbytes] = byte
+
+    def copy_h2d_async(self, host, dst, stream=0) -> None:
+        data = np.ascontiguousarray(host).view(np.uint8).reshape(-1)
+        buf, off = self._find(dst, data.size)
+        buf[off:off + data.size] = data
+
+    def copy_d2h(self, host_out, src, stream=0) -> None:
+        out = host_out.view(np.uint8).reshape(-1)
+        out[:] = self.read(src, out.size)
+
+    def synchronize(self, stream=0) -> None:
+        self.syncs.append(stream)
+
+    def create_stream(self) -> int:
+        stream = 0x5000 + len(self.streams) + 1
+        self.streams.add(stream)
+        return stream
+
+    def destroy_stream(self, stream: int) -> None:
+        self.streams.remove(stream)
+
+    def launch(self, kernel, grid, block, shared_mem, stream, kinds, args) -> None:
+        name = self.names[int(kernel)]
+        with self._lock:
+            self.launches.append(dict(name=name, grid=grid, block=block, stream=stream, args=list(args)))
+            if name in self.emulate:
+                self.emulate[name](self, list(args))
+
+    # pinned host memory and events: plain arrays, no-op events (work is done at once)
+    def alloc_host(self, nbytes: int) -> np.ndarray:
+        array = np.full(nbytes, 0xEE, np.uint8)
+        with self._lock:
+            self.host[array.ctypes.data] = array
+        return array
+
+    def free_host(self, array: np.ndarray) -> None:
+        with self._lock:
+            assert self.host.pop(array.ctypes.data) is array, "free_host of a foreign or freed buffer"
+
+    def upload_pinned_async(self, host: np.ndarray, dst: int, stream: int = 0) -> None:
+        with self._lock:
+            pinned = list(self.host.values())
+        assert any(np.shares_memory(host, buf) for buf in pinned), "not a pinned buffer"
+        self.copy_h2d_async(host, dst, stream)
+
+    def create_event(self) -> int:
+        with self._lock:
+            event = 0x9000 + len(self.events) + 1
+            while event in self.events:
+                event += 1
+            self.events.add(event)
+        return event
+
+    def destroy_event(self, event: int) -> None:
+        with self._lock:
+            self.events.remove(event)
+
+    def record_event(self, event: int, stream: int = 0) -> None:
+        assert event in self.events
+
+    def wait_event(self, stream: int, event: int) -> None:
+        assert event in self.events
+
+    def event_synchronize(self, event: int) -> None:
+        assert event in self.events

@@ -10,7 +10,7 @@ import pytest
 
 from gpu_runtime import DevicePtr
 from layers import reference as ref
-from layers.ngram_embed import NgramDims, NgramEmbedding, NgramTable
+from layers.ngram_embed import NgramDims, NgramEmbedding, NgramTable, ngram_ids_tail
 from layers.weight_map import DenseWeight
 from tests.fakes import RecordingBackend
 from tests.helpers import Guarded, bits, random_bf16, random_fp8
@@ -59,7 +59,7 @@ class IdentityCache:
 
     def resolve(self, ids, slots_out) -> None:
         self.calls.append("resolve")
-        slots_out.extend(int(i) for i in ids)
+        slots_out[:] = ids
 
     def table_dev_va(self) -> int:
         return int(self.weight.weight)
@@ -131,7 +131,8 @@ def test_cached_branch_resolves_then_ends_batch():
     layer.embed([1, 2, 3], 2, DevicePtr(0x900000), gpu)
     assert layer.tables[0].cache.calls == ["resolve", "end_batch"]
     uploads = [op for op in gpu.ops if op[0] == "h2d" and len(op[1]) == 8]
-    assert len(uploads) == 3  # new tokens, then the table's ids, then its slots (the seed's order)
+    assert len(uploads) == 2  # new tokens, then the table's slots (its ids would be overwritten)
+    assert np.frombuffer(uploads[1][1], np.uint32).tolist() == ngram_ids_tail(dims, [1, 2, 3], 2)[0].tolist()
 
 
 @pytest.mark.parametrize("case, error, match", [
@@ -210,8 +211,11 @@ def _check_against_reference(gpu, rng, host: HostLayer, ctx: np.ndarray, seq_len
     # the later adds. Elementwise: within 4 bf16 ulps of the row's magnitude.
     ulp = np.abs(w).max(axis=1, keepdims=True) * 2.0**-7
     assert (np.abs(g - w) <= 4 * ulp + 1e-30).all()
+    # Against the fp64 ideal: as close as the reference itself (T + 1 bf16 roundings of the
+    # running sum put it above 1% for small rows and many tables), plus a few flipped roundings.
     rel = np.linalg.norm(g - ideal) / np.linalg.norm(ideal)
-    assert rel < 1e-2, rel
+    rel_ref = np.linalg.norm(w - ideal) / np.linalg.norm(ideal)
+    assert rel_ref < 0.05 and rel <= 1.5 * rel_ref + 4e-3, (rel, rel_ref)
 
 
 @pytest.mark.gpu

@@ -4,19 +4,19 @@ refusal. CPU tests run on a host-memory backend; GPU tests check the whole path 
 
 from __future__ import annotations
 
-import bisect
-from typing import Any, Sequence
+from typing import Sequence
 
 import ml_dtypes
 import numpy as np
 import pytest
 
-from gpu_runtime import DeviceArray, DevicePtr, GpuBackend, KernelHandle, KernelNotFoundError
+from gpu_runtime import DeviceArray, DevicePtr, KernelHandle, KernelNotFoundError
 from layers.reference import gather_then_overlay_ref, logits_then_overlay_ref, rowdiff_ref
 from layers.overlay import (AdapterOverlay, OverlaySlots, TableOverlay, build_overlay,
                             overlay_from_trainable_tokens)
 from layers.ops.token_overlay import OverlayKernels
 from layers.weight_map import DenseWeight
+from tests.fakes import MemoryBackend
 from tests.helpers import bits, random_bf16
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -27,82 +27,17 @@ NAMES = ("embed_rowdiff_bf16", "embed_overlay_routed_bf16", "lmhead_overlay_rout
 
 # -- CPU: a host-memory backend ------------------------------------------------------------------
 
-class MemGpu(GpuBackend):
-    """Device memory simulated in host memory; records launches and emulates ``embed_rowdiff``
-    (with the reference), so the builder's and the registry's host logic run without a GPU."""
+def _emulate_rowdiff(gpu: MemoryBackend, args: list) -> None:
+    base, served, flags, rows, h, thresh = args
+    a = gpu.read_as(base, rows * h, BF16).reshape(rows, h)
+    b = gpu.read_as(served, rows * h, BF16).reshape(rows, h)
+    gpu.copy_h2d_async(rowdiff_ref(a, b, thresh), flags)
 
-    def __init__(self) -> None:
-        self.mem: dict[int, np.ndarray] = {}
-        self.next = 0x7000_0000
-        self.launches: list[dict[str, Any]] = []
-        self.syncs: list[int] = []
-        self.handles = {n: KernelHandle(0x100 + i) for i, n in enumerate(NAMES)}
-        self.names = {int(h): n for n, h in self.handles.items()}
 
-    def _find(self, ptr: int, nbytes: int) -> tuple[np.ndarray, int]:
-        bases = sorted(self.mem)
-        i = bisect.bisect_right(bases, int(ptr)) - 1
-        if i < 0:
-            raise AssertionError(f"access to unallocated 0x{int(ptr):x}")
-        base = bases[i]
-        buf = self.mem[base]
-        off = int(ptr) - base
-        if off + nbytes > buf.size:
-            raise AssertionError(f"access past allocation 0x{base:x}+{buf.size}: {off}+{nbytes}")
-        return buf, off
-
-    def read(self, ptr: int, nbytes: int) -> np.ndarray:
-        buf, off = self._find(ptr, nbytes)
-        return buf[off:off + nbytes].copy()
-
-    def read_as(self, ptr: int, count: int, dtype) -> np.ndarray:
-        dtype = np.dtype(dtype)
-        return self.read(ptr, count * dtype.itemsize).view(dtype)
-
-    def kernel(self, module: str, name: str) -> KernelHandle:
-        if module != "token_overlay" or name not in self.handles:
-            raise KernelNotFoundError(f"{module}.{name}")
-        return self.handles[name]
-
-    def alloc(self, nbytes: int) -> DevicePtr:
-        assert nbytes > 0
-        ptr = self.next
-        self.mem[ptr] = np.full(nbytes, 0xEE, np.uint8)
-        self.next += (nbytes + 0xFFFF) & ~0xFFF
-        return DevicePtr(ptr)
-
-    def free(self, ptr: int) -> None:
-        if ptr:
-            assert int(ptr) in self.mem, f"free of 0x{int(ptr):x}: not allocated (or freed twice)"
-            del self.mem[int(ptr)]
-
-    def memset(self, ptr, byte, nbytes, stream=0) -> None:
-        buf, off = self._find(ptr, nbytes)
-        buf[off:off + nbytes] = byte
-
-    def copy_h2d_async(self, host, dst, stream=0) -> None:
-        data = np.ascontiguousarray(host).view(np.uint8).reshape(-1)
-        buf, off = self._find(dst, data.size)
-        buf[off:off + data.size] = data
-
-    def copy_d2h(self, host_out, src, stream=0) -> None:
-        out = host_out.view(np.uint8).reshape(-1)
-        out[:] = self.read(src, out.size)
-
-    def synchronize(self, stream=0) -> None:
-        self.syncs.append(stream)
-
-    def create_stream(self) -> int:
-        return 0
-
-    def launch(self, kernel, grid, block, shared_mem, stream, kinds, args) -> None:
-        name = self.names[int(kernel)]
-        self.launches.append(dict(name=name, grid=grid, block=block, stream=stream, args=list(args)))
-        if name == "embed_rowdiff_bf16":
-            base, served, flags, rows, h, thresh = args
-            a = self.read_as(base, rows * h, BF16).reshape(rows, h)
-            b = self.read_as(served, rows * h, BF16).reshape(rows, h)
-            self.copy_h2d_async(rowdiff_ref(a, b, thresh), flags)
+def MemGpu() -> MemoryBackend:
+    """The token_overlay kernels, ``embed_rowdiff`` emulated with the reference."""
+    return MemoryBackend(module="token_overlay", names=NAMES,
+                         emulate={"embed_rowdiff_bf16": _emulate_rowdiff})
 
 
 def adapter_copy(rng, served: np.ndarray, rows: Sequence[int], scale: float = 1.0) -> np.ndarray:
@@ -233,7 +168,7 @@ def test_build_overlay_refusals(rng):
 
 # -- CPU: OverlaySlots on the host-memory backend ------------------------------------------------
 
-def read_tables(gpu: MemGpu, slots: OverlaySlots) -> dict[str, np.ndarray]:
+def read_tables(gpu: MemoryBackend, slots: OverlaySlots) -> dict[str, np.ndarray]:
     ns = slots.num_slots
     return dict(
         embed_map=gpu.read_as(slots.embed_slot_map_tab, ns, np.uint64),
@@ -245,7 +180,7 @@ def read_tables(gpu: MemGpu, slots: OverlaySlots) -> dict[str, np.ndarray]:
     )
 
 
-def check_slot_contents(gpu: MemGpu, slots: OverlaySlots, slot: int, ov: AdapterOverlay | None):
+def check_slot_contents(gpu: MemoryBackend, slots: OverlaySlots, slot: int, ov: AdapterOverlay | None):
     """The device tables of ``slot`` describe ``ov`` exactly (or nothing when ``ov`` is None)."""
     t = read_tables(gpu, slots)
     emb = None if ov is None else ov.embed

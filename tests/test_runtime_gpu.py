@@ -239,3 +239,68 @@ def test_closed_backend_refuses_and_close_is_idempotent(gpu):
         backend.memset(ptr, 0, 16)
     with pytest.raises(GpuError):
         KernelLaunch(backend, backend.kernel("residual_add", "bf16_residual_add"))
+
+
+def test_pinned_upload_events_and_cross_stream_wait(gpu, rng):
+    n = 1 << 20
+    host = gpu.alloc_host(n)
+    dev = gpu.alloc(n)
+    s1, s2 = gpu.create_stream(), gpu.create_stream()
+    event = gpu.create_event()
+    try:
+        host[:] = rng.integers(0, 256, n, dtype=np.uint8)
+        want = host.copy()
+        gpu.upload_pinned_async(host, dev, s1)
+        gpu.record_event(event, s1)
+        gpu.wait_event(s2, event)  # s2's read is ordered after s1's upload
+        back = np.empty(n, np.uint8)
+        gpu.copy_d2h(back, dev, s2)
+        np.testing.assert_array_equal(back, want)
+        gpu.event_synchronize(event)
+        with pytest.raises(ValueError, match="not inside an alloc_host buffer"):
+            gpu.upload_pinned_async(np.zeros(16, np.uint8), dev, s1)
+        with pytest.raises(ValueError, match="not a whole buffer"):
+            gpu.free_host(host[16:])
+    finally:
+        gpu.destroy_event(event)
+        gpu.free_host(host)
+        gpu.free(dev)
+        gpu.destroy_stream(s1)
+        gpu.destroy_stream(s2)
+    with pytest.raises(ValueError, match="destroyed twice"):
+        gpu.destroy_event(event)
+
+
+def test_graph_replays_with_new_pinned_input(gpu, rng):
+    from layers.ops import scaled_add
+    import ml_dtypes
+
+    n = 4099
+    kernel = gpu.kernel("residual_add", "bf16_scaled_add")
+    stream = gpu.create_stream()
+    host = gpu.alloc_host(n * 2)
+    x, out = gpu.alloc(n * 2), gpu.alloc(n * 2)
+    try:
+        with pytest.raises(ValueError, match="default stream"):
+            gpu.begin_capture(0)
+        gpu.begin_capture(stream)
+        gpu.upload_pinned_async(host, x, stream)
+        gpu.memset(out, 0, n * 2, stream)
+        scaled_add(gpu, kernel, out, x, 0.5, n, stream)
+        graph = gpu.end_capture(stream)
+        for _ in range(3):
+            values = rng.standard_normal(n).astype(ml_dtypes.bfloat16)
+            host.view(ml_dtypes.bfloat16)[:] = values
+            gpu.launch_graph(graph, stream)
+            got = np.empty(n, ml_dtypes.bfloat16)
+            gpu.copy_d2h(got, out, stream)
+            want = (values.astype(np.float32) * np.float32(0.5)).astype(ml_dtypes.bfloat16)
+            np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+        gpu.destroy_graph(graph)
+        with pytest.raises(ValueError, match="not a live graph"):
+            gpu.launch_graph(graph, stream)
+    finally:
+        gpu.free_host(host)
+        gpu.free(x)
+        gpu.free(out)
+        gpu.destroy_stream(stream)

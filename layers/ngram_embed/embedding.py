@@ -172,15 +172,18 @@ class NgramEmbedding:
 
         # Hash ids of the tail, then one table at a time.
         for index, ids in enumerate(id_arrays):
-            gpu.copy_h2d_async(ids, self.ids_dev, stream)
             table = self.tables[index]
+            if not isinstance(table, CachedTable):
+                gpu.copy_h2d_async(ids, self.ids_dev, stream)
             match table:
                 case CachedTable(cache):
                     # An NVMe-backed table maps the ids to arena slots (`resolve`), which
-                    # replace the ids before the gather.
-                    slots: list[int] = []
-                    cache.resolve(ids.tolist(), slots)
-                    gpu.copy_h2d_async(np.asarray(slots, dtype=np.uint32), self.ids_dev, stream)
+                    # replace the ids before the gather. (The seed uploads the ids first and
+                    # then the slots over them; the first copy is skipped here, as nothing
+                    # reads it: one upload less per cached table and call.)
+                    slots = np.empty(ids.size, np.uint32)
+                    cache.resolve(ids, slots)
+                    gpu.copy_h2d_async(slots, self.ids_dev, stream)
                     arena = DevicePtr(cache.table_dev_va())
                     scale = cache.scale_dev_va()
                     if scale is not None:
@@ -200,6 +203,17 @@ class NgramEmbedding:
                                                self.proj_buf, seq_len, h, td, stream)
             residual_ops.scaled_add(gpu, self.scaled_add_k, out, self.proj_buf, inv_scale,
                                     seq_len * h, stream)
+
+    def prefetch(self, ctx_tokens: Sequence[int] | np.ndarray, seq_len: int) -> int:
+        """Start loading the rows that ``embed(ctx_tokens, seq_len, ...)`` will read from
+        cached tables that can prefetch (``RowCache``); returns the rows queued. Call it as soon
+        as the next step's tokens are known: the loads overlap whatever runs until then."""
+        caches = [(i, t.cache) for i, t in enumerate(self.tables)
+                  if isinstance(t, CachedTable) and hasattr(t.cache, "prefetch")]
+        if not caches or seq_len == 0:
+            return 0
+        all_ids = ngram_ids_tail(self.dims, ctx_tokens, seq_len)
+        return sum(cache.prefetch(all_ids[i]) for i, cache in caches)
 
     def close(self) -> None:
         """Free the staging buffers, and the weights if this layer uploaded them itself."""

@@ -9,7 +9,9 @@ in ``match`` statements as the seed does: ``case NgramTable.Fp8(w): ...``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence, Union, runtime_checkable
+from typing import Protocol, Union, runtime_checkable
+
+import numpy as np
 
 from ..weight_map import BF16, FP8, DenseWeight
 
@@ -21,8 +23,8 @@ class RowSource(Protocol):
     rows: int
     dim: int
 
-    def resolve(self, ids: Sequence[int], slots_out: list[int]) -> None:
-        """Make the rows of ``ids`` resident; append each id's arena slot to ``slots_out``."""
+    def resolve(self, ids: np.ndarray, slots_out: np.ndarray) -> None:
+        """Make the rows of ``ids`` resident; ``slots_out[i]`` (uint32) gets ``ids[i]``'s slot."""
 
     def table_dev_va(self) -> int:
         """Device address of the arena (``[capacity, dim]``, bf16 or fp8)."""

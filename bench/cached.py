@@ -1,0 +1,272 @@
+"""NVMe-backed n-gram tables (``RowCache``) against the same tables resident on the device.
+
+Configuration (as bench/ngram_embed): D = 4096, N = 3, K = 8 (T = 16 tables), table dim 256,
+2^20 + 2c rows per table, bf16, vocab 128k, 4096-token context. The 16 table files (512 MiB
+each, 8 GiB) live in $BENCH_TABLE_DIR (default /tmp/ngram_tables); they are written once by
+tiling a random 32 MiB block, and reused while their headers match. The resident reference
+layer uploads the same files, so the two layers must give bit-identical outputs.
+
+Decode table (S = 1, one new token after the context; every cache holds 65536 rows per table):
+  wall us       median host time per step, synchronised
+  mean wall us  mean of the same (misses are tail events: the median hides them)
+  GPU us        median CUDA-event time per step (includes the GPU idling while the host resolves)
+  x resident    wall us / resident wall us (target: all-hit within 1.2x)
+  miss rate     misses / table lookups (each step looks up one id per table)
+  prefetched    rows prefetch asked the kernel to read ahead (posix_fadvise WILLNEED)
+"all hits" repeats one step; the Zipf rows decode 2000 fresh tokens ~ Zipf(a=1.2), after an
+untimed prefill of the context that warms the caches, with the files dropped from the page cache
+first (cold NVMe). "+ prefetch" calls layer.prefetch for the next step before each embed.
+
+Miss table: one cache (capacity 65536) over table 0 resolves 65536 distinct random ids (resolve
+sorts them itself) into a fresh arena, synchronised. GB/s = bytes read / wall; io frac =
+stats.io_seconds / wall. Floors: pinned H2D copy rate, the file's cold sequential read rate
+(8 MiB reads; rows/s = that rate over the 512 B row size), and the disk's cold random 4 KiB
+read rate (rows/s = reads/s: a random row costs one page read; GB/s = rows/s x 512 B).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import numpy as np
+from cuda.bindings import driver as cu
+
+from bench.common import Events, gpu_time_ms, print_table, wall_time_us
+from bench.ngram_embed import CONTEXT, device_weight
+from gpu_runtime import CudaBackend, DevicePtr
+from gpu_runtime.driver import call
+from layers.ngram_embed import NgramDims, NgramEmbedding, NgramTable
+from layers.ngram_embed.row_cache import RowCache
+from layers.ngram_embed.table_file import TableFile, TableFormatError, TableHeader, TableWriter
+from layers.weight_map import BF16, DenseWeight
+
+DIMS = NgramDims(vocab_size=131072, hidden_size=4096, max_ngram=3, splits=8,
+                 base_rows=1 << 20, row_bias=0, table_dim=256, eos_id=None)
+CAPACITY = 65536  # rows per table in each cache's device arena
+STEPS = 2000  # decode steps of the Zipf stream
+BLOCK_ROWS = 65536  # 32 MiB of 256-wide bf16: the block tiled into the files and uploads
+GB = 1e9
+
+
+def say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def ensure_tables(directory: str, rng: np.random.Generator) -> tuple[list[str], int, float]:
+    """(paths, files written, seconds writing): missing or mismatched files are rewritten."""
+    os.makedirs(directory, exist_ok=True)
+    td = DIMS.table_dim()
+    block = rng.standard_normal((BLOCK_ROWS, td), np.float32).astype(BF16)
+    paths, written, t0 = [], 0, time.perf_counter()
+    for c in range(DIMS.num_tables()):
+        path, rows = os.path.join(directory, f"table_{c:02d}.bin"), DIMS.table_rows(c)
+        paths.append(path)
+        try:
+            with TableFile(path) as f:
+                if f.header == TableHeader(BF16, rows, td):
+                    continue
+        except (FileNotFoundError, TableFormatError):
+            pass
+        tile = np.roll(block, 977 * c, axis=0)  # tables differ, so a mixed-up table shows
+        with TableWriter(path, BF16, rows, td) as w:  # fsyncs on close
+            while w.written < rows:
+                w.append(tile[:min(BLOCK_ROWS, rows - w.written)])
+        written += 1
+    return paths, written, time.perf_counter() - t0
+
+
+def upload_table(gpu: CudaBackend, path: str) -> DenseWeight:
+    """The file's rows on the device, uploaded in 32 MiB pieces (small pinned staging)."""
+    with TableFile(path) as f:
+        ptr = gpu.alloc(f.rows * f.row_bytes)
+        for a in range(0, f.rows, BLOCK_ROWS):
+            gpu.copy_h2d_async(f.rows_bytes[a:a + BLOCK_ROWS], ptr + a * f.row_bytes)
+        gpu.synchronize()
+        return DenseWeight(ptr, (f.rows, f.dim), np.dtype(BF16), DevicePtr(0), gpu)
+
+
+def drop_page_cache(paths: list[str]) -> None:
+    for path in paths:
+        with TableFile(path) as f:
+            f.advise_dontneed()
+
+
+def counts(caches: list[RowCache]) -> np.ndarray:
+    """[hits, misses, prefetched] summed over the caches."""
+    return np.array([[c.stats.hits, c.stats.misses, c.stats.prefetched]
+                     for c in caches]).sum(axis=0)
+
+
+def zipf_decode(gpu: CudaBackend, layer: NgramEmbedding, caches: list[RowCache], ctx: np.ndarray,
+                out: int, stream: int, prefetch: bool) -> tuple[list[float], list[float], np.ndarray]:
+    """Per-step wall and GPU us over STEPS fresh tokens, and the cache counts of those steps."""
+    layer.embed(ctx[:CONTEXT], CONTEXT, out, gpu, stream)  # prefill: warms the caches, untimed
+    gpu.synchronize(stream)
+    before, ev, walls, gpus = counts(caches), Events(), [], []
+    for k in range(STEPS):
+        n = CONTEXT + k + 1
+        t0 = time.perf_counter()
+        if prefetch:
+            layer.prefetch(ctx[:n + 1], 1)
+        call(cu.cuEventRecord, ev.start, stream)
+        layer.embed(ctx[:n], 1, out, gpu, stream)
+        call(cu.cuEventRecord, ev.stop, stream)
+        gpu.synchronize(stream)
+        walls.append((time.perf_counter() - t0) * 1e6)
+        gpus.append(ev.elapsed_ms() * 1e3)
+    ev.close()
+    return walls, gpus, counts(caches) - before
+
+
+def cold_sequential_read(path: str) -> float:
+    """Bytes/s of reading the whole file with 8 MiB reads after dropping it from the page cache."""
+    drop_page_cache([path])
+    buf = memoryview(bytearray(8 << 20))
+    total, t0 = 0, time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            total += n
+    return total / (time.perf_counter() - t0)
+
+
+def cold_random_reads(path: str, n: int, threads: int) -> float:
+    """4 KiB reads/s at random page offsets of a cold file, ``threads`` preads in flight: the
+    disk's random-read rate, the floor of cold misses (each row of a random batch is one page)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    drop_page_cache([path])
+    pages = os.path.getsize(path) // 4096
+    offsets = np.random.default_rng(1).integers(1, pages, n) * 4096
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(lambda part: [os.pread(fd, 4096, int(o)) for o in part],
+                          np.array_split(offsets, threads)))
+        return n / (time.perf_counter() - t0)
+    finally:
+        os.close(fd)
+
+
+def pinned_h2d(gpu: CudaBackend, stream: int, nbytes: int = 256 << 20) -> float:
+    """Bytes/s of one pinned host-to-device copy, timed with events."""
+    host, dev = gpu.alloc_host(nbytes), gpu.alloc(nbytes)
+    host[:] = 7
+    ms = gpu_time_ms(lambda i: gpu.upload_pinned_async(host, dev, stream), stream=stream,
+                     warmup=2, iters=10)
+    gpu.free(dev)
+    gpu.free_host(host)
+    return nbytes / (ms * 1e-3)
+
+
+def miss_run(gpu: CudaBackend, path: str, stream: int, ids: np.ndarray, io_threads: int) -> tuple[float, float, float]:
+    """(rows/s, GB/s, io fraction) of resolving ``ids`` into a fresh cache."""
+    cache = RowCache(gpu, path, CAPACITY, stream=stream, io_threads=io_threads)
+    slots = np.empty(ids.size, np.uint32)
+    t0 = time.perf_counter()
+    cache.resolve(ids, slots)
+    gpu.synchronize(stream)
+    wall = time.perf_counter() - t0
+    cache.end_batch()
+    s = cache.stats
+    cache.close()
+    return ids.size / wall, s.bytes_read / wall / GB, s.io_seconds / wall
+
+
+def main() -> None:
+    rng = np.random.default_rng()
+    t, h, td, vocab = DIMS.num_tables(), DIMS.hidden_size, DIMS.table_dim(), DIMS.vocab_size
+    directory = os.environ.get("BENCH_TABLE_DIR", "/tmp/ngram_tables")
+    say(f"setup: {t} table files in {directory} ...")
+    paths, written, secs = ensure_tables(directory, rng)
+    size = sum(os.path.getsize(p) for p in paths)
+    say(f"setup: wrote {written} of {t} files in {secs:.1f} s"
+        + (f" ({written * size / t / secs / GB:.2f} GB/s incl. fsync)" if written else " (reused)"))
+
+    with CudaBackend() as gpu:
+        stream = gpu.create_stream()
+        say("setup: uploading the resident tables from the files ...")
+        word = device_weight(gpu, rng, vocab, h, 1.0)
+        projs = [device_weight(gpu, rng, h, td, td**-0.5) for _ in range(t)]
+        tables = [upload_table(gpu, p) for p in paths]
+        resident = NgramEmbedding(DIMS, word, [NgramTable.Bf16(w) for w in tables], projs, CONTEXT, gpu)
+        out = gpu.alloc(CONTEXT * h * 2)
+        out_ref = gpu.alloc(h * 2)
+
+        def cached_layer() -> tuple[NgramEmbedding, list[RowCache]]:
+            caches = [RowCache(gpu, p, CAPACITY, stream=stream) for p in paths]
+            layer = NgramEmbedding(DIMS, word, [NgramTable.Cached(c) for c in caches], projs, CONTEXT, gpu)
+            return layer, caches
+
+        def close(layer: NgramEmbedding, caches: list[RowCache]) -> None:
+            gpu.synchronize(stream)
+            layer.close()
+            for c in caches:
+                c.close()
+
+        say("decode: resident and cached all-hit ...")
+        ctx = rng.integers(0, vocab, CONTEXT + 1)
+        layer, caches = cached_layer()
+        resident.embed(ctx, 1, out_ref, gpu, stream)
+        layer.embed(ctx, 1, out, gpu, stream)
+        a, b = np.empty(h, np.uint16), np.empty(h, np.uint16)
+        gpu.copy_d2h(a, out_ref, stream)
+        gpu.copy_d2h(b, out, stream)
+        say(f"outputs identical: {bool(np.array_equal(a, b))}")
+        sync = lambda: gpu.synchronize(stream)  # noqa: E731
+        rows = []
+        for name, lay in (("resident", resident), ("cached, all hits", layer)):
+            step = lambda i, lay=lay: lay.embed(ctx, 1, out, gpu, stream)  # noqa: E731
+            wall = wall_time_us(step, sync)
+            gpu_us = gpu_time_ms(step, stream=stream, warmup=5, iters=50) * 1e3
+            rows.append([name, wall, None, gpu_us, None, None, None])
+        close(layer, caches)
+
+        zipf = np.minimum(rng.zipf(1.2, CONTEXT + STEPS + 1) - 1, vocab - 1)
+        for name, prefetch in (("cached, Zipf", False), ("cached, Zipf + prefetch", True)):
+            say(f"decode: {name}, {STEPS} steps, cold files ...")
+            drop_page_cache(paths)
+            layer, caches = cached_layer()
+            walls, gpus, (hits, misses, fetched) = zipf_decode(gpu, layer, caches, zipf, out,
+                                                                      stream, prefetch)
+            close(layer, caches)
+            rows.append([name, statistics.median(walls), statistics.mean(walls),
+                         statistics.median(gpus), None, misses / (hits + misses),
+                         int(fetched)])
+        for r in rows:
+            r[4] = r[1] / rows[0][1]
+        print_table(f"decode step, S = 1 after {CONTEXT} tokens ({t} tables, capacity {CAPACITY})",
+                    ["path", "wall us", "mean wall us", "GPU us", "x resident", "miss rate",
+                     "prefetched"], rows)
+
+        say("misses: floors, then 65536-row resolves on table 0 ...")
+        path, row_bytes = paths[0], td * 2
+        ids = rng.choice(DIMS.table_rows(0), CAPACITY, replace=False)
+        h2d, seq = pinned_h2d(gpu, stream), cold_sequential_read(path)
+        miss_rows = [["floor: pinned H2D (256 MiB)", h2d / row_bytes, h2d / GB, None],
+                     ["floor: cold sequential read", seq / row_bytes, seq / GB, None]]
+        for threads in (16, 1):
+            iops = cold_random_reads(path, 20000 if threads > 1 else 5000, threads)
+            miss_rows.append([f"floor: cold random 4 KiB reads, {threads} in flight", iops,
+                              iops * row_bytes / GB, None])
+        cold_sequential_read(path)  # leaves the whole file in the page cache: the warm condition
+        miss_rows.append(["page cache, 16 threads", *miss_run(gpu, path, stream, ids, 16)])
+        for threads in (16, 1):
+            drop_page_cache([path])
+            miss_rows.append([f"cold, {threads} thread{'s' * (threads > 1)}",
+                              *miss_run(gpu, path, stream, ids, threads)])
+        print_table(f"miss throughput: {CAPACITY} random rows of {row_bytes} B into a fresh cache",
+                    ["condition", "rows/s", "GB/s", "io frac"], miss_rows)
+
+        resident.close()
+        gpu.free(out)
+        gpu.free(out_ref)
+        for w in [word, *projs, *tables]:
+            w.close()
+        gpu.destroy_stream(stream)
+
+
+if __name__ == "__main__":
+    main()

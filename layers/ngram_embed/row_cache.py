@@ -1,0 +1,295 @@
+"""``RowCache``: an n-gram table kept on disk, its hot rows in a device arena.
+
+This is the seed's ``NgramTable::Cached(cache)``. Over-Encoding and Engram-style tables reach
+tens to hundreds of GB, more than the device holds; their ids depend only on tokens, so the rows
+of a batch are known before the batch runs. ``resolve(ids, slots_out)`` maps a batch's ids to
+arena slots, loading the missing rows; the gather then reads ``table_dev_va()`` (and
+``scale_dev_va()`` for fp8) at those slots; ``end_batch()`` lets the batch's rows be evicted.
+
+A load reads the missing rows from the file's memory map into host memory, uploads them with
+one copy per chunk of rows and scatters them into their slots with one ``scatter_rows`` launch.
+Small loads (a decode step's few rows) go through the backend's pinned staging, which never
+waits for the GPU; large ones alternate two pinned buffers of ``chunk_rows`` rows, so reading
+one chunk overlaps the upload of the previous one, and are read by a thread pool (numpy's
+``take`` releases the GIL, so a cold file's page faults overlap: 16 threads keep 16 reads in
+flight).
+
+``prefetch(ids)`` is kernel readahead: ``posix_fadvise(WILLNEED)`` on the rows' pages, which
+returns at once while the disk works, so the ``resolve`` of a later batch reads them from the
+page cache. Copying them to the device ahead too would save microseconds, not disk latency,
+and would cost a second stream, a thread and the GIL contention that comes with it (measured:
+it doubled a decode step).
+
+Every upload and scatter runs on the ``stream`` given at construction, which must be the
+stream the gathers run on (the layer's stream): loads and gathers are then ordered, and a slot
+is never overwritten before the gathers queued earlier have read it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from gpu_runtime import DevicePtr, GpuBackend, KernelHandle
+
+from ..ops.row_cache import scatter_rows
+from .slot_index import SlotIndex
+from .table_file import TableFile
+
+_PARALLEL_READ_ROWS = 1024  # below this a thread pool costs more than it saves
+_SMALL_LOAD_ROWS = 64  # loads up to this many rows go through the backend's staging
+
+
+def _align(n: int, to: int = 16) -> int:
+    return -(-n // to) * to
+
+
+@dataclass
+class CacheStats:
+    """Counters since construction. ``misses`` counts the rows ``resolve`` loaded, ``hits``
+    the other ids it was given (repeats included), so ``hits + misses`` is every id resolved;
+    ``rows_read = misses``; ``bytes_read`` includes fp8 scales."""
+
+    hits: int = 0
+    misses: int = 0
+    prefetched: int = 0  # rows ``prefetch`` asked the kernel to read ahead
+    rows_read: int = 0
+    bytes_read: int = 0
+    io_seconds: float = 0.0  # reading rows from the file into host memory
+    evictions: int = 0
+
+
+class _Loader:
+    """Rows file -> pinned buffer -> device staging -> arena slots, on one stream."""
+
+    def __init__(self, gpu: GpuBackend, kernel: KernelHandle, file: TableFile, arena: int,
+                 arena_scales: int, stream: int, chunk_rows: int,
+                 readers: ThreadPoolExecutor | None, threads: int) -> None:
+        self.gpu, self.kernel, self.file, self.stream = gpu, kernel, file, stream
+        self.threads = threads
+        self.arena, self.arena_scales = arena, arena_scales
+        self.chunk_rows, self.readers = chunk_rows, readers
+        self.row_bytes = file.row_bytes
+        nbytes = self._layout(chunk_rows)[2]
+        self.host: list[np.ndarray] = []
+        self.events: list[int] = []
+        self.device = DevicePtr(0)
+        try:
+            for _ in range(2):
+                self.host.append(gpu.alloc_host(nbytes))
+                self.events.append(gpu.create_event())
+            self.device = gpu.alloc(nbytes)
+        except BaseException:
+            self.close()
+            raise
+        self.turn = 0
+
+    def _layout(self, n: int) -> tuple[int, int, int]:
+        """Offsets of rows and scales, and the end, of a packed chunk of ``n`` rows."""
+        rows_at = _align(4 * n)
+        scales_at = _align(rows_at + n * self.row_bytes)
+        return rows_at, scales_at, scales_at + (4 * n if self.arena_scales else 0)
+
+    def load(self, ids: np.ndarray, slots: np.ndarray) -> float:
+        """Queue the loads of rows ``ids`` into ``slots``; returns the seconds spent reading."""
+        io = 0.0
+        for start in range(0, len(ids), self.chunk_rows):
+            chunk_ids, chunk_slots = ids[start:start + self.chunk_rows], slots[start:start + self.chunk_rows]
+            n = len(chunk_ids)
+            rows_at, scales_at, end = self._layout(n)
+            small = n <= _SMALL_LOAD_ROWS
+            if small:  # staged by copy_h2d_async, which never waits for the GPU
+                buf, event = np.empty(end, np.uint8), None
+            else:
+                buf, event = self.host[self.turn], self.events[self.turn]
+                self.turn ^= 1
+                self.gpu.event_synchronize(event)  # the upload that last read this buffer is done
+            buf[:4 * n].view(np.uint32)[:] = chunk_slots
+            scales = buf[scales_at:end].view(np.float32) if self.arena_scales else None
+            t0 = time.perf_counter()
+            self._read(chunk_ids, buf[rows_at:rows_at + n * self.row_bytes].reshape(n, self.row_bytes), scales)
+            io += time.perf_counter() - t0
+            if small:
+                self.gpu.copy_h2d_async(buf[:end], self.device, self.stream)
+            else:
+                self.gpu.upload_pinned_async(buf[:end], self.device, self.stream)
+            scatter_rows(self.gpu, self.kernel, self.device, self.device.offset(rows_at),
+                         self.device.offset(scales_at) if self.arena_scales else 0,
+                         self.arena, self.arena_scales, n, self.row_bytes, self.stream)
+            if event is not None:
+                self.gpu.record_event(event, self.stream)
+        return io
+
+    def _read(self, ids: np.ndarray, out: np.ndarray, scales: np.ndarray | None) -> None:
+        if self.readers is None or len(ids) < _PARALLEL_READ_ROWS:
+            self.file.read_rows(ids, out, scales)
+            return
+        bounds = np.linspace(0, len(ids), self.threads + 1).astype(int)
+        futures = [self.readers.submit(self.file.read_rows, ids[a:b], out[a:b],
+                                       None if scales is None else scales[a:b])
+                   for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+        for future in futures:
+            future.result()
+
+    def close(self) -> None:
+        for event in self.events:
+            self.gpu.event_synchronize(event)
+            self.gpu.destroy_event(event)
+        for buf in self.host:
+            self.gpu.free_host(buf)
+        if self.device:
+            self.gpu.free(self.device)
+        self.events, self.host, self.device = [], [], DevicePtr(0)
+
+
+class RowCache:
+    """A ``RowSource`` over a table file (``layers.ngram_embed.table_file``).
+
+    ``capacity`` rows (and, for fp8 tables, their scales) are resident in a device arena;
+    ``chunk_rows`` bounds the pinned and device staging of one load; ``io_threads`` read large
+    loads in parallel (1 reads on the calling thread only).
+    """
+
+    def __init__(self, gpu: GpuBackend, path: str | os.PathLike, capacity: int, *,
+                 stream: int = 0, chunk_rows: int = 8192, io_threads: int = 16) -> None:
+        for value, what in ((capacity, "capacity"), (chunk_rows, "chunk_rows"), (io_threads, "io_threads")):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"RowCache: {what} must be a positive int, got {value!r}")
+        self.file = TableFile(path)
+        self.gpu, self.stream = gpu, stream
+        self.rows, self.dim, self.dtype = self.file.rows, self.file.dim, self.file.dtype
+        self.capacity = min(capacity, self.rows)
+        self.stats = CacheStats()
+        self.index = SlotIndex(self.rows, self.capacity)
+        self._arena = DevicePtr(0)
+        self._arena_scales = DevicePtr(0)
+        self._readers = ThreadPoolExecutor(io_threads, "rowcache-read") if io_threads > 1 else None
+        self._loader: _Loader | None = None
+        self.closed = False
+        try:
+            self.kernel = gpu.kernel("row_cache", "scatter_rows")
+            self._arena = gpu.alloc(self.capacity * self.file.row_bytes)
+            if self.file.scales is not None:
+                self._arena_scales = gpu.alloc(self.capacity * 4)
+            self._loader = _Loader(gpu, self.kernel, self.file, self._arena, self._arena_scales, stream,
+                                   min(chunk_rows, self.capacity), self._readers, io_threads)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- the RowSource protocol -----------------------------------------------------------------
+    def resolve(self, ids: np.ndarray, slots_out: np.ndarray) -> None:
+        """Make the rows of ``ids`` resident and pinned until ``end_batch``; ``slots_out[i]``
+        (uint32, same length) gets the arena slot of ``ids[i]``. Refuses, before loading
+        anything, ids >= rows and batches needing more rows resident than the arena holds."""
+        ids = self._check_ids(ids, "resolve")
+        if not (isinstance(slots_out, np.ndarray) and slots_out.dtype == np.uint32
+                and slots_out.shape == ids.shape and slots_out.flags.writeable):
+            raise ValueError(f"RowCache.resolve: slots_out must be a writable uint32 array of shape "
+                             f"{ids.shape}, got {getattr(slots_out, 'dtype', type(slots_out))} "
+                             f"{getattr(slots_out, 'shape', '')}")
+        if ids.size == 0:
+            return
+        index = self.index
+        if ids.size == 1:  # a decode step: scalar operations only
+            slot = int(index.slot_of[ids[0]])
+            if slot >= 0:
+                index.pin_one(slot)
+                slots_out[0] = slot
+                self.stats.hits += 1
+                return
+        uniq, inverse = np.unique(ids, return_inverse=True)
+        slots = index.slot_of[uniq].astype(np.int64)
+        hit = slots >= 0
+        new_pins = int((~index.pinned[slots[hit]]).sum()) + int((~hit).sum())
+        if index.n_pinned + new_pins > self.capacity:
+            raise ValueError(f"RowCache.resolve: the batch needs {index.n_pinned + new_pins} rows resident "
+                             f"at once, the arena holds {self.capacity}")
+        index.pin(slots[hit])  # before assigning: the batch's hits must not be evicted for its misses
+        missing = uniq[~hit]
+        if len(missing):
+            new = index.assign(missing)
+            try:
+                io = self._loader.load(missing, new)
+            except BaseException:
+                index.forget(new)
+                raise
+            slots[~hit] = new
+            index.pin(new)
+            self.stats.rows_read += len(missing)
+            self.stats.bytes_read += len(missing) * (self.file.row_bytes + (4 if self._arena_scales else 0))
+            self.stats.io_seconds += io
+        slots_out[:] = slots[inverse]
+        self.stats.hits += ids.size - len(missing)
+        self.stats.misses += len(missing)
+        self.stats.evictions = index.evictions
+
+    def table_dev_va(self) -> int:
+        self._require_open()
+        return int(self._arena)
+
+    def scale_dev_va(self) -> int | None:
+        self._require_open()
+        return int(self._arena_scales) if self._arena_scales else None
+
+    def end_batch(self) -> None:
+        """The batch's rows may be evicted again (loads of later batches are queued on the same
+        stream, so they land after the gathers that read the old rows)."""
+        self._require_open()
+        self.index.unpin_all()
+
+    def prefetch(self, ids: np.ndarray) -> int:
+        """Start reading the rows of ``ids`` that are not resident into the page cache, without
+        waiting; returns how many. Call it as soon as a later batch's ids are known."""
+        ids = self._check_ids(ids, "prefetch")
+        if ids.size == 0:
+            return 0
+        uniq = np.unique(ids)
+        todo = uniq[self.index.slot_of[uniq] < 0]
+        self.file.advise_willneed(todo)
+        self.stats.prefetched += len(todo)
+        return len(todo)
+
+    def _check_ids(self, ids: np.ndarray, what: str) -> np.ndarray:
+        self._require_open()
+        arr = np.asarray(ids)
+        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+            raise ValueError(f"RowCache.{what}: ids must be a 1-D integer array, got {arr.dtype} {arr.shape}")
+        if arr.size == 1:
+            if not 0 <= int(arr[0]) < self.rows:
+                raise ValueError(f"RowCache.{what}: id {int(arr[0])} out of range for a table of {self.rows} rows")
+        elif arr.size and (arr.min() < 0 or arr.max() >= self.rows):
+            bad = arr[(arr < 0) | (arr >= self.rows)][0]
+            raise ValueError(f"RowCache.{what}: id {int(bad)} out of range for a table of {self.rows} rows")
+        return arr.astype(np.int64, copy=False)
+
+    def _require_open(self) -> None:
+        if self.closed:
+            raise ValueError("RowCache is closed")
+
+    def close(self) -> None:
+        """Wait for queued loads, then free the arena, the staging and the file map."""
+        if self.closed:
+            return
+        self.closed = True
+        if self._readers is not None:
+            self._readers.shutdown(wait=True)
+        if self._loader is not None:
+            self._loader.close()
+        if self._arena:
+            self.gpu.synchronize(self.stream)  # gathers queued on the stream may still read it
+        for ptr in (self._arena, self._arena_scales):
+            if ptr:
+                self.gpu.free(ptr)
+        self._arena = self._arena_scales = DevicePtr(0)
+        self.file.close()
+
+    def __enter__(self) -> "RowCache":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,429 @@
+"""On-disk n-gram tables too big for the device: a page-aligned raw row block behind a header.
+
+A ``RowCache`` memory-maps the file and gathers random rows by id straight into pinned buffers,
+so the rows are stored raw and row-major from a page boundary, and nothing here ever reads a
+whole table into RAM: ``TableFile`` only maps it, ``TableWriter`` streams rows in chunks.
+
+Layout (little-endian), version 1::
+
+    0            header: magic b"NGRAMTBL", u32 version, u32 dtype code (1 bf16, 2 fp8 e4m3),
+                 u64 rows, u64 dim, u64 rows_offset, u64 scales_offset,
+                 u32 crc32 of the 48 bytes before it; zero padding up to 4096
+    4096         rows * row_bytes bytes of rows (row_bytes = dim * itemsize)
+    fp8 only:    f32 per-row scales at scales_offset = 4096 + align_up(rows * row_bytes, 4096)
+
+The file size must match the header exactly, so a truncated copy or a stray append is caught.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import zlib
+from dataclasses import dataclass
+from types import TracebackType
+
+import numpy as np
+
+from ..safetensors_io import load as load_safetensors
+from ..weight_map import BF16, FP8
+
+MAGIC = b"NGRAMTBL"
+VERSION = 1
+PAGE = 4096
+HEADER_BYTES = PAGE  # the header block; rows start on the next page
+SCALE_DTYPE = np.dtype("<f4")
+
+_FIELDS = struct.Struct("<8sIIQQQQ")  # everything the crc covers (48 bytes)
+_CRC = struct.Struct("<I")
+_CODES = {BF16: 1, FP8: 2}
+_DTYPES = {code: dtype for dtype, code in _CODES.items()}
+
+
+class TableFormatError(ValueError):
+    """A table file whose header or size is not what this reader writes."""
+
+
+def _align_up(n: int, to: int = PAGE) -> int:
+    return -(-n // to) * to
+
+
+def _positive_int(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{what} must be an int >= 1, got {value!r}")
+    return int(value)
+
+
+def _table_dtype(dtype: object) -> np.dtype:
+    try:
+        dt = np.dtype(dtype)  # type: ignore[call-overload]
+    except TypeError:
+        dt = None
+    if dt not in _CODES:
+        raise TypeError(f"table dtype must be bfloat16 or float8_e4m3fn, got {dtype!r}")
+    return dt
+
+
+@dataclass(frozen=True)
+class TableHeader:
+    """The geometry of one table; every offset follows from dtype, rows and dim."""
+
+    dtype: np.dtype
+    rows: int
+    dim: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", _table_dtype(self.dtype))
+        object.__setattr__(self, "rows", _positive_int(self.rows, "rows"))
+        object.__setattr__(self, "dim", _positive_int(self.dim, "dim"))
+
+    @property
+    def row_bytes(self) -> int:
+        return self.dim * self.dtype.itemsize
+
+    @property
+    def rows_offset(self) -> int:
+        return HEADER_BYTES
+
+    @property
+    def scales_offset(self) -> int:
+        if self.dtype != FP8:
+            return 0
+        return self.rows_offset + _align_up(self.rows * self.row_bytes)
+
+    @property
+    def file_size(self) -> int:
+        if self.dtype == FP8:
+            return self.scales_offset + self.rows * SCALE_DTYPE.itemsize
+        return self.rows_offset + self.rows * self.row_bytes
+
+    def pack(self) -> bytes:
+        """The 4096-byte header block."""
+        fields = _FIELDS.pack(MAGIC, VERSION, _CODES[self.dtype], self.rows, self.dim,
+                              self.rows_offset, self.scales_offset)
+        block = fields + _CRC.pack(zlib.crc32(fields))
+        return block + bytes(HEADER_BYTES - len(block))
+
+    @classmethod
+    def unpack(cls, block: bytes, path: str = "<table>") -> TableHeader:
+        """Parse and validate a header block; ``path`` only names the file in errors."""
+        need = _FIELDS.size + _CRC.size
+        if len(block) < need:
+            raise TableFormatError(f"{path}: header is {len(block)} bytes, need at least {need}")
+        fields = bytes(block[:_FIELDS.size])
+        magic, version, code, rows, dim, rows_offset, scales_offset = _FIELDS.unpack(fields)
+        if magic != MAGIC:
+            raise TableFormatError(f"{path}: magic is {magic!r}, not {MAGIC!r} (not a table file)")
+        if version != VERSION:
+            raise TableFormatError(f"{path}: format version {version}, this reader knows {VERSION}")
+        (crc,) = _CRC.unpack_from(block, _FIELDS.size)
+        if crc != zlib.crc32(fields):
+            raise TableFormatError(f"{path}: header crc32 is {crc:#010x}, its bytes give "
+                                   f"{zlib.crc32(fields):#010x} (corrupt header)")
+        if code not in _DTYPES:
+            raise TableFormatError(f"{path}: unknown dtype code {code} (1 = bf16, 2 = fp8)")
+        if rows < 1 or dim < 1:
+            raise TableFormatError(f"{path}: header says rows={rows}, dim={dim}; both must be >= 1")
+        header = cls(_DTYPES[code], rows, dim)
+        if (rows_offset, scales_offset) != (header.rows_offset, header.scales_offset):
+            raise TableFormatError(
+                f"{path}: header offsets rows={rows_offset}, scales={scales_offset}; a "
+                f"{header.dtype.name} [{rows}, {dim}] table has rows={header.rows_offset}, "
+                f"scales={header.scales_offset}")
+        return header
+
+
+class TableFile:
+    """Read-only memory map of a table file; nothing is read until rows are asked for."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = os.fspath(path)
+        self._fd = os.open(self.path, os.O_RDONLY)
+        self._mmap: mmap.mmap | None = None
+        try:
+            size = os.fstat(self._fd).st_size
+            if size < HEADER_BYTES:
+                raise TableFormatError(f"{self.path}: file is {size} bytes, shorter than the "
+                                       f"{HEADER_BYTES}-byte header")
+            self.header = TableHeader.unpack(os.pread(self._fd, HEADER_BYTES, 0), self.path)
+            if size != self.header.file_size:
+                raise TableFormatError(f"{self.path}: file is {size} bytes, header says "
+                                       f"{self.header.file_size}")
+            self._mmap = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ)
+            if hasattr(self._mmap, "madvise") and hasattr(mmap, "MADV_RANDOM"):
+                self._mmap.madvise(mmap.MADV_RANDOM)  # gathers are random: no readahead
+        except BaseException:
+            self.close()
+            raise
+        h = self.header
+        self.rows, self.dim, self.dtype, self.row_bytes = h.rows, h.dim, h.dtype, h.row_bytes
+        self._rows_bytes: np.ndarray | None = np.frombuffer(
+            self._mmap, np.uint8, count=h.rows * h.row_bytes, offset=h.rows_offset,
+        ).reshape(h.rows, h.row_bytes)
+        self._scales: np.ndarray | None = None
+        if h.dtype == FP8:
+            self._scales = np.frombuffer(self._mmap, SCALE_DTYPE, count=h.rows,
+                                         offset=h.scales_offset)
+
+    @property
+    def closed(self) -> bool:
+        return self._fd < 0
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ValueError(f"{self.path}: table file is closed")
+
+    @property
+    def rows_bytes(self) -> np.ndarray:
+        """uint8 ``[rows, row_bytes]`` read-only view of the mapped rows."""
+        self._check_open()
+        assert self._rows_bytes is not None
+        return self._rows_bytes
+
+    @property
+    def scales(self) -> np.ndarray | None:
+        """float32 ``[rows]`` read-only view of the per-row scales; None for bf16."""
+        self._check_open()
+        return self._scales
+
+    def read_rows(self, ids: np.ndarray, out: np.ndarray,
+                  scales_out: np.ndarray | None = None) -> None:
+        """Gather rows ``ids`` into ``out`` (uint8 ``[len(ids), row_bytes]``), scales likewise.
+
+        ``np.take`` with ``mode="raise"`` would gather into a temporary and copy it again, so the
+        bounds are checked here once and the gather runs with ``mode="clip"`` straight into ``out``.
+        """
+        self._check_open()
+        ids = np.asarray(ids)
+        if ids.ndim != 1 or ids.dtype.kind not in "iu":
+            raise ValueError(f"ids must be a 1-D integer array, got {ids.dtype} {ids.shape}")
+        n = ids.shape[0]
+        if out.dtype != np.uint8 or out.shape != (n, self.row_bytes) or not out.flags.c_contiguous:
+            raise ValueError(f"out must be C-contiguous uint8 ({n}, {self.row_bytes}), got "
+                             f"{out.dtype} {out.shape}")
+        if self._scales is None and scales_out is not None:
+            raise ValueError(f"{self.path}: a bf16 table has no scales; pass scales_out=None")
+        if self._scales is not None:
+            if scales_out is None:
+                raise ValueError(f"{self.path}: an fp8 table's rows need their scales: "
+                                 "pass scales_out")
+            if (scales_out.dtype != np.float32 or scales_out.shape != (n,)
+                    or not scales_out.flags.c_contiguous):
+                raise ValueError(f"scales_out must be C-contiguous float32 ({n},), got "
+                                 f"{scales_out.dtype} {scales_out.shape}")
+        if n == 0:
+            return
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= self.rows:
+            raise IndexError(f"{self.path}: row ids span [{lo}, {hi}], table has {self.rows} rows")
+        if ids.dtype != np.intp:
+            ids = ids.astype(np.intp)
+        np.take(self._rows_bytes, ids, axis=0, out=out, mode="clip")
+        if scales_out is not None:
+            np.take(self._scales, ids, out=scales_out, mode="clip")
+
+    def advise_willneed(self, ids: np.ndarray) -> None:
+        """Ask the kernel to start reading rows ``ids`` (and their scales) into the page cache,
+        without waiting: one ``posix_fadvise(WILLNEED)`` per run of adjacent pages, so a later
+        ``read_rows`` finds them cached, and many reads are in flight at once on a cold disk."""
+        self._check_open()
+        if not hasattr(os, "posix_fadvise") or len(ids) == 0:
+            return
+        ids = np.asarray(ids, np.int64)
+        h = self.header
+        regions = [(h.rows_offset, self.row_bytes)]
+        if self._scales is not None:
+            regions.append((h.scales_offset, SCALE_DTYPE.itemsize))
+        for base, size in regions:
+            first = (base + ids * size) // PAGE
+            last = (base + ids * size + size - 1) // PAGE
+            pages = first[:, None] + np.arange(-(-size // PAGE) + 1)  # every page a row touches
+            pages = np.unique(pages[pages <= last[:, None]])
+            breaks = np.flatnonzero(np.diff(pages) != 1) + 1
+            for run in np.split(pages, breaks):
+                os.posix_fadvise(self._fd, int(run[0]) * PAGE, len(run) * PAGE, os.POSIX_FADV_WILLNEED)
+
+    def advise_dontneed(self) -> None:
+        """Drop the file from the page cache so the next reads are cold (for benchmarks).
+
+        Pages mapped into this process are not evicted, so they are unmapped first."""
+        self._check_open()
+        if self._mmap is not None and hasattr(mmap, "MADV_DONTNEED"):
+            self._mmap.madvise(mmap.MADV_DONTNEED)
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+    def close(self) -> None:
+        """Release the map and file. Views still held elsewhere keep the mapping alive."""
+        self._rows_bytes = self._scales = None
+        if self._mmap is not None:
+            try:
+                self._mmap.close()
+            except BufferError:
+                pass  # a caller still holds a view; the mapping goes when that view does
+            self._mmap = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> TableFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"{self.dtype.name} [{self.rows}, {self.dim}]"
+        return f"TableFile({self.path!r}, {state})"
+
+
+class TableWriter:
+    """Streams a table to disk: rows appended in order; written to ``path + '.tmp'`` and renamed
+    on close, so a crash never leaves a valid-looking partial file.
+
+    The header goes in last, just before the fsync and rename: a leftover ``.tmp`` has no magic.
+    """
+
+    def __init__(self, path: str | os.PathLike, dtype: object, rows: int, dim: int) -> None:
+        self.header = TableHeader(_table_dtype(dtype), rows, dim)
+        self.path = os.fspath(path)
+        self.tmp_path = self.path + ".tmp"
+        self.written = 0
+        self._committed = False
+        self._fd = os.open(self.tmp_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.ftruncate(self._fd, self.header.file_size)  # every offset is known up front
+        except BaseException:
+            self.abort()
+            raise
+
+    @property
+    def closed(self) -> bool:
+        return self._fd < 0
+
+    def _pwrite(self, array: np.ndarray, offset: int) -> None:
+        view = memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+        while view:
+            done = os.pwrite(self._fd, view, offset)
+            view, offset = view[done:], offset + done
+
+    def append(self, rows: np.ndarray, scales: np.ndarray | None = None) -> None:
+        """Write the next ``[n, dim]`` rows (and, for fp8, their ``[n]`` float32 scales)."""
+        if self.closed:
+            raise ValueError(f"{self.path}: writer is closed")
+        h = self.header
+        rows = np.asarray(rows)
+        if rows.dtype != h.dtype:
+            raise TypeError(f"{self.path}: rows are {rows.dtype}, the table is {h.dtype.name}")
+        if rows.ndim != 2 or rows.shape[1] != h.dim:
+            raise ValueError(f"{self.path}: rows must be [n, {h.dim}], got {rows.shape}")
+        n = rows.shape[0]
+        if self.written + n > h.rows:
+            raise ValueError(f"{self.path}: appending {n} rows after {self.written} overruns "
+                             f"the declared {h.rows}")
+        if h.dtype == FP8:
+            if scales is None:
+                raise ValueError(f"{self.path}: fp8 rows need their float32 scales")
+            scales = np.asarray(scales)
+            if scales.dtype != np.float32 or scales.shape != (n,):
+                raise ValueError(f"{self.path}: scales must be float32 ({n},), got "
+                                 f"{scales.dtype} {scales.shape}")
+        elif scales is not None:
+            raise ValueError(f"{self.path}: scales are only for fp8 tables")
+        if n == 0:
+            return
+        self._pwrite(rows, h.rows_offset + self.written * h.row_bytes)
+        if scales is not None:
+            self._pwrite(scales.astype(SCALE_DTYPE, copy=False),
+                         h.scales_offset + self.written * SCALE_DTYPE.itemsize)
+        self.written += n
+
+    def close(self) -> TableHeader:
+        """Write the header, fsync and rename into place; refuses a short table."""
+        if self._committed:
+            return self.header
+        if self.closed:
+            raise ValueError(f"{self.path}: writer was aborted")
+        if self.written != self.header.rows:
+            self.abort()
+            raise ValueError(f"{self.path}: only {self.written} of {self.header.rows} rows "
+                             "were appended; nothing written")
+        try:
+            self._pwrite(np.frombuffer(self.header.pack(), np.uint8), 0)
+            os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = -1
+            os.replace(self.tmp_path, self.path)
+        except BaseException:
+            self.abort()
+            raise
+        self._committed = True
+        _fsync_dir(os.path.dirname(os.path.abspath(self.path)))
+        return self.header
+
+    def abort(self) -> None:
+        """Discard the partial file. Safe to call more than once."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        if not self._committed:
+            try:
+                os.unlink(self.tmp_path)
+            except FileNotFoundError:
+                pass
+
+    def __enter__(self) -> TableWriter:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def _fsync_dir(directory: str) -> None:
+    """Make the rename durable; some platforms cannot open directories, which is fine."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_table(path: str | os.PathLike, table: np.ndarray, scales: np.ndarray | None = None,
+                chunk_rows: int = 1 << 16) -> TableHeader:
+    """Write a ``[rows, dim]`` array (an ``np.memmap`` works: it is read chunk by chunk)."""
+    chunk_rows = _positive_int(chunk_rows, "chunk_rows")
+    table = np.asarray(table)  # a view, never a copy, of a memmap
+    scales = None if scales is None else np.asarray(scales)
+    if table.ndim != 2:
+        raise ValueError(f"table must be 2-D [rows, dim], got shape {table.shape}")
+    if scales is not None and scales.shape != (table.shape[0],):
+        raise ValueError(f"scales shape {scales.shape} != ({table.shape[0]},)")
+    rows = table.shape[0]
+    with TableWriter(path, table.dtype, rows, table.shape[1]) as writer:
+        for start in range(0, rows, chunk_rows):
+            stop = min(start + chunk_rows, rows)
+            writer.append(table[start:stop], None if scales is None else scales[start:stop])
+    return writer.header
+
+
+def write_table_from_safetensors(path: str | os.PathLike, st_path: str | os.PathLike, name: str,
+                                 scale_name: str | None = None,
+                                 chunk_rows: int = 1 << 16) -> TableHeader:
+    """Convert one tensor (and its per-row scales) of a safetensors file, memory-mapped."""
+    tensors = load_safetensors(st_path)
+    for wanted in (name, scale_name):
+        if wanted is not None and wanted not in tensors:
+            raise KeyError(f"{os.fspath(st_path)}: no tensor {wanted!r} "
+                           f"(has {', '.join(sorted(tensors)) or 'none'})")
+    scales = tensors[scale_name] if scale_name is not None else None
+    return write_table(path, tensors[name], scales, chunk_rows)

@@ -1,0 +1,285 @@
+"""RowCache: the arena holds the file's rows at the slots ``resolve`` returns (CPU, on a
+host-memory backend, through long random streams that force eviction), refusals, counters,
+prefetch; and on the GPU, a layer with cached tables equals the resident layer to the bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from layers.ngram_embed import NgramDims, NgramEmbedding, NgramTable
+from layers.ngram_embed.ids import ngram_ids_tail
+from layers.ngram_embed.row_cache import RowCache
+from layers.ngram_embed.slot_index import SlotIndex
+from layers.ngram_embed.table_file import TableFormatError, write_table
+from layers.weight_map import DenseWeight
+from tests.fakes import MemoryBackend
+from tests.helpers import Guarded, bits, random_bf16, random_fp8
+from tests.test_ngram_embedding import BF16, device_layer, free_layer, random_layer
+
+
+def _emulate_scatter(gpu: MemoryBackend, args: list) -> None:
+    slots, rows, scales, arena, arena_scales, n, row_bytes = args
+    src = gpu.read(rows, n * row_bytes).reshape(n, row_bytes)
+    for i, slot in enumerate(gpu.read_as(slots, n, np.uint32)):
+        gpu.copy_h2d_async(src[i], arena + int(slot) * row_bytes)
+        if scales:
+            gpu.copy_h2d_async(gpu.read(scales + 4 * i, 4), arena_scales + 4 * int(slot))
+
+
+def mem_gpu() -> MemoryBackend:
+    return MemoryBackend(module="row_cache", names=["scatter_rows"], emulate={"scatter_rows": _emulate_scatter})
+
+
+def table_file(tmp_path, rng, rows: int, dim: int, fp8: bool, name: str = "t.ngt"):
+    table = random_fp8(rng, (rows, dim)) if fp8 else random_bf16(rng, (rows, dim))
+    scales = rng.uniform(0.01, 2, rows).astype(np.float32) if fp8 else None
+    path = tmp_path / name
+    write_table(path, table, scales)
+    return path, table, scales
+
+
+def assert_resident(gpu: MemoryBackend, cache: RowCache, ids, slots, table, scales) -> None:
+    """Slot ``slots[i]`` of the arena holds row ``ids[i]`` of the table (and its scale)."""
+    rb = cache.file.row_bytes
+    arena = np.empty((cache.capacity, rb), np.uint8)
+    gpu.copy_d2h(arena, cache.table_dev_va())
+    assert np.array_equal(arena[slots.astype(np.int64)], table[ids].view(np.uint8).reshape(len(ids), rb))
+    if scales is not None:
+        arena_scales = np.empty(cache.capacity, np.float32)
+        gpu.copy_d2h(arena_scales, cache.scale_dev_va())
+        assert np.array_equal(arena_scales[slots.astype(np.int64)], scales[ids])
+
+
+def resolve(cache: RowCache, ids) -> np.ndarray:
+    slots = np.empty(len(ids), np.uint32)
+    cache.resolve(np.asarray(ids), slots)
+    return slots
+
+
+# -- CPU --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("capacity", [1, 7, 300, 1000])
+def test_slot_index_stays_a_bijection_and_spares_pinned_slots(rng, capacity):
+    rows = 1000
+    index = SlotIndex(rows, capacity)
+    for _ in range(400):
+        held = np.flatnonzero(index.pinned)
+        held_ids = index.id_of[held].copy()
+        absent = np.flatnonzero(index.slot_of < 0)
+        n = int(rng.integers(0, index.evictable() + 1))
+        ids = rng.choice(absent, min(n, absent.size), replace=False)
+        slots = index.assign(ids)
+        assert len(set(slots.tolist())) == len(ids) and np.array_equal(index.id_of[slots], ids)
+        assert np.array_equal(index.id_of[held], held_ids), "a pinned slot was evicted"
+        op = rng.integers(0, 4)
+        if op == 0 and len(slots):
+            index.pin(rng.choice(slots, rng.integers(0, len(slots) + 1)))  # repeats allowed
+        elif op == 1 and len(slots):
+            index.pin_one(int(slots[0]))
+        elif op == 2:
+            index.unpin_all()
+        elif len(slots) and rng.random() < 0.3:
+            index.forget(slots)  # their load failed
+        resident = np.flatnonzero(index.id_of >= 0)
+        assert np.array_equal(index.slot_of[index.id_of[resident]], resident)
+        assert (index.slot_of >= 0).sum() == resident.size == capacity - index.n_free
+        assert index.n_pinned == index.pinned.sum()
+
+
+@pytest.mark.parametrize("backend", ["memory", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("fp8, dim, chunk, threads", [(False, 8, 8192, 8), (True, 7, 5, 1), (False, 33, 3, 4),
+                                                      (True, 64, 4096, 2)])
+def test_long_stream_forces_eviction_and_stays_right(request, tmp_path, rng, fp8, dim, chunk, threads, backend):
+    rows, capacity = 997, 64
+    path, table, scales = table_file(tmp_path, rng, rows, dim, fp8)
+    gpu = mem_gpu() if backend == "memory" else request.getfixturevalue("gpu")
+    with RowCache(gpu, path, capacity, chunk_rows=chunk, io_threads=threads) as cache:
+        looked_up = 0
+        zipf = np.minimum(rng.zipf(1.3, 20000), rows) - 1  # skewed like real n-gram ids
+        for step in range(300):
+            n = int(rng.integers(0, 40))
+            ids = zipf[step * 40:step * 40 + n] if step % 2 else rng.integers(0, rows, n)
+            slots = resolve(cache, ids)
+            assert slots.size == n and (slots < capacity).all()
+            assert_resident(gpu, cache, ids, slots, table, scales)
+            looked_up += len(ids)
+            cache.end_batch()
+        st = cache.stats
+        assert st.hits + st.misses == looked_up and st.misses > capacity and st.evictions > 0
+        assert st.rows_read == st.misses
+        assert st.bytes_read == st.rows_read * (dim * (1 if fp8 else 2) + (4 if fp8 else 0))
+    if backend == "memory":
+        assert not gpu.mem and not gpu.host and not gpu.events  # all returned
+
+
+def test_pinned_rows_are_never_evicted(tmp_path, rng):
+    path, table, _ = table_file(tmp_path, rng, 500, 8, False)
+    gpu = mem_gpu()
+    with RowCache(gpu, path, 40) as cache:
+        first = rng.choice(500, 25, replace=False)
+        s1 = resolve(cache, first)
+        s2 = resolve(cache, rng.choice(np.setdiff1d(np.arange(500), first), 15, replace=False))
+        assert not set(s1) & set(s2)
+        assert_resident(gpu, cache, first, s1, table, None)  # batch 1 still pinned
+        with pytest.raises(ValueError, match="needs 41 rows resident at once, the arena holds 40"):
+            resolve(cache, [int(np.setdiff1d(np.arange(500), first)[-1])] + list(first[:3]))
+        cache.end_batch()
+        resolve(cache, rng.choice(500, 40, replace=False))  # whole arena, now allowed
+
+
+def test_refusals_change_nothing(tmp_path, rng):
+    path, _, _ = table_file(tmp_path, rng, 100, 8, True)
+    gpu = mem_gpu()
+    cache = RowCache(gpu, path, 10)
+    arena = gpu.read(cache.table_dev_va(), 10 * 8)
+    bad_calls = {
+        "out of range": lambda: resolve(cache, [3, 100]),
+        "out of range ": lambda: resolve(cache, [-1]),
+        "1-D integer": lambda: resolve(cache, np.array([1.0, 2.0])),
+        "1-D integer ": lambda: cache.resolve(np.zeros((2, 2), np.int64), np.empty(4, np.uint32)),
+        "slots_out": lambda: cache.resolve(np.array([1, 2]), np.empty(2, np.int32)),
+        "slots_out ": lambda: cache.resolve(np.array([1, 2]), np.empty(3, np.uint32)),
+        "arena holds 10": lambda: resolve(cache, np.arange(11)),
+        "out of range  ": lambda: cache.prefetch(np.array([100])),
+    }
+    for match, call in bad_calls.items():
+        with pytest.raises(ValueError, match=match.strip()):
+            call()
+    assert gpu.launches == [] and np.array_equal(gpu.read(cache.table_dev_va(), 80), arena)
+    assert cache.stats.hits == cache.stats.misses == 0
+    cache.close()
+    cache.close()  # idempotent
+    for call in (lambda: resolve(cache, [1]), cache.end_batch, cache.table_dev_va,
+                 lambda: cache.prefetch(np.array([1]))):
+        with pytest.raises(ValueError, match="closed"):
+            call()
+    for value in (0, -3, True, 2.0):
+        with pytest.raises(ValueError, match="capacity"):
+            RowCache(gpu, path, value)
+
+
+def test_file_disagreeing_with_its_header_is_refused(tmp_path, rng):
+    path, _, _ = table_file(tmp_path, rng, 100, 8, False)
+    with open(path, "ab") as f:
+        f.write(b"\0" * 16)
+    gpu = mem_gpu()
+    with pytest.raises(TableFormatError, match="bytes"):
+        RowCache(gpu, path, 10)
+    assert not gpu.mem and not gpu.host
+
+
+def test_failed_read_leaves_the_index_consistent(tmp_path, rng, monkeypatch):
+    path, table, _ = table_file(tmp_path, rng, 200, 8, False)
+    gpu = mem_gpu()
+    with RowCache(gpu, path, 16, io_threads=1) as cache:
+        resolve(cache, [1, 2, 3])
+        cache.end_batch()
+        real = cache.file.read_rows
+        monkeypatch.setattr(cache.file, "read_rows", lambda *a: (_ for _ in ()).throw(OSError("disk gone")))
+        with pytest.raises(OSError, match="disk gone"):
+            resolve(cache, [4, 5, 1])
+        monkeypatch.setattr(cache.file, "read_rows", real)
+        ids = [4, 5, 1, 2]
+        slots = resolve(cache, ids)
+        assert_resident(gpu, cache, ids, slots, table, None)
+        assert (cache.index.slot_of >= 0).sum() == (cache.index.id_of >= 0).sum()
+
+
+def test_prefetch_reads_ahead_only_what_is_missing(tmp_path, rng, monkeypatch):
+    path, table, scales = table_file(tmp_path, rng, 300, 16, True)
+    gpu = mem_gpu()
+    with RowCache(gpu, path, 50) as cache:
+        advised = []
+        monkeypatch.setattr(cache.file, "advise_willneed", lambda ids: advised.append(np.array(ids)))
+        resident = rng.choice(300, 10, replace=False)
+        resolve(cache, resident)
+        cache.end_batch()
+        wanted = np.concatenate([resident, np.setdiff1d(np.arange(300), resident)[:20]])
+        launches = len(gpu.launches)
+        assert cache.prefetch(np.concatenate([wanted, wanted])) == 20
+        assert len(gpu.launches) == launches  # readahead only: nothing queued on the GPU
+        assert np.array_equal(np.sort(advised[-1]), np.setdiff1d(wanted, resident))
+        slots = resolve(cache, wanted)
+        assert_resident(gpu, cache, wanted, slots, table, scales)
+        st = cache.stats
+        assert (st.prefetched, st.misses, st.hits, st.rows_read) == (20, 30, 10, 30)
+
+
+def test_advise_willneed_covers_every_page_of_the_rows(tmp_path, rng, monkeypatch):
+    import os
+
+    path, _, _ = table_file(tmp_path, rng, 5000, 3000, True)  # 3000-byte rows straddle pages
+    calls = []
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: calls.append((off, n, advice)))
+    from layers.ngram_embed.table_file import PAGE, TableFile
+
+    with TableFile(path) as f:
+        ids = np.array([0, 1, 7, 4999])
+        f.advise_willneed(ids)
+        covered = set()
+        for off, n, advice in calls:
+            assert advice == os.POSIX_FADV_WILLNEED and off % PAGE == 0
+            covered |= set(range(off // PAGE, (off + n) // PAGE))
+        for i in ids:
+            row = f.header.rows_offset + int(i) * 3000
+            assert set(range(row // PAGE, (row + 2999) // PAGE + 1)) <= covered
+            scale = f.header.scales_offset + 4 * int(i)
+            assert scale // PAGE in covered
+
+
+# -- GPU: cached layers against resident ones -----------------------------------------------------
+def _cached_layer(gpu, host, tmp_path, name: str, capacity: int, max_tokens: int) -> NgramEmbedding:
+    tables = []
+    for c, (table, scale) in enumerate(host.tables):
+        path = tmp_path / f"{name}{c}.ngt"
+        write_table(path, table, scale)
+        tables.append(NgramTable.Cached(RowCache(gpu, path, capacity, chunk_rows=64)))
+    word = DenseWeight.from_numpy(gpu, host.word)
+    projs = [DenseWeight.from_numpy(gpu, p) for p in host.projs]
+    return NgramEmbedding(host.dims, word, tables, projs, max_tokens, gpu)
+
+
+def _free_cached(layer: NgramEmbedding) -> None:
+    layer.word.close()
+    for t in layer.tables:
+        t.cache.close()
+    for p in layer.projs:
+        p.close()
+    layer.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kinds", ["b", "f", "bf"])
+def test_cached_layer_equals_resident_over_a_long_stream(gpu, rng, tmp_path, kinds):
+    dims = NgramDims(vocab_size=2000, hidden_size=72, max_ngram=3, splits=2, base_rows=4000,
+                     row_bias=1, table_dim=24, eos_id=7)
+    host = random_layer(rng, dims, kinds)
+    tokens = rng.integers(0, dims.vocab_size, 1500)
+    resident = device_layer(gpu, host, max_tokens=64)
+    cold = _cached_layer(gpu, host, tmp_path, "cold", 40, 64)  # prefetch never called
+    warm = _cached_layer(gpu, host, tmp_path, "warm", 40, 64)
+    try:
+        with Guarded(gpu, (64, dims.hidden_size), BF16, rng) as out:
+            pos, step = 16, 0
+            while pos < tokens.size:
+                seq = 32 if step % 10 == 0 else 1  # a prefill chunk now and then, else decode
+                pos = min(pos + seq, tokens.size)
+                seq = min(seq, pos)
+                results = []
+                for layer in (resident, cold, warm):
+                    out.poison()
+                    layer.embed(tokens[:pos], seq, out.ptr, gpu, 0)
+                    results.append(bits(out.read()[:seq]).copy())
+                    out.assert_guards_intact()
+                assert np.array_equal(results[0], results[1]) and np.array_equal(results[0], results[2]), step
+                if pos < tokens.size:
+                    warm.prefetch(tokens[:pos + 1], 1)  # the next decode step's rows
+                step += 1
+        for layer in (cold, warm):
+            stats = [t.cache.stats for t in layer.tables]
+            assert all(s.evictions > 0 and s.rows_read == s.misses for s in stats)
+        assert sum(t.cache.stats.prefetched for t in warm.tables) > 0
+    finally:
+        free_layer(resident)
+        _free_cached(cold)
+        _free_cached(warm)

@@ -2,6 +2,12 @@
 //
 // Both operands are K-major (row i of a at a + i*k, row j of w at w + j*k), c is row-major
 // [m, n]. Products are accumulated in fp32 and rounded once to bf16 (__float2bfloat16_rn).
+// Every path ends in the same store (store_pair, or the simt loop), templated on an epilogue that
+// maps each fp32 accumulator before that one rounding:
+//   PlainEpilogue  nothing: c = bf16(acc) (the plain entry points; same code as without it);
+//   WordEpilogue   c[i, j] = bf16((acc + float(word[word_ids[i] * n + j])) * scale), one fp32
+//                  add and one fp32 multiply (__fadd_rn, __fmul_rn: never contracted to an FMA),
+//                  then the one rounding: the fused n-gram embedding's word row and 1/(1+T).
 // Every entry point is correct for any m, n, k >= 1 (k < 2^31, which the launcher enforces),
 // any grid (all paths loop over their work items grid-stride), unaligned pointers and odd sizes:
 //   fast loads  (k % 8 == 0 && aligned16(a, w)): 16-byte cp.async.cg, zero-filled (src-size 0)
@@ -46,6 +52,12 @@
 //                              (>= 96 KB: L, >= 64 KB: M, >= 32 KB: S);
 //   dense_gemm_bf16_wgmma      wgmma path (needs >= 197632 bytes of dynamic shared memory);
 //   dense_gemm_bf16_simt       the scalar path.
+// Word-row entry points (the plain signature + const uint32_t* word_ids, const bf16* word [vocab,
+// n] row-major, float scale; same launch plans as their plain twins):
+//   dense_gemm_bf16_word       as dense_gemm_bf16_pipelined, with the word epilogue;
+//   dense_gemm_bf16_word_wgmma as dense_gemm_bf16_wgmma, with the word epilogue.
+// word_ids are not bounds-checked here (the kernel is not told the vocabulary size): the caller
+// guarantees word_ids[i] < vocab for i < m.
 #include "common.cuh"
 
 namespace gemm {
@@ -189,21 +201,80 @@ __device__ __forceinline__ void load_slot(uint32_t dst, const bf16* row, bool ok
     }
 }
 
-// c[row, col] and c[row, col + 1] (the second only while < n), rounded once.
+// -- epilogues: the fp32 value each accumulator becomes just before its one bf16 rounding ------
+// ep.row(row, m) gives the row's epilogue, taken once per output row a thread stores (hoisted out
+// of the column loops); for row >= m it is a harmless dummy that is never applied. Its
+// apply(col, v) maps one element, apply2(col, v0, v1) the pair (col, col + 1) of a vector store
+// (n even, col even, so col + 1 < n). Everything is inlined into every path's store, so a path is
+// written once and instantiated per epilogue; the plain one compiles to the code it replaced.
+struct PlainEpilogue {
+    struct Row {
+        __device__ __forceinline__ float apply(uint32_t, float v) const { return v; }
+        __device__ __forceinline__ void apply2(uint32_t, float&, float&) const {}
+    };
+    __device__ __forceinline__ Row row(uint64_t, uint32_t) const { return Row{}; }
+};
+
+// (acc + float(word[word_ids[row] * n + col])) * scale: fp32 add, fp32 multiply, no contraction.
+struct WordEpilogue {
+    const uint32_t* ids;
+    const bf16* word;  // [vocab, n] row-major
+    uint32_t n;
+    float scale;
+    bool pairs;  // word 4-byte aligned: with n and col even, a pair is one 4-byte load
+
+    struct Row {
+        const bf16* p;  // word row word_ids[row]
+        float scale;
+        bool pairs;
+        __device__ __forceinline__ float add(float v, bf16 x) const {
+            return __fmul_rn(__fadd_rn(v, __bfloat162float(x)), scale);
+        }
+        __device__ __forceinline__ float apply(uint32_t col, float v) const {
+            return add(v, __ldg(p + col));
+        }
+        __device__ __forceinline__ void apply2(uint32_t col, float& v0, float& v1) const {
+            if (pairs) {
+                const __nv_bfloat162 x = __ldg(reinterpret_cast<const __nv_bfloat162*>(p + col));
+                v0 = add(v0, x.x);
+                v1 = add(v1, x.y);
+            } else {
+                v0 = add(v0, __ldg(p + col));
+                v1 = add(v1, __ldg(p + col + 1));
+            }
+        }
+    };
+    __device__ __forceinline__ Row row(uint64_t r, uint32_t m) const {
+        const uint32_t id = r < m ? __ldg(ids + r) : 0u;  // word_ids has m entries
+        return Row{word + static_cast<uint64_t>(id) * n, scale, pairs};
+    }
+};
+
+__device__ __forceinline__ WordEpilogue word_epilogue(const uint32_t* ids, const bf16* word,
+                                                      uint32_t n, float scale) {
+    return WordEpilogue{ids, word, n, scale, (reinterpret_cast<uintptr_t>(word) & 3) == 0};
+}
+
+// c[row, col] and c[row, col + 1] (the second only while < n), through the row's epilogue `er`
+// (ep.row(row, m)), rounded once.
+template <class Row>
 __device__ __forceinline__ void store_pair(bf16* c, uint64_t row, uint32_t col, uint32_t n,
-                                           float v0, float v1, bool vec) {
+                                           float v0, float v1, bool vec, const Row& er) {
     if (col >= n) return;
     bf16* p = c + row * n + col;
     if (vec) {  // n even and col even: col + 1 < n, and p is 4-byte aligned
+        er.apply2(col, v0, v1);
         *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(v0, v1);
     } else {
-        p[0] = __float2bfloat16_rn(v0);
-        if (col + 1 < n) p[1] = __float2bfloat16_rn(v1);
+        p[0] = __float2bfloat16_rn(er.apply(col, v0));
+        if (col + 1 < n) p[1] = __float2bfloat16_rn(er.apply(col + 1, v1));
     }
 }
 
 // -- simt: any launch shape ------------------------------------------------------------------
-__device__ void gemm_simt(const bf16* a, const bf16* w, bf16* c, uint32_t m, uint32_t n, uint32_t k) {
+template <class Ep>
+__device__ void gemm_simt(const bf16* a, const bf16* w, bf16* c, uint32_t m, uint32_t n, uint32_t k,
+                          const Ep& ep) {
     const uint64_t block = static_cast<uint64_t>(blockDim.x) * blockDim.y * blockDim.z;
     const uint64_t tid = block_rank() * block + threadIdx.x +
                          static_cast<uint64_t>(blockDim.x) * (threadIdx.y + static_cast<uint64_t>(blockDim.y) * threadIdx.z);
@@ -216,7 +287,7 @@ __device__ void gemm_simt(const bf16* a, const bf16* w, bf16* c, uint32_t m, uin
         float s = 0.0f;
         for (uint32_t kk = 0; kk < k; ++kk)
             s = fmaf(__bfloat162float(ar[kk]), __bfloat162float(wr[kk]), s);
-        c[i] = __float2bfloat16_rn(s);
+        c[i] = __float2bfloat16_rn(ep.row(row, m).apply(static_cast<uint32_t>(col), s));
     }
 }
 
@@ -240,9 +311,9 @@ __device__ __forceinline__ uint32_t small_smem_bytes(uint32_t m) {
 // row0 + 8j + g (piece 4 + j). mma k-slots 2t, 2t+1 (then 2t+8, 2t+9) take the lane's elements
 // 0-1 (2-3) in the first mma of the chunk and 4-5 (6-7) in the second; a and w agree on this
 // permutation of k, so each product pairs equal k.
-template <uint32_t NT>
+template <uint32_t NT, class Ep>
 __device__ __forceinline__ void small_m_gemm(const bf16* a, const bf16* w, bf16* c, uint32_t m,
-                                             uint32_t n, uint32_t k) {
+                                             uint32_t n, uint32_t k, const Ep& ep) {
     constexpr uint32_t kStages = small_stages(NT);
     constexpr uint32_t kPieces = kSmallWPieces + NT;
     constexpr uint32_t kStageBytes = kPieces * kPieceBytes;
@@ -353,20 +424,22 @@ __device__ __forceinline__ void small_m_gemm(const bf16* a, const bf16* w, bf16*
                 s0 += src[0];
                 s1 += src[1];
             }
-            store_pair(c, static_cast<uint64_t>(row0) + r, col0 + col, n, s0, s1, vec);
+            const uint64_t row = static_cast<uint64_t>(row0) + r;
+            store_pair(c, row, col0 + col, n, s0, s1, vec, ep.row(row, m));
         }
         __syncthreads();  // the next item's copies overwrite the reduction buffer
     }
 }
 
+template <class Ep>
 __device__ __forceinline__ bool run_small(const bf16* a, const bf16* w, bf16* c, uint32_t m,
-                                          uint32_t n, uint32_t k) {
+                                          uint32_t n, uint32_t k, const Ep& ep) {
     if (!block_is_256() || dynamic_smem_bytes() < small_smem_bytes(m)) return false;
     switch (small_nt(m)) {
-        case 1: small_m_gemm<1>(a, w, c, m, n, k); break;
-        case 2: small_m_gemm<2>(a, w, c, m, n, k); break;
-        case 4: small_m_gemm<4>(a, w, c, m, n, k); break;
-        default: small_m_gemm<8>(a, w, c, m, n, k); break;
+        case 1: small_m_gemm<1>(a, w, c, m, n, k, ep); break;
+        case 2: small_m_gemm<2>(a, w, c, m, n, k, ep); break;
+        case 4: small_m_gemm<4>(a, w, c, m, n, k, ep); break;
+        default: small_m_gemm<8>(a, w, c, m, n, k, ep); break;
     }
     return true;
 }
@@ -395,9 +468,9 @@ __device__ __forceinline__ void grouped_tile(uint64_t tile, uint64_t tiles_m, ui
     tn = in_group / rows;
 }
 
-template <uint32_t BM, uint32_t BN>
+template <uint32_t BM, uint32_t BN, class Ep>
 __device__ __forceinline__ void tiled_gemm(const bf16* a, const bf16* w, bf16* c, uint32_t m,
-                                           uint32_t n, uint32_t k) {
+                                           uint32_t n, uint32_t k, const Ep& ep) {
     constexpr uint32_t WM = BM / 2, WN = BN / 4;      // warp tile: warps 2 (M) x 4 (N)
     constexpr uint32_t MT = WM / 16, NT = WN / 8;     // mma tiles per warp
     constexpr uint32_t kABytes = BM * kTileRowBytes;
@@ -497,28 +570,31 @@ __device__ __forceinline__ void tiled_gemm(const bf16* a, const bf16* w, bf16* c
         __syncthreads();  // the next tile's prologue overwrites stages others may still read
 
 #pragma unroll
-        for (uint32_t mt = 0; mt < MT; ++mt)
+        for (uint32_t mt = 0; mt < MT; ++mt) {
+            const uint32_t row = m0 + wm * WM + mt * 16 + g;
+            const auto e0 = ep.row(row, m), e8 = ep.row(row + 8, m);
 #pragma unroll
             for (uint32_t nt = 0; nt < NT; ++nt) {
-                const uint32_t row = m0 + wm * WM + mt * 16 + g;
                 const uint32_t col = n0 + wn * WN + nt * 8 + 2 * t;
-                if (row < m) store_pair(c, row, col, n, acc[mt][nt][0], acc[mt][nt][1], vec);
-                if (row + 8 < m) store_pair(c, row + 8, col, n, acc[mt][nt][2], acc[mt][nt][3], vec);
+                if (row < m) store_pair(c, row, col, n, acc[mt][nt][0], acc[mt][nt][1], vec, e0);
+                if (row + 8 < m) store_pair(c, row + 8, col, n, acc[mt][nt][2], acc[mt][nt][3], vec, e8);
             }
+        }
     }
 }
 
 // The largest tiled config the dynamic shared memory holds (the launcher sizes it to pick one).
+template <class Ep>
 __device__ __forceinline__ bool run_tiled(const bf16* a, const bf16* w, bf16* c, uint32_t m,
-                                          uint32_t n, uint32_t k) {
+                                          uint32_t n, uint32_t k, const Ep& ep) {
     if (!block_is_256()) return false;
     const uint32_t dyn = dynamic_smem_bytes();
     if (dyn >= tile_smem_bytes<128, 256>()) {
-        tiled_gemm<128, 256>(a, w, c, m, n, k);
+        tiled_gemm<128, 256>(a, w, c, m, n, k, ep);
     } else if (dyn >= tile_smem_bytes<128, 128>()) {
-        tiled_gemm<128, 128>(a, w, c, m, n, k);
+        tiled_gemm<128, 128>(a, w, c, m, n, k, ep);
     } else if (dyn >= tile_smem_bytes<64, 64>()) {
-        tiled_gemm<64, 64>(a, w, c, m, n, k);
+        tiled_gemm<64, 64>(a, w, c, m, n, k, ep);
     } else {
         return false;
     }
@@ -590,8 +666,9 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t da, u
 // Per k-tile kt: wait for its copies, fence.proxy.async, barrier, issue 4 wgmma, then copy k-tile
 // kt+2 into the stage of kt-2 (whose wgmma every warpgroup retired before the barrier), then
 // wait until at most the group just issued is pending.
+template <class Ep>
 __device__ __forceinline__ void wgmma_gemm(const bf16* a, const bf16* w, bf16* c, uint32_t m,
-                                           uint32_t n, uint32_t k) {
+                                           uint32_t n, uint32_t k, const Ep& ep) {
     constexpr uint32_t kRowsPerPass = kThreads / 8;  // 32 rows of eight 16-byte chunks
     constexpr uint32_t kALoads = kWgBM / kRowsPerPass, kBLoads = kWgBN / kRowsPerPass;
     constexpr uint32_t kAhead = kWgStages - 2;       // k-tiles in flight ahead of the one computed
@@ -668,31 +745,54 @@ __device__ __forceinline__ void wgmma_gemm(const bf16* a, const bf16* w, bf16* c
 
         // d[4j + e]: row 16*wq + g (+8 for e >= 2), column 8j + 2t (+1 for odd e).
         const uint32_t row = m0 + wg * 64 + wq * 16 + g;
+        const auto e0 = ep.row(row, m), e8 = ep.row(row + 8, m);
 #pragma unroll
         for (uint32_t j = 0; j < kWgBN / 8; ++j) {
             const uint32_t col = n0 + 8 * j + 2 * t;
-            if (row < m) store_pair(c, row, col, n, d[4 * j], d[4 * j + 1], vec);
-            if (row + 8 < m) store_pair(c, row + 8, col, n, d[4 * j + 2], d[4 * j + 3], vec);
+            if (row < m) store_pair(c, row, col, n, d[4 * j], d[4 * j + 1], vec, e0);
+            if (row + 8 < m) store_pair(c, row + 8, col, n, d[4 * j + 2], d[4 * j + 3], vec, e8);
         }
     }
 }
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
+// -- entry bodies, shared by the plain and the word entry points -----------------------------
+// small for m <= 64, tiled above (config from the shared memory), simt if the launch fits neither.
+template <class Ep>
+__device__ __forceinline__ void pipelined_gemm(const bf16* a, const bf16* w, bf16* c, uint32_t m,
+                                               uint32_t n, uint32_t k, const Ep& ep) {
+    const bool done = m <= kSmallMaxRows ? run_small(a, w, c, m, n, k, ep) : run_tiled(a, w, c, m, n, k, ep);
+    if (!done) gemm_simt(a, w, c, m, n, k, ep);
+}
+
+// wgmma on sm_90a builds (simt if the launch does not fit it); elsewhere the tiled path.
+template <class Ep>
+__device__ __forceinline__ void wgmma_or_tiled_gemm(const bf16* a, const bf16* w, bf16* c,
+                                                    uint32_t m, uint32_t n, uint32_t k, const Ep& ep) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    if (block_is_256() && dynamic_smem_bytes() >= kWgSmem) {
+        wgmma_gemm(a, w, c, m, n, k, ep);
+        return;
+    }
+    gemm_simt(a, w, c, m, n, k, ep);
+#else
+    if (!run_tiled(a, w, c, m, n, k, ep)) gemm_simt(a, w, c, m, n, k, ep);
+#endif
+}
 
 }  // namespace gemm
 
 // The contract's kernel: small path for m <= 64, tiled above (config from the shared memory).
 extern "C" __global__ void __launch_bounds__(256, 1)
 dense_gemm_bf16_pipelined(const bf16* a, const bf16* w, bf16* c, uint32_t m, uint32_t n, uint32_t k) {
-    using namespace gemm;
-    const bool done = m <= kSmallMaxRows ? run_small(a, w, c, m, n, k) : run_tiled(a, w, c, m, n, k);
-    if (!done) gemm_simt(a, w, c, m, n, k);
+    gemm::pipelined_gemm(a, w, c, m, n, k, gemm::PlainEpilogue{});
 }
 
 // The small-m path for any m (work items of 32 columns x 64 rows).
 extern "C" __global__ void __launch_bounds__(256, 1)
 dense_gemm_bf16_small_m(const bf16* a, const bf16* w, bf16* c, uint32_t m, uint32_t n, uint32_t k) {
     using namespace gemm;
-    if (!run_small(a, w, c, m, n, k)) gemm_simt(a, w, c, m, n, k);
+    if (!run_small(a, w, c, m, n, k, PlainEpilogue{})) gemm_simt(a, w, c, m, n, k, PlainEpilogue{});
 }
 
 // The mma.sync tiled path; config from the dynamic shared memory given (>= 96 KB: 128x256,
@@ -700,26 +800,31 @@ dense_gemm_bf16_small_m(const bf16* a, const bf16* w, bf16* c, uint32_t m, uint3
 extern "C" __global__ void __launch_bounds__(256, 1)
 dense_gemm_bf16_tiled(const bf16* a, const bf16* w, bf16* c, uint32_t m, uint32_t n, uint32_t k) {
     using namespace gemm;
-    if (!run_tiled(a, w, c, m, n, k)) gemm_simt(a, w, c, m, n, k);
+    if (!run_tiled(a, w, c, m, n, k, PlainEpilogue{})) gemm_simt(a, w, c, m, n, k, PlainEpilogue{});
 }
 
 // The wgmma path (sm_90a builds); elsewhere the tiled path, as dense_gemm_bf16_tiled.
 extern "C" __global__ void __launch_bounds__(256, 1)
 dense_gemm_bf16_wgmma(const bf16* a, const bf16* w, bf16* c, uint32_t m, uint32_t n, uint32_t k) {
-    using namespace gemm;
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    if (block_is_256() && dynamic_smem_bytes() >= kWgSmem) {
-        wgmma_gemm(a, w, c, m, n, k);
-        return;
-    }
-    gemm_simt(a, w, c, m, n, k);
-#else
-    if (!run_tiled(a, w, c, m, n, k)) gemm_simt(a, w, c, m, n, k);
-#endif
+    gemm::wgmma_or_tiled_gemm(a, w, c, m, n, k, gemm::PlainEpilogue{});
 }
 
 // One output per thread, any launch shape.
 extern "C" __global__ void
 dense_gemm_bf16_simt(const bf16* a, const bf16* w, bf16* c, uint32_t m, uint32_t n, uint32_t k) {
-    gemm::gemm_simt(a, w, c, m, n, k);
+    gemm::gemm_simt(a, w, c, m, n, k, gemm::PlainEpilogue{});
+}
+
+// dense_gemm_bf16_pipelined with the word epilogue: c = bf16((a @ w^T + word[word_ids]) * scale).
+extern "C" __global__ void __launch_bounds__(256, 1)
+dense_gemm_bf16_word(const bf16* a, const bf16* w, bf16* c, uint32_t m, uint32_t n, uint32_t k,
+                     const uint32_t* word_ids, const bf16* word, float scale) {
+    gemm::pipelined_gemm(a, w, c, m, n, k, gemm::word_epilogue(word_ids, word, n, scale));
+}
+
+// dense_gemm_bf16_wgmma with the word epilogue.
+extern "C" __global__ void __launch_bounds__(256, 1)
+dense_gemm_bf16_word_wgmma(const bf16* a, const bf16* w, bf16* c, uint32_t m, uint32_t n,
+                           uint32_t k, const uint32_t* word_ids, const bf16* word, float scale) {
+    gemm::wgmma_or_tiled_gemm(a, w, c, m, n, k, gemm::word_epilogue(word_ids, word, n, scale));
 }

@@ -11,7 +11,7 @@ import pytest
 
 from gpu_runtime import DevicePtr, compiler
 from gpu_runtime.signatures import parse_signatures
-from layers.ops import embed, gemm, residual, token_overlay
+from layers.ops import embed, gemm, ngram_fused, residual, row_cache, token_overlay
 from layers.weight_map import BF16, DenseWeight
 from tests.fakes import RecordingBackend
 
@@ -36,6 +36,14 @@ LAUNCHERS = {
     ("gemm", "dense_gemm_bf16_pipelined"):
         lambda g, k: gemm.dense_gemm_bf16_pipelined(
             g, k, _p(0), DenseWeight(_p(1), (6, 8), BF16), _p(2), 5, 6, 8, 3),
+    ("gemm", "dense_gemm_bf16_word"):
+        lambda g, k: gemm.dense_gemm_bf16_word(
+            g, k, _p(0), DenseWeight(_p(1), (6, 8), BF16), _p(2), 5, 6, 8, _p(3), _p(4), 0.25, 3),
+    ("ngram_fused", "ngram_gather"):
+        lambda g, k: ngram_fused.ngram_gather(g, k, _p(0), _p(1), _p(2), _p(3), _p(4), _p(5),
+                                              5, 6, 4, 2, 7, 11, 3),
+    ("row_cache", "scatter_rows"):
+        lambda g, k: row_cache.scatter_rows(g, k, _p(0), _p(1), _p(2), _p(3), _p(4), 5, 14, 3),
     ("token_overlay", "embed_rowdiff_bf16"):
         lambda g, k: token_overlay.embed_rowdiff(g, k, _p(0), _p(1), _p(2), 300, 7, 0.5, 3),
     ("token_overlay", "embed_overlay_routed_bf16"):

@@ -12,13 +12,18 @@ Paths:
 - ``tiled``  mma.sync tensor-core tiles 128x256, 128x128 or 64x64 (``pick_tile``).
 - ``wgmma``  sm_90a wgmma 128x256 tiles; chosen for large m on an sm_90a device.
 - ``simt``   one output per thread (a check on the others, never chosen automatically).
+
+``dense_gemm_bf16_word`` is the same GEMM with the fused n-gram embedding's epilogue,
+``c[i, j] = bf16((acc[i, j] + float(word[word_ids[i], j])) * scale)`` (fp32 add, fp32 multiply, one
+rounding). Its kernels share every path and launch plan with their plain twins (``word_plan``).
 """
 
 from __future__ import annotations
 
-from functools import lru_cache
-
+import math
+import numbers
 from dataclasses import dataclass
+from functools import lru_cache
 
 from gpu_runtime import GpuBackend, KernelHandle, KernelLaunch
 
@@ -35,9 +40,15 @@ KERNELS = {
 }
 PATHS = ("small", "tiled", "tiled_128x256", "tiled_128x128", "tiled_64x64", "wgmma", "simt")
 
+# word-row epilogue twins: dense_gemm_bf16_word picks small / tiled / simt as the contract's kernel
+# does (from m, block and dynamic shared memory), so only wgmma needs its own entry point.
+WORD_KERNEL = "dense_gemm_bf16_word"
+WORD_WGMMA_KERNEL = "dense_gemm_bf16_word_wgmma"
+
 THREADS = 256
 WARPS = THREADS // 32
 MAX_DIM = (1 << 31) - 1  # the kernels index k with 32-bit arithmetic
+F32_MAX = 3.4028234663852886e38
 
 # small path (gemm.cu: kSmall*)
 SMALL_MAX_ROWS = 64
@@ -160,6 +171,25 @@ def _tile_config(path: str) -> tuple[int, int]:
     raise ValueError(f"unknown GEMM path {path!r}; one of {PATHS} or None")
 
 
+@lru_cache(maxsize=4096)
+def word_plan(m: int, n: int, k: int, path: str | None = None, *, wgmma: bool = False) -> GemmPlan:
+    """``plan`` for the word-epilogue kernels: same path, grid and shared memory, run by
+    ``dense_gemm_bf16_word`` (small for m <= 64, tiled above, simt when launched with no shared
+    memory) or, for wgmma, ``dense_gemm_bf16_word_wgmma``.
+
+    That kernel chooses small or tiled from m, so a forced ``small`` needs m <= 64 and a forced
+    ``tiled*`` m > 64; anything else is refused rather than silently running another path.
+    """
+    p = plan(m, n, k, path, wgmma=wgmma)
+    if p.path == "wgmma":
+        return GemmPlan(p.path, WORD_WGMMA_KERNEL, p.grid, p.shared_mem)
+    small = m <= SMALL_MAX_ROWS
+    if (p.path == "small" and not small) or (p.path.startswith("tiled_") and small):
+        raise ValueError(f"{WORD_KERNEL}: path {path!r} cannot be forced for m = {m} (small needs "
+                         f"m <= {SMALL_MAX_ROWS}, tiled m > {SMALL_MAX_ROWS})")
+    return GemmPlan(p.path, WORD_KERNEL, p.grid, p.shared_mem)
+
+
 def _small_grid(m: int, n: int) -> int:
     return _grid(_cdiv(n, SMALL_COLS) * _cdiv(m, SMALL_MAX_ROWS))
 
@@ -168,14 +198,41 @@ def _grid(items: int) -> int:
     return min(items, _GRID_MAX)  # the kernels loop grid-stride over the rest
 
 
-def _check_weight(w: DenseWeight, n: int, k: int) -> None:
+def _check_weight(w: DenseWeight, n: int, k: int, name: str) -> None:
     if not isinstance(w, DenseWeight):
-        raise TypeError(f"dense_gemm_bf16_pipelined: w must be a DenseWeight, got {type(w).__name__}")
+        raise TypeError(f"{name}: w must be a DenseWeight, got {type(w).__name__}")
     if w.dtype != BF16:
-        raise TypeError(f"dense_gemm_bf16_pipelined: w dtype {w.dtype}, expected {BF16} (bfloat16)")
+        raise TypeError(f"{name}: w dtype {w.dtype}, expected {BF16} (bfloat16)")
     if tuple(w.shape) != (n, k):
-        raise ValueError(f"dense_gemm_bf16_pipelined: w shape {tuple(w.shape)}, expected (n, k) = {(n, k)}")
-    require_ptr(w.weight, "dense_gemm_bf16_pipelined w")
+        raise ValueError(f"{name}: w shape {tuple(w.shape)}, expected (n, k) = {(n, k)}")
+    require_ptr(w.weight, f"{name} w")
+
+
+def _check_gemm(name: str, kernel: KernelHandle, a: int, w: DenseWeight, c: int, m: int, n: int,
+                k: int, path: str | None) -> tuple[int, int, int]:
+    """The checks every GEMM launcher runs before launching; returns (m, n, k) as ints."""
+    if not kernel:
+        raise ValueError(f"{name}: kernel not loaded (KernelHandle(0))")
+    m, n, k = require_count(m, "m"), require_count(n, "n"), require_count(k, "k")
+    for size, what in ((m, "m"), (n, "n"), (k, "k")):
+        if size > MAX_DIM:
+            raise ValueError(f"{name}: {what} = {size} exceeds {MAX_DIM}")
+    _check_weight(w, n, k, name)
+    require_ptr(a, f"{name} a")
+    require_ptr(c, f"{name} c")
+    if path is not None and path not in PATHS:
+        raise ValueError(f"unknown GEMM path {path!r}; one of {PATHS} or None")
+    return m, n, k
+
+
+def _check_scale(scale: float, name: str) -> float:
+    """A finite real that fits an f32 (the kernel multiplies by it in fp32)."""
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"{name}: scale must be a real number, got {scale!r}")
+    value = float(scale)
+    if not math.isfinite(value) or abs(value) > F32_MAX:
+        raise ValueError(f"{name}: scale must be finite and fit an f32, got {scale!r}")
+    return value
 
 
 def dense_gemm_bf16_pipelined(gpu: GpuBackend, kernel: KernelHandle, a: int, w: DenseWeight, c: int,
@@ -187,20 +244,35 @@ def dense_gemm_bf16_pipelined(gpu: GpuBackend, kernel: KernelHandle, a: int, w: 
     are looked up here (the backend caches them). ``path`` forces one (tests, benchmarks).
     Every check runs before any launch; m, n or k == 0 is a no-op.
     """
-    if not kernel:
-        raise ValueError("dense_gemm_bf16_pipelined: kernel not loaded (KernelHandle(0))")
-    m, n, k = require_count(m, "m"), require_count(n, "n"), require_count(k, "k")
-    for size, what in ((m, "m"), (n, "n"), (k, "k")):
-        if size > MAX_DIM:
-            raise ValueError(f"dense_gemm_bf16_pipelined: {what} = {size} exceeds {MAX_DIM}")
-    _check_weight(w, n, k)
-    require_ptr(a, "dense_gemm_bf16_pipelined a")
-    require_ptr(c, "dense_gemm_bf16_pipelined c")
-    if path is not None and path not in PATHS:
-        raise ValueError(f"unknown GEMM path {path!r}; one of {PATHS} or None")
+    m, n, k = _check_gemm(KERNEL, kernel, a, w, c, m, n, k, path)
     if m == 0 or n == 0 or k == 0:
         return
     p = plan(m, n, k, path, wgmma=wgmma_available(gpu))
     handle = kernel if p.kernel == KERNEL else gpu.kernel(MODULE, p.kernel)
     (KernelLaunch(gpu, handle).grid([p.grid, 1, 1]).block([THREADS, 1, 1]).shared_mem(p.shared_mem)
      .arg_ptr(a).arg_ptr(w.weight).arg_ptr(c).arg_u32(m).arg_u32(n).arg_u32(k).launch(stream))
+
+
+def dense_gemm_bf16_word(gpu: GpuBackend, kernel: KernelHandle, a: int, w: DenseWeight, c: int,
+                         m: int, n: int, k: int, word_ids: int, word: int, scale: float, stream: int,
+                         *, path: str | None = None) -> None:
+    """``c[i, j] = bf16((sum_k a[i, k] w[j, k] + float(word[word_ids[i], j])) * scale)``: the
+    fused n-gram embedding (a the gathered rows [S, T*td], w the T projections concatenated
+    [D, T*td], word the bf16 [vocab, n] table, word_ids u32 [m], scale 1/(1+T)), one rounding.
+
+    ``kernel`` is ``gpu.kernel("gemm", "dense_gemm_bf16_word")``; the wgmma twin is looked up here.
+    ``path`` forces one as in ``dense_gemm_bf16_pipelined`` (``word_plan`` says which are allowed).
+    Every check runs before any launch; m, n or k == 0 is a no-op. word_ids must be < vocab: the
+    kernel cannot check them.
+    """
+    m, n, k = _check_gemm(WORD_KERNEL, kernel, a, w, c, m, n, k, path)
+    require_ptr(word_ids, f"{WORD_KERNEL} word_ids")
+    require_ptr(word, f"{WORD_KERNEL} word")
+    scale = _check_scale(scale, WORD_KERNEL)
+    if m == 0 or n == 0 or k == 0:
+        return
+    p = word_plan(m, n, k, path, wgmma=wgmma_available(gpu))
+    handle = kernel if p.kernel == WORD_KERNEL else gpu.kernel(MODULE, p.kernel)
+    (KernelLaunch(gpu, handle).grid([p.grid, 1, 1]).block([THREADS, 1, 1]).shared_mem(p.shared_mem)
+     .arg_ptr(a).arg_ptr(w.weight).arg_ptr(c).arg_u32(m).arg_u32(n).arg_u32(k)
+     .arg_ptr(word_ids).arg_ptr(word).arg_f32(scale).launch(stream))

@@ -1,8 +1,12 @@
-"""The seed-faithful n-gram embedding: GPU and wall time per call, host hashing, torch, floors.
+"""The n-gram embedding, seed-faithful and fused paths: GPU and wall time per call, torch, floors.
 
 Configuration (issue 5): D = 4096, N = 3, K = 8 (T = 16 tables), table dim 256, 2^20 + 2c rows
 per table (8 GiB of bf16 tables), vocab 128k; S new tokens after a 4096-token context.
-torch eager runs the same algorithm (index, linear, add per table) on the same device memory.
+Seed-faithful table: torch eager runs the same algorithm (index, linear, add per table) on the
+same device memory. Fused table: torch runs the fused form (one gather from the tables stacked
+into one tensor, one linear against the concatenated projections, word row, scale). Fused GPU
+us are measured back to back behind a gate (bench.common.gated_gpu_us), the graph row by
+replaying the captured graph; wall us is host time per call including synchronisation.
 Floors: bytes the call must move over the measured copy bandwidth (word rows, table rows, the
 projections read once, out written once), and FLOPs over the measured cuBLAS bf16 rate.
 """
@@ -13,10 +17,11 @@ import time
 
 import numpy as np
 
-from bench.common import (copy_bandwidth, gpu_time_ms, matmul_rate, print_table, torch_or_none,
+from bench.common import (copy_bandwidth, gated_gpu_us, gpu_time_ms, matmul_rate, print_table, torch_or_none,
                           torch_time_ms, wall_time_us)
 from gpu_runtime import CudaBackend, DeviceArray, DevicePtr
 from layers.ngram_embed import NgramDims, NgramEmbedding, NgramTable, ngram_ids_tail
+from layers.ngram_embed.fused import FusedNgramEmbedding
 from layers.weight_map import BF16, DenseWeight
 
 SEQ_LENS = (1, 16, 128, 2048, 8192)
@@ -95,7 +100,72 @@ def main() -> None:
         print_table("n-gram embedding, seed-faithful path (per call)",
                     ["S", "GPU us", "wall us", "hash us", "torch us", "torch/ours", "floor us",
                      "x floor"], rows)
+        fused_table(gpu, rng, dims, layer, out, stream, bw, rate)
         layer.close()
+
+
+def floor_us(dims: NgramDims, s: int, bw: float, rate: float | None) -> float:
+    t, h, td = dims.num_tables(), dims.hidden_size, dims.table_dim()
+    moved = s * h * 2 + s * t * td * 2 + t * h * td * 2 + s * h * 2
+    return max(moved / bw, 2 * s * h * td * t / rate if rate else 0.0) * 1e6
+
+
+def fused_table(gpu: CudaBackend, rng: np.random.Generator, dims: NgramDims, layer: NgramEmbedding,
+                out: int, stream: int, bw: float, rate: float | None) -> None:
+    t, h, td = dims.num_tables(), dims.hidden_size, dims.table_dim()
+    fused = FusedNgramEmbedding(layer, max(SEQ_LENS), gpu, stream)
+    torch = torch_or_none()
+    if torch is not None:
+        stacked = torch.cat([torch_view(gpu, tb.weight) for tb in layer.tables])  # 8 GiB more
+        offsets = torch.tensor(np.cumsum([0] + [dims.table_rows(c) for c in range(t - 1)]), device="cuda")
+        w_cat = torch.cat([torch_view(gpu, p) for p in layer.projs], dim=1)
+        t_word = torch_view(gpu, layer.word)
+    rows = []
+    for s in SEQ_LENS:
+        contexts = [rng.integers(0, dims.vocab_size, CONTEXT + s) for _ in range(8)]
+        eager = lambda i: fused.embed(contexts[i % 8], s, out, gpu, stream)  # noqa: E731
+        graph = lambda i: fused.embed(contexts[i % 8], s, out, gpu, stream, graph=True)  # noqa: E731
+        sync = lambda: gpu.synchronize(stream)  # noqa: E731
+        eager_us, late = gated_gpu_us(eager, stream=stream)
+        eager_wall = wall_time_us(eager, sync, warmup=3, iters=30)
+        graph_wall = wall_time_us(graph, sync, warmup=3, iters=30)
+        exe = fused._graphs[(s, int(out), stream)]
+        graph_us, late2 = gated_gpu_us(lambda i: gpu.launch_graph(exe, stream), stream=stream)
+        torch_us = None
+        if torch is not None:
+            ids = [torch.from_numpy(np.stack(ngram_ids_tail(dims, ctx, s), 1).astype(np.int64)).cuda()
+                   + offsets for ctx in contexts]
+            new = [torch.from_numpy(ctx[-s:].astype(np.int64)).cuda() for ctx in contexts]
+            inv = 1.0 / (1 + t)
+
+            def torch_fused(i: int):
+                gathered = stacked[ids[i % 8].reshape(-1)].reshape(s, t * td)
+                return (torch.nn.functional.linear(gathered, w_cat) + t_word[new[i % 8]]) * inv
+
+            torch_us = torch_time_ms(torch_fused, warmup=3, iters=20) * 1e3
+        floor = floor_us(dims, s, bw, rate)
+        best = min(eager_us, graph_us)
+        rows.append((s, eager_us, graph_us, eager_wall, graph_wall, torch_us,
+                     torch_us / best if torch_us else None, floor, best / floor, late + late2))
+    print_table("n-gram embedding, fused path (per call)",
+                ["S", "GPU us", "graph GPU us", "wall us", "graph wall us", "torch fused us",
+                 "torch/ours", "floor us", "x floor", "gate expired"], rows)
+
+    # Batched decode: 256 sequences, one new token each, one call.
+    n_seq = 256
+    contexts = [rng.integers(0, dims.vocab_size, CONTEXT + int(rng.integers(0, 512))) for _ in range(n_seq)]
+    batch = lambda i: fused.embed_batch(contexts, [1] * n_seq, out, gpu, stream)  # noqa: E731
+    batch_graph = lambda i: fused.embed_batch(contexts, [1] * n_seq, out, gpu, stream, graph=True)  # noqa: E731
+    sync = lambda: gpu.synchronize(stream)  # noqa: E731
+    wall = wall_time_us(batch, sync, warmup=3, iters=30)
+    gwall = wall_time_us(batch_graph, sync, warmup=3, iters=30)
+    gpu_us, late = gated_gpu_us(batch, stream=stream, batch=4)
+    floor = floor_us(dims, n_seq, bw, rate)
+    print_table(f"batched decode: {n_seq} sequences x 1 token, one call",
+                ["GPU us", "wall us", "graph wall us", "GPU us / seq", "graph wall us / seq",
+                 "floor us", "x floor", "gate expired"],
+                [(gpu_us, wall, gwall, gpu_us / n_seq, gwall / n_seq, floor, gpu_us / floor, late)])
+    fused.close()
 
 
 if __name__ == "__main__":

@@ -93,6 +93,11 @@ class GpuBackend(ABC):
         """Launch primitive behind ``KernelLaunch``: ``kinds`` has one letter per argument
         (``P`` pointer, ``U`` u32, ``I`` i32, ``F`` f32, ``L`` u64), already range-checked."""
 
+    def copy_2d_async(self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int,
+                      height: int, stream: int = 0) -> None:
+        """Device to device: ``height`` rows of ``width`` bytes, rows ``*_pitch`` bytes apart."""
+        raise NotImplementedError(f"{type(self).__name__} has no pitched copies")
+
     # Optional: pinned host buffers and events, for code that overlaps host I/O with copies
     # (the row cache). Backends without them refuse clearly.
     def alloc_host(self, nbytes: int) -> np.ndarray:
@@ -453,6 +458,22 @@ class CudaBackend(GpuBackend):
         if nbytes:
             self._live()
             call(cu.cuMemcpyDtoDAsync, int(dst), int(src), nbytes, stream)
+
+    def copy_2d_async(self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int,
+                      height: int, stream: int = 0) -> None:
+        _require(dst, "copy_2d_async destination")
+        _require(src, "copy_2d_async source")
+        width, height = _count(width, "copy width"), _count(height, "copy height")
+        if _count(dst_pitch, "dst_pitch") < width or _count(src_pitch, "src_pitch") < width:
+            raise ValueError(f"copy_2d_async: pitches ({dst_pitch}, {src_pitch}) below the width {width}")
+        if width and height:
+            self._live()
+            p = cu.CUDA_MEMCPY2D()
+            p.srcMemoryType = p.dstMemoryType = cu.CUmemorytype.CU_MEMORYTYPE_DEVICE
+            p.srcDevice, p.srcPitch = int(src), src_pitch
+            p.dstDevice, p.dstPitch = int(dst), dst_pitch
+            p.WidthInBytes, p.Height = width, height
+            call(cu.cuMemcpy2DAsync, p, stream)
 
     def mem_info(self) -> tuple[int, int]:
         """(free, total) device memory in bytes."""

@@ -108,6 +108,23 @@ def ngram_embed_ideal(dims, word: np.ndarray, tables: list[tuple[np.ndarray, np.
     return acc / (1 + dims.num_tables())
 
 
+def ngram_embed_fused(dims, word: np.ndarray, tables: list[tuple[np.ndarray, np.ndarray | None]],
+                      projs: list[np.ndarray], ctx_tokens: np.ndarray, seq_len: int) -> np.ndarray:
+    """The fused path's roundings: rows gathered to bf16 (fp8 dequantised once), one fp32 sum
+    over all tables (here exact in fp64, then rounded to f32), plus the word row in f32, times
+    f32(1/(1+T)), one rounding to bf16."""
+    from .ngram_embed.ids import ngram_ids
+
+    ctx = np.asarray(ctx_tokens, dtype=np.int64)
+    inv = np.float32(1.0) / np.float32(1 + dims.num_tables())
+    acc = np.zeros((seq_len, dims.hidden_size), np.float64)
+    for (table, scale), proj, ids in zip(tables, projs, ngram_ids(dims, ctx)):
+        gathered = gather_table(table, scale, ids[len(ids) - seq_len:])
+        acc += gathered.astype(np.float64) @ proj.astype(np.float64).T
+    words = word[ctx[len(ctx) - seq_len:]].astype(np.float32)
+    return ((acc.astype(np.float32) + words) * inv).astype(BF16)
+
+
 # -- token_overlay.cu ----------------------------------------------------------------------
 # Per-slot tables are Python sequences indexed by slot (None = a null table entry), the host
 # picture of the device pointer tables; each reference applies the kernel's skip rules

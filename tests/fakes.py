@@ -69,6 +69,9 @@ class RecordingBackend(GpuBackend):
     def synchronize(self, stream: int = 0) -> None:
         self.ops.append(("sync", stream))
 
+    def copy_2d_async(self, dst, dst_pitch, src, src_pitch, width, height, stream=0) -> None:
+        self.ops.append(("copy2d", dst, dst_pitch, src, src_pitch, width, height, stream))
+
     def create_stream(self) -> int:
         return 1
 

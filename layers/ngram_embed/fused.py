@@ -1,0 +1,255 @@
+"""``FusedNgramEmbedding``: the n-gram embedding in two launches, beside the seed-faithful path.
+
+The seed's ``embed`` makes 2 + 3T launches per call, hashes on the host and rounds the running
+sum to bf16 T + 1 times. This path computes the same function as
+
+    out = bf16((word[tok] + sum_c proj_c @ table_c[id_c]) * 1/(1+T))
+
+with one ``ngram_gather`` (every table's id hashed on the GPU from the tokens, all T rows of each
+new token gathered into one ``[R, T*td]`` bf16 buffer; fp8 rows dequantised) and one GEMM
+against the projections concatenated into ``[D, T*td]`` (built once, here), accumulating in fp32,
+adding the word row in its epilogue and rounding once. The host uploads one packed buffer per
+call: each new token's look-back window ``[R, N]``, its word id ``[R]`` and, for cached tables,
+the arena slots ``[R, T]`` that ``RowCache.resolve`` returned.
+
+``embed_batch`` serves many sequences at once (ragged contexts, each with its own new tokens, one
+output ``[sum S_i, D]``); with ``graph=True`` each shape is captured once as a CUDA graph
+(upload, gather, GEMM) and replayed with only the packed host buffer rewritten: a decode step
+is then one ``cuGraphLaunch``. Graphs are keyed by (rows, out, stream) and need a created stream.
+
+The layer shares the ``NgramEmbedding``'s weights (no copies but the concatenated projections).
+Like it, one instance must not run on two streams at once (its staging is shared).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from gpu_runtime import DevicePtr, GpuBackend
+
+from ..ops import gemm as gemm_ops
+from ..ops import ngram_fused as fused_ops
+from ..weight_map import BF16, DenseWeight
+from .embedding import NgramEmbedding
+from .ids import ngram_ids_tail
+from .tables import Bf16Table, CachedTable, Fp8Table
+
+_U32 = 1 << 32
+
+
+class FusedNgramEmbedding:
+    def __init__(self, layer: NgramEmbedding, max_rows: int, gpu: GpuBackend, stream: int = 0) -> None:
+        if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
+            raise ValueError(f"max_rows must be a positive int, got {max_rows!r}")
+        dims = layer.dims
+        t, n, h, td = dims.num_tables(), dims.max_ngram, dims.hidden_size, dims.table_dim()
+        if dims.vocab_size >= fused_ops.NO_TOKEN:
+            raise ValueError(f"fused n-gram path: vocab_size {dims.vocab_size} must be < 2**32 - 1")
+        if dims.eos_id is not None and dims.eos_id >= fused_ops.NO_TOKEN:
+            raise ValueError("fused n-gram path: eos_id must be < 2**32 - 1")
+        if any(dims.table_rows(c) >= _U32 for c in range(t)):
+            raise ValueError("fused n-gram path: every table must have < 2**32 rows")
+        self.layer, self.dims, self.gpu, self.max_rows = layer, dims, gpu, max_rows
+        self.inv_scale = float(np.float32(1.0) / np.float32(1 + t))
+        self.gather_k = gpu.kernel("ngram_fused", "ngram_gather")
+        self.gemm_k = gpu.kernel("gemm", gemm_ops.WORD_KERNEL)
+        self.cached = [i for i, tb in enumerate(layer.tables) if isinstance(tb, CachedTable)]
+        self._row_words = n + 1 + (t if self.cached else 0)  # u32 words uploaded per output row
+        self._graphs: dict[tuple[int, int, int], int] = {}
+        self._host = None  # pinned packed-upload buffer, made with the first graph
+        self._host_free = 0  # event: the last graph replay's upload has read it
+        self.projs_cat = self.desc = self.pows = self.gather_buf = self.staging = DevicePtr(0)
+        try:
+            self.projs_cat = self._concat_projections(layer, stream)
+            self.desc = self._upload(self._table_entries(), stream)
+            self.pows = self._upload(np.array([[pow(dims.vocab_size, d, dims.table_rows(c)) for d in range(n)]
+                                               for c in range(t)], np.uint64), stream)
+            self.gather_buf = gpu.alloc(max_rows * t * td * 2)
+            self.staging = gpu.alloc(max_rows * self._row_words * 4)
+        except BaseException:
+            self.close()
+            raise
+        self._w = DenseWeight(self.projs_cat, (h, t * td), np.dtype(BF16), DevicePtr(0), gpu)
+
+    # -- construction helpers ---------------------------------------------------------------------
+    def _concat_projections(self, layer: NgramEmbedding, stream: int) -> DevicePtr:
+        """``[D, T*td]``: row j is proj_0[j] ++ proj_1[j] ++ ...; one pitched copy per table."""
+        t, h, td = self.dims.num_tables(), self.dims.hidden_size, self.dims.table_dim()
+        cat = self.gpu.alloc(h * t * td * 2)
+        for c, proj in enumerate(layer.projs):
+            self.gpu.copy_2d_async(cat.offset(c * td * 2), t * td * 2, proj.weight, td * 2, td * 2, h, stream)
+        return cat
+
+    def _table_entries(self) -> np.ndarray:
+        entries = np.zeros((self.dims.num_tables(), 4), np.uint64)
+        for c, table in enumerate(self.layer.tables):
+            match table:
+                case Bf16Table(w):
+                    entries[c] = (w.weight, 0, self.dims.table_rows(c), 0)
+                case Fp8Table(w):
+                    entries[c] = (w.weight, w.row_scale, self.dims.table_rows(c), 0)
+                case CachedTable(cache):
+                    scale = cache.scale_dev_va()
+                    entries[c] = (cache.table_dev_va(), scale or 0, self.dims.table_rows(c), fused_ops.CACHED)
+        return entries
+
+    def _upload(self, array: np.ndarray, stream: int) -> DevicePtr:
+        ptr = self.gpu.alloc(array.nbytes)
+        self.gpu.copy_h2d_async(array, ptr, stream)
+        return ptr
+
+    # -- calls ------------------------------------------------------------------------------------
+    def embed(self, ctx_tokens: Sequence[int] | np.ndarray, seq_len: int, out: int, gpu: GpuBackend,
+              stream: int = 0, *, graph: bool = False) -> None:
+        """The embedding of the last ``seq_len`` tokens of ``ctx_tokens`` into ``out``."""
+        self.embed_batch([ctx_tokens], [seq_len], out, gpu, stream, graph=graph)
+
+    def embed_batch(self, contexts: Sequence[Sequence[int] | np.ndarray], seq_lens: Sequence[int],
+                    out: int, gpu: GpuBackend, stream: int = 0, *, graph: bool = False) -> None:
+        """Sequence i's last ``seq_lens[i]`` tokens, rows in order, into ``out [sum S_i, D]`` bf16.
+        Everything is validated before anything is uploaded or launched."""
+        if self.staging == 0:
+            raise ValueError("fused ngram embed: closed")
+        if len(contexts) != len(seq_lens):
+            raise ValueError(f"fused ngram embed: {len(contexts)} contexts, {len(seq_lens)} seq_lens")
+        windows = self._windows(contexts, seq_lens)
+        rows = windows.shape[0]
+        if rows == 0:
+            return
+        if rows > self.max_rows:
+            raise ValueError(f"fused ngram embed: {rows} rows over max_rows {self.max_rows}")
+        if not out:
+            raise ValueError("fused ngram embed out: null device pointer")
+        if graph and not stream:
+            raise ValueError("fused ngram embed: graph=True needs a created stream, not the default stream")
+        packed = self._pack(windows, contexts, seq_lens)  # resolves cached tables: the last step
+        try:
+            if graph:
+                self._replay(packed, rows, out, stream)
+            else:
+                gpu.copy_h2d_async(packed, self.staging, stream)
+                self._launch(rows, out, stream)
+        finally:
+            for c in self.cached:
+                self.layer.tables[c].cache.end_batch()
+
+    def _windows(self, contexts: Sequence, seq_lens: Sequence[int]) -> np.ndarray:
+        """``[R, N]`` u32: each new token and the N - 1 before it (``NO_TOKEN`` before the start).
+        Only each context's tail is read; the per-sequence loop only slices, the rest is
+        vectorised over the batch (a serving step has hundreds of sequences)."""
+        n, v = self.dims.max_ngram, self.dims.vocab_size
+        tails, pads, lens = [], [], []
+        for i, (ctx, s) in enumerate(zip(contexts, seq_lens)):
+            if isinstance(s, (bool, np.bool_)) or not isinstance(s, (int, np.integer)) or s < 0:
+                raise ValueError(f"fused ngram embed: seq_lens[{i}] must be a non-negative int, got {s!r}")
+            if not hasattr(ctx, "__len__") or getattr(ctx, "ndim", 1) != 1:
+                raise ValueError(f"fused ngram embed: context {i} must be 1-D")
+            if s > len(ctx):
+                raise ValueError(f"fused ngram embed: seq_lens[{i}] = {s} over its {len(ctx)} tokens")
+            if s:
+                want = s + n - 1
+                tails.append(ctx[max(len(ctx) - want, 0):])
+                pads.append(want - len(tails[-1]))
+                lens.append(s)
+        if not tails:
+            return np.zeros((0, n), np.uint32)
+        flat = np.concatenate(tails)
+        if flat.ndim != 1:
+            raise ValueError(f"fused ngram embed: contexts must be 1-D, got rows of shape {flat.shape[1:]}")
+        if flat.size and flat.dtype.kind not in "iu":
+            raise ValueError("fused ngram embed: contexts must hold integer token ids")
+        if flat.size and (flat.min() < 0 or flat.max() >= v):
+            bad = flat[(flat < 0) | (flat >= v)][0]
+            raise ValueError(f"fused ngram embed: token {int(bad)} outside 0..V-1 = 0..{v - 1}")
+        if any(pads):  # contexts shorter than their look-back: NO_TOKEN before the start
+            flat = np.concatenate([part for tail, pad in zip(tails, pads)
+                                   for part in (np.full(pad, fused_ops.NO_TOKEN, np.uint32), tail)])
+        lens_arr = np.asarray(lens)
+        seq_start = np.concatenate([[0], np.cumsum(lens_arr + n - 1)[:-1]])  # each padded tail in flat
+        row_seq = np.repeat(np.arange(len(lens)), lens_arr)
+        row_pos = np.arange(row_seq.size) - np.repeat(np.cumsum(lens_arr) - lens_arr, lens_arr)
+        newest = seq_start[row_seq] + row_pos + n - 1
+        return flat.astype(np.uint32, copy=False)[newest[:, None] - np.arange(n)]
+
+    def _pack(self, windows: np.ndarray, contexts: Sequence, seq_lens: Sequence[int]) -> np.ndarray:
+        """One u32 buffer: windows [R, N], word ids [R], then (cached tables) slots [R, T]."""
+        rows, n, t = windows.shape[0], self.dims.max_ngram, self.dims.num_tables()
+        packed = np.empty(rows * self._row_words, np.uint32)
+        packed[:rows * n] = windows.reshape(-1)
+        packed[rows * n:rows * (n + 1)] = windows[:, 0]
+        if self.cached:
+            slots = packed[rows * (n + 1):].reshape(rows, t)
+            slots[:] = 0
+            ids = [np.concatenate(parts) for parts in zip(*(
+                ngram_ids_tail(self.dims, ctx, s) for ctx, s in zip(contexts, seq_lens) if s))]
+            for c in self.cached:
+                column = np.empty(rows, np.uint32)
+                self.layer.tables[c].cache.resolve(ids[c], column)
+                slots[:, c] = column
+        return packed
+
+    def _launch(self, rows: int, out: int, stream: int) -> None:
+        dims, n, t, td = self.dims, self.dims.max_ngram, self.dims.num_tables(), self.dims.table_dim()
+        words = self.staging.offset(rows * n * 4)
+        slots = self.staging.offset(rows * (n + 1) * 4) if self.cached else 0
+        fused_ops.ngram_gather(self.gpu, self.gather_k, self.staging, self.desc, self.pows, slots,
+                               self.gather_buf, 0, rows, t, n, dims.splits, td, dims.eos_id, stream)
+        gemm_ops.dense_gemm_bf16_word(self.gpu, self.gemm_k, self.gather_buf, self._w, out, rows,
+                                      dims.hidden_size, t * td, words, self.layer.word.weight,
+                                      self.inv_scale, stream)
+
+    def _replay(self, packed: np.ndarray, rows: int, out: int, stream: int) -> None:
+        gpu = self.gpu
+        if self._host is None:
+            self._host = gpu.alloc_host(self.max_rows * self._row_words * 4)
+            self._host_free = gpu.create_event()
+        gpu.event_synchronize(self._host_free)  # the previous replay's upload has read the buffer
+        host = self._host[:packed.nbytes]
+        host.view(np.uint32)[:] = packed
+        key = (rows, int(out), int(stream))
+        exe = self._graphs.get(key)
+        if exe is None:
+            # A new shape runs eagerly once (loading kernels and setting their attributes,
+            # which a capture must not do), then is captured for the next calls.
+            gpu.upload_pinned_async(host, self.staging, stream)
+            self._launch(rows, out, stream)
+            gpu.record_event(self._host_free, stream)
+            gpu.begin_capture(stream)
+            try:
+                gpu.upload_pinned_async(host, self.staging, stream)
+                self._launch(rows, out, stream)
+            except BaseException:
+                gpu.abort_capture(stream)
+                raise
+            self._graphs[key] = gpu.end_capture(stream)
+            return
+        gpu.launch_graph(exe, stream)
+        gpu.record_event(self._host_free, stream)
+
+    def close(self) -> None:
+        """Free the graphs, the concatenated projections and the staging (not the layer's weights)."""
+        gpu = self.gpu
+        if getattr(gpu, "closed", False):
+            return
+        for stream in {key[2] for key in self._graphs}:
+            gpu.synchronize(stream)
+        for exe in self._graphs.values():
+            gpu.destroy_graph(exe)
+        self._graphs.clear()
+        if self._host is not None:
+            gpu.destroy_event(self._host_free)
+            gpu.free_host(self._host)
+            self._host = None
+        for name in ("projs_cat", "desc", "pows", "gather_buf", "staging"):
+            ptr = getattr(self, name)
+            if ptr:
+                gpu.free(ptr)
+            setattr(self, name, DevicePtr(0))
+
+    def __enter__(self) -> "FusedNgramEmbedding":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

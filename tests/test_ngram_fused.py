@@ -1,0 +1,209 @@
+"""FusedNgramEmbedding: two launches and one upload per call (CPU), and on the GPU: closer to the
+fp64 ideal than the seed-faithful path, equal to the fused reference, graphs equal to eager,
+batches equal to per-sequence calls, cached tables equal to resident ones."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gpu_runtime import DevicePtr
+from layers import reference as ref
+from layers.ngram_embed import NgramDims, NgramEmbedding, NgramTable, RowCache, write_table
+from layers.ngram_embed.fused import FusedNgramEmbedding
+from layers.ops.ngram_fused import NO_TOKEN
+from layers.weight_map import DenseWeight
+from tests.fakes import RecordingBackend
+from tests.helpers import Guarded, bits
+from tests.test_ngram_embedding import BF16, device_layer, free_layer, random_layer, small_dims
+
+OUT = DevicePtr(0x900000)
+
+
+def fused_of(gpu, dims, rng, kinds="bf", max_rows=64):
+    layer = device_layer(gpu, random_layer(rng, dims, kinds), max_tokens=max_rows)
+    return layer, FusedNgramEmbedding(layer, max_rows, gpu)
+
+
+# -- CPU --------------------------------------------------------------------------------------
+def test_two_launches_and_one_upload_per_call():
+    gpu = RecordingBackend()
+    dims = small_dims(max_ngram=3, splits=2, eos_id=7)
+    layer, fused = fused_of(gpu, dims, np.random.default_rng(1))
+    t, td, h = dims.num_tables(), dims.table_dim(), dims.hidden_size
+    copies = [op for op in gpu.ops if op[0] == "copy2d"]
+    assert [(op[2], op[4], op[5], op[6]) for op in copies] == [(t * td * 2, td * 2, td * 2, h)] * t
+    assert [op[1] - fused.projs_cat for op in copies] == [c * td * 2 for c in range(t)]
+    gpu.launches.clear()
+    gpu.ops.clear()
+    ctx = [5, 7, 9, 11, 13]
+    fused.embed(ctx, 3, OUT, gpu, stream=4)
+    names = [gpu.kernel_of(launch)[1] for launch in gpu.launches]
+    assert names == ["ngram_gather", "dense_gemm_bf16_word"]
+    (upload,) = [op for op in gpu.ops if op[0] == "h2d"]
+    packed = np.frombuffer(upload[1], np.uint32)
+    windows = packed[:9].reshape(3, 3)
+    assert windows.tolist() == [[9, 7, 5], [11, 9, 7], [13, 11, 9]]
+    assert packed[9:].tolist() == [9, 11, 13]  # word ids
+    assert all(launch.stream == 4 for launch in gpu.launches)
+    gemm = gpu.launches[1]
+    assert gemm.args[3:6] == [3, h, t * td] and gemm.args[8] == float(np.float32(1) / np.float32(1 + t))
+
+
+def test_windows_pad_before_the_start_and_read_only_tails():
+    gpu = RecordingBackend()
+    dims = small_dims(max_ngram=4, splits=1)
+    _, fused = fused_of(gpu, dims, np.random.default_rng(2))
+    win = fused._windows([[3, 4], np.arange(100) % 50, [], [7, 8, 9, 10, 11]], [2, 2, 0, 1])
+    assert win.tolist() == [[3, NO_TOKEN, NO_TOKEN, NO_TOKEN], [4, 3, NO_TOKEN, NO_TOKEN],
+                            [48, 47, 46, 45], [49, 48, 47, 46], [11, 10, 9, 8]]
+    rng = np.random.default_rng(5)
+    contexts = [rng.integers(0, 500, int(rng.integers(1, 30))) for _ in range(50)]
+    lens = [int(rng.integers(0, len(c) + 1)) for c in contexts]
+    want = [[c[p - d] if p - d >= 0 else NO_TOKEN for d in range(4)]
+            for c, s in zip(contexts, lens) for p in range(len(c) - s, len(c))]
+    assert fused._windows(contexts, lens).tolist() == want
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda f, g: f.embed([1, 2, 500], 1, OUT, g), "token 500 outside"),
+    (lambda f, g: f.embed([1, 2, 3], 4, OUT, g), "over its 3 tokens"),
+    (lambda f, g: f.embed([1, 2, 3], -1, OUT, g), "non-negative"),
+    (lambda f, g: f.embed(list(range(70)), 65, OUT, g), "over max_rows 64"),
+    (lambda f, g: f.embed_batch([[1]] * 40 + [[2, 3]] * 20, [1] * 40 + [2] * 20, OUT, g), "over max_rows"),
+    (lambda f, g: f.embed_batch([[1, 2]], [1, 1], OUT, g), "1 contexts, 2 seq_lens"),
+    (lambda f, g: f.embed([1, 2, 3], 1, 0, g), "null device pointer"),
+    (lambda f, g: f.embed([1, 2, 3], 1, OUT, g, 0, graph=True), "created stream"),
+    (lambda f, g: f.embed([[1, 2]], 1, OUT, g), "1-D"),
+    (lambda f, g: f.embed([1.5, 2.5], 1, OUT, g), "integer token ids"),
+])
+def test_refusals_upload_and_launch_nothing(call, match):
+    gpu = RecordingBackend()
+    _, fused = fused_of(gpu, small_dims(), np.random.default_rng(3))
+    gpu.launches.clear()
+    gpu.ops.clear()
+    with pytest.raises(ValueError, match=match):
+        call(fused, gpu)
+    assert gpu.launches == [] and gpu.ops == []
+
+
+def test_dims_the_kernel_cannot_hash_are_refused():
+    gpu = RecordingBackend()
+    layer = device_layer(gpu, random_layer(np.random.default_rng(4), small_dims(), "b"), 8)
+    layer.dims = NgramDims(vocab_size=2**32, hidden_size=40, max_ngram=3, splits=2, base_rows=61,
+                           row_bias=1)
+    with pytest.raises(ValueError, match="vocab_size"):
+        FusedNgramEmbedding(layer, 8, gpu)
+
+
+# -- GPU --------------------------------------------------------------------------------------
+def _run(gpu, rng, fn, rows, h):
+    with Guarded(gpu, (rows, h), BF16, rng) as out:
+        out.poison()
+        fn(out.ptr)
+        got = out.read()
+        out.assert_guards_intact()
+    assert np.isfinite(got.astype(np.float32)).all(), "unwritten (poisoned) elements"
+    return got
+
+
+def _rel(x, ideal):
+    return np.linalg.norm(x.astype(np.float64) - ideal) / np.linalg.norm(ideal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, k, kinds", [(2, 2, "b"), (3, 2, "bf"), (4, 4, "f"), (3, 8, "fb"), (5, 1, "b")])
+def test_fused_rounds_less_than_the_seed_path(gpu, rng, n, k, kinds):
+    vocab = int(rng.integers(300, 5000))
+    dims = NgramDims(vocab_size=vocab, hidden_size=int(rng.choice([40, 64, 129, 1024])), max_ngram=n,
+                     splits=k, base_rows=int(rng.integers(50, 3000)), row_bias=int(rng.integers(0, 2)),
+                     table_dim=int(rng.choice([7, 16, 33, 64])),
+                     eos_id=int(rng.integers(0, vocab)) if rng.random() < 0.5 else None)
+    host = random_layer(rng, dims, kinds)
+    layer = device_layer(gpu, host, max_tokens=80)
+    fused = FusedNgramEmbedding(layer, 80, gpu)
+    try:
+        ctx = rng.integers(0, vocab, int(rng.integers(100, 400)))
+        if dims.eos_id is not None:
+            ctx[rng.random(ctx.size) < 0.05] = dims.eos_id
+        for seq_len in (1, 17, 80):
+            h = dims.hidden_size
+            got = _run(gpu, rng, lambda o: fused.embed(ctx, seq_len, o, gpu, 0), seq_len, h)
+            seed = _run(gpu, rng, lambda o: layer.embed(ctx, seq_len, o, gpu, 0), seq_len, h)
+            ideal = ref.ngram_embed_ideal(dims, host.word, host.tables, host.projs, ctx, seq_len)
+            want = ref.ngram_embed_fused(dims, host.word, host.tables, host.projs, ctx, seq_len)
+            assert _rel(got, ideal) <= _rel(seed, ideal) * 1.02 + 1e-7, (_rel(got, ideal), _rel(seed, ideal))
+            # Against the fused reference: the fp32 sum's order may flip the final rounding.
+            g, w = got.astype(np.float64), want.astype(np.float64)
+            ulp = np.maximum(np.abs(w), np.abs(ideal)) * 2.0**-7 + 1e-6
+            assert (np.abs(g - w) <= ulp).all() and (bits(got) != bits(want)).mean() < 0.02
+            # Against the seed-faithful path: within its T + 1 roundings.
+            row = np.abs(ideal).max(axis=1, keepdims=True) * 2.0**-8
+            assert (np.abs(g - seed.astype(np.float64)) <= (dims.num_tables() + 2) * row).all()
+    finally:
+        fused.close()
+        free_layer(layer)
+
+
+@pytest.mark.gpu
+def test_graph_replay_equals_eager_and_batches_equal_single_calls(gpu, rng):
+    dims = small_dims(max_ngram=3, splits=4, table_dim=32, hidden_size=256, eos_id=3)
+    layer, fused = fused_of(gpu, dims, rng, "bf", max_rows=256)
+    stream = gpu.create_stream()
+    h = dims.hidden_size
+    try:
+        contexts = [rng.integers(0, dims.vocab_size, int(rng.integers(1, 300))) for _ in range(40)]
+        seq_lens = [int(rng.integers(0, min(len(c), 6) + 1)) for c in contexts]
+        rows = sum(seq_lens)
+        batch = _run(gpu, rng, lambda o: fused.embed_batch(contexts, seq_lens, o, gpu, stream), rows, h)
+        singles = [_run(gpu, rng, lambda o: fused.embed(c, s, o, gpu, stream), s, h)
+                   for c, s in zip(contexts, seq_lens) if s]
+        single = np.concatenate(singles)
+        ulp = np.abs(single.astype(np.float64)) * 2.0**-7 + 1e-6
+        assert (np.abs(batch.astype(np.float64) - single.astype(np.float64)) <= ulp).all()
+        with Guarded(gpu, (rows, h), BF16, rng) as out:  # one graph, replayed with new tokens
+            for step in range(4):
+                contexts = [np.append(c, rng.integers(0, dims.vocab_size)) for c in contexts]
+                out.poison()
+                fused.embed_batch(contexts, seq_lens, out.ptr, gpu, stream, graph=True)
+                got = out.read()
+                eager = _run(gpu, rng, lambda o: fused.embed_batch(contexts, seq_lens, o, gpu, stream), rows, h)
+                assert np.array_equal(bits(got), bits(eager)), step
+                out.assert_guards_intact()
+        assert len(fused._graphs) == 1
+    finally:
+        fused.close()
+        free_layer(layer)
+        gpu.destroy_stream(stream)
+
+
+@pytest.mark.gpu
+def test_cached_tables_equal_resident_ones(gpu, rng, tmp_path):
+    dims = small_dims(max_ngram=3, splits=2, table_dim=24, hidden_size=72, base_rows=3000)
+    host = random_layer(rng, dims, "bf")
+    resident = device_layer(gpu, host, max_tokens=64)
+    caches = []
+    for c, (table, scale) in enumerate(host.tables):
+        if c % 2:  # every other table from disk, through a small arena
+            write_table(tmp_path / f"t{c}.ngt", table, scale)
+            caches.append(RowCache(gpu, tmp_path / f"t{c}.ngt", 70, stream=0))
+    tables = list(resident.tables)
+    for i, c in enumerate(range(1, len(tables), 2)):
+        tables[c] = NgramTable.Cached(caches[i])
+    mixed = NgramEmbedding(dims, resident.word, tables, resident.projs, 64, gpu)
+    fused_res, fused_mix = FusedNgramEmbedding(resident, 64, gpu), FusedNgramEmbedding(mixed, 64, gpu)
+    try:
+        tokens = rng.integers(0, dims.vocab_size, 600)
+        for pos in range(10, 600, 37):
+            seq = int(rng.integers(1, min(pos, 32) + 1))
+            a = _run(gpu, rng, lambda o: fused_res.embed(tokens[:pos], seq, o, gpu, 0), seq, 72)
+            b = _run(gpu, rng, lambda o: fused_mix.embed(tokens[:pos], seq, o, gpu, 0), seq, 72)
+            assert np.array_equal(bits(a), bits(b)), pos
+        assert all(c.stats.evictions > 0 and c.index.n_pinned == 0 for c in caches)
+    finally:
+        fused_res.close()
+        fused_mix.close()
+        mixed.close()
+        for cache in caches:
+            cache.close()
+        free_layer(resident)

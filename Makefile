@@ -26,13 +26,23 @@ gpu-check: kernels
 	REQUIRE_GPU=1 $(PYTHON) -m pytest -q 2>&1 | tee $(LOG_DIR)/test.log
 	$(MAKE) --no-print-directory bench 2>&1 | tee $(LOG_DIR)/bench.log
 
-# API errors are not reported: the runtime checks every call's status itself, and the tests
-# provoke some on purpose (out of memory, missing kernels). Kernel memory errors all count.
+# Every GPU test under each compute-sanitizer tool, one pass per tool, then a table of tool,
+# tests run and errors (from pytest's summary and the tool's ERROR SUMMARY). API errors are not
+# reported: the runtime checks every call's status itself, and the tests provoke some on purpose
+# (out of memory, missing kernels). Kernel memory errors all count; any error fails the target.
 sanitize:
-	@mkdir -p $(LOG_DIR)
-	@for tool in $(SANITIZERS); do \
+	@mkdir -p $(LOG_DIR); status=0; \
+	for tool in $(SANITIZERS); do \
 	  echo "== compute-sanitizer --tool $$tool"; \
 	  compute-sanitizer --tool $$tool --error-exitcode 99 --print-limit 20 --report-api-errors no \
-	    $(PYTHON) -m pytest -q -m gpu -p no:cacheprovider $(SANITIZE_TESTS) 2>&1 | tee $(LOG_DIR)/sanitize-$$tool.log \
-	    || exit 1; \
-	done
+	    $(PYTHON) -m pytest -q -m gpu -p no:cacheprovider $(SANITIZE_TESTS) > $(LOG_DIR)/sanitize-$$tool.log 2>&1 \
+	    || status=1; \
+	  tail -3 $(LOG_DIR)/sanitize-$$tool.log; \
+	done; \
+	echo; echo "| tool | tests | errors |"; echo "|---|---|---|"; \
+	for tool in $(SANITIZERS); do \
+	  log=$(LOG_DIR)/sanitize-$$tool.log; \
+	  tests=$$(grep -Eo '[0-9]+ (passed|failed)' $$log | paste -sd' ' -); \
+	  errors=$$(grep -Eo 'ERROR SUMMARY: [0-9]+' $$log | grep -Eo '[0-9]+$$' | tail -1); \
+	  echo "| $$tool | $${tests:-none} | $${errors:-?} |"; \
+	done; exit $$status

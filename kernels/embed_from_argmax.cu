@@ -7,11 +7,11 @@
 // else takes the element-wise path, which is slower but correct for every size.
 //
 // Nothing here knows a table's row count: ids are validated on the host before a launch.
-#include "common.cuh"
+#include "row_copy.cuh"
 
 namespace {
 
-constexpr uint32_t kWarp = 32;
+using rows::kWarp;
 
 __device__ __forceinline__ uint32_t global_warp() {
     return (blockIdx.x * blockDim.x + threadIdx.x) / kWarp;
@@ -19,62 +19,15 @@ __device__ __forceinline__ uint32_t global_warp() {
 __device__ __forceinline__ uint32_t warp_count() { return gridDim.x * blockDim.x / kWarp; }
 __device__ __forceinline__ uint32_t lane() { return threadIdx.x % kWarp; }
 
-// Copy `count` items of type V from src to dst, one warp, four loads in flight per lane.
-template <typename V>
-__device__ __forceinline__ void warp_copy(const V* __restrict__ src, V* __restrict__ dst,
-                                          uint32_t count) {
-    uint32_t i = lane();
-    for (; i + 3 * kWarp < count; i += 4 * kWarp) {
-        V a = __ldg(src + i), b = __ldg(src + i + kWarp);
-        V c = __ldg(src + i + 2 * kWarp), d = __ldg(src + i + 3 * kWarp);
-        dst[i] = a;
-        dst[i + kWarp] = b;
-        dst[i + 2 * kWarp] = c;
-        dst[i + 3 * kWarp] = d;
-    }
-    for (; i < count; i += kWarp) dst[i] = __ldg(src + i);
-}
-
-__device__ __forceinline__ void copy_bf16_row(const bf16* src, bf16* dst, uint32_t dim, bool vec) {
-    if (vec) {
-        warp_copy(reinterpret_cast<const uint4*>(src), reinterpret_cast<uint4*>(dst), dim / 8);
-    } else {
-        const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
-        uint16_t* d = reinterpret_cast<uint16_t*>(dst);
-        for (uint32_t i = lane(); i < dim; i += kWarp) d[i] = s[i];
-    }
-}
-
-// fp8 -> f32 is exact; the product is rounded once to f32 (no FMA), then once to bf16.
-__device__ __forceinline__ bf16 dequant(uint8_t bits, float scale) {
-    __nv_fp8_e4m3 v;
-    v.__x = bits;
-    return __float2bfloat16_rn(__fmul_rn(static_cast<float>(v), scale));
-}
-
-__device__ __forceinline__ uint32_t pack_bf16x2(bf16 lo, bf16 hi) {
-    return static_cast<uint32_t>(__bfloat16_as_ushort(lo)) |
-           (static_cast<uint32_t>(__bfloat16_as_ushort(hi)) << 16);
-}
-
-__device__ __forceinline__ uint4 dequant8(uint2 q, float s) {
-    uint4 r;
-    r.x = pack_bf16x2(dequant(q.x & 0xff, s), dequant((q.x >> 8) & 0xff, s));
-    r.y = pack_bf16x2(dequant((q.x >> 16) & 0xff, s), dequant(q.x >> 24, s));
-    r.z = pack_bf16x2(dequant(q.y & 0xff, s), dequant((q.y >> 8) & 0xff, s));
-    r.w = pack_bf16x2(dequant((q.y >> 16) & 0xff, s), dequant(q.y >> 24, s));
-    return r;
-}
-
 }  // namespace
 
 // out[i, :] = table[ids[i], :]
 extern "C" __global__ void batched_embed(const uint32_t* ids, const bf16* table, bf16* out,
                                          uint32_t n, uint32_t dim) {
-    const bool vec = (dim % 8 == 0) && aligned16(table, out);
+    const bool vec = rows::bf16_vec(table, out, dim);
     for (uint32_t row = global_warp(); row < n; row += warp_count()) {
         const uint64_t id = ids[row];
-        copy_bf16_row(table + id * dim, out + static_cast<uint64_t>(row) * dim, dim, vec);
+        rows::copy_bf16_row(table + id * dim, out + static_cast<uint64_t>(row) * dim, dim, vec, lane());
     }
 }
 
@@ -82,27 +35,11 @@ extern "C" __global__ void batched_embed(const uint32_t* ids, const bf16* table,
 extern "C" __global__ void batched_embed_fp8(const uint32_t* ids, const fp8* table,
                                              const float* row_scale, bf16* out, uint32_t n,
                                              uint32_t dim) {
-    const bool vec = (dim % 8 == 0) && ((reinterpret_cast<uintptr_t>(table) & 7) == 0) &&
-                     ((reinterpret_cast<uintptr_t>(out) & 15) == 0);
+    const bool vec = rows::fp8_vec(table, out, dim);
     for (uint32_t row = global_warp(); row < n; row += warp_count()) {
         const uint64_t id = ids[row];
-        const float scale = __ldg(row_scale + id);
-        bf16* dst = out + static_cast<uint64_t>(row) * dim;
-        if (vec) {
-            const uint2* src = reinterpret_cast<const uint2*>(table + id * dim);
-            uint4* d = reinterpret_cast<uint4*>(dst);
-            const uint32_t count = dim / 8;
-            uint32_t i = lane();
-            for (; i + kWarp < count; i += 2 * kWarp) {
-                uint2 a = __ldg(src + i), b = __ldg(src + i + kWarp);
-                d[i] = dequant8(a, scale);
-                d[i + kWarp] = dequant8(b, scale);
-            }
-            for (; i < count; i += kWarp) d[i] = dequant8(__ldg(src + i), scale);
-        } else {
-            const uint8_t* src = reinterpret_cast<const uint8_t*>(table + id * dim);
-            for (uint32_t i = lane(); i < dim; i += kWarp) dst[i] = dequant(__ldg(src + i), scale);
-        }
+        rows::copy_fp8_row(reinterpret_cast<const uint8_t*>(table) + id * dim, __ldg(row_scale + id),
+                           out + static_cast<uint64_t>(row) * dim, dim, vec, lane());
     }
 }
 

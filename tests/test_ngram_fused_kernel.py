@@ -283,6 +283,16 @@ def run_and_check(gpu, kernel, rng, dims: NgramDims, tokens: np.ndarray, positio
             g.free()
 
 
+def check(gpu, kernel, rng, dims: NgramDims, tokens: np.ndarray, positions: np.ndarray, *,
+          cached_rate: float, fp8_rate: float) -> None:
+    """``make_tables`` then ``run_and_check``, tables freed whatever happens."""
+    tables = make_tables(gpu, rng, dims, tokens, positions, cached_rate=cached_rate, fp8_rate=fp8_rate)
+    try:
+        run_and_check(gpu, kernel, rng, dims, tokens, positions, tables)
+    finally:
+        tables.close()
+
+
 def random_dims(rng, td: int, **fixed) -> NgramDims:
     n, k = fixed.get("max_ngram", int(rng.integers(2, 6))), fixed.get("splits", int(rng.integers(1, 9)))
     vocab = fixed.get("vocab_size", int(rng.integers(300, 5001)))
@@ -305,11 +315,7 @@ def test_random_dims_bit_exact(gpu, kernel, rng, td, trial):
     dims = random_dims(rng, td)
     tokens = context(rng, dims, int(rng.integers(1, 300)), eos_rate=0.15)
     positions = _positions(rng, len(tokens), int(rng.integers(1, 200)))
-    tables = make_tables(gpu, rng, dims, tokens, positions, cached_rate=0.3, fp8_rate=0.5)
-    try:
-        run_and_check(gpu, kernel, rng, dims, tokens, positions, tables)
-    finally:
-        tables.close()
+    check(gpu, kernel, rng, dims, tokens, positions, cached_rate=0.3, fp8_rate=0.5)
 
 
 @pytest.mark.gpu
@@ -320,11 +326,7 @@ def test_wide_rows_use_every_copy_loop(gpu, kernel, rng, td):
     dims = random_dims(rng, td, splits=int(rng.integers(1, 4)))
     tokens = context(rng, dims, int(rng.integers(1, 100)), eos_rate=0.15)
     positions = _positions(rng, len(tokens), int(rng.integers(1, 40)))
-    tables = make_tables(gpu, rng, dims, tokens, positions, cached_rate=0.3, fp8_rate=0.5)
-    try:
-        run_and_check(gpu, kernel, rng, dims, tokens, positions, tables)
-    finally:
-        tables.close()
+    check(gpu, kernel, rng, dims, tokens, positions, cached_rate=0.3, fp8_rate=0.5)
 
 
 @pytest.mark.gpu
@@ -349,11 +351,7 @@ def test_all_cached_tables(gpu, kernel, rng):
     dims = random_dims(rng, 16)
     tokens = context(rng, dims, 50, eos_rate=0.1)
     positions = _positions(rng, len(tokens), 64)
-    tables = make_tables(gpu, rng, dims, tokens, positions, cached_rate=1.0, fp8_rate=0.5)
-    try:
-        run_and_check(gpu, kernel, rng, dims, tokens, positions, tables)
-    finally:
-        tables.close()
+    check(gpu, kernel, rng, dims, tokens, positions, cached_rate=1.0, fp8_rate=0.5)
 
 
 @pytest.mark.gpu
@@ -363,11 +361,7 @@ def test_many_rows_are_grid_strided(gpu, kernel, rng):
     tokens = context(rng, dims, 3000, eos_rate=0.05)
     positions = _positions(rng, len(tokens), 6000)
     assert len(positions) * dims.num_tables() > 4 * 132 * 8 * 8 * 5
-    tables = make_tables(gpu, rng, dims, tokens, positions, cached_rate=0.2, fp8_rate=0.5)
-    try:
-        run_and_check(gpu, kernel, rng, dims, tokens, positions, tables)
-    finally:
-        tables.close()
+    check(gpu, kernel, rng, dims, tokens, positions, cached_rate=0.2, fp8_rate=0.5)
 
 
 @pytest.mark.gpu
@@ -379,11 +373,7 @@ def test_ngrams_longer_than_a_warp(gpu, kernel, rng, eos):
                      eos_id=int(rng.integers(0, vocab)) if eos else None)
     tokens = context(rng, dims, 200, eos_rate=0.01)
     positions = _positions(rng, len(tokens), 150)
-    tables = make_tables(gpu, rng, dims, tokens, positions, cached_rate=0.1, fp8_rate=0.5)
-    try:
-        run_and_check(gpu, kernel, rng, dims, tokens, positions, tables)
-    finally:
-        tables.close()
+    check(gpu, kernel, rng, dims, tokens, positions, cached_rate=0.1, fp8_rate=0.5)
 
 
 @pytest.mark.gpu
@@ -396,11 +386,7 @@ def test_vocab_near_2_32(gpu, kernel, rng):
     high = rng.random(len(tokens)) < 0.5
     tokens[high] = rng.integers(4_000_000_000 - 1000, 4_000_000_000 - 1, int(high.sum()))
     positions = _positions(rng, len(tokens), 300)
-    tables = make_tables(gpu, rng, dims, tokens, positions, cached_rate=0.0, fp8_rate=0.5)
-    try:
-        run_and_check(gpu, kernel, rng, dims, tokens, positions, tables)
-    finally:
-        tables.close()
+    check(gpu, kernel, rng, dims, tokens, positions, cached_rate=0.0, fp8_rate=0.5)
 
 
 @pytest.mark.gpu

@@ -283,3 +283,33 @@ def test_cached_layer_equals_resident_over_a_long_stream(gpu, rng, tmp_path, kin
         free_layer(resident)
         _free_cached(cold)
         _free_cached(warm)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("row_bytes, scaled", [(512, False), (48, False), (7, True), (33, True), (1, False)])
+def test_scatter_rows_writes_only_its_slots(gpu, rng, row_bytes, scaled):
+    from layers.ops import scatter_rows
+
+    capacity, n = 50, 23
+    slots = rng.choice(capacity, n, replace=False).astype(np.uint32)
+    rows = rng.integers(0, 256, (n, row_bytes), dtype=np.uint8)
+    scales = rng.standard_normal(n).astype(np.float32)
+    kernel = gpu.kernel("row_cache", "scatter_rows")
+    with Guarded(gpu, (capacity, row_bytes), np.uint8, rng) as arena, \
+            Guarded(gpu, capacity, np.float32, rng) as arena_scales, \
+            Guarded(gpu, n, np.uint32, rng) as s_dev, Guarded(gpu, (n, row_bytes), np.uint8, rng) as r_dev, \
+            Guarded(gpu, n, np.float32, rng) as sc_dev:
+        s_dev.upload(slots)
+        r_dev.upload(rows)
+        sc_dev.upload(scales)
+        before, before_scales = arena.read(), arena_scales.read()
+        scatter_rows(gpu, kernel, s_dev.ptr, r_dev.ptr, sc_dev.ptr if scaled else 0, arena.ptr,
+                     arena_scales.ptr if scaled else 0, n, row_bytes, 0)
+        want, want_scales = before.copy(), before_scales.copy()
+        want[slots] = rows
+        if scaled:
+            want_scales[slots] = scales
+        assert np.array_equal(arena.read(), want)
+        assert np.array_equal(bits(arena_scales.read()), bits(want_scales))
+        for g in (arena, arena_scales, s_dev, r_dev, sc_dev):
+            g.assert_guards_intact()

@@ -135,6 +135,13 @@ class FusedNgramEmbedding:
             for c in self.cached:
                 self.layer.tables[c].cache.end_batch()
 
+    def prefetch_batch(self, contexts: Sequence[Sequence[int] | np.ndarray], seq_lens: Sequence[int]) -> int:
+        """Start reading ahead the cached tables' rows of a later ``embed_batch`` (as soon as its
+        tokens are known); returns the rows queued. Nothing to do without cached tables."""
+        if not self.cached:
+            return 0
+        return sum(self.layer.prefetch(ctx, s) for ctx, s in zip(contexts, seq_lens))
+
     def _windows(self, contexts: Sequence, seq_lens: Sequence[int]) -> np.ndarray:
         """``[R, N]`` u32: each new token and the N - 1 before it (``NO_TOKEN`` before the start).
         Only each context's tail is read; the per-sequence loop only slices, the rest is

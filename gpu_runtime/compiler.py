@@ -13,6 +13,7 @@ and rebuilt. An unwritable cache directory costs a warning, not a failure.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -141,6 +142,7 @@ def _read_entry(path: Path) -> bytes | None:
 
 
 def _write_entry(path: Path, payload: bytes) -> None:
+    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
@@ -148,6 +150,9 @@ def _write_entry(path: Path, payload: bytes) -> None:
             f.write(_MAGIC + hashlib.sha256(payload).digest() + payload)
         os.replace(tmp, path)
     except OSError as exc:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)  # a full disk or a directory in the entry's place
         warnings.warn(f"kernel cache not written ({exc}); compiled in memory only", stacklevel=3)
 
 

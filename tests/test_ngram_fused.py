@@ -97,10 +97,14 @@ def test_dims_the_kernel_cannot_hash_are_refused():
 
 
 # -- GPU --------------------------------------------------------------------------------------
-def _run(gpu, rng, fn, rows, h):
+def _run(gpu, rng, fn, rows, h, stream=0):
+    """``fn(out)`` on a poisoned guarded buffer; ``stream`` is where fn queues its work (a
+    created stream does not wait for the default stream's poison, nor it for the stream)."""
     with Guarded(gpu, (rows, h), BF16, rng) as out:
         out.poison()
+        gpu.synchronize(0)
         fn(out.ptr)
+        gpu.synchronize(stream)
         got = out.read()
         out.assert_guards_intact()
     assert np.isfinite(got.astype(np.float32)).all(), "unwritten (poisoned) elements"
@@ -155,8 +159,8 @@ def test_graph_replay_equals_eager_and_batches_equal_single_calls(gpu, rng):
         contexts = [rng.integers(0, dims.vocab_size, int(rng.integers(1, 300))) for _ in range(40)]
         seq_lens = [int(rng.integers(0, min(len(c), 6) + 1)) for c in contexts]
         rows = sum(seq_lens)
-        batch = _run(gpu, rng, lambda o: fused.embed_batch(contexts, seq_lens, o, gpu, stream), rows, h)
-        singles = [_run(gpu, rng, lambda o: fused.embed(c, s, o, gpu, stream), s, h)
+        batch = _run(gpu, rng, lambda o: fused.embed_batch(contexts, seq_lens, o, gpu, stream), rows, h, stream)
+        singles = [_run(gpu, rng, lambda o: fused.embed(c, s, o, gpu, stream), s, h, stream)
                    for c, s in zip(contexts, seq_lens) if s]
         single = np.concatenate(singles)
         ulp = np.abs(single.astype(np.float64)) * 2.0**-7 + 1e-6
@@ -165,9 +169,12 @@ def test_graph_replay_equals_eager_and_batches_equal_single_calls(gpu, rng):
             for step in range(4):
                 contexts = [np.append(c, rng.integers(0, dims.vocab_size)) for c in contexts]
                 out.poison()
+                gpu.synchronize(0)
                 fused.embed_batch(contexts, seq_lens, out.ptr, gpu, stream, graph=True)
+                gpu.synchronize(stream)
                 got = out.read()
-                eager = _run(gpu, rng, lambda o: fused.embed_batch(contexts, seq_lens, o, gpu, stream), rows, h)
+                eager = _run(gpu, rng, lambda o: fused.embed_batch(contexts, seq_lens, o, gpu, stream), rows, h,
+                             stream)
                 assert np.array_equal(bits(got), bits(eager)), step
                 out.assert_guards_intact()
         assert len(fused._graphs) == 1

@@ -427,8 +427,8 @@ class CudaBackend(GpuBackend):
 
     def memset(self, ptr: int, byte: int, nbytes: int, stream: int = 0) -> None:
         _require(ptr, "memset")
-        if not 0 <= int(byte) <= 255:
-            raise ValueError(f"memset byte must be 0..255, got {byte}")
+        if isinstance(byte, bool) or not isinstance(byte, (int, np.integer)) or not 0 <= byte <= 255:
+            raise ValueError(f"memset byte must be an int in 0..255, got {byte!r}")
         nbytes = _count(nbytes, "memset size")
         if nbytes:
             self._live()

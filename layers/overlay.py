@@ -24,7 +24,7 @@ import numpy as np
 
 from gpu_runtime import DevicePtr, GpuBackend, KernelNotFoundError
 
-from .ops.checks import require_count
+from .ops.checks import require_count, require_ptr
 from .ops.token_overlay import OverlayKernels, embed_overlay_routed, embed_rowdiff, lmhead_overlay_routed
 from .weight_map import DenseWeight
 
@@ -537,6 +537,8 @@ class OverlaySlots:
         seq = self._seq_slot_host(seq_slot, num_tokens)
         if num_tokens == 0 or not self.has_embed_overlay or not self.kernels.embed_overlay:
             return  # nothing to launch: no rows, every slot's tables null, or no kernel (hook)
+        require_ptr(ids, "embed_overlay_routed ids")  # before a host seq_slot is uploaded
+        require_ptr(out, "embed_overlay_routed out")
         embed_overlay_routed(self.gpu, self.kernels.embed_overlay, ids,
                              self._seq_slot_ptr(seq, stream), active,
                              self.embed_slot_map_tab, self.embed_rows_tab, self.embed_n_tab, out,
@@ -559,6 +561,8 @@ class OverlaySlots:
         seq = self._seq_slot_host(seq_slot, m)
         if m == 0 or self.max_n_override == 0 or not kernel:
             return  # nothing to launch: no rows, no LM-head overrides loaded, or no kernel (hook)
+        require_ptr(hidden, "lmhead_overlay_routed hidden")  # before a host seq_slot is uploaded
+        require_ptr(logits, "lmhead_overlay_routed logits")
         lmhead_overlay_routed(self.gpu, kernel, hidden, self._seq_slot_ptr(seq, stream), active,
                               self.lm_head_rows_tab,
                               self.lm_head_ids_tab, self.lm_head_n_tab, logits, m,

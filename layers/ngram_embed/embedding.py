@@ -28,7 +28,7 @@ from ..ops.checks import require_ptr
 from ..weight_map import BF16, DenseWeight
 from .dims import NgramDims
 from .ids import ngram_ids_tail
-from .tables import AnyTable, Bf16Table, CachedTable, Fp8Table, check_table
+from .tables import AnyTable, Bf16Table, CachedTable, Fp8Table, check_table, validate_cached
 
 U32_LIMIT = 1 << 32
 
@@ -41,6 +41,9 @@ class NgramEmbedding:
             raise ValueError(f"table count: {len(tables)} tables, dims need {t}")
         if len(projs) != t:
             raise ValueError(f"proj count: {len(projs)} projections, dims need {t}")
+        for weight, what in [(word, "word"), *((p, f"proj {i}") for i, p in enumerate(projs))]:
+            if not isinstance(weight, DenseWeight):
+                raise TypeError(f"{what}: expected a DenseWeight (device weight), got {type(weight).__name__}")
         if word.shape != (dims.vocab_size, h) or word.dtype != BF16:
             raise ValueError(f"word embedding must be ({dims.vocab_size}, {h}) bfloat16, "
                              f"got {word.shape} {word.dtype}")
@@ -158,6 +161,7 @@ class NgramEmbedding:
             if ids.size and int(ids.max()) >= U32_LIMIT:
                 raise ValueError(f"ngram embed: table {index} id exceeds u32")
             id_arrays.append(ids.astype(np.uint32))
+        validate_cached(self.tables, id_arrays)  # a cached table's refusal comes before any launch
         new_tokens = tail[tail.shape[0] - seq_len:].astype(np.uint32)
         inv_scale = float(np.float32(1.0) / np.float32(1 + dims.num_tables()))  # f32, as the seed
 

@@ -34,7 +34,7 @@ from ..ops import ngram_fused as fused_ops
 from ..weight_map import BF16, DenseWeight
 from .embedding import NgramEmbedding
 from .ids import ngram_ids_tail
-from .tables import Bf16Table, CachedTable, Fp8Table
+from .tables import Bf16Table, CachedTable, Fp8Table, validate_cached
 
 _U32 = 1 << 32
 
@@ -112,6 +112,8 @@ class FusedNgramEmbedding:
         Everything is validated before anything is uploaded or launched."""
         if self.staging == 0:
             raise ValueError("fused ngram embed: closed")
+        if self.layer.ids_dev == 0:
+            raise ValueError("fused ngram embed: its NgramEmbedding is closed")
         if len(contexts) != len(seq_lens):
             raise ValueError(f"fused ngram embed: {len(contexts)} contexts, {len(seq_lens)} seq_lens")
         windows = self._windows(contexts, seq_lens)
@@ -124,8 +126,8 @@ class FusedNgramEmbedding:
             raise ValueError("fused ngram embed out: null device pointer")
         if graph and not stream:
             raise ValueError("fused ngram embed: graph=True needs a created stream, not the default stream")
-        packed = self._pack(windows, contexts, seq_lens)  # resolves cached tables: the last step
         try:
+            packed = self._pack(windows, contexts, seq_lens)  # resolves cached tables: the last step
             if graph:
                 self._replay(packed, rows, out, stream)
             else:
@@ -191,6 +193,7 @@ class FusedNgramEmbedding:
             slots[:] = 0
             ids = [np.concatenate(parts) for parts in zip(*(
                 ngram_ids_tail(self.dims, ctx, s) for ctx, s in zip(contexts, seq_lens) if s))]
+            validate_cached(self.layer.tables, ids)  # every refusal before the first load
             for c in self.cached:
                 column = np.empty(rows, np.uint32)
                 self.layer.tables[c].cache.resolve(ids[c], column)

@@ -205,10 +205,7 @@ class RowCache:
         uniq, inverse = np.unique(ids, return_inverse=True)
         slots = index.slot_of[uniq].astype(np.int64)
         hit = slots >= 0
-        new_pins = int((~index.pinned[slots[hit]]).sum()) + int((~hit).sum())
-        if index.n_pinned + new_pins > self.capacity:
-            raise ValueError(f"RowCache.resolve: the batch needs {index.n_pinned + new_pins} rows resident "
-                             f"at once, the arena holds {self.capacity}")
+        self._require_room(slots, hit)
         index.pin(slots[hit])  # before assigning: the batch's hits must not be evicted for its misses
         missing = uniq[~hit]
         if len(missing):
@@ -227,6 +224,23 @@ class RowCache:
         self.stats.hits += ids.size - len(missing)
         self.stats.misses += len(missing)
         self.stats.evictions = index.evictions
+
+    def validate(self, ids: np.ndarray) -> None:
+        """Refuse, loading nothing, what ``resolve(ids, ...)`` would refuse: a closed cache, ids
+        out of range, more rows resident at once than the arena holds. A layer checks every
+        cached table this way before its first launch."""
+        ids = self._check_ids(ids, "resolve")
+        if ids.size <= 1 and self.index.n_pinned < self.capacity:
+            return
+        slots = self.index.slot_of[np.unique(ids)].astype(np.int64)
+        self._require_room(slots, slots >= 0)
+
+    def _require_room(self, slots: np.ndarray, hit: np.ndarray) -> None:
+        index = self.index
+        need = index.n_pinned + int((~index.pinned[slots[hit]]).sum()) + int((~hit).sum())
+        if need > self.capacity:
+            raise ValueError(f"RowCache.resolve: the batch needs {need} rows resident at once, "
+                             f"the arena holds {self.capacity}")
 
     def table_dev_va(self) -> int:
         self._require_open()

@@ -35,6 +35,9 @@ class RowSource(Protocol):
     def end_batch(self) -> None:
         """The batch's rows may be evicted again."""
 
+    # Optional: ``validate(ids)`` refuses what ``resolve`` would, loading nothing (RowCache has
+    # it); layers call it for every cached table before their first launch.
+
 
 @dataclass(frozen=True)
 class Bf16Table:
@@ -79,6 +82,8 @@ def check_table(table: AnyTable, index: int, rows: int, dim: int) -> None:
     where = f"table {index}"
     if not isinstance(table, (Bf16Table, Fp8Table, CachedTable)):
         raise TypeError(f"{where}: expected NgramTable.Bf16/Fp8/Cached, got {type(table).__name__}")
+    if not isinstance(table, CachedTable) and not isinstance(table.weight, DenseWeight):
+        raise TypeError(f"{where}: expected a DenseWeight, got {type(table.weight).__name__}")
     if table.shape != (rows, dim):
         raise ValueError(f"{where}: shape {table.shape}, dims say ({rows}, {dim})")
     if isinstance(table, Bf16Table) and table.weight.dtype != BF16:
@@ -88,3 +93,10 @@ def check_table(table: AnyTable, index: int, rows: int, dim: int) -> None:
             raise TypeError(f"{where}: NgramTable.Fp8 holds {table.weight.dtype}, not float8_e4m3fn")
         if not table.weight.row_scale:
             raise ValueError(f"{where}: fp8 table without row scales")
+
+
+def validate_cached(tables: list, ids: list[np.ndarray]) -> None:
+    """``validate`` every cached table that has it against its ids (before any launch)."""
+    for table, table_ids in zip(tables, ids):
+        if isinstance(table, CachedTable) and hasattr(table.cache, "validate"):
+            table.cache.validate(table_ids)

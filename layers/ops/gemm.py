@@ -20,15 +20,13 @@ rounding). Its kernels share every path and launch plan with their plain twins (
 
 from __future__ import annotations
 
-import math
-import numbers
 from dataclasses import dataclass
 from functools import lru_cache
 
 from gpu_runtime import GpuBackend, KernelHandle, KernelLaunch
 
 from ..weight_map import BF16, DenseWeight
-from .checks import require_count, require_ptr
+from .checks import F32_MAX, require_count, require_ptr, require_scale
 
 MODULE = "gemm"
 KERNEL = "dense_gemm_bf16_pipelined"
@@ -48,7 +46,6 @@ WORD_WGMMA_KERNEL = "dense_gemm_bf16_word_wgmma"
 THREADS = 256
 WARPS = THREADS // 32
 MAX_DIM = (1 << 31) - 1  # the kernels index k with 32-bit arithmetic
-F32_MAX = 3.4028234663852886e38
 
 # small path (gemm.cu: kSmall*)
 SMALL_MAX_ROWS = 64
@@ -225,16 +222,6 @@ def _check_gemm(name: str, kernel: KernelHandle, a: int, w: DenseWeight, c: int,
     return m, n, k
 
 
-def _check_scale(scale: float, name: str) -> float:
-    """A finite real that fits an f32 (the kernel multiplies by it in fp32)."""
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"{name}: scale must be a real number, got {scale!r}")
-    value = float(scale)
-    if not math.isfinite(value) or abs(value) > F32_MAX:
-        raise ValueError(f"{name}: scale must be finite and fit an f32, got {scale!r}")
-    return value
-
-
 def dense_gemm_bf16_pipelined(gpu: GpuBackend, kernel: KernelHandle, a: int, w: DenseWeight, c: int,
                               m: int, n: int, k: int, stream: int, *,
                               path: str | None = None) -> None:
@@ -268,7 +255,7 @@ def dense_gemm_bf16_word(gpu: GpuBackend, kernel: KernelHandle, a: int, w: Dense
     m, n, k = _check_gemm(WORD_KERNEL, kernel, a, w, c, m, n, k, path)
     require_ptr(word_ids, f"{WORD_KERNEL} word_ids")
     require_ptr(word, f"{WORD_KERNEL} word")
-    scale = _check_scale(scale, WORD_KERNEL)
+    scale = require_scale(scale, WORD_KERNEL)
     if m == 0 or n == 0 or k == 0:
         return
     p = word_plan(m, n, k, path, wgmma=wgmma_available(gpu))

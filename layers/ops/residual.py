@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from gpu_runtime import GpuBackend, KernelHandle, KernelLaunch
 
-from .checks import require_count, require_ptr
+from .checks import require_count, require_ptr, require_scale
 
 _BLOCK = 256
 _MAX_BLOCKS = 4096  # grid-stride beyond this: 1M threads cover any H200-sized tensor
@@ -20,6 +20,7 @@ def scaled_add(gpu: GpuBackend, kernel: KernelHandle, out: int, x: int, scale: f
     n = require_count(n, "n")
     require_ptr(out, "scaled_add out")
     require_ptr(x, "scaled_add x")
+    scale = require_scale(scale, "scaled_add")
     if n == 0:
         return
     (KernelLaunch(gpu, kernel).grid(_grid(n)).block([_BLOCK, 1, 1])

@@ -208,7 +208,7 @@ def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[Any]]
         return str(v)
 
     cells = [[fmt(v) for v in row] for row in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(header)]
+    widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(header)]
     print(f"\n## {title}")
     print("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |")
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")

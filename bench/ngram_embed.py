@@ -100,9 +100,10 @@ def main() -> None:
                          torch_ms / gpu_ms if torch_ms else None, floor_ms * 1e3, gpu_ms / floor_ms))
         print(f"measured: copy {bw / 1e12:.2f} TB/s, bf16 matmul "
               f"{rate / 1e12 if rate else float('nan'):.0f} TFLOP/s; T = {t}, D = {h}, table dim {td}")
-        print_table("n-gram embedding, seed-faithful path (per call)",
-                    ["S", "GPU us", "wall us", "hash us", "torch us", "torch/ours", "floor us",
-                     "x floor"], rows)
+        if rows:
+            print_table("n-gram embedding, seed-faithful path (per call)",
+                        ["S", "GPU us", "wall us", "hash us", "torch us", "torch/ours", "floor us",
+                         "x floor"], rows)
         fused_table(gpu, rng, dims, layer, out, stream, bw, rate)
         layer.close()
 

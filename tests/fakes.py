@@ -72,6 +72,19 @@ class RecordingBackend(GpuBackend):
     def copy_2d_async(self, dst, dst_pitch, src, src_pitch, width, height, stream=0) -> None:
         self.ops.append(("copy2d", dst, dst_pitch, src, src_pitch, width, height, stream))
 
+    # Events do nothing here (nothing runs): handles only, not recorded as ops.
+    def create_event(self) -> int:
+        return 0xE000 + len(self.ops)
+
+    def record_event(self, event: int, stream: int = 0) -> None:
+        pass
+
+    def event_synchronize(self, event: int) -> None:
+        pass
+
+    def destroy_event(self, event: int) -> None:
+        pass
+
     def create_stream(self) -> int:
         return 1
 

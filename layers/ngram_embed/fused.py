@@ -59,9 +59,10 @@ class FusedNgramEmbedding:
         self._row_words = n + 1 + (t if self.cached else 0)  # u32 words uploaded per output row
         self._graphs: dict[tuple[int, int, int], int] = {}
         self._host = None  # pinned packed-upload buffer, made with the first graph
-        self._host_free = 0  # event: the last graph replay's upload has read it
+        self._done = 0  # event recorded after every call: its buffers are free again
         self.projs_cat = self.desc = self.pows = self.gather_buf = self.staging = DevicePtr(0)
         try:
+            self._done = gpu.create_event()
             self.projs_cat = self._concat_projections(layer, stream)
             self.desc = self._upload(self._table_entries(), stream)
             self.pows = self._upload(np.array([[pow(dims.vocab_size, d, dims.table_rows(c)) for d in range(n)]
@@ -133,6 +134,7 @@ class FusedNgramEmbedding:
             else:
                 gpu.copy_h2d_async(packed, self.staging, stream)
                 self._launch(rows, out, stream)
+                gpu.record_event(self._done, stream)
         finally:
             for c in self.cached:
                 self.layer.tables[c].cache.end_batch()
@@ -214,8 +216,7 @@ class FusedNgramEmbedding:
         gpu = self.gpu
         if self._host is None:
             self._host = gpu.alloc_host(self.max_rows * self._row_words * 4)
-            self._host_free = gpu.create_event()
-        gpu.event_synchronize(self._host_free)  # the previous replay's upload has read the buffer
+        gpu.event_synchronize(self._done)  # the previous call (and its upload) is done with the buffer
         host = self._host[:packed.nbytes]
         host.view(np.uint32)[:] = packed
         key = (rows, int(out), int(stream))
@@ -225,7 +226,7 @@ class FusedNgramEmbedding:
             # which a capture must not do), then is captured for the next calls.
             gpu.upload_pinned_async(host, self.staging, stream)
             self._launch(rows, out, stream)
-            gpu.record_event(self._host_free, stream)
+            gpu.record_event(self._done, stream)
             gpu.begin_capture(stream)
             try:
                 gpu.upload_pinned_async(host, self.staging, stream)
@@ -236,22 +237,24 @@ class FusedNgramEmbedding:
             self._graphs[key] = gpu.end_capture(stream)
             return
         gpu.launch_graph(exe, stream)
-        gpu.record_event(self._host_free, stream)
+        gpu.record_event(self._done, stream)
 
     def close(self) -> None:
         """Free the graphs, the concatenated projections and the staging (not the layer's weights)."""
         gpu = self.gpu
         if getattr(gpu, "closed", False):
             return
-        for stream in {key[2] for key in self._graphs}:
-            gpu.synchronize(stream)
+        if self._done:  # the last call's work is done (its stream may be gone: wait on the event)
+            gpu.event_synchronize(self._done)
         for exe in self._graphs.values():
             gpu.destroy_graph(exe)
         self._graphs.clear()
         if self._host is not None:
-            gpu.destroy_event(self._host_free)
             gpu.free_host(self._host)
             self._host = None
+        if self._done:
+            gpu.destroy_event(self._done)
+            self._done = 0
         for name in ("projs_cat", "desc", "pows", "gather_buf", "staging"):
             ptr = getattr(self, name)
             if ptr:

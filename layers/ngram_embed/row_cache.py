@@ -172,9 +172,12 @@ class RowCache:
         self.closed = False
         try:
             self.kernel = gpu.kernel("row_cache", "scatter_rows")
+            # Zeroed once: a slot never loaded then reads as zeros, not as whatever was there.
             self._arena = gpu.alloc(self.capacity * self.file.row_bytes)
+            gpu.memset(self._arena, 0, self.capacity * self.file.row_bytes, stream)
             if self.file.scales is not None:
                 self._arena_scales = gpu.alloc(self.capacity * 4)
+                gpu.memset(self._arena_scales, 0, self.capacity * 4, stream)
             self._loader = _Loader(gpu, self.kernel, self.file, self._arena, self._arena_scales, stream,
                                    min(chunk_rows, self.capacity), self._readers, io_threads)
         except BaseException:

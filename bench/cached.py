@@ -34,16 +34,14 @@ import numpy as np
 from cuda.bindings import driver as cu
 
 from bench.common import Events, gpu_time_ms, print_table, wall_time_us
-from bench.ngram_embed import CONTEXT, device_weight
+from bench.ngram_embed import CONTEXT, DIMS, device_weight
 from gpu_runtime import CudaBackend, DevicePtr
 from gpu_runtime.driver import call
-from layers.ngram_embed import NgramDims, NgramEmbedding, NgramTable
+from layers.ngram_embed import NgramEmbedding, NgramTable
 from layers.ngram_embed.row_cache import RowCache
 from layers.ngram_embed.table_file import TableFile, TableFormatError, TableHeader, TableWriter
 from layers.weight_map import BF16, DenseWeight
 
-DIMS = NgramDims(vocab_size=131072, hidden_size=4096, max_ngram=3, splits=8,
-                 base_rows=1 << 20, row_bias=0, table_dim=256, eos_id=None)
 CAPACITY = 65536  # rows per table in each cache's device arena
 STEPS = 2000  # decode steps of the Zipf stream
 BLOCK_ROWS = 65536  # 32 MiB of 256-wide bf16: the block tiled into the files and uploads

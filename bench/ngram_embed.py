@@ -48,10 +48,13 @@ def torch_view(gpu: CudaBackend, w: DenseWeight):
     return torch.as_tensor(arr, device="cuda").view(torch.bfloat16)
 
 
+DIMS = NgramDims(vocab_size=131072, hidden_size=4096, max_ngram=3, splits=8,
+                 base_rows=1 << 20, row_bias=0, table_dim=256, eos_id=None)
+
+
 def main() -> None:
     rng = np.random.default_rng(0)
-    dims = NgramDims(vocab_size=131072, hidden_size=4096, max_ngram=3, splits=8,
-                     base_rows=1 << 20, row_bias=0, table_dim=256, eos_id=None)
+    dims = DIMS
     t, h, td = dims.num_tables(), dims.hidden_size, dims.table_dim()
     with CudaBackend() as gpu:
         bw, rate = copy_bandwidth(gpu), matmul_rate()

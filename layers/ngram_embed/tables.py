@@ -40,7 +40,9 @@ class RowSource(Protocol):
 
 
 @dataclass(frozen=True)
-class Bf16Table:
+class _ResidentTable:
+    """A table whose rows are all on the device; the variant's class names its dtype."""
+
     weight: DenseWeight
 
     @property
@@ -49,12 +51,13 @@ class Bf16Table:
 
 
 @dataclass(frozen=True)
-class Fp8Table:
-    weight: DenseWeight
+class Bf16Table(_ResidentTable):
+    pass
 
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.weight.shape
+
+@dataclass(frozen=True)
+class Fp8Table(_ResidentTable):
+    pass
 
 
 @dataclass(frozen=True)

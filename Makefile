@@ -7,6 +7,7 @@ LOG_DIR ?= .logs
 BENCHES ?= launch kernels overlay ngram_embed cached
 SANITIZERS ?= memcheck racecheck initcheck synccheck
 SANITIZE_TESTS ?= tests
+SANITIZE_JOBS ?= $(shell nproc)
 
 .PHONY: kernels test bench gpu-check sanitize
 
@@ -26,23 +27,9 @@ gpu-check: kernels
 	REQUIRE_GPU=1 $(PYTHON) -m pytest -q 2>&1 | tee $(LOG_DIR)/test.log
 	$(MAKE) --no-print-directory bench 2>&1 | tee $(LOG_DIR)/bench.log
 
-# Every GPU test under each compute-sanitizer tool, one pass per tool, then a table of tool,
-# tests run and errors (from pytest's summary and the tool's ERROR SUMMARY). API errors are not
-# reported: the runtime checks every call's status itself, and the tests provoke some on purpose
-# (out of memory, missing kernels). Kernel memory errors all count; any error fails the target.
-sanitize:
-	@mkdir -p $(LOG_DIR); status=0; \
-	for tool in $(SANITIZERS); do \
-	  echo "== compute-sanitizer --tool $$tool"; \
-	  compute-sanitizer --tool $$tool --error-exitcode 99 --print-limit 20 --report-api-errors no \
-	    $(PYTHON) -m pytest -q -m gpu -p no:cacheprovider $(SANITIZE_TESTS) > $(LOG_DIR)/sanitize-$$tool.log 2>&1 \
-	    || status=1; \
-	  tail -3 $(LOG_DIR)/sanitize-$$tool.log; \
-	done; \
-	echo; echo "| tool | tests | errors |"; echo "|---|---|---|"; \
-	for tool in $(SANITIZERS); do \
-	  log=$(LOG_DIR)/sanitize-$$tool.log; \
-	  tests=$$(grep -Eo '[0-9]+ (passed|failed)' $$log | paste -sd' ' -); \
-	  errors=$$(grep -Eo 'ERROR SUMMARY: [0-9]+' $$log | grep -Eo '[0-9]+$$' | tail -1); \
-	  echo "| $$tool | $${tests:-none} | $${errors:-?} |"; \
-	done; exit $$status
+# Every GPU test under each compute-sanitizer tool (tests/sanitize.py: one pass per tool, each
+# split over SANITIZE_JOBS processes on the one device), then a table of tool, tests, errors.
+sanitize: kernels
+	@mkdir -p $(LOG_DIR)
+	$(PYTHON) -m tests.sanitize --log-dir $(LOG_DIR) --jobs $(SANITIZE_JOBS) --tools $(SANITIZERS) \
+	  $(SANITIZE_TESTS) 2>&1 | tee $(LOG_DIR)/sanitize.log

@@ -126,16 +126,22 @@ def torch_stream() -> int:
 def wall_time_us(fn: Callable[[int], Any], sync: Callable[[], Any], *, warmup: int = 20,
                  iters: int = 200) -> float:
     """Median host wall time per call of ``fn``, each call followed by ``sync``."""
-    for i in range(warmup):
-        fn(i)
-        sync()
-    times = []
-    for i in range(iters):
-        t0 = time.perf_counter()
-        fn(i)
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
+    return interleaved_wall_us([fn], sync, warmup=warmup, iters=iters)[0]
+
+
+def interleaved_wall_us(fns: Sequence[Callable[[int], Any]], sync: Callable[[], Any], *,
+                        warmup: int = 20, iters: int = 200) -> list[float]:
+    """``wall_time_us`` of each of ``fns``, taken in alternation so that the host's drifts
+    (clock, other load) hit them alike: read their ratios within one call."""
+    times: list[list[float]] = [[] for _ in fns]
+    for i in range(warmup + iters):
+        for fn, fn_times in zip(fns, times):
+            t0 = time.perf_counter()
+            fn(i)
+            sync()
+            if i >= warmup:
+                fn_times.append(time.perf_counter() - t0)
+    return [statistics.median(t) * 1e6 for t in times]
 
 
 def host_time_us(fn: Callable[[int], Any], *, warmup: int = 200, iters: int = 5000) -> float:

@@ -31,5 +31,5 @@ gpu-check: kernels
 # split over SANITIZE_JOBS processes on the one device), then a table of tool, tests, errors.
 sanitize: kernels
 	@mkdir -p $(LOG_DIR)
-	$(PYTHON) -m tests.sanitize --log-dir $(LOG_DIR) --jobs $(SANITIZE_JOBS) --tools $(SANITIZERS) \
-	  $(SANITIZE_TESTS) 2>&1 | tee $(LOG_DIR)/sanitize.log
+	$(PYTHON) -m tests.sanitize $(SANITIZE_TESTS) --log-dir $(LOG_DIR) --jobs $(SANITIZE_JOBS) \
+	  --tools $(SANITIZERS) 2>&1 | tee $(LOG_DIR)/sanitize.log

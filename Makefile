@@ -7,7 +7,7 @@ LOG_DIR ?= .logs
 BENCHES ?= launch kernels overlay ngram_embed cached
 SANITIZERS ?= memcheck racecheck initcheck synccheck
 SANITIZE_TESTS ?= tests
-SANITIZE_JOBS ?= $(shell nproc)
+SANITIZE_JOBS ?= 5
 
 .PHONY: kernels test bench gpu-check sanitize
 

@@ -273,14 +273,13 @@ class RowCache:
 
     def _check_ids(self, ids: np.ndarray, what: str) -> np.ndarray:
         self._require_open()
-        arr = ids if type(ids) is np.ndarray else np.asarray(ids)
+        arr = np.asarray(ids)
         if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
             raise ValueError(f"RowCache.{what}: ids must be a 1-D integer array, got {arr.dtype} {arr.shape}")
-        if arr.size == 1:  # a decode step's id: scalar checks, no conversion (about 1 us less)
+        if arr.size == 1:
             if not 0 <= int(arr[0]) < self.rows:
                 raise ValueError(f"RowCache.{what}: id {int(arr[0])} out of range for a table of {self.rows} rows")
-            return arr
-        if arr.size and (arr.min() < 0 or arr.max() >= self.rows):
+        elif arr.size and (arr.min() < 0 or arr.max() >= self.rows):
             bad = arr[(arr < 0) | (arr >= self.rows)][0]
             raise ValueError(f"RowCache.{what}: id {int(bad)} out of range for a table of {self.rows} rows")
         return arr.astype(np.int64, copy=False)

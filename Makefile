@@ -8,6 +8,7 @@ BENCHES ?= launch kernels overlay ngram_embed cached
 SANITIZERS ?= memcheck racecheck initcheck synccheck
 SANITIZE_TESTS ?= tests
 SANITIZE_JOBS ?= 5
+SANITIZE_SHARDS ?= 1
 
 .PHONY: kernels test bench gpu-check sanitize
 
@@ -32,4 +33,4 @@ gpu-check: kernels
 sanitize: kernels
 	@mkdir -p $(LOG_DIR)
 	$(PYTHON) -m tests.sanitize $(SANITIZE_TESTS) --log-dir $(LOG_DIR) --jobs $(SANITIZE_JOBS) \
-	  --tools $(SANITIZERS) 2>&1 | tee $(LOG_DIR)/sanitize.log
+	  --shards $(SANITIZE_SHARDS) --tools $(SANITIZERS) 2>&1 | tee $(LOG_DIR)/sanitize.log

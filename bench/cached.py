@@ -9,6 +9,7 @@ layer uploads the same files, so the two layers must give bit-identical outputs.
 Decode table (S = 1, one new token after the context; every cache holds 65536 rows per table):
   wall us       median host time per step, synchronised
   mean wall us  mean of the same (misses are tail events: the median hides them)
+  host us       median host time until embed returned (queued, not synchronised)
   GPU us        median CUDA-event time per step (includes the GPU idling while the host resolves)
   x resident    wall us / resident wall us (target: all-hit within 1.2x)
   miss rate     misses / table lookups (each step looks up one id per table)
@@ -16,6 +17,8 @@ Decode table (S = 1, one new token after the context; every cache holds 65536 ro
 "all hits" repeats one step; the Zipf rows decode 2000 fresh tokens ~ Zipf(a=1.2), after an
 untimed prefill of the context that warms the caches, with the files dropped from the page cache
 first (cold NVMe). "+ prefetch" calls layer.prefetch for the next step before each embed.
+"bookkeeping alone" is the host time of the caches' validate + resolve + end_batch for the
+all-hit step's ids, without the layer: what a cached table adds to a step's host work.
 
 Miss table: one cache (capacity 65536) over table 0 resolves 65536 distinct random ids (resolve
 sorts them itself) into a fresh arena, synchronised. GB/s = bytes read / wall; io frac =
@@ -33,11 +36,12 @@ import time
 import numpy as np
 from cuda.bindings import driver as cu
 
-from bench.common import Events, gpu_time_ms, interleaved_wall_us, print_table
+from bench.common import Events, gpu_time_ms, host_time_us, interleaved_times_us, print_table
 from bench.ngram_embed import CONTEXT, DIMS, device_weight
 from gpu_runtime import CudaBackend, DevicePtr
 from gpu_runtime.driver import call
 from layers.ngram_embed import NgramEmbedding, NgramTable
+from layers.ngram_embed.ids import ngram_ids_tail
 from layers.ngram_embed.row_cache import RowCache
 from layers.ngram_embed.table_file import TableFile, TableFormatError, TableHeader, TableWriter
 from layers.weight_map import BF16, DenseWeight
@@ -98,11 +102,13 @@ def counts(caches: list[RowCache]) -> np.ndarray:
 
 
 def zipf_decode(gpu: CudaBackend, layer: NgramEmbedding, caches: list[RowCache], ctx: np.ndarray,
-                out: int, stream: int, prefetch: bool) -> tuple[list[float], list[float], np.ndarray]:
-    """Per-step wall and GPU us over STEPS fresh tokens, and the cache counts of those steps."""
+                out: int, stream: int, prefetch: bool
+                ) -> tuple[list[float], list[float], list[float], np.ndarray]:
+    """Per-step wall, host and GPU us over STEPS fresh tokens, and the cache counts of those
+    steps."""
     layer.embed(ctx[:CONTEXT], CONTEXT, out, gpu, stream)  # prefill: warms the caches, untimed
     gpu.synchronize(stream)
-    before, ev, walls, gpus = counts(caches), Events(), [], []
+    before, ev, walls, hosts, gpus = counts(caches), Events(), [], [], []
     for k in range(STEPS):
         n = CONTEXT + k + 1
         t0 = time.perf_counter()
@@ -111,11 +117,22 @@ def zipf_decode(gpu: CudaBackend, layer: NgramEmbedding, caches: list[RowCache],
         call(cu.cuEventRecord, ev.start, stream)
         layer.embed(ctx[:n], 1, out, gpu, stream)
         call(cu.cuEventRecord, ev.stop, stream)
+        t1 = time.perf_counter()
         gpu.synchronize(stream)
         walls.append((time.perf_counter() - t0) * 1e6)
+        hosts.append((t1 - t0) * 1e6)
         gpus.append(ev.elapsed_ms() * 1e3)
     ev.close()
-    return walls, gpus, counts(caches) - before
+    return walls, hosts, gpus, counts(caches) - before
+
+
+def bookkeeping(caches: list[RowCache], ids: list[np.ndarray]) -> None:
+    """What a cached all-hit decode step adds on the host, without the layer: each cache's
+    ``validate``, ``resolve`` and ``end_batch`` for the step's one id per table (all hits)."""
+    for cache, table_ids in zip(caches, ids):
+        cache.validate(table_ids)
+        cache.resolve(table_ids, np.empty(1, np.uint32))
+        cache.end_batch()
 
 
 def cold_sequential_read(path: str) -> float:
@@ -216,9 +233,13 @@ def main() -> None:
         sync = lambda: gpu.synchronize(stream)  # noqa: E731
         steps = {name: lambda i, lay=lay: lay.embed(ctx, 1, out, gpu, stream)  # noqa: E731
                  for name, lay in (("resident", resident), ("cached, all hits", layer))}
-        walls = interleaved_wall_us(list(steps.values()), sync)  # the two alternate: a fair ratio
-        rows = [[name, wall, None, gpu_time_ms(step, stream=stream, warmup=5, iters=50) * 1e3,
-                 None, None, None] for (name, step), wall in zip(steps.items(), walls)]
+        step_ids = [ids.astype(np.uint32) for ids in ngram_ids_tail(DIMS, ctx, 1)]
+        times = interleaved_times_us(list(steps.values()), sync)  # the two alternate: a fair ratio
+        rows = [[name, wall, None, host, gpu_time_ms(step, stream=stream, warmup=5, iters=50) * 1e3,
+                 None, None, None] for (name, step), (wall, host) in zip(steps.items(), times)]
+        rows.append(["cached: bookkeeping alone", None, None,
+                     host_time_us(lambda i: bookkeeping(caches, step_ids), warmup=100, iters=2000),
+                     None, None, None, None])
         close(layer, caches)
 
         zipf = np.minimum(rng.zipf(1.2, CONTEXT + STEPS + 1) - 1, vocab - 1)
@@ -226,17 +247,17 @@ def main() -> None:
             say(f"decode: {name}, {STEPS} steps, cold files ...")
             drop_page_cache(paths)
             layer, caches = cached_layer()
-            walls, gpus, (hits, misses, fetched) = zipf_decode(gpu, layer, caches, zipf, out,
+            walls, hosts, gpus, (hits, misses, fetched) = zipf_decode(gpu, layer, caches, zipf, out,
                                                                       stream, prefetch)
             close(layer, caches)
             rows.append([name, statistics.median(walls), statistics.mean(walls),
-                         statistics.median(gpus), None, misses / (hits + misses),
-                         int(fetched)])
+                         statistics.median(hosts), statistics.median(gpus), None,
+                         misses / (hits + misses), int(fetched)])
         for r in rows:
-            r[4] = r[1] / rows[0][1]
+            r[5] = r[1] / rows[0][1] if r[1] else None
         print_table(f"decode step, S = 1 after {CONTEXT} tokens ({t} tables, capacity {CAPACITY})",
-                    ["path", "wall us", "mean wall us", "GPU us", "x resident", "miss rate",
-                     "prefetched"], rows)
+                    ["path", "wall us", "mean wall us", "host us", "GPU us", "x resident",
+                     "miss rate", "prefetched"], rows)
 
         say("misses: floors, then 65536-row resolves on table 0 ...")
         path, row_bytes = paths[0], td * 2

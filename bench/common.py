@@ -126,22 +126,25 @@ def torch_stream() -> int:
 def wall_time_us(fn: Callable[[int], Any], sync: Callable[[], Any], *, warmup: int = 20,
                  iters: int = 200) -> float:
     """Median host wall time per call of ``fn``, each call followed by ``sync``."""
-    return interleaved_wall_us([fn], sync, warmup=warmup, iters=iters)[0]
+    return interleaved_times_us([fn], sync, warmup=warmup, iters=iters)[0][0]
 
 
-def interleaved_wall_us(fns: Sequence[Callable[[int], Any]], sync: Callable[[], Any], *,
-                        warmup: int = 20, iters: int = 200) -> list[float]:
-    """``wall_time_us`` of each of ``fns``, taken in alternation so that the host's drifts
-    (clock, other load) hit them alike: read their ratios within one call."""
-    times: list[list[float]] = [[] for _ in fns]
+def interleaved_times_us(fns: Sequence[Callable[[int], Any]], sync: Callable[[], Any], *,
+                         warmup: int = 20, iters: int = 200) -> list[tuple[float, float]]:
+    """(median wall, median host) us per call of each of ``fns``: wall until ``sync`` returned,
+    host until ``fn`` returned (what the host spent queueing). The calls alternate, so the
+    host's drifts (clock, other load) hit them alike: read their ratios within one call."""
+    times: list[list[tuple[float, float]]] = [[] for _ in fns]
     for i in range(warmup + iters):
         for fn, fn_times in zip(fns, times):
             t0 = time.perf_counter()
             fn(i)
+            t1 = time.perf_counter()
             sync()
             if i >= warmup:
-                fn_times.append(time.perf_counter() - t0)
-    return [statistics.median(t) * 1e6 for t in times]
+                fn_times.append((time.perf_counter() - t0, t1 - t0))
+    return [(statistics.median(w for w, _ in t) * 1e6, statistics.median(h for _, h in t) * 1e6)
+            for t in times]
 
 
 def host_time_us(fn: Callable[[int], Any], *, warmup: int = 200, iters: int = 5000) -> float:

@@ -7,8 +7,8 @@ LOG_DIR ?= .logs
 BENCHES ?= launch kernels overlay ngram_embed cached
 SANITIZERS ?= memcheck racecheck initcheck synccheck
 SANITIZE_TESTS ?= tests
-SANITIZE_JOBS ?= 5
-SANITIZE_SHARDS ?= 1
+SANITIZE_JOBS ?= 6
+SANITIZE_SHARDS ?= 2
 
 .PHONY: kernels test bench gpu-check sanitize
 

@@ -145,15 +145,16 @@ def test_staging_buffers_are_recycled(gpu, rng):
         gpu.free(ptr)
 
 
-@pytest.mark.skipif(not DEVICE_MEMORY_MEASURABLE, reason="cuMemGetInfo under compute-sanitizer counts the tool's memory")
 def test_free_returns_device_memory(gpu):
+    """Under compute-sanitizer cuMemGetInfo also counts the tool's own memory: the allocations
+    and frees still run there (the tool checks them), only the free-memory reading stands down."""
     gpu.synchronize()
     baseline = gpu.mem_info()[0]
     ptrs = [gpu.alloc(256 << 20) for _ in range(4)]
-    assert gpu.mem_info()[0] <= baseline - (1 << 30)
+    assert gpu.mem_info()[0] <= baseline - (1 << 30) or not DEVICE_MEMORY_MEASURABLE
     for p in ptrs:
         gpu.free(p)
-    assert abs(gpu.mem_info()[0] - baseline) <= 2 << 20
+    assert abs(gpu.mem_info()[0] - baseline) <= 2 << 20 or not DEVICE_MEMORY_MEASURABLE
 
 
 def test_refusals_name_the_problem(gpu):

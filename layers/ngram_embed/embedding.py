@@ -188,11 +188,10 @@ class NgramEmbedding:
                     slots = np.empty(ids.size, np.uint32)
                     cache.resolve(ids, slots)
                     gpu.copy_h2d_async(slots, self.ids_dev, stream)
-                    arena = DevicePtr(cache.table_dev_va())
-                    scale = cache.scale_dev_va()
+                    arena, scale = cache.table_dev_va(), cache.scale_dev_va()
                     if scale is not None:
                         embed_ops.batched_embed_fp8(gpu, self.batched_embed_fp8_k, self.ids_dev, arena,
-                                                    DevicePtr(scale), self.gather_buf, seq_len, td, stream)
+                                                    scale, self.gather_buf, seq_len, td, stream)
                     else:
                         embed_ops.batched_embed(gpu, self.batched_embed_k, self.ids_dev, arena,
                                                 self.gather_buf, seq_len, td, stream)

@@ -195,16 +195,16 @@ class RowCache:
             raise ValueError(f"RowCache.resolve: slots_out must be a writable uint32 array of shape "
                              f"{ids.shape}, got {getattr(slots_out, 'dtype', type(slots_out))} "
                              f"{getattr(slots_out, 'shape', '')}")
-        if ids.size == 0:
-            return
-        index = self.index
         if ids.size == 1:  # a decode step: scalar operations only
-            slot = int(index.slot_of[ids[0]])
+            slot = int(self.index.slot_of[ids[0]])
             if slot >= 0:
-                index.pin_one(slot)
+                self.index.pin_one(slot)
                 slots_out[0] = slot
                 self.stats.hits += 1
                 return
+        elif ids.size == 0:
+            return
+        index = self.index
         uniq, inverse = np.unique(ids, return_inverse=True)
         slots = index.slot_of[uniq].astype(np.int64)
         hit = slots >= 0
@@ -272,8 +272,12 @@ class RowCache:
         return len(todo)
 
     def _check_ids(self, ids: np.ndarray, what: str) -> np.ndarray:
-        self._require_open()
-        arr = np.asarray(ids)
+        """``ids`` as a 1-D integer array of ids < rows, in its own dtype (every use indexes
+        with it or widens it first). A decode step's one uint32 id costs a few scalar checks:
+        they run twice per cached table and step (``validate``, ``resolve``)."""
+        if self.closed:
+            raise ValueError("RowCache is closed")
+        arr = ids if type(ids) is np.ndarray else np.asarray(ids)
         if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
             raise ValueError(f"RowCache.{what}: ids must be a 1-D integer array, got {arr.dtype} {arr.shape}")
         if arr.size == 1:
@@ -282,7 +286,7 @@ class RowCache:
         elif arr.size and (arr.min() < 0 or arr.max() >= self.rows):
             bad = arr[(arr < 0) | (arr >= self.rows)][0]
             raise ValueError(f"RowCache.{what}: id {int(bad)} out of range for a table of {self.rows} rows")
-        return arr.astype(np.int64, copy=False)
+        return arr
 
     def _require_open(self) -> None:
         if self.closed:

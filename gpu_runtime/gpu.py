@@ -8,6 +8,7 @@ primary context (the one the CUDA runtime, CuPy and torch share).
 from __future__ import annotations
 
 import ctypes
+import functools
 import struct
 import threading
 from abc import ABC, abstractmethod
@@ -91,7 +92,10 @@ class GpuBackend(ABC):
     def launch(self, kernel: KernelHandle, grid: tuple[int, int, int], block: tuple[int, int, int],
                shared_mem: int, stream: int, kinds: str, args: Sequence[int | float]) -> None:
         """Launch primitive behind ``KernelLaunch``: ``kinds`` has one letter per argument
-        (``P`` pointer, ``U`` u32, ``I`` i32, ``F`` f32, ``L`` u64), already range-checked."""
+        (``P`` pointer, ``U`` u32, ``I`` i32, ``F`` f32, ``L`` u64), already range-checked.
+        ``KernelLaunch.launch(stream, overlap=True)`` passes ``overlap=True``: a programmatic
+        dependent launch (the kernel may start before the previous one on the stream ends; it
+        must wait for it itself). Backends that cannot overlap may run it as a plain launch."""
 
     def copy_2d_async(self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int,
                       height: int, stream: int = 0) -> None:
@@ -100,12 +104,31 @@ class GpuBackend(ABC):
 
     # Optional: pinned host buffers and events, for code that overlaps host I/O with copies
     # (the row cache). Backends without them refuse clearly.
-    def alloc_host(self, nbytes: int) -> np.ndarray:
-        """A page-locked uint8 host buffer (the DMA engine reads it directly)."""
+    def alloc_host(self, nbytes: int, *, mapped: bool = False) -> np.ndarray:
+        """A page-locked uint8 host buffer (the DMA engine reads it directly); ``mapped=True``
+        also maps it into the device's address space (``host_device_ptr``: kernels read it in
+        place, over PCIe)."""
         raise NotImplementedError(f"{type(self).__name__} has no pinned host memory")
 
     def free_host(self, array: np.ndarray) -> None:
         raise NotImplementedError(f"{type(self).__name__} has no pinned host memory")
+
+    # Optional: host memory the device reads in place (zero-copy), for tables bigger than the
+    # device. Backends without it refuse clearly.
+    def host_device_ptr(self, array: np.ndarray) -> DevicePtr:
+        """The device address of ``array``, which lies inside a mapped ``alloc_host`` buffer or
+        a ``register_host`` range."""
+        raise NotImplementedError(f"{type(self).__name__} has no mapped host memory")
+
+    def register_host(self, array: np.ndarray, *, read_only: bool = True) -> DevicePtr:
+        """Page-lock a page-aligned, C-contiguous host array where it is (e.g. a read-only
+        ``np.memmap`` of a file), map it for the device and return its device address.
+        ``read_only``: the device only reads it (required for a read-only mapping)."""
+        raise NotImplementedError(f"{type(self).__name__} has no mapped host memory")
+
+    def unregister_host(self, array: np.ndarray) -> None:
+        """Undo ``register_host(array)`` (the same array: its address and size)."""
+        raise NotImplementedError(f"{type(self).__name__} has no mapped host memory")
 
     def upload_pinned_async(self, host: np.ndarray, dst: int, stream: int = 0) -> None:
         """Copy from (a view of) an ``alloc_host`` buffer with no staging copy. The DMA reads
@@ -149,6 +172,7 @@ class GpuBackend(ABC):
 
 
 _STRUCT_CODES = {"P": "Q", "U": "I", "I": "i", "F": "f", "L": "Q"}
+HOST_PAGE = 4096  # register_host needs page-aligned addresses
 
 
 def host_view(host: Host, writable: bool = False) -> tuple[int, int, Any]:
@@ -222,6 +246,9 @@ class CudaBackend(GpuBackend):
         self._events: set[int] = set()
         self._graphs: dict[int, Any] = {}  # executable graphs by handle
         self._host: dict[int, int] = {}  # pinned host buffers: address -> bytes
+        self._mapped: set[int] = set()  # the addresses of those that are mapped (DEVICEMAP)
+        self._registered: dict[int, tuple[int, Any]] = {}  # address -> (bytes, the array)
+        self._read_only_register: bool | None = None  # the device attribute, read once
         self._staging = PinnedStaging()
         self._lock = threading.RLock()
         self._tls = threading.local()
@@ -261,11 +288,15 @@ class CudaBackend(GpuBackend):
                 call(cu.cuGraphExecDestroy, graph)
             for event in list(self._events):
                 call(cu.cuEventDestroy, event)
+            for addr in list(self._registered):
+                call(cu.cuMemHostUnregister, addr)
             for addr in list(self._host):
                 call(cu.cuMemFreeHost, addr)
             self._events.clear()
             self._graphs.clear()
+            self._registered.clear()
             self._host.clear()
+            self._mapped.clear()
             for module in self._modules.values():
                 call(cu.cuModuleUnload, module)
             self._staging.close()
@@ -372,7 +403,8 @@ class CudaBackend(GpuBackend):
         return layout
 
     def launch(self, kernel: KernelHandle, grid: tuple[int, int, int], block: tuple[int, int, int],
-               shared_mem: int, stream: int, kinds: str, args: Sequence[int | float]) -> None:
+               shared_mem: int, stream: int, kinds: str, args: Sequence[int | float], *,
+               overlap: bool = False) -> None:
         try:
             plans = self._tls.plans
         except AttributeError:
@@ -385,11 +417,17 @@ class CudaBackend(GpuBackend):
         if shared_mem > 48 * 1024 and self._shared_set.get(kernel, 0) < shared_mem:
             self._raise_shared_limit(kernel, shared_mem)
         plan.packer.pack_into(plan.buffer, 0, *args)
-        gx, gy, gz = grid
-        bx, by, bz = block
-        (err,) = cu.cuLaunchKernel(kernel, gx, gy, gz, bx, by, bz, shared_mem, stream, plan.params, 0)
+        if overlap:
+            config = _overlap_config(grid, block, shared_mem, stream)
+            (err,) = cu.cuLaunchKernelEx(config, kernel, plan.params, 0)
+            call_name = "cuLaunchKernelEx"
+        else:
+            gx, gy, gz = grid
+            bx, by, bz = block
+            (err,) = cu.cuLaunchKernel(kernel, gx, gy, gz, bx, by, bz, shared_mem, stream, plan.params, 0)
+            call_name = "cuLaunchKernel"
         if err:
-            raise CudaError(err, "cuLaunchKernel", f"{self.kernel_name(kernel)} grid={grid} "
+            raise CudaError(err, call_name, f"{self.kernel_name(kernel)} grid={grid} "
                             f"block={block} shared={shared_mem}")
 
     def _raise_shared_limit(self, kernel: int, shared_mem: int) -> None:
@@ -483,17 +521,29 @@ class CudaBackend(GpuBackend):
 
     @property
     def pinned_buffers(self) -> int:
-        """Pinned host buffers held: the staging pool's and ``alloc_host``'s (for leak tests)."""
-        return self._staging.buffers + len(self._host)
+        """Page-locked host buffers held: the staging pool's, ``alloc_host``'s and the
+        ``register_host`` ranges (for leak tests)."""
+        return self._staging.buffers + len(self._host) + len(self._registered)
 
-    def alloc_host(self, nbytes: int) -> np.ndarray:
+    @property
+    def host_registrations(self) -> int:
+        """``register_host`` ranges not yet unregistered."""
+        return len(self._registered)
+
+    def alloc_host(self, nbytes: int, *, mapped: bool = False) -> np.ndarray:
         nbytes = _count(nbytes, "alloc_host size")
         if nbytes == 0:
             raise ValueError("alloc_host of 0 bytes")
+        if not isinstance(mapped, bool):
+            raise TypeError(f"alloc_host: mapped must be a bool, got {mapped!r}")
         self._live()
-        addr = int(call(cu.cuMemHostAlloc, nbytes, 0, detail=f"{nbytes} bytes"))
+        flags = cu.CU_MEMHOSTALLOC_DEVICEMAP | cu.CU_MEMHOSTALLOC_PORTABLE if mapped else 0
+        addr = int(call(cu.cuMemHostAlloc, nbytes, flags,
+                        detail=f"{nbytes} bytes{', mapped' if mapped else ''}"))
         with self._lock:
             self._host[addr] = nbytes
+            if mapped:
+                self._mapped.add(addr)
         return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(addr))
 
     def free_host(self, array: np.ndarray) -> None:
@@ -503,7 +553,84 @@ class CudaBackend(GpuBackend):
             if self._host.get(addr) != array.nbytes:
                 raise ValueError(f"free_host of 0x{addr:x}: not a whole buffer from alloc_host (or freed twice)")
             del self._host[addr]
+            self._mapped.discard(addr)
         call(cu.cuMemFreeHost, addr)
+
+    def _mapped_range(self, addr: int, nbytes: int) -> int | None:
+        """The start of the mapped ``alloc_host`` buffer or registered range that holds
+        ``[addr, addr + nbytes)``, None if none does."""
+        with self._lock:
+            for base in self._mapped:
+                if base <= addr and addr + nbytes <= base + self._host[base]:
+                    return base
+            for base, (size, _) in self._registered.items():
+                if base <= addr and addr + nbytes <= base + size:
+                    return base
+        return None
+
+    def host_device_ptr(self, array: np.ndarray) -> DevicePtr:
+        if not isinstance(array, np.ndarray):
+            raise TypeError(f"host_device_ptr: expected a numpy array, got {type(array).__name__}")
+        addr, nbytes, _ = host_view(array)
+        self._live()
+        base = self._mapped_range(addr, nbytes)
+        if base is None:
+            raise ValueError(f"host_device_ptr of 0x{addr:x} (+{nbytes} bytes): not inside a mapped "
+                             "alloc_host buffer (alloc_host(..., mapped=True)) or a register_host range")
+        # The range's own address: cuMemHostGetDevicePointer is defined for it, then the offset.
+        dev = int(call(cu.cuMemHostGetDevicePointer, base, 0, detail=f"host 0x{base:x}"))
+        return DevicePtr(dev + (addr - base))
+
+    def register_host(self, array: np.ndarray, *, read_only: bool = True) -> DevicePtr:
+        if not isinstance(array, np.ndarray):
+            raise TypeError(f"register_host: expected a numpy array, got {type(array).__name__}")
+        if not isinstance(read_only, bool):
+            raise TypeError(f"register_host: read_only must be a bool, got {read_only!r}")
+        if not array.flags.c_contiguous:
+            raise ValueError("register_host: host array must be C-contiguous")
+        addr, nbytes = int(array.ctypes.data), int(array.nbytes)
+        if nbytes == 0:
+            raise ValueError("register_host of 0 bytes")
+        if addr % HOST_PAGE:
+            raise ValueError(f"register_host: address 0x{addr:x} is not {HOST_PAGE}-byte (page) aligned")
+        if not read_only and not array.flags.writeable:
+            raise ValueError("register_host: a read-only array needs read_only=True")
+        self._live()
+        with self._lock:
+            for base, size in [*self._host.items(), *((b, s) for b, (s, _) in self._registered.items())]:
+                if addr < base + size and base < addr + nbytes:
+                    raise ValueError(f"register_host of 0x{addr:x} (+{nbytes} bytes): overlaps pinned "
+                                     f"host memory at 0x{base:x} (+{size} bytes)")
+        flags = cu.CU_MEMHOSTREGISTER_DEVICEMAP
+        if read_only and self._supports_read_only_register():
+            flags |= cu.CU_MEMHOSTREGISTER_READ_ONLY
+        call(cu.cuMemHostRegister, addr, nbytes, flags, detail=f"0x{addr:x} +{nbytes} bytes")
+        with self._lock:
+            self._registered[addr] = (nbytes, array)  # the array keeps the memory mapped
+        try:
+            return self.host_device_ptr(array)
+        except BaseException:
+            self.unregister_host(array)
+            raise
+
+    def _supports_read_only_register(self) -> bool:
+        if self._read_only_register is None:
+            attr = cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED
+            self._read_only_register = bool(call(cu.cuDeviceGetAttribute, attr, self._dev))
+        return self._read_only_register
+
+    def unregister_host(self, array: np.ndarray) -> None:
+        if not isinstance(array, np.ndarray):
+            raise TypeError(f"unregister_host: expected a numpy array, got {type(array).__name__}")
+        addr = int(array.ctypes.data)
+        self._live()
+        with self._lock:
+            entry = self._registered.get(addr)
+            if entry is None or entry[0] != array.nbytes:
+                raise ValueError(f"unregister_host of 0x{addr:x}: not a whole register_host range "
+                                 "(or unregistered twice)")
+            del self._registered[addr]
+        call(cu.cuMemHostUnregister, addr)
 
     def upload_pinned_async(self, host: np.ndarray, dst: int, stream: int = 0) -> None:
         _require(dst, "upload_pinned_async destination")
@@ -602,6 +729,26 @@ class CudaBackend(GpuBackend):
         if exe is None:
             raise ValueError(f"destroy_graph: 0x{int(graph):x} is not a live graph of this backend")
         call(cu.cuGraphExecDestroy, exe)
+
+@functools.lru_cache(maxsize=256)
+def _overlap_config(grid: tuple[int, int, int], block: tuple[int, int, int], shared_mem: int,
+                    stream: int) -> Any:
+    """A ``CUlaunchConfig`` with programmatic stream serialisation (programmatic dependent launch):
+    the kernel may start while the previous kernel on the stream still runs, and waits for it
+    (``griddepcontrol.wait``) only where it reads that kernel's output. Built once per shape:
+    ``cuLaunchKernelEx`` reads it during the call."""
+    config = cu.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = grid
+    config.blockDimX, config.blockDimY, config.blockDimZ = block
+    config.sharedMemBytes = shared_mem
+    config.hStream = cu.CUstream(stream)
+    attr = cu.CUlaunchAttribute()
+    attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    config.attrs = [attr]
+    config.numAttrs = 1
+    return config
+
 
 def _mismatch(where: str, expected: str, given: str) -> str:
     names = {"P": "pointer", "U": "u32", "I": "i32", "F": "f32", "L": "u64"}

@@ -135,6 +135,13 @@ class KernelLaunch:
         self._args.append(value)
         return self
 
-    def launch(self, stream: int = 0) -> None:
-        self._gpu.launch(self._kernel, self._grid, self._block, self._shared, stream,
-                         self._kinds, self._args)
+    def launch(self, stream: int = 0, *, overlap: bool = False) -> None:
+        """``overlap=True``: programmatic dependent launch, for kernels that start with work
+        independent of the previous kernel and wait for it (``griddepcontrol.wait``) before
+        reading its output."""
+        if overlap:
+            self._gpu.launch(self._kernel, self._grid, self._block, self._shared, stream,
+                             self._kinds, self._args, overlap=True)
+        else:
+            self._gpu.launch(self._kernel, self._grid, self._block, self._shared, stream,
+                             self._kinds, self._args)

@@ -25,6 +25,7 @@ class Launch:
     stream: int
     kinds: str
     args: list[Any]
+    overlap: bool = False  # a programmatic dependent launch
 
 
 @dataclass
@@ -72,6 +73,47 @@ class RecordingBackend(GpuBackend):
     def copy_2d_async(self, dst, dst_pitch, src, src_pitch, width, height, stream=0) -> None:
         self.ops.append(("copy2d", dst, dst_pitch, src, src_pitch, width, height, stream))
 
+    # Pinned and mapped host memory: real arrays; mapped ones and registrations get fake device
+    # addresses from the same counter as alloc (recorded as ops, so a refusal shows none ran).
+    host_mapped: dict[int, tuple[int, int]] = field(default_factory=dict)  # host addr -> (bytes, dev)
+    registered: dict[int, tuple[int, int]] = field(default_factory=dict)  # host addr -> (bytes, dev)
+    host_arrays: list[np.ndarray] = field(default_factory=list)  # alloc_host's, kept alive
+
+    def _fake_dev(self, nbytes: int) -> int:
+        ptr = self.next_ptr
+        self.next_ptr += (nbytes + 255) // 256 * 256 + 256
+        return ptr
+
+    def alloc_host(self, nbytes: int, *, mapped: bool = False) -> np.ndarray:
+        array = np.zeros(nbytes, np.uint8)
+        self.ops.append(("alloc_host", nbytes, mapped))
+        if mapped:
+            self.host_mapped[array.ctypes.data] = (nbytes, self._fake_dev(nbytes))
+        self.host_arrays.append(array)
+        return array
+
+    def free_host(self, array: np.ndarray) -> None:
+        self.host_mapped.pop(array.ctypes.data, None)
+        self.ops.append(("free_host", array.ctypes.data))
+
+    def host_device_ptr(self, array: np.ndarray) -> DevicePtr:
+        addr = array.ctypes.data
+        for base, (size, dev) in [*self.host_mapped.items(), *self.registered.items()]:
+            if base <= addr and addr + array.nbytes <= base + size:
+                return DevicePtr(dev + addr - base)
+        raise ValueError(f"host_device_ptr of 0x{addr:x}: not mapped")
+
+    def register_host(self, array: np.ndarray, *, read_only: bool = True) -> DevicePtr:
+        addr = array.ctypes.data
+        self.ops.append(("register_host", addr, array.nbytes, read_only))
+        self.registered[addr] = (array.nbytes, self._fake_dev(array.nbytes))
+        return self.host_device_ptr(array)
+
+    def unregister_host(self, array: np.ndarray) -> None:
+        addr = array.ctypes.data
+        assert self.registered.pop(addr)[0] == array.nbytes, "unregister of another size"
+        self.ops.append(("unregister_host", addr))
+
     # Events do nothing here (nothing runs): handles only, not recorded as ops.
     def create_event(self) -> int:
         return 0xE000 + len(self.ops)
@@ -89,8 +131,10 @@ class RecordingBackend(GpuBackend):
         return 1
 
     def launch(self, kernel: KernelHandle, grid: tuple[int, int, int], block: tuple[int, int, int],
-               shared_mem: int, stream: int, kinds: str, args: Sequence[int | float]) -> None:
-        self.launches.append(Launch(int(kernel), grid, block, shared_mem, stream, kinds, list(args)))
+               shared_mem: int, stream: int, kinds: str, args: Sequence[int | float], *,
+               overlap: bool = False) -> None:
+        self.launches.append(Launch(int(kernel), grid, block, shared_mem, stream, kinds, list(args),
+                                    overlap))
 
     def kernel_of(self, launch: Launch) -> tuple[str, str]:
         return self.names[launch.kernel]
@@ -106,6 +150,8 @@ class MemoryBackend(GpuBackend):
         self.module = module
         self.mem: dict[int, np.ndarray] = {}
         self.host: dict[int, np.ndarray] = {}
+        self.mapped: dict[int, tuple[int, int]] = {}  # host addr -> (fake device addr, bytes)
+        self.registered: dict[int, tuple[int, bool]] = {}  # host addr -> (bytes, read_only)
         self.events: set[int] = set()
         self.streams: set[int] = set()
         self.next = 0x7000_0000
@@ -152,6 +198,8 @@ class MemoryBackend(GpuBackend):
     def free(self, ptr: int) -> None:
         if ptr:
             assert int(ptr) in self.mem, f"free of 0x{int(ptr):x}: not allocated (or freed twice)"
+            assert all(int(ptr) != dev for dev, _ in self.mapped.values()), \
+                f"free of 0x{int(ptr):x}: mapped host memory (free_host / unregister_host it)"
             del self.mem[int(ptr)]
 
     def memset(self, ptr, byte, nbytes, stream=0) -> None:
@@ -178,23 +226,67 @@ class MemoryBackend(GpuBackend):
     def destroy_stream(self, stream: int) -> None:
         self.streams.remove(stream)
 
-    def launch(self, kernel, grid, block, shared_mem, stream, kinds, args) -> None:
+    def launch(self, kernel, grid, block, shared_mem, stream, kinds, args, *, overlap=False) -> None:
         name = self.names[int(kernel)]
         with self._lock:
             self.launches.append(dict(name=name, grid=grid, block=block, stream=stream, args=list(args)))
             if name in self.emulate:
                 self.emulate[name](self, list(args))
 
-    # pinned host memory and events: plain arrays, no-op events (work is done at once)
-    def alloc_host(self, nbytes: int) -> np.ndarray:
+    # pinned host memory and events: plain arrays, no-op events (work is done at once). A mapped
+    # buffer or registered array is also put in the fake device space (``mem``) at an address of
+    # its own, as a view of the same memory: emulated kernels read it there, as the GPU reads a
+    # mapped host table in place; ``free`` refuses those addresses.
+    def alloc_host(self, nbytes: int, *, mapped: bool = False) -> np.ndarray:
+        assert isinstance(mapped, bool)
         array = np.full(nbytes, 0xEE, np.uint8)
         with self._lock:
             self.host[array.ctypes.data] = array
+            if mapped:
+                self._map(array.ctypes.data, array)
         return array
 
     def free_host(self, array: np.ndarray) -> None:
         with self._lock:
             assert self.host.pop(array.ctypes.data) is array, "free_host of a foreign or freed buffer"
+            self._unmap(array.ctypes.data)
+
+    def _map(self, addr: int, array: np.ndarray) -> int:
+        flat = array.reshape(-1).view(np.uint8)  # a view: writes through the host array show
+        ptr = self.next
+        self.mem[ptr] = flat
+        self.next += (flat.size + 0xFFFF) & ~0xFFF
+        self.mapped[addr] = (ptr, flat.size)
+        return ptr
+
+    def _unmap(self, addr: int) -> None:
+        entry = self.mapped.pop(addr, None)
+        if entry is not None:
+            del self.mem[entry[0]]
+
+    def host_device_ptr(self, array: np.ndarray) -> DevicePtr:
+        addr, nbytes = array.ctypes.data, array.nbytes
+        with self._lock:
+            for base, (ptr, size) in self.mapped.items():
+                if base <= addr and addr + nbytes <= base + size:
+                    return DevicePtr(ptr + addr - base)
+        raise ValueError(f"host_device_ptr of 0x{addr:x}: not inside a mapped alloc_host buffer "
+                         "or a register_host range")
+
+    def register_host(self, array: np.ndarray, *, read_only: bool = True) -> DevicePtr:
+        assert isinstance(array, np.ndarray) and array.flags.c_contiguous and array.nbytes > 0
+        assert array.ctypes.data % 4096 == 0, "register_host of an unaligned array"
+        with self._lock:
+            assert array.ctypes.data not in self.mapped, "registered twice"
+            self.registered[array.ctypes.data] = (array.nbytes, read_only)
+            self._map(array.ctypes.data, array)
+        return self.host_device_ptr(array)
+
+    def unregister_host(self, array: np.ndarray) -> None:
+        with self._lock:
+            entry = self.registered.pop(array.ctypes.data, None)
+            assert entry is not None and entry[0] == array.nbytes, "unregister of a foreign range"
+            self._unmap(array.ctypes.data)
 
     def upload_pinned_async(self, host: np.ndarray, dst: int, stream: int = 0) -> None:
         with self._lock:

@@ -19,6 +19,26 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 
 
+def checked_weight_arrays(array: Any, row_scale: Any) -> tuple[np.ndarray, np.ndarray | None]:
+    """A non-empty 2-D bf16 array, or an fp8 one with one f32 scale per row (contiguous f32,
+    None for bf16): what every weight, on the device or in host memory, is built from."""
+    array = np.asarray(array)
+    if array.ndim != 2 or 0 in array.shape:
+        raise ValueError(f"weight must be a non-empty 2-D array, got shape {array.shape}")
+    if array.dtype not in (BF16, FP8):
+        raise TypeError(f"weight dtype must be bfloat16 or float8_e4m3fn, got {array.dtype}")
+    scale = None
+    if array.dtype == FP8:
+        if row_scale is None:
+            raise ValueError("an fp8 weight needs row_scale (one float32 per row)")
+        scale = np.ascontiguousarray(row_scale, dtype=np.float32)
+        if scale.shape != (array.shape[0],):
+            raise ValueError(f"row_scale shape {scale.shape} != ({array.shape[0]},)")
+    elif row_scale is not None:
+        raise ValueError("row_scale is only for fp8 weights")
+    return array, scale
+
+
 @dataclass
 class DenseWeight:
     weight: DevicePtr
@@ -31,20 +51,7 @@ class DenseWeight:
     def from_numpy(cls, gpu: GpuBackend, array: Any, row_scale: Any = None,
                    stream: int = 0) -> "DenseWeight":
         """Upload a 2-D bf16 array, or an fp8 array with its per-row f32 scales."""
-        array = np.asarray(array)
-        if array.ndim != 2 or 0 in array.shape:
-            raise ValueError(f"weight must be a non-empty 2-D array, got shape {array.shape}")
-        if array.dtype not in (BF16, FP8):
-            raise TypeError(f"weight dtype must be bfloat16 or float8_e4m3fn, got {array.dtype}")
-        scale = None
-        if array.dtype == FP8:
-            if row_scale is None:
-                raise ValueError("an fp8 weight needs row_scale (one float32 per row)")
-            scale = np.ascontiguousarray(row_scale, dtype=np.float32)
-            if scale.shape != (array.shape[0],):
-                raise ValueError(f"row_scale shape {scale.shape} != ({array.shape[0]},)")
-        elif row_scale is not None:
-            raise ValueError("row_scale is only for fp8 weights")
+        array, scale = checked_weight_arrays(array, row_scale)
         array = np.ascontiguousarray(array)
         weight = gpu.alloc(array.nbytes)
         gpu.copy_h2d_async(array, weight, stream)

@@ -1,13 +1,15 @@
 """Hashed n-gram embeddings (Over-Encoding; LongCat-Flash's variant): dims, ids, tables, layer,
-and the disk-backed tables (``RowCache`` over a table file)."""
+the disk-backed tables (``RowCache`` over a table file) and the host-memory tables
+(``HostWeight`` in ``NgramTable.Host``, read in place by the GPU)."""
 
 from .dims import NgramDims
 from .embedding import NgramEmbedding
+from .host_table import HostWeight
 from .ids import ngram_ids, ngram_ids_tail
 from .row_cache import CacheStats, RowCache
 from .table_file import TableFile, TableFormatError, TableWriter, write_table, write_table_from_safetensors
-from .tables import NgramTable, RowSource
+from .tables import HostTable, NgramTable, RowSource, gather_entry
 
-__all__ = ["CacheStats", "NgramDims", "NgramEmbedding", "NgramTable", "RowCache", "RowSource",
-           "TableFile", "TableFormatError", "TableWriter", "ngram_ids", "ngram_ids_tail",
-           "write_table", "write_table_from_safetensors"]
+__all__ = ["CacheStats", "HostTable", "HostWeight", "NgramDims", "NgramEmbedding", "NgramTable",
+           "RowCache", "RowSource", "TableFile", "TableFormatError", "TableWriter", "gather_entry",
+           "ngram_ids", "ngram_ids_tail", "write_table", "write_table_from_safetensors"]

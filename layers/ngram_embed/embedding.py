@@ -4,7 +4,8 @@ Per call: zero ``out``; gather the new tokens' word rows and add them scaled by 
 for each of the T = K*(N-1) tables, upload its hashed ids, gather its rows (bf16, fp8 with
 scales, or from a cached table's arena), project them to the hidden size with the bf16 GEMM and
 add the projection scaled by 1/(1+T). That is 1 + T gathers, T GEMMs and T + 1 scaled adds, with
-the running sum rounded to bf16 after every add, exactly as the seed does.
+the running sum rounded to bf16 after every add, exactly as the seed does. A table in host memory
+(``NgramTable.Host``) is gathered like a resident one of its dtype, through its mapped address.
 
 Host work per call is bounded by ``seq_len`` (only the last ``seq_len + N - 1`` tokens are
 hashed and validated), not by the context length. Uploads go through the backend's pinned
@@ -25,12 +26,33 @@ from ..ops import embed as embed_ops
 from ..ops import gemm as gemm_ops
 from ..ops import residual as residual_ops
 from ..ops.checks import require_ptr
-from ..weight_map import BF16, DenseWeight
+from ..weight_map import BF16, FP8, DenseWeight
 from .dims import NgramDims
+from .host_table import HostWeight
 from .ids import ngram_ids_tail
-from .tables import AnyTable, Bf16Table, CachedTable, Fp8Table, check_table, validate_cached
+from .tables import AnyTable, Bf16Table, CachedTable, Fp8Table, HostTable, check_table, validate_cached
 
 U32_LIMIT = 1 << 32
+PLACEMENTS = ("device", "host")  # where from_numpy puts a table: a DenseWeight or a HostWeight
+
+
+def _placements(placement: str | Sequence[str], count: int) -> list[str]:
+    """One placement per table, from one for all or a sequence of ``count``; refused before
+    anything is uploaded."""
+    if isinstance(placement, str):
+        if placement not in PLACEMENTS:
+            raise ValueError(f"placement must be 'device' or 'host' (or one per table), got {placement!r}")
+        return [placement] * count
+    if not isinstance(placement, Sequence):
+        raise TypeError(f"placement must be 'device', 'host' or a sequence of them, got "
+                        f"{type(placement).__name__}")
+    placement = list(placement)
+    if len(placement) != count:
+        raise ValueError(f"placement: {len(placement)} entries for {count} tables")
+    for index, where in enumerate(placement):
+        if not isinstance(where, str) or where not in PLACEMENTS:
+            raise ValueError(f"placement[{index}] must be 'device' or 'host', got {where!r}")
+    return placement
 
 
 class NgramEmbedding:
@@ -64,7 +86,7 @@ class NgramEmbedding:
         self.gemm_k = gpu.kernel("gemm", "dense_gemm_bf16_pipelined")
         self.scaled_add_k = gpu.kernel("residual_add", "bf16_scaled_add")
         self.max_tokens = max_tokens
-        self._owned: list[DenseWeight] = []  # weights built by from_numpy / from_safetensors
+        self._owned: list[DenseWeight | HostWeight] = []  # weights built by from_numpy / from_safetensors
         self.ids_dev = DevicePtr(0)
         self.gather_buf = DevicePtr(0)
         self.proj_buf = DevicePtr(0)
@@ -80,23 +102,34 @@ class NgramEmbedding:
     def from_numpy(cls, dims: NgramDims, word: np.ndarray,
                    tables: Sequence[np.ndarray | tuple[np.ndarray, np.ndarray]],
                    projs: Sequence[np.ndarray], max_tokens: int, gpu: GpuBackend,
-                   stream: int = 0) -> "NgramEmbedding":
+                   stream: int = 0, placement: str | Sequence[str] = "device") -> "NgramEmbedding":
         """Upload host weights; each table is a bf16 array or an ``(fp8 array, f32 scales)``
-        pair. The layer owns the uploaded weights and frees them in ``close()``."""
-        owned: list[DenseWeight] = []
+        pair. ``placement`` ("device", "host", or one of those per table) puts each table on
+        the device (``NgramTable.Bf16``/``Fp8``) or in mapped pinned host memory
+        (``NgramTable.Host``, read in place over PCIe; fp8 scales still on the device). The
+        layer owns the weights it built and frees them in ``close()``."""
+        places = _placements(placement, len(tables))
+        owned: list[DenseWeight | HostWeight] = []
 
         def upload(array: np.ndarray, scale: np.ndarray | None = None) -> DenseWeight:
             owned.append(DenseWeight.from_numpy(gpu, array, scale, stream))
             return owned[-1]
 
+        def pin(array: np.ndarray, scale: np.ndarray | None = None) -> HostWeight:
+            owned.append(HostWeight.from_numpy(gpu, array, scale, stream))
+            return owned[-1]
+
         try:
             w = upload(word)
             dev_tables: list[AnyTable] = []
-            for table in tables:
-                if isinstance(table, tuple):
-                    dev_tables.append(Fp8Table(upload(*table)))
+            for table, where in zip(tables, places):
+                parts = table if isinstance(table, tuple) else (table,)
+                if where == "host":
+                    dev_tables.append(HostTable(pin(*parts)))
+                elif isinstance(table, tuple):
+                    dev_tables.append(Fp8Table(upload(*parts)))
                 else:
-                    dev_tables.append(Bf16Table(upload(table)))
+                    dev_tables.append(Bf16Table(upload(*parts)))
             dev_projs = [upload(p) for p in projs]
             layer = cls(dims, w, dev_tables, dev_projs, max_tokens, gpu)
         except BaseException:
@@ -108,10 +141,14 @@ class NgramEmbedding:
 
     @classmethod
     def from_safetensors(cls, path: str, dims: NgramDims, max_tokens: int, gpu: GpuBackend,
-                         prefix: str = "", stream: int = 0) -> "NgramEmbedding":
+                         prefix: str = "", stream: int = 0,
+                         placement: str | Sequence[str] = "device") -> "NgramEmbedding":
         """Load ``{prefix}word.weight``, ``{prefix}tables.{c}.weight`` (bf16, or F8_E4M3 with
-        ``{prefix}tables.{c}.row_scale`` f32) and ``{prefix}projs.{c}.weight`` (README)."""
+        ``{prefix}tables.{c}.row_scale`` f32) and ``{prefix}projs.{c}.weight`` (README);
+        ``placement`` as in ``from_numpy``."""
         from ..safetensors_io import load
+
+        _placements(placement, dims.num_tables())  # refused before the file is opened
 
         tensors = load(path)
 
@@ -127,7 +164,7 @@ class NgramEmbedding:
             table = get(f"tables.{c}.weight")
             tables.append(table if scale is None else (table, scale))
         projs = [get(f"projs.{c}.weight") for c in range(dims.num_tables())]
-        return cls.from_numpy(dims, get("word.weight"), tables, projs, max_tokens, gpu, stream)
+        return cls.from_numpy(dims, get("word.weight"), tables, projs, max_tokens, gpu, stream, placement)
 
     def embed(self, ctx_tokens: Sequence[int] | np.ndarray, seq_len: int, out: int,
               gpu: GpuBackend, stream: int = 0) -> None:
@@ -202,6 +239,14 @@ class NgramEmbedding:
                 case Fp8Table(w):
                     embed_ops.batched_embed_fp8(gpu, self.batched_embed_fp8_k, self.ids_dev, w.weight,
                                                 w.row_scale, self.gather_buf, seq_len, td, stream)
+                case HostTable(w):
+                    # Rows read in place from mapped host memory; fp8 scales from the device.
+                    if w.dtype == FP8:
+                        embed_ops.batched_embed_fp8(gpu, self.batched_embed_fp8_k, self.ids_dev, w.weight,
+                                                    w.row_scale, self.gather_buf, seq_len, td, stream)
+                    else:
+                        embed_ops.batched_embed(gpu, self.batched_embed_k, self.ids_dev, w.weight,
+                                                self.gather_buf, seq_len, td, stream)
             gemm_ops.dense_gemm_bf16_pipelined(gpu, self.gemm_k, self.gather_buf, self.projs[index],
                                                self.proj_buf, seq_len, h, td, stream)
             residual_ops.scaled_add(gpu, self.scaled_add_k, out, self.proj_buf, inv_scale,

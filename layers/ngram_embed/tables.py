@@ -1,9 +1,12 @@
 """``NgramTable``: where one hashed n-gram table's rows live.
 
 Mirrors the seed's enum: ``NgramTable.Bf16(weight)`` and ``NgramTable.Fp8(weight)`` are resident
-``DenseWeight`` tables (fp8 with per-row scales); ``NgramTable.Cached(cache)`` is a table too big
-for the device, whose rows a ``RowSource`` brings into a device arena batch by batch. Use them
-in ``match`` statements as the seed does: ``case NgramTable.Fp8(w): ...``.
+``DenseWeight`` tables (fp8 with per-row scales); ``NgramTable.Host(weight)`` is a ``HostWeight``
+table in mapped pinned host memory, read in place by the gathers over PCIe (bf16, or fp8 with its
+scales on the device); ``NgramTable.Cached(cache)`` is a table too big for the device, whose rows
+a ``RowSource`` brings into a device arena batch by batch. Use them in ``match`` statements as
+the seed does: ``case NgramTable.Fp8(w): ...``. ``gather_entry`` gives any of them as the fused
+gather kernel's table descriptor.
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ from typing import Protocol, Union, runtime_checkable
 
 import numpy as np
 
+from ..ops.ngram_fused import CACHED
 from ..weight_map import BF16, FP8, DenseWeight
+from .host_table import HostWeight
 
 
 @runtime_checkable
@@ -61,6 +66,17 @@ class Fp8Table(_ResidentTable):
 
 
 @dataclass(frozen=True)
+class HostTable:
+    """A table in mapped pinned host memory (``HostWeight``): bf16, or fp8 with device scales."""
+
+    weight: HostWeight
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.weight.shape
+
+
+@dataclass(frozen=True)
 class CachedTable:
     cache: RowSource
 
@@ -70,23 +86,28 @@ class CachedTable:
 
 
 class NgramTable:
-    """Namespace of the three variants, spelled as the seed spells them."""
+    """Namespace of the four variants, spelled as the seed spells the three it has."""
 
     Bf16 = Bf16Table
     Fp8 = Fp8Table
+    Host = HostTable
     Cached = CachedTable
 
 
-AnyTable = Union[Bf16Table, Fp8Table, CachedTable]
+AnyTable = Union[Bf16Table, Fp8Table, HostTable, CachedTable]
+_VARIANTS = (Bf16Table, Fp8Table, HostTable, CachedTable)
 
 
 def check_table(table: AnyTable, index: int, rows: int, dim: int) -> None:
     """Refuse a table whose variant, dtype or shape disagrees with the dims (before any launch)."""
     where = f"table {index}"
-    if not isinstance(table, (Bf16Table, Fp8Table, CachedTable)):
-        raise TypeError(f"{where}: expected NgramTable.Bf16/Fp8/Cached, got {type(table).__name__}")
-    if not isinstance(table, CachedTable) and not isinstance(table.weight, DenseWeight):
-        raise TypeError(f"{where}: expected a DenseWeight, got {type(table.weight).__name__}")
+    if not isinstance(table, _VARIANTS):
+        raise TypeError(f"{where}: expected NgramTable.Bf16/Fp8/Host/Cached, got {type(table).__name__}")
+    if isinstance(table, HostTable):
+        _check_host(table.weight, where)
+    elif not isinstance(table, CachedTable) and not isinstance(table.weight, DenseWeight):
+        hint = " (a HostWeight goes in NgramTable.Host)" if isinstance(table.weight, HostWeight) else ""
+        raise TypeError(f"{where}: expected a DenseWeight, got {type(table.weight).__name__}{hint}")
     if table.shape != (rows, dim):
         raise ValueError(f"{where}: shape {table.shape}, dims say ({rows}, {dim})")
     if isinstance(table, Bf16Table) and table.weight.dtype != BF16:
@@ -96,6 +117,39 @@ def check_table(table: AnyTable, index: int, rows: int, dim: int) -> None:
             raise TypeError(f"{where}: NgramTable.Fp8 holds {table.weight.dtype}, not float8_e4m3fn")
         if not table.weight.row_scale:
             raise ValueError(f"{where}: fp8 table without row scales")
+
+
+def _check_host(weight: object, where: str) -> None:
+    if not isinstance(weight, HostWeight):
+        raise TypeError(f"{where}: NgramTable.Host needs a HostWeight, got {type(weight).__name__}")
+    if weight.closed or not weight.weight:
+        raise ValueError(f"{where}: NgramTable.Host's HostWeight is closed")
+    if weight.dtype not in (BF16, FP8):
+        raise TypeError(f"{where}: NgramTable.Host holds {weight.dtype}, not bfloat16 or float8_e4m3fn")
+    if weight.dtype == FP8 and not weight.row_scale:
+        raise ValueError(f"{where}: fp8 table without row scales")
+
+
+def gather_entry(table: AnyTable, rows: int) -> tuple[int, int, int, int]:
+    """The fused gather kernel's descriptor of one table (``layers.ops.ngram_fused``): (data
+    address, scale address or 0 for bf16 rows, rows ``M_c`` (the hash modulus), flags).
+
+    Resident and host tables are read where they are, by dtype; a cached table's kernel reads
+    its arena at the slots ``resolve`` returned (``CACHED``)."""
+    if isinstance(rows, bool) or not isinstance(rows, (int, np.integer)) or not 1 <= rows < 1 << 64:
+        raise ValueError(f"gather_entry: rows must be a positive int, got {rows!r}")
+    rows = int(rows)
+    match table:
+        case Bf16Table(w):
+            return (int(w.weight), 0, rows, 0)
+        case Fp8Table(w):
+            return (int(w.weight), int(w.row_scale), rows, 0)
+        case HostTable(w):
+            return (int(w.weight), int(w.row_scale) if w.dtype == FP8 else 0, rows, 0)
+        case CachedTable(cache):
+            scale = cache.scale_dev_va()
+            return (int(cache.table_dev_va()), int(scale or 0), rows, CACHED)
+    raise TypeError(f"gather_entry: expected NgramTable.Bf16/Fp8/Host/Cached, got {type(table).__name__}")
 
 
 def validate_cached(tables: list, ids: list[np.ndarray]) -> None:

@@ -1,0 +1,123 @@
+"""Probe: what a table in host memory (``NgramTable.Host``) costs a gather, against the same table
+on the device.
+
+The gather alone, with the seed path's kernel (``batched_embed``, one warp per row): ``n`` random
+512-byte rows (bf16, dim 256) from a table of ``$HOST_GATHER_GIB`` GiB (default 1: far more than
+L2, so rows are not cached) in mapped pinned host memory, read in place by the kernel over PCIe
+(zero-copy), and the same rows of the same table in device memory. Every call gathers rows of
+its own (fresh random ids per call), so no call finds a row that an earlier one left in L2.
+Times are median GPU us per call, calls run back to back behind a gate (``gated_gpu_us``), so
+the host's launch rate is not in them.
+
+Columns: rows per call; host us / device us; host/device; GB/s of row bytes gathered per second
+from each; the pinned host-to-device copy rate (one 256 MiB DMA) is printed as PCIe's ceiling.
+Expected (the issue's numbers): 16 rows about 1.2x the device gather (latency-bound: one PCIe
+round trip), 1024 rows about 2.5x; a prefill-sized gather (65536 rows) runs at a fraction of the
+PCIe copy rate (random 512-byte reads, not one DMA stream).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from bench.common import gated_gpu_us, gpu_time_ms, print_table
+from gpu_runtime import CudaBackend
+from layers.ops.embed import batched_embed
+
+DIM = 256
+ROW_BYTES = DIM * 2
+# (rows per call, calls per gated batch): the prefill gather is long enough that 4 fill a batch
+SHAPES = ((16, 16), (1024, 16), (65536, 4))
+WARMUP, ITERS = 2, 10
+BLOCK = 16 << 20  # random block tiled into the table
+
+
+def fill_random(host: np.ndarray, rng: np.random.Generator) -> None:
+    """Tile one random block of finite bf16 values of modest size over ``host`` (uint8)."""
+    block = rng.integers(0, 256, min(BLOCK, host.size), dtype=np.uint8)
+    block[1::2] &= 0x3F  # high bytes: exponents well inside the finite range
+    for off in range(0, host.size, block.size):
+        n = min(block.size, host.size - off)
+        host[off:off + n] = block[:n]
+
+
+def pinned_copy_rate(gpu: CudaBackend, nbytes: int = 256 << 20) -> float:
+    """Bytes/s of one pinned host-to-device DMA (PCIe's ceiling), timed with events."""
+    host, dev = gpu.alloc_host(nbytes), gpu.alloc(nbytes)
+    try:
+        host[:] = 7
+        ms = gpu_time_ms(lambda i: gpu.upload_pinned_async(host, dev, 0), warmup=2, iters=10)
+    finally:
+        gpu.free(dev)
+        gpu.free_host(host)
+    return nbytes / (ms * 1e-3)
+
+
+def main() -> None:
+    gib = float(os.environ.get("HOST_GATHER_GIB", "1"))
+    rng = np.random.default_rng(0)
+    with CudaBackend() as gpu:
+        k = gpu.kernel("embed_from_argmax", "batched_embed")
+        rows = int(gib * (1 << 30)) // ROW_BYTES
+        nbytes = rows * ROW_BYTES
+        print(f"device {gpu.name}: table [{rows}, {DIM}] bf16, {nbytes / 2**30:.2f} GiB, in mapped "
+              "pinned host memory and in device memory", flush=True)
+        host = gpu.alloc_host(nbytes, mapped=True)
+        fill_random(host, rng)
+        host_table = gpu.host_device_ptr(host)
+        dev_table = gpu.alloc(nbytes)
+        gpu.upload_pinned_async(host, dev_table, 0)  # the same bytes, by one DMA
+        out = gpu.alloc(max(n for n, _ in SHAPES) * ROW_BYTES * 2)
+        out2 = out + max(n for n, _ in SHAPES) * ROW_BYTES
+        gpu.synchronize()
+        pcie = pinned_copy_rate(gpu)
+        print(f"pinned host-to-device copy: {pcie / 1e9:.1f} GB/s (one 256 MiB DMA)", flush=True)
+
+        table_rows = []
+        for n, batch in SHAPES:
+            calls = (WARMUP + ITERS) * batch
+            # fresh rows for every call, the device run's ids after the host run's (the gate's copy
+            # also flushes L2 before each batch)
+            ids = rng.integers(0, rows, 2 * calls * n, dtype=np.uint32)
+            ids_dev = gpu.alloc(ids.nbytes)
+            gpu.copy_h2d_async(ids, ids_dev)
+            # the two tables give the same bits (one call checked)
+            batched_embed(gpu, k, ids_dev, host_table, out, n, DIM, 0)
+            batched_embed(gpu, k, ids_dev, dev_table, out2, n, DIM, 0)
+            a, b = np.empty(n * ROW_BYTES, np.uint8), np.empty(n * ROW_BYTES, np.uint8)
+            gpu.copy_d2h(a, out)
+            gpu.copy_d2h(b, out2)
+            assert np.array_equal(a, b), "host and device gathers differ"
+            times = {}
+            for run, (where, table) in enumerate((("host", host_table), ("device", dev_table))):
+                first = run * calls
+                us, expired = gated_gpu_us(
+                    lambda i, table=table, first=first: batched_embed(
+                        gpu, k, ids_dev + (first + i % calls) * n * 4, table, out, n, DIM, 0),
+                    batch=batch, warmup=WARMUP, iters=ITERS)
+                times[where] = us
+                if expired:
+                    print(f"  note: {n} rows from {where}: {expired} of {ITERS} gates expired "
+                          "(host time leaked into those measurements)")
+            gpu.free(ids_dev)
+            moved = n * ROW_BYTES
+            table_rows.append((n, n * ROW_BYTES, times["host"], times["device"], times["host"] / times["device"],
+                               moved / (times["host"] * 1e-6) / 1e9, moved / (times["device"] * 1e-6) / 1e9))
+            print(f"{n} rows: host {times['host']:.2f} us, device {times['device']:.2f} us", flush=True)
+
+        gpu.free(out)
+        gpu.free(dev_table)
+        gpu.free_host(host)
+        prefill = table_rows[-1]
+        print(f"prefill gather ({prefill[0]} rows) from host memory: {prefill[5]:.1f} GB/s of rows, "
+              f"{prefill[5] * 1e9 / pcie:.2f}x the pinned copy rate")
+        print_table(f"zero-copy gather, {DIM}-wide bf16 rows ({ROW_BYTES} B) from a {nbytes / 2**30:.2f} GiB "
+                    "table: mapped pinned host memory vs device memory",
+                    ["rows", "bytes", "host us", "device us", "host/device", "host GB/s", "device GB/s"],
+                    table_rows)
+
+
+if __name__ == "__main__":
+    main()

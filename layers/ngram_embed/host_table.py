@@ -1,0 +1,139 @@
+"""``HostWeight``: an n-gram table in page-locked host memory that the GPU reads in place.
+
+A table bigger than device memory but not than host RAM (LongCat-Flash-Lite's are 63 GB bf16)
+stays in the host's memory, page-locked and mapped into the device's address space: the gather
+kernels read its rows through ``weight`` over PCIe (zero-copy), exactly as they read a device
+table, with no staging and no host bookkeeping per call. Only fp8 tables' per-row scales
+(4 bytes a row) are copied to the device, so a row costs one PCIe round trip, not two.
+
+Two ways to build one:
+
+* ``HostWeight.from_numpy(gpu, array, row_scale)``: copies the rows into a mapped pinned buffer
+  (``alloc_host(..., mapped=True)``).
+* ``HostWeight.from_table_file(gpu, path)``: memory-maps a table file (``table_file``) read-only
+  and page-locks the rows' mapping where it is (``register_host``): nothing is copied, but the
+  whole row block is read into the page cache and locked there while the weight lives.
+
+It has the fields the gathers read from a ``DenseWeight`` (``weight``, ``shape``, ``dtype``,
+``row_scale``) and is used through ``NgramTable.Host(weight)``. It is not a ``DenseWeight`` on
+purpose: a layer's word embedding and projections must stay on the device. The owner frees it
+with ``close()`` (or a ``with`` block) once no queued work reads it any more.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from gpu_runtime import DevicePtr, GpuBackend
+
+from ..weight_map import FP8, checked_weight_arrays
+from .table_file import TableFile
+
+
+@dataclass(eq=False)
+class HostWeight:
+    """``weight``: the device-visible address of row 0 (mapped host memory); ``row_scale``:
+    device memory (fp8 only). ``host`` is the rows' host view (uint8 ``[rows, row_bytes]`` for a
+    table file, the pinned buffer otherwise); ``file`` the table file it maps, if any."""
+
+    weight: DevicePtr
+    shape: tuple[int, int]
+    dtype: np.dtype
+    row_scale: DevicePtr = DevicePtr(0)
+    gpu: GpuBackend | None = field(default=None, repr=False)
+    host: np.ndarray | None = field(default=None, repr=False)
+    file: TableFile | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_numpy(cls, gpu: GpuBackend, array: Any, row_scale: Any = None,
+                   stream: int = 0) -> "HostWeight":
+        """Copy a 2-D bf16 array (or fp8 with its per-row f32 scales) into a mapped pinned host
+        buffer; the scales are uploaded to the device on ``stream``."""
+        array, scale = checked_weight_arrays(array, row_scale)
+        rows, cols = int(array.shape[0]), int(array.shape[1])
+        buf = gpu.alloc_host(array.nbytes, mapped=True)
+        scale_ptr = DevicePtr(0)
+        try:
+            buf.view(array.dtype).reshape(rows, cols)[:] = array  # copied now: the GPU reads it later
+            ptr = gpu.host_device_ptr(buf)
+            if scale is not None:
+                scale_ptr = gpu.alloc(scale.nbytes)
+                gpu.copy_h2d_async(scale, scale_ptr, stream)
+        except BaseException:
+            if scale_ptr:
+                gpu.free(scale_ptr)
+            gpu.free_host(buf)
+            raise
+        return cls(ptr, (rows, cols), np.dtype(array.dtype), scale_ptr, gpu, buf)
+
+    @classmethod
+    def from_table_file(cls, gpu: GpuBackend, path: str | os.PathLike, stream: int = 0) -> "HostWeight":
+        """Map a table file read-only and register its rows (page-aligned, from byte 4096) with
+        the device where they are; an fp8 table's scales are uploaded to the device on
+        ``stream``. The file stays mapped (and its rows locked in RAM) until ``close()``."""
+        file = TableFile(path)  # validates the header and the size
+        scale_ptr, rows, registered = DevicePtr(0), file.rows_bytes, False
+        try:
+            ptr = gpu.register_host(rows, read_only=True)
+            registered = True
+            scales = file.scales
+            if scales is not None:
+                scale_ptr = gpu.alloc(scales.nbytes)
+                gpu.copy_h2d_async(scales, scale_ptr, stream)
+        except BaseException:
+            if scale_ptr:
+                gpu.free(scale_ptr)
+            if registered:
+                gpu.unregister_host(rows)
+            rows = None  # the last view of the map but the file's own: the map can close
+            file.close()
+            raise
+        return cls(ptr, (file.rows, file.dim), np.dtype(file.dtype), scale_ptr, gpu, rows, file)
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0]
+
+    @property
+    def cols(self) -> int:
+        return self.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.cols * self.dtype.itemsize
+
+    @property
+    def closed(self) -> bool:
+        return self.gpu is None
+
+    def close(self) -> None:
+        """Free the pinned buffer (or unregister the file's rows and unmap the file) and the
+        device scales; once, later calls do nothing. ``weight`` becomes null."""
+        gpu, self.gpu = self.gpu, None
+        host, self.host = self.host, None
+        file, self.file = self.file, None
+        self.weight = DevicePtr(0)
+        try:
+            if gpu is not None and not getattr(gpu, "closed", False):  # a closed backend freed all
+                if self.row_scale:
+                    gpu.free(self.row_scale)
+                if host is not None:
+                    if file is not None:
+                        gpu.unregister_host(host)
+                    else:
+                        gpu.free_host(host)
+        finally:
+            self.row_scale = DevicePtr(0)
+            host = None  # the last view of the map but the file's own: the map can close
+            if file is not None:
+                file.close()
+
+    def __enter__(self) -> "HostWeight":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,707 @@
+"""Tables in host memory (``NgramTable.Host``): ``CudaBackend``'s mapped and registered host
+memory (flags, tracking, refusals before the driver, on a scripted driver), ``HostWeight`` on a
+host-memory backend, ``check_table`` and ``gather_entry`` for every variant, ``from_numpy``'s
+placement; on the GPU, layers whose tables the kernels read in place from pinned host memory give
+the bits the same layers give with device tables (seed path and fused path), from numpy or from
+a table file, and free what they pinned."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+from typing import Any
+
+import numpy as np
+import pytest
+from cuda.bindings import driver as cu
+
+import gpu_runtime.gpu as gpu_module
+from gpu_runtime import CudaBackend, DevicePtr, GpuError, KernelHandle
+from layers import reference as ref
+from layers.ngram_embed import (HostTable, HostWeight, NgramEmbedding, NgramTable, TableFile,
+                                TableFormatError, gather_entry, ngram_ids_tail, write_table)
+from layers.ngram_embed.tables import check_table
+from layers.ops import embed as embed_ops
+from layers.ops.ngram_fused import CACHED
+from layers.weight_map import BF16, FP8, DenseWeight
+from tests.fakes import MemoryBackend, RecordingBackend
+from tests.helpers import Guarded, bits, random_bf16, random_fp8
+from tests.test_ngram_embedding import IdentityCache, device_layer, free_layer, random_layer, small_dims
+from tests.test_row_cache import table_file
+
+PAGE = 4096
+OUT = DevicePtr(0x900000)
+
+
+# ==== CudaBackend on a scripted driver ==========================================================
+
+class DriverReached(AssertionError):
+    """A driver call where a refusal should have come first."""
+
+
+class ScriptedDriver:
+    """Stands in for ``gpu_runtime.driver.call`` in gpu.py: logs every call and answers with
+    plausible values (real host memory for ``cuMemHostAlloc``, a fixed offset for mapped
+    device pointers); with ``strict`` set, every call raises ``DriverReached``."""
+
+    DEV_OFFSET = 0x1_0000_0000_0000  # device address = host address + this (a fake, distinct VA)
+
+    def __init__(self, read_only_supported: int = 1) -> None:
+        self.calls: list[tuple[str, tuple]] = []
+        self.strict = False
+        self.read_only_supported = read_only_supported
+        self.keep: list[Any] = []
+        self.handle = 0x7F00_0000_0000
+
+    def __call__(self, fn: Any, *args: Any, detail: str = "") -> Any:
+        name = getattr(fn, "__name__", repr(fn))
+        if self.strict:
+            raise DriverReached(name)
+        self.calls.append((name, args))
+        if name == "cuDeviceGetName":
+            return b"scripted\0"
+        if name == "cuDeviceGetAttribute":
+            ro = cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED
+            return self.read_only_supported if args[0] == ro else 0
+        if name in ("cuMemAlloc", "cuStreamCreate", "cuEventCreate"):
+            self.handle += 1 << 20
+            return self.handle
+        if name == "cuMemHostAlloc":
+            buf = ctypes.create_string_buffer(int(args[0]))
+            self.keep.append(buf)
+            return ctypes.addressof(buf)
+        if name == "cuMemHostGetDevicePointer":
+            return int(args[0]) + self.DEV_OFFSET
+        return 0
+
+    def named(self, name: str) -> list[tuple]:
+        return [args for n, args in self.calls if n == name]
+
+
+@pytest.fixture
+def scripted(monkeypatch):
+    """(make, driver): ``make()`` builds a ``CudaBackend`` on the scripted driver."""
+    driver = ScriptedDriver()
+    monkeypatch.setattr(gpu_module, "call", driver)
+    monkeypatch.setattr(gpu_module.driver, "init", lambda: None)
+    monkeypatch.setattr(gpu_module.driver, "device_count", lambda: 1)
+    monkeypatch.setattr(gpu_module.driver, "compute_capability", lambda device: (9, 0))
+    return CudaBackend, driver
+
+
+def page_aligned(nbytes: int, keep: list) -> np.ndarray:
+    """A writable, page-aligned uint8 array (anonymous mmap)."""
+    m = mmap.mmap(-1, nbytes)
+    keep.append(m)
+    arr = np.frombuffer(m, np.uint8)
+    assert arr.ctypes.data % PAGE == 0
+    return arr
+
+
+def test_alloc_host_mapped_flags_and_device_pointers(scripted):
+    make, driver = scripted
+    gpu = make()
+    plain = gpu.alloc_host(1000)
+    mapped = gpu.alloc_host(8192, mapped=True)
+    flags = [args[1] for args in driver.named("cuMemHostAlloc")]
+    assert flags == [0, cu.CU_MEMHOSTALLOC_DEVICEMAP | cu.CU_MEMHOSTALLOC_PORTABLE]
+    base = mapped.ctypes.data
+    driver.calls.clear()
+    assert gpu.host_device_ptr(mapped) == base + driver.DEV_OFFSET
+    assert gpu.host_device_ptr(mapped[100:300]) == base + 100 + driver.DEV_OFFSET
+    # the driver is asked about the buffer's own address, the offset added after
+    assert [args for args in driver.named("cuMemHostGetDevicePointer")] == [(base, 0), (base, 0)]
+    assert isinstance(gpu.host_device_ptr(mapped), DevicePtr)
+    with pytest.raises(ValueError, match="not inside a mapped"):
+        gpu.host_device_ptr(plain)  # pinned but not mapped
+    with pytest.raises(ValueError, match="not inside a mapped"):
+        gpu.host_device_ptr(np.zeros(16, np.uint8))  # pageable
+    assert gpu.pinned_buffers == 2
+    gpu.free_host(mapped)
+    with pytest.raises(ValueError, match="not inside a mapped"):
+        gpu.host_device_ptr(mapped)  # freed: no longer mapped
+    gpu.close()
+    assert driver.named("cuMemFreeHost")[-1] == (plain.ctypes.data,)
+
+
+@pytest.mark.parametrize("supported, read_only, want_ro", [(1, True, True), (0, True, False), (1, False, False)])
+def test_register_host_flags_and_tracking(scripted, supported, read_only, want_ro):
+    make, driver = scripted
+    driver.read_only_supported = supported
+    gpu = make()
+    keep: list = []
+    a, b = page_aligned(3 * PAGE, keep), page_aligned(5000, keep)
+    ptr = gpu.register_host(a, read_only=read_only)
+    assert ptr == a.ctypes.data + driver.DEV_OFFSET
+    gpu.register_host(b[:5000], read_only=read_only)
+    (first, second) = driver.named("cuMemHostRegister")
+    want = cu.CU_MEMHOSTREGISTER_DEVICEMAP | (cu.CU_MEMHOSTREGISTER_READ_ONLY if want_ro else 0)
+    assert first == (a.ctypes.data, 3 * PAGE, want) and second == (b.ctypes.data, 5000, want)
+    ro_attr = cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED
+    asked = [args for args in driver.named("cuDeviceGetAttribute") if args[0] == ro_attr]
+    assert len(asked) == (1 if read_only else 0)  # read once, and only when it matters
+    assert gpu.host_registrations == 2 and gpu.pinned_buffers == 2
+    assert gpu.host_device_ptr(a[PAGE:]) == a.ctypes.data + PAGE + driver.DEV_OFFSET
+    gpu.unregister_host(a)
+    assert driver.named("cuMemHostUnregister") == [(a.ctypes.data,)]
+    assert gpu.host_registrations == 1
+    with pytest.raises(ValueError, match="not inside a mapped"):
+        gpu.host_device_ptr(a)
+    gpu.close()  # unregisters what is left, before the context goes
+    names = [n for n, _ in driver.calls]
+    assert driver.named("cuMemHostUnregister") == [(a.ctypes.data,), (b.ctypes.data,)]
+    assert names.index("cuMemHostUnregister", names.index("cuCtxSynchronize")) < names.index("cuDevicePrimaryCtxRelease")
+    assert gpu.host_registrations == 0
+
+
+def test_register_host_accepts_a_read_only_memmap_of_a_table_file(scripted, tmp_path, rng):
+    make, driver = scripted
+    gpu = make()
+    path, table, _ = table_file(tmp_path, rng, 300, 24, fp8=False)
+    rows = np.memmap(path, np.uint8, mode="r", offset=PAGE, shape=(300, 48))
+    ptr = gpu.register_host(rows)
+    assert ptr == rows.ctypes.data + driver.DEV_OFFSET
+    with pytest.raises(ValueError, match="overlaps"):
+        gpu.register_host(rows)  # registered twice
+    gpu.unregister_host(rows)
+    gpu.close()
+
+
+def _refusal_world(make, driver):
+    keep: list = []
+    gpu, closed = make(), make()
+    closed.close()
+    world = dict(gpu=gpu, closed=closed, keep=keep)
+    world["aligned"] = page_aligned(2 * PAGE, keep)
+    world["registered"] = page_aligned(2 * PAGE, keep)
+    gpu.register_host(world["registered"])
+    world["plain"] = gpu.alloc_host(256)
+    world["mapped"] = gpu.alloc_host(256, mapped=True)
+    ro = page_aligned(PAGE, keep)
+    ro.flags.writeable = False
+    world["readonly"] = ro
+    return world
+
+
+REFUSALS = [
+    ("register-type", lambda w: w["gpu"].register_host(b"\0" * PAGE), TypeError, "numpy array"),
+    ("register-flag", lambda w: w["gpu"].register_host(w["aligned"], read_only=1), TypeError, "bool"),
+    ("register-strided", lambda w: w["gpu"].register_host(w["aligned"][::2]), ValueError, "C-contiguous"),
+    ("register-empty", lambda w: w["gpu"].register_host(w["aligned"][:0]), ValueError, "0 bytes"),
+    ("register-unaligned", lambda w: w["gpu"].register_host(w["aligned"][1:]), ValueError, "page"),
+    ("register-readonly-rw", lambda w: w["gpu"].register_host(w["readonly"], read_only=False), ValueError,
+     "read_only=True"),
+    ("register-overlap", lambda w: w["gpu"].register_host(w["registered"][PAGE:]), ValueError, "overlaps"),
+    ("register-closed", lambda w: w["closed"].register_host(w["aligned"]), GpuError, "closed"),
+    ("unregister-type", lambda w: w["gpu"].unregister_host([1, 2]), TypeError, "numpy array"),
+    ("unregister-foreign", lambda w: w["gpu"].unregister_host(w["aligned"]), ValueError, "not a whole"),
+    ("unregister-part", lambda w: w["gpu"].unregister_host(w["registered"][:PAGE]), ValueError, "not a whole"),
+    ("unregister-closed", lambda w: w["closed"].unregister_host(w["registered"]), GpuError, "closed"),
+    ("devptr-type", lambda w: w["gpu"].host_device_ptr(memoryview(b"x")), TypeError, "numpy array"),
+    ("devptr-pageable", lambda w: w["gpu"].host_device_ptr(np.zeros(16, np.uint8)), ValueError, "not inside"),
+    ("devptr-unmapped", lambda w: w["gpu"].host_device_ptr(w["plain"]), ValueError, "not inside"),
+    ("devptr-strided", lambda w: w["gpu"].host_device_ptr(w["mapped"][::2]), ValueError, "C-contiguous"),
+    ("devptr-past-end", lambda w: w["gpu"].host_device_ptr(
+        np.frombuffer((ctypes.c_uint8 * 512).from_address(w["mapped"].ctypes.data), np.uint8)),
+     ValueError, "not inside"),
+    ("devptr-closed", lambda w: w["closed"].host_device_ptr(w["mapped"]), GpuError, "closed"),
+    ("alloc-mapped-type", lambda w: w["gpu"].alloc_host(16, mapped="yes"), TypeError, "bool"),
+    ("alloc-mapped-empty", lambda w: w["gpu"].alloc_host(0, mapped=True), ValueError, "0 bytes"),
+]
+
+
+@pytest.mark.parametrize("case, fn, exc, match", REFUSALS, ids=[r[0] for r in REFUSALS])
+def test_host_memory_refusals_come_before_the_driver(scripted, case, fn, exc, match):
+    make, driver = scripted
+    world = _refusal_world(make, driver)
+    held = (world["gpu"].host_registrations, world["gpu"].pinned_buffers)
+    driver.strict = True  # from here every driver call raises DriverReached
+    with pytest.raises(exc, match=match):
+        fn(world)
+    driver.strict = False
+    assert (world["gpu"].host_registrations, world["gpu"].pinned_buffers) == held
+    # still usable afterwards
+    assert world["gpu"].host_device_ptr(world["registered"]) == world["registered"].ctypes.data + driver.DEV_OFFSET
+    world["gpu"].close()
+
+
+# ==== HostWeight on a host-memory backend =======================================================
+
+def _gather(gpu: MemoryBackend, args: list, fp8: bool) -> None:
+    if fp8:
+        ids, table, scale, out, n, dim = args
+    else:
+        ids, table, out, n, dim = args
+    ids_h = gpu.read_as(ids, n, np.uint32).astype(np.int64)
+    item = 1 if fp8 else 2
+    rows = np.stack([gpu.read(table + int(i) * dim * item, dim * item) for i in ids_h])
+    if fp8:
+        scales = np.array([gpu.read_as(scale + 4 * int(i), 1, np.float32)[0] for i in ids_h], np.float32)
+        got = ref.dequant_fp8(rows.view(FP8), scales)
+    else:
+        got = rows.view(BF16)
+    gpu.copy_h2d_async(np.ascontiguousarray(got), out)
+    gpu.gathered.append(np.ascontiguousarray(got).copy())
+
+
+class HostMem(MemoryBackend):
+    """``MemoryBackend`` with a handle for any kernel, the two row gathers emulated (their output
+    kept in ``gathered``), and a log of every call that allocates, frees, pins or writes."""
+
+    def __init__(self) -> None:
+        super().__init__(module="*", names=[], emulate={
+            "batched_embed": lambda g, a: _gather(g, a, False),
+            "batched_embed_fp8": lambda g, a: _gather(g, a, True)})
+        self.log: list[str] = []
+        self.gathered: list[np.ndarray] = []
+
+    def kernel(self, module: str, name: str) -> KernelHandle:
+        if name not in self.handles:
+            self.handles[name] = KernelHandle(0x100 + len(self.handles) + 1)
+            self.names[int(self.handles[name])] = name
+        return self.handles[name]
+
+    def _log(self, what: str) -> None:
+        self.log.append(what)
+
+    def alloc(self, nbytes):
+        self._log("alloc")
+        return super().alloc(nbytes)
+
+    def free(self, ptr):
+        self._log("free")
+        super().free(ptr)
+
+    def alloc_host(self, nbytes, *, mapped=False):
+        self._log("alloc_host")
+        return super().alloc_host(nbytes, mapped=mapped)
+
+    def free_host(self, array):
+        self._log("free_host")
+        super().free_host(array)
+
+    def register_host(self, array, *, read_only=True):
+        self._log("register_host")
+        return super().register_host(array, read_only=read_only)
+
+    def unregister_host(self, array):
+        self._log("unregister_host")
+        super().unregister_host(array)
+
+    def copy_h2d_async(self, host, dst, stream=0):
+        self._log("h2d")
+        super().copy_h2d_async(host, dst, stream)
+
+    def empty(self) -> bool:
+        return not (self.mem or self.host or self.mapped or self.registered)
+
+
+def _is_mapped(gpu: MemoryBackend, ptr: int) -> bool:
+    return any(dev <= ptr < dev + size for dev, size in gpu.mapped.values())
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_host_weight_from_numpy(rng, fp8):
+    gpu = HostMem()
+    rows, dim = 37, 9
+    table = random_fp8(rng, (rows, dim)) if fp8 else random_bf16(rng, (rows, dim))
+    scale = rng.uniform(0.01, 1, rows).astype(np.float32) if fp8 else None
+    w = HostWeight.from_numpy(gpu, table, scale)
+    assert (w.shape, w.dtype, w.rows, w.cols, w.nbytes) == ((rows, dim), table.dtype, rows, dim, table.nbytes)
+    assert _is_mapped(gpu, w.weight) and len(gpu.host) == 1
+    np.testing.assert_array_equal(gpu.read(w.weight, table.nbytes), table.view(np.uint8).reshape(-1))
+    if fp8:  # the scales on the device, not in mapped host memory
+        assert w.row_scale and not _is_mapped(gpu, w.row_scale)
+        np.testing.assert_array_equal(gpu.read_as(w.row_scale, rows, np.float32), scale)
+    else:
+        assert w.row_scale == 0
+    table_before = table.copy()
+    table[:] = table[::-1]  # the weight holds a copy
+    np.testing.assert_array_equal(gpu.read(w.weight, table.nbytes), table_before.view(np.uint8).reshape(-1))
+    with w:
+        pass
+    assert gpu.empty() and w.closed and w.weight == 0 and w.row_scale == 0
+    w.close()  # once
+    assert gpu.log.count("free_host") == 1
+
+
+@pytest.mark.parametrize("array, scale, exc, match", [
+    (np.zeros(8, BF16), None, ValueError, "2-D"),
+    (np.zeros((0, 4), BF16), None, ValueError, "non-empty"),
+    (np.zeros((4, 4), np.float32), None, TypeError, "bfloat16 or float8"),
+    (np.zeros((4, 4), FP8), None, ValueError, "needs row_scale"),
+    (np.zeros((4, 4), FP8), np.ones(3, np.float32), ValueError, "row_scale shape"),
+    (np.zeros((4, 4), BF16), np.ones(4, np.float32), ValueError, "only for fp8"),
+])
+def test_host_weight_refusals_pin_nothing(array, scale, exc, match):
+    gpu = RecordingBackend()
+    with pytest.raises(exc, match=match):
+        HostWeight.from_numpy(gpu, array, scale)
+    assert gpu.ops == [] and gpu.launches == []
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_host_weight_from_table_file_registers_the_map(tmp_path, rng, fp8):
+    gpu = HostMem()
+    path, table, scales = table_file(tmp_path, rng, 123, 40, fp8)
+    w = HostWeight.from_table_file(gpu, path)
+    assert (w.shape, w.dtype) == ((123, 40), table.dtype)
+    assert gpu.log.count("register_host") == 1 and "alloc_host" not in gpu.log  # nothing copied
+    ((addr, (nbytes, read_only)),) = gpu.registered.items()
+    assert read_only and nbytes == table.nbytes and addr % PAGE == 0
+    assert isinstance(w.file, TableFile) and addr == w.file.rows_bytes.ctypes.data
+    np.testing.assert_array_equal(gpu.read(w.weight, table.nbytes), table.view(np.uint8).reshape(-1))
+    if fp8:
+        assert not _is_mapped(gpu, w.row_scale)
+        np.testing.assert_array_equal(gpu.read_as(w.row_scale, 123, np.float32), scales)
+    file = w.file
+    gpu.log.clear()
+    w.close()
+    assert gpu.empty() and file.closed and w.file is None and w.weight == 0
+    assert gpu.log == (["free", "unregister_host"] if fp8 else ["unregister_host"])
+
+
+def test_host_weight_from_a_bad_file_registers_nothing(tmp_path, rng):
+    gpu = HostMem()
+    path, _, _ = table_file(tmp_path, rng, 50, 8, fp8=False)
+    with open(path, "ab") as f:
+        f.write(b"x")  # a stray append: the size no longer matches the header
+    with pytest.raises(TableFormatError, match="header says"):
+        HostWeight.from_table_file(gpu, path)
+    assert gpu.log == [] and gpu.empty()
+
+
+def test_host_weight_from_table_file_undoes_the_registration_when_a_later_step_fails(tmp_path, rng):
+    class NoAlloc(HostMem):
+        def alloc(self, nbytes):
+            raise MemoryError("device full")
+
+    gpu = NoAlloc()
+    path, _, _ = table_file(tmp_path, rng, 50, 8, fp8=True)
+    with pytest.raises(MemoryError):
+        HostWeight.from_table_file(gpu, path)
+    assert gpu.log == ["register_host", "unregister_host"] and gpu.empty()
+
+
+# ==== variants: check_table and gather_entry ====================================================
+
+def _weights(gpu, rng, rows=11, dim=6):
+    bf = random_bf16(rng, (rows, dim))
+    f8, sc = random_fp8(rng, (rows, dim)), rng.uniform(0.1, 1, rows).astype(np.float32)
+    return dict(dev_bf=DenseWeight.from_numpy(gpu, bf), dev_f8=DenseWeight.from_numpy(gpu, f8, sc),
+                host_bf=HostWeight.from_numpy(gpu, bf), host_f8=HostWeight.from_numpy(gpu, f8, sc))
+
+
+def test_check_table_accepts_host_tables_and_refuses_mixups(rng):
+    gpu = HostMem()
+    w = _weights(gpu, rng)
+    check_table(NgramTable.Host(w["host_bf"]), 0, 11, 6)
+    check_table(NgramTable.Host(w["host_f8"]), 0, 11, 6)
+    assert NgramTable.Host is HostTable
+    cases = [
+        (NgramTable.Host(w["dev_bf"]), TypeError, "needs a HostWeight"),
+        (NgramTable.Bf16(w["host_bf"]), TypeError, "goes in NgramTable.Host"),
+        (NgramTable.Fp8(w["host_f8"]), TypeError, "goes in NgramTable.Host"),
+        (NgramTable.Host(HostWeight(w["host_f8"].weight, (11, 6), np.dtype(FP8), gpu=gpu)), ValueError,
+         "without row scales"),
+        (NgramTable.Host(HostWeight(w["host_bf"].weight, (11, 6), np.dtype(np.float16), gpu=gpu)), TypeError,
+         "not bfloat16 or float8"),
+        ("host", TypeError, "Bf16/Fp8/Host/Cached"),
+    ]
+    for table, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            check_table(table, 3, 11, 6)
+    with pytest.raises(ValueError, match=r"table 2: shape \(11, 6\)"):
+        check_table(NgramTable.Host(w["host_bf"]), 2, 12, 6)
+    w["host_bf"].close()
+    with pytest.raises(ValueError, match="closed"):
+        check_table(NgramTable.Host(w["host_bf"]), 0, 11, 6)
+
+
+def test_gather_entry_of_every_variant(rng):
+    gpu = HostMem()
+    w = _weights(gpu, rng)
+    hb, hf, db, df = w["host_bf"], w["host_f8"], w["dev_bf"], w["dev_f8"]
+    assert gather_entry(NgramTable.Bf16(db), 11) == (db.weight, 0, 11, 0)
+    assert gather_entry(NgramTable.Fp8(df), 11) == (df.weight, df.row_scale, 11, 0)
+    assert gather_entry(NgramTable.Host(hb), 11) == (hb.weight, 0, 11, 0)
+    assert gather_entry(NgramTable.Host(hf), 11) == (hf.weight, hf.row_scale, 11, 0)
+    assert gather_entry(NgramTable.Cached(IdentityCache(db)), 11) == (db.weight, 0, 11, CACHED)
+    assert gather_entry(NgramTable.Cached(IdentityCache(df)), np.int64(11)) == (df.weight, df.row_scale, 11, CACHED)
+    entries = [gather_entry(t, 11) for t in (NgramTable.Host(hb), NgramTable.Cached(IdentityCache(df)))]
+    assert all(type(v) is int for e in entries for v in e)
+    np.array(entries, np.uint64)  # what the fused layer uploads
+    with pytest.raises(TypeError, match="Bf16/Fp8/Host/Cached"):
+        gather_entry(db, 11)
+    for rows in (0, -1, True, 1.5, None):
+        with pytest.raises(ValueError, match="rows"):
+            gather_entry(NgramTable.Host(hb), rows)
+
+
+# ==== the layer: placement, ownership, the gathers it launches ===================================
+
+def _tables_arg(host) -> list:
+    return [t if s is None else (t, s) for t, s in host.tables]
+
+
+@pytest.mark.parametrize("placement, exc, match", [
+    ("gpu", ValueError, "'device' or 'host'"),
+    (["host"], ValueError, "1 entries for 4 tables"),
+    (["host", "device", "hosts", "device"], ValueError, r"placement\[2\]"),
+    (["host", "device", 1, "device"], ValueError, r"placement\[2\]"),
+    (5, TypeError, "sequence"),
+    ({"host"}, TypeError, "sequence"),
+])
+def test_bad_placement_is_refused_before_anything_is_uploaded(placement, exc, match, tmp_path):
+    gpu = RecordingBackend()
+    dims = small_dims()
+    host = random_layer(np.random.default_rng(1), dims, "bf")
+    with pytest.raises(exc, match=match):
+        NgramEmbedding.from_numpy(dims, host.word, _tables_arg(host), host.projs, 8, gpu, placement=placement)
+    with pytest.raises(exc, match=match):  # before the file is even opened
+        NgramEmbedding.from_safetensors(str(tmp_path / "missing.safetensors"), dims, 8, gpu, placement=placement)
+    assert gpu.ops == [] and gpu.launches == []
+
+
+@pytest.mark.parametrize("placement", ["host", ["host", "device", "device", "host"]])
+def test_host_placement_builds_host_tables_and_gathers_through_them(placement):
+    gpu = RecordingBackend()
+    dims = small_dims()  # 4 tables, "bf": bf16, fp8, bf16, fp8
+    host = random_layer(np.random.default_rng(2), dims, "bf")
+    layer = NgramEmbedding.from_numpy(dims, host.word, _tables_arg(host), host.projs, 16, gpu, placement=placement)
+    places = [placement] * 4 if isinstance(placement, str) else placement
+    for table, where, (_, scale) in zip(layer.tables, places, host.tables):
+        want = HostTable if where == "host" else (NgramTable.Fp8 if scale is not None else NgramTable.Bf16)
+        assert type(table) is want
+    assert sum(isinstance(w, HostWeight) for w in layer._owned) == places.count("host")
+    assert [op[2] for op in gpu.ops if op[0] == "alloc_host"] == [True] * places.count("host")
+    gpu.launches.clear()
+    layer.embed(np.arange(10) % dims.vocab_size, 4, OUT, gpu, stream=3)
+    gathers = [l for l in gpu.launches if gpu.kernel_of(l)[1].startswith("batched_embed")][1:]  # after the word rows
+    for launch, table in zip(gathers, layer.tables):
+        name, w = gpu.kernel_of(launch)[1], table.weight
+        if w.dtype == FP8:
+            assert name == "batched_embed_fp8" and launch.args[1:3] == [w.weight, w.row_scale]
+        else:
+            assert name == "batched_embed" and launch.args[1] == w.weight
+    assert all(l.stream == 3 for l in gpu.launches)
+    layer.close()
+    assert sum(op[0] == "free_host" for op in gpu.ops) == places.count("host")
+
+
+def test_host_and_device_placements_gather_the_same_rows(rng):
+    dims = small_dims(max_ngram=4, splits=2, table_dim=5)
+    host = random_layer(rng, dims, "fb")
+    ctx = rng.integers(0, dims.vocab_size, 40)
+    runs = []
+    for placement in ("device", "host", ["host", "device"] * 3):
+        gpu = HostMem()
+        with NgramEmbedding.from_numpy(dims, host.word, _tables_arg(host), host.projs, 16, gpu,
+                                       placement=placement) as layer:
+            out = gpu.alloc(16 * dims.hidden_size * 2)
+            layer.embed(ctx, 16, out, gpu)
+            gpu.free(out)
+        assert gpu.empty(), "the layer left memory behind"
+        runs.append(gpu.gathered)
+    ids = [i.astype(np.int64) for i in ngram_ids_tail(dims, ctx, 16)]
+    for c, (table, scale) in enumerate(host.tables):
+        np.testing.assert_array_equal(bits(runs[0][1 + c]), bits(ref.gather_table(table, scale, ids[c])))
+    for other in runs[1:]:
+        assert len(other) == len(runs[0])
+        for a, b in zip(runs[0], other):
+            np.testing.assert_array_equal(bits(a), bits(b))
+
+
+def test_a_refused_layer_frees_the_host_tables_it_pinned():
+    gpu = HostMem()
+    dims = small_dims()
+    host = random_layer(np.random.default_rng(3), dims, "bf")
+    projs = list(host.projs)
+    projs[-1] = projs[-1][:, :-1]  # the constructor refuses it, after every table was pinned
+    with pytest.raises(ValueError, match="proj 3 must be"):
+        NgramEmbedding.from_numpy(dims, host.word, _tables_arg(host), projs, 8, gpu, placement="host")
+    assert gpu.log.count("alloc_host") == 4 and gpu.log.count("free_host") == 4 and gpu.empty()
+
+
+def test_a_layer_refuses_a_closed_host_table():
+    gpu = RecordingBackend()
+    dims = small_dims()
+    host = random_layer(np.random.default_rng(4), dims, "b")
+    layer = device_layer(gpu, host, 8)
+    tables = list(layer.tables)
+    w = HostWeight.from_numpy(gpu, host.tables[1][0])
+    w.close()
+    tables[1] = NgramTable.Host(w)
+    with pytest.raises(ValueError, match="table 1: NgramTable.Host's HostWeight is closed"):
+        NgramEmbedding(dims, layer.word, tables, layer.projs, 8, gpu)
+
+
+# ==== GPU =======================================================================================
+
+def _pinned_held(gpu: CudaBackend) -> int:
+    """alloc_host buffers and registrations (the staging pool may grow between two readings)."""
+    return gpu.pinned_buffers - gpu._staging.buffers
+
+
+def _check_descriptors(gpu, fused, layer) -> None:
+    """The fused layer's table descriptors must be ``gather_entry``'s: checked before any launch,
+    so a fused.py that does not hand host tables to the kernel fails here, not in the kernel."""
+    t = layer.dims.num_tables()
+    desc = np.empty((t, 4), np.uint64)
+    gpu.copy_d2h(desc, fused.desc)
+    want = np.array([gather_entry(tb, layer.dims.table_rows(c)) for c, tb in enumerate(layer.tables)], np.uint64)
+    if not np.array_equal(desc, want):
+        pytest.fail(f"FusedNgramEmbedding's table descriptors are not gather_entry's:\n{desc}\nwant\n{want}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8, td", [(False, 16), (True, 33), (False, 7), (True, 256)])
+def test_mapped_gather_equals_device_gather(gpu, rng, fp8, td):
+    rows, n = 5003, 700
+    table = random_fp8(rng, (rows, td)) if fp8 else random_bf16(rng, (rows, td))
+    scale = rng.uniform(0.002, 0.02, rows).astype(np.float32) if fp8 else None
+    ids = rng.integers(0, rows, n).astype(np.uint32)
+    ids[:3] = [0, rows - 1, rows - 1]
+    name = "batched_embed_fp8" if fp8 else "batched_embed"
+    k = gpu.kernel("embed_from_argmax", name)
+    got = []
+    with HostWeight.from_numpy(gpu, table, scale) as hw, DenseWeight.from_numpy(gpu, table, scale) as dw, \
+            Guarded(gpu, n, np.uint32, rng) as ids_dev:
+        if fp8:
+            assert gpu.allocation_size(hw.row_scale) == rows * 4  # scales in device memory
+        ids_dev.upload(ids)
+        for w in (hw, dw):
+            with Guarded(gpu, (n, td), BF16, rng) as out:
+                out.poison()
+                if fp8:
+                    embed_ops.batched_embed_fp8(gpu, k, ids_dev.ptr, w.weight, w.row_scale, out.ptr, n, td, 0)
+                else:
+                    embed_ops.batched_embed(gpu, k, ids_dev.ptr, w.weight, out.ptr, n, td, 0)
+                got.append(out.read())
+                out.assert_guards_intact()
+        gpu.synchronize()
+    np.testing.assert_array_equal(bits(got[0]), bits(got[1]))
+    np.testing.assert_array_equal(bits(got[0]), bits(ref.gather_table(table, scale, ids.astype(np.int64))))
+
+
+@pytest.mark.gpu
+def test_registered_host_memory_is_read_in_place(gpu, rng, tmp_path):
+    rows, td = 2000, 24  # 48-byte rows
+    table = random_bf16(rng, (rows, td))
+    keep: list = []
+    anon = page_aligned(table.nbytes, keep)
+    anon[:] = table.view(np.uint8).reshape(-1)
+    path = tmp_path / "rows.bin"
+    table.tofile(path)
+    mapped_file = np.memmap(path, np.uint8, mode="r", shape=(table.nbytes,))
+    k = gpu.kernel("embed_from_argmax", "batched_embed")
+    ids = rng.integers(0, rows, 333).astype(np.uint32)
+    before = (gpu.host_registrations, _pinned_held(gpu))
+    with Guarded(gpu, ids.size, np.uint32, rng) as ids_dev:
+        ids_dev.upload(ids)
+        for array, read_only in ((anon, False), (anon, True), (mapped_file, True)):
+            ptr = gpu.register_host(array, read_only=read_only)
+            try:
+                assert gpu.host_registrations == before[0] + 1
+                with pytest.raises(ValueError, match="overlaps"):
+                    gpu.register_host(array)
+                assert gpu.host_device_ptr(array[48:]) == ptr + 48
+                with Guarded(gpu, (ids.size, td), BF16, rng) as out:
+                    out.poison()
+                    embed_ops.batched_embed(gpu, k, ids_dev.ptr, ptr, out.ptr, ids.size, td, 0)
+                    np.testing.assert_array_equal(bits(out.read()), bits(table[ids]))
+                    out.assert_guards_intact()
+            finally:
+                gpu.synchronize()
+                gpu.unregister_host(array)
+    assert (gpu.host_registrations, _pinned_held(gpu)) == before
+    del mapped_file
+
+
+def _layers_equal(gpu, rng, a: NgramEmbedding, b: NgramEmbedding, ctx: np.ndarray, fused: bool) -> None:
+    """``a`` and ``b`` give the same bits, seed path (and fused path: one call, a batch, a graph)."""
+    # imported here: the CPU tests of this file do not depend on the fused path
+    from layers.ngram_embed.fused import FusedNgramEmbedding
+    from tests.test_ngram_fused import _run
+
+    h = a.dims.hidden_size
+    for seq in (1, 17, 64):
+        x = _run(gpu, rng, lambda o: a.embed(ctx, seq, o, gpu, 0), seq, h)
+        y = _run(gpu, rng, lambda o: b.embed(ctx, seq, o, gpu, 0), seq, h)
+        np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"seed path, seq_len {seq}")
+    if not fused:
+        return
+    fa, fb = FusedNgramEmbedding(a, 64, gpu), FusedNgramEmbedding(b, 64, gpu)
+    stream = gpu.create_stream()
+    try:
+        _check_descriptors(gpu, fa, a)
+        _check_descriptors(gpu, fb, b)
+        for seq in (1, 17, 64):
+            x = _run(gpu, rng, lambda o: fa.embed(ctx, seq, o, gpu, 0), seq, h)
+            y = _run(gpu, rng, lambda o: fb.embed(ctx, seq, o, gpu, 0), seq, h)
+            np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"fused path, seq_len {seq}")
+        contexts = [ctx[:int(rng.integers(1, ctx.size))] for _ in range(8)]
+        lens = [int(rng.integers(0, min(len(c), 6) + 1)) for c in contexts]
+        lens[0] = max(lens[0], 1)
+        rows = sum(lens)
+        x = _run(gpu, rng, lambda o: fa.embed_batch(contexts, lens, o, gpu, stream), rows, h, stream)
+        with Guarded(gpu, (rows, h), BF16, rng) as out:
+            for step in range(3):  # eager run and capture, then replays of the graph
+                out.poison()
+                gpu.synchronize(0)
+                fb.embed_batch(contexts, lens, out.ptr, gpu, stream, graph=True)
+                gpu.synchronize(stream)
+                np.testing.assert_array_equal(bits(out.read()), bits(x), err_msg=f"fused batch, graph, {step}")
+                out.assert_guards_intact()
+        assert len(fb._graphs) == 1
+    finally:
+        gpu.synchronize(stream)
+        fa.close()
+        fb.close()
+        gpu.destroy_stream(stream)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kinds", ["b", "f", "bf"])
+def test_host_tables_equal_device_tables(gpu, rng, kinds):
+    dims = small_dims(max_ngram=3, splits=2, table_dim=int(rng.choice([7, 16, 33])), hidden_size=72,
+                      base_rows=int(rng.integers(500, 3000)), eos_id=3)
+    host = random_layer(rng, dims, kinds)
+    ctx = rng.integers(0, dims.vocab_size, 200)
+    held = _pinned_held(gpu)
+    t = dims.num_tables()
+    make = lambda placement: NgramEmbedding.from_numpy(dims, host.word, _tables_arg(host), host.projs, 64, gpu,  # noqa: E731
+                                                       placement=placement)
+    with make("device") as dev, make("host") as on_host, make(["host", "device"] * (t // 2)) as mixed:
+        assert all(isinstance(tb, HostTable) for tb in on_host.tables)
+        assert _pinned_held(gpu) == held + t + t // 2
+        _layers_equal(gpu, rng, dev, on_host, ctx, fused=True)
+        _layers_equal(gpu, rng, dev, mixed, ctx, fused=False)
+        gpu.synchronize()
+    assert _pinned_held(gpu) == held, "close() left pinned host memory behind"
+
+
+@pytest.mark.gpu
+def test_host_tables_from_table_files_equal_device_tables(gpu, rng, tmp_path):
+    dims = small_dims(max_ngram=3, splits=2, table_dim=24, hidden_size=72, base_rows=3000)
+    host = random_layer(rng, dims, "bf")
+    held, registered = _pinned_held(gpu), gpu.host_registrations
+    resident = device_layer(gpu, host, max_tokens=64)
+    weights: list[HostWeight] = []
+    try:
+        for c, (table, scale) in enumerate(host.tables):
+            write_table(tmp_path / f"t{c}.ngt", table, scale)
+            weights.append(HostWeight.from_table_file(gpu, tmp_path / f"t{c}.ngt"))
+            assert weights[-1].dtype == table.dtype and weights[-1].shape == table.shape
+        assert gpu.host_registrations == registered + len(weights)
+        on_host = NgramEmbedding(dims, resident.word, [NgramTable.Host(w) for w in weights], resident.projs, 64, gpu)
+        with on_host:
+            _layers_equal(gpu, rng, resident, on_host, rng.integers(0, dims.vocab_size, 300), fused=True)
+            gpu.synchronize()
+    finally:
+        files = [w.file for w in weights]
+        for w in weights:
+            w.close()
+        free_layer(resident)
+    assert all(f.closed for f in files)
+    assert (gpu.host_registrations, _pinned_held(gpu)) == (registered, held)

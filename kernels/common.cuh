@@ -30,3 +30,17 @@ __device__ __forceinline__ bool aligned16(const void* a, const void* b) {
 __device__ __forceinline__ float scaled_sum(float out, float scale, float x) {
     return __fadd_rn(out, __fmul_rn(scale, x));
 }
+
+// Programmatic dependent launch (sm_90; no-ops before it, and where the launch was a plain one):
+// pdl_launch_dependents lets the next kernel on the stream start now (it must wait for this one's
+// writes itself); pdl_wait waits until the previous kernel has finished and its writes are visible.
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}

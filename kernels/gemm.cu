@@ -56,8 +56,10 @@
 // n] row-major, float scale; same launch plans as their plain twins):
 //   dense_gemm_bf16_word       as dense_gemm_bf16_pipelined, with the word epilogue;
 //   dense_gemm_bf16_word_wgmma as dense_gemm_bf16_wgmma, with the word epilogue.
+// Both may be launched as programmatic dependents of the gather that writes a and word_ids
+// (they wait for it before reading either; the small path requests its first w stages first).
 // word_ids are not bounds-checked here (the kernel is not told the vocabulary size): the caller
-// guarantees word_ids[i] < vocab for i < m.
+// guarantees word_ids[i] < vocab or word_ids[i] == 0xFFFFFFFF (that row is written as zeros).
 #include "common.cuh"
 
 namespace gemm {
@@ -216,6 +218,8 @@ struct PlainEpilogue {
 };
 
 // (acc + float(word[word_ids[row] * n + col])) * scale: fp32 add, fp32 multiply, no contraction.
+// A word id of kNoWord (0xFFFFFFFF) writes the row as zeros (ngram_decode.cu's rows of bad input).
+constexpr uint32_t kNoWord = 0xffffffff;
 struct WordEpilogue {
     const uint32_t* ids;
     const bf16* word;  // [vocab, n] row-major
@@ -224,17 +228,19 @@ struct WordEpilogue {
     bool pairs;  // word 4-byte aligned: with n and col even, a pair is one 4-byte load
 
     struct Row {
-        const bf16* p;  // word row word_ids[row]
+        const bf16* p;  // word row word_ids[row]; null for kNoWord: the row is written as zeros
         float scale;
         bool pairs;
         __device__ __forceinline__ float add(float v, bf16 x) const {
             return __fmul_rn(__fadd_rn(v, __bfloat162float(x)), scale);
         }
         __device__ __forceinline__ float apply(uint32_t col, float v) const {
-            return add(v, __ldg(p + col));
+            return p == nullptr ? 0.0f : add(v, __ldg(p + col));
         }
         __device__ __forceinline__ void apply2(uint32_t col, float& v0, float& v1) const {
-            if (pairs) {
+            if (p == nullptr) {
+                v0 = v1 = 0.0f;
+            } else if (pairs) {
                 const __nv_bfloat162 x = __ldg(reinterpret_cast<const __nv_bfloat162*>(p + col));
                 v0 = add(v0, x.x);
                 v1 = add(v1, x.y);
@@ -246,7 +252,7 @@ struct WordEpilogue {
     };
     __device__ __forceinline__ Row row(uint64_t r, uint32_t m) const {
         const uint32_t id = r < m ? __ldg(ids + r) : 0u;  // word_ids has m entries
-        return Row{word + static_cast<uint64_t>(id) * n, scale, pairs};
+        return Row{id == kNoWord ? nullptr : word + static_cast<uint64_t>(id) * n, scale, pairs};
     }
 };
 
@@ -343,21 +349,26 @@ __device__ __forceinline__ void small_m_gemm(const bf16* a, const bf16* w, bf16*
         const bf16* asrc[NT];
         bool aok[NT];
         row_sources(a, row0 + g, 8, m, k, asrc, aok);
-        auto load_as = [&](auto flag, uint32_t stage, uint32_t chunk) {
+        // parts: 1 = the w pieces of a stage, 2 = its a pieces, 3 = both.
+        auto load_as = [&](auto flag, uint32_t stage, uint32_t chunk, uint32_t parts) {
             constexpr bool kFast = decltype(flag)::value;
             const uint32_t kk = chunk * kSmallChunk + 8 * t;
             const bool kin = kk < k;
             const uint32_t dst = ring + stage * kStageBytes;
+            if (parts & 1) {
 #pragma unroll
-            for (uint32_t p = 0; p < kSmallWPieces; ++p)
-                load_slot<kFast>(dst + p * kPieceBytes, wsrc[p], wok[p] && kin, kk, k);
+                for (uint32_t p = 0; p < kSmallWPieces; ++p)
+                    load_slot<kFast>(dst + p * kPieceBytes, wsrc[p], wok[p] && kin, kk, k);
+            }
+            if (parts & 2) {
 #pragma unroll
-            for (uint32_t j = 0; j < NT; ++j)
-                load_slot<kFast>(dst + (kSmallWPieces + j) * kPieceBytes, asrc[j], aok[j] && kin, kk, k);
+                for (uint32_t j = 0; j < NT; ++j)
+                    load_slot<kFast>(dst + (kSmallWPieces + j) * kPieceBytes, asrc[j], aok[j] && kin, kk, k);
+            }
         };
-        auto load = [&](uint32_t stage, uint32_t chunk) {
-            if (fast) load_as(Flag<true>{}, stage, chunk);
-            else load_as(Flag<false>{}, stage, chunk);
+        auto load = [&](uint32_t stage, uint32_t chunk, uint32_t parts = 3) {
+            if (fast) load_as(Flag<true>{}, stage, chunk, parts);
+            else load_as(Flag<false>{}, stage, chunk, parts);
         };
 
         float acc[2][NT][4];
@@ -368,10 +379,20 @@ __device__ __forceinline__ void small_m_gemm(const bf16* a, const bf16* w, bf16*
 #pragma unroll
                 for (uint32_t e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
 
-        // One commit group per chunk (empty ones too), so wait_group counts chunks.
+        // One commit group per chunk (empty ones too), so wait_group counts chunks. The first
+        // item's w pieces of the first stages are requested before pdl_wait (a no-op unless this
+        // is a programmatic dependent launch): the weights do not depend on the kernel before,
+        // a does. The first group then holds those w pieces too, which only makes it wait longer.
+        const bool first = item == block_rank();
+        if (first) {
+#pragma unroll
+            for (uint32_t s = 0; s < kStages - 1; ++s)
+                if (s < mine) load(s, warp + s * kWarps, 1);
+            pdl_wait();
+        }
 #pragma unroll
         for (uint32_t s = 0; s < kStages - 1; ++s) {
-            if (s < mine) load(s, warp + s * kWarps);
+            if (s < mine) load(s, warp + s * kWarps, first ? 2 : 3);
             cp_async_commit();
         }
         for (uint32_t i = 0; i < mine; ++i) {
@@ -815,16 +836,32 @@ dense_gemm_bf16_simt(const bf16* a, const bf16* w, bf16* c, uint32_t m, uint32_t
     gemm::gemm_simt(a, w, c, m, n, k, gemm::PlainEpilogue{});
 }
 
+namespace gemm {
+
+// The word entry points run after the n-gram gather that writes a and word_ids, and may be
+// launched overlapping it (programmatic dependent launch): they wait for it (pdl_wait) before
+// reading a or word_ids. The small path requests its first weight stages before waiting.
+template <class Ep>
+__device__ __forceinline__ void dependent_gemm(const bf16* a, const bf16* w, bf16* c, uint32_t m,
+                                               uint32_t n, uint32_t k, const Ep& ep) {
+    if (m <= kSmallMaxRows && run_small(a, w, c, m, n, k, ep)) return;  // it waits itself
+    pdl_wait();
+    if (m <= kSmallMaxRows || !run_tiled(a, w, c, m, n, k, ep)) gemm_simt(a, w, c, m, n, k, ep);
+}
+
+}  // namespace gemm
+
 // dense_gemm_bf16_pipelined with the word epilogue: c = bf16((a @ w^T + word[word_ids]) * scale).
 extern "C" __global__ void __launch_bounds__(256, 1)
 dense_gemm_bf16_word(const bf16* a, const bf16* w, bf16* c, uint32_t m, uint32_t n, uint32_t k,
                      const uint32_t* word_ids, const bf16* word, float scale) {
-    gemm::pipelined_gemm(a, w, c, m, n, k, gemm::word_epilogue(word_ids, word, n, scale));
+    gemm::dependent_gemm(a, w, c, m, n, k, gemm::word_epilogue(word_ids, word, n, scale));
 }
 
 // dense_gemm_bf16_wgmma with the word epilogue.
 extern "C" __global__ void __launch_bounds__(256, 1)
 dense_gemm_bf16_word_wgmma(const bf16* a, const bf16* w, bf16* c, uint32_t m, uint32_t n,
                            uint32_t k, const uint32_t* word_ids, const bf16* word, float scale) {
+    pdl_wait();
     gemm::wgmma_or_tiled_gemm(a, w, c, m, n, k, gemm::word_epilogue(word_ids, word, n, scale));
 }

@@ -11,7 +11,7 @@ import pytest
 
 from gpu_runtime import DevicePtr, compiler
 from gpu_runtime.signatures import parse_signatures
-from layers.ops import embed, gemm, ngram_fused, residual, row_cache, token_overlay
+from layers.ops import embed, gemm, ngram_decode, ngram_fused, residual, row_cache, token_overlay
 from layers.weight_map import BF16, DenseWeight
 from tests.fakes import RecordingBackend
 
@@ -42,6 +42,12 @@ LAUNCHERS = {
     ("ngram_fused", "ngram_gather"):
         lambda g, k: ngram_fused.ngram_gather(g, k, _p(0), _p(1), _p(2), _p(3), _p(4), _p(5),
                                               5, 6, 4, 2, 7, 11, 3),
+    ("ngram_decode", "ngram_decode_gather"):
+        lambda g, k: ngram_decode.ngram_decode_gather(
+            g, k, _p(0), _p(1), _p(2), _p(3), _p(4), _p(5), _p(6), _p(7), _p(8), _p(9),
+            9, 2, 0, 4, 5, 500, 6, 4, 2, 7, 11, 3),
+    ("ngram_decode", "ngram_decode_rollback"):
+        lambda g, k: ngram_decode.ngram_decode_rollback(g, k, _p(0), _p(1), _p(2), _p(3), 2, 4, 3, 3),
     ("row_cache", "scatter_rows"):
         lambda g, k: row_cache.scatter_rows(g, k, _p(0), _p(1), _p(2), _p(3), _p(4), 5, 14, 3),
     ("token_overlay", "embed_rowdiff_bf16"):

@@ -242,15 +242,17 @@ def dense_gemm_bf16_pipelined(gpu: GpuBackend, kernel: KernelHandle, a: int, w: 
 
 def dense_gemm_bf16_word(gpu: GpuBackend, kernel: KernelHandle, a: int, w: DenseWeight, c: int,
                          m: int, n: int, k: int, word_ids: int, word: int, scale: float, stream: int,
-                         *, path: str | None = None) -> None:
+                         *, path: str | None = None, overlap: bool = False) -> None:
     """``c[i, j] = bf16((sum_k a[i, k] w[j, k] + float(word[word_ids[i], j])) * scale)``: the
     fused n-gram embedding (a the gathered rows [S, T*td], w the T projections concatenated
     [D, T*td], word the bf16 [vocab, n] table, word_ids u32 [m], scale 1/(1+T)), one rounding.
 
     ``kernel`` is ``gpu.kernel("gemm", "dense_gemm_bf16_word")``; the wgmma twin is looked up here.
     ``path`` forces one as in ``dense_gemm_bf16_pipelined`` (``word_plan`` says which are allowed).
-    Every check runs before any launch; m, n or k == 0 is a no-op. word_ids must be < vocab: the
-    kernel cannot check them.
+    Every check runs before any launch; m, n or k == 0 is a no-op. word_ids must be < vocab, or
+    0xFFFFFFFF for a row written as zeros: the kernel cannot check them. ``overlap=True`` launches
+    it as a programmatic dependent of the kernel before it on the stream (the gather that writes
+    ``a`` and ``word_ids``): it streams its weights while that kernel runs.
     """
     m, n, k = _check_gemm(WORD_KERNEL, kernel, a, w, c, m, n, k, path)
     require_ptr(word_ids, f"{WORD_KERNEL} word_ids")
@@ -262,4 +264,4 @@ def dense_gemm_bf16_word(gpu: GpuBackend, kernel: KernelHandle, a: int, w: Dense
     handle = kernel if p.kernel == WORD_KERNEL else gpu.kernel(MODULE, p.kernel)
     (KernelLaunch(gpu, handle).grid([p.grid, 1, 1]).block([THREADS, 1, 1]).shared_mem(p.shared_mem)
      .arg_ptr(a).arg_ptr(w.weight).arg_ptr(c).arg_u32(m).arg_u32(n).arg_u32(k)
-     .arg_ptr(word_ids).arg_ptr(word).arg_f32(scale).launch(stream))
+     .arg_ptr(word_ids).arg_ptr(word).arg_f32(scale).launch(stream, overlap=overlap))

@@ -41,7 +41,7 @@ def ngram_gather(gpu: GpuBackend, kernel: KernelHandle, windows: int, tables: in
     max_ngram = require_count(max_ngram, "max_ngram")
     splits = require_count(splits, "splits")
     table_dim = require_count(table_dim, "table_dim")
-    eos_arg = _eos_arg(eos)
+    eos_word = eos_arg(eos)
     if max_ngram < 2:
         raise ValueError(f"ngram_gather: max_ngram must be >= 2, got {max_ngram}")
     if splits < 1:
@@ -59,10 +59,10 @@ def ngram_gather(gpu: GpuBackend, kernel: KernelHandle, windows: int, tables: in
     (KernelLaunch(gpu, kernel).grid([blocks, 1, 1]).block([_BLOCK, 1, 1])
      .arg_ptr(windows).arg_ptr(tables).arg_ptr(pows).arg_ptr(slots).arg_ptr(out).arg_ptr(ids_out)
      .arg_u32(rows).arg_u32(num_tables).arg_u32(max_ngram).arg_u32(splits).arg_u32(table_dim)
-     .arg_u32(eos_arg).launch(stream))
+     .arg_u32(eos_word).launch(stream))
 
 
-def _eos_arg(eos: int | None) -> int:
+def eos_arg(eos: int | None) -> int:
     """The kernel's eos word: ``NO_EOS`` for None. A real eos must differ from ``NO_EOS``, which
     the kernel cannot tell apart from "no eos" (harmless: both end the look-back)."""
     if eos is None:

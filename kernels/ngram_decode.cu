@@ -1,0 +1,192 @@
+// Device-resident n-gram decoding (layers/ngram_embed/decoder.py): the look-back windows come from
+// a per-slot token history kept on the device, so a prefill or decode step needs nothing from the
+// host but its launches and can be captured in the caller's CUDA graph.
+//
+// State, per slot s of max_seqs:
+//   hist[s, 0:H]  the slot's last H = N - 1 + max_draft tokens, position q at hist[s, q % H];
+//   state[s, 0]   pos: tokens the slot holds (the next token's position);
+//   state[s, 1]   hi: the highest pos written since, so hist holds positions hi - H .. hi - 1.
+// A rollback lowers pos by at most what keeps positions pos - (N-1) .. pos - 1 in the ring
+// (hi - pos <= max_draft); the next write overwrites the dropped positions.
+//
+// ngram_decode_gather: one warp per (row r, table c) pair, as ngram_fused.cu's ngram_gather, with
+// the window read from this call's tokens (rows of the same sequence before r) and the history
+// (positions before the call). Then the last block to finish (a counter in ctrl[1], reset by that
+// block) appends every sequence's tokens to its history: all other blocks have read the history
+// by then, so one launch both reads and updates it.
+//
+// Bad values only the device sees never make a kernel read or write outside its buffers: a token
+// >= vocab, a slot >= max_seqs, cu_seqlens that are not 0 <= ... <= rows and non-decreasing, or
+// a rollback deeper than the history set a bit of ctrl[0] (atomicOr); the affected rows get zero
+// gathered rows and the word id kNoWord (the GEMM epilogue then writes zeros), a bad token is kept
+// in the history as kNoToken (it ends later tokens' look-back, as a sequence start does), and a
+// bad sequence or rollback leaves its slot untouched. Two sequences of one call on the same slot
+// race on that slot's history (in bounds, result unspecified).
+#include "ngram_hash.cuh"
+
+namespace {
+
+using ngram::kNoToken;
+using ngram::kWarp;
+constexpr uint32_t kErrToken = 1;     // a token >= vocab
+constexpr uint32_t kErrSlot = 2;      // a slot >= max_seqs
+constexpr uint32_t kErrSeqlens = 4;   // cu_seqlens not a partition of 0..rows
+constexpr uint32_t kErrRollback = 8;  // a rollback deeper than the history holds
+constexpr uint32_t kNoWord = 0xffffffffu;  // word id of a zeroed row (gemm.cu WordEpilogue)
+
+// Rows [start, end) of sequence s: uniform `per_seq` rows each when cu_seqlens is null.
+struct Span {
+    uint32_t start, end;
+    __device__ __forceinline__ bool sane(uint32_t rows) const { return start <= end && end <= rows; }
+};
+
+__device__ __forceinline__ Span span_of(const uint32_t* cu, uint32_t per_seq, uint32_t s) {
+    if (cu == nullptr) return Span{s * per_seq, (s + 1) * per_seq};
+    return Span{__ldg(cu + s), __ldg(cu + s + 1)};
+}
+
+// The sequence holding row r: the last s < num_seqs with cu[s] <= r (binary search; bad
+// cu_seqlens give some s in range, which the caller's bounds check then rejects).
+__device__ __forceinline__ uint32_t seq_of(const uint32_t* cu, uint32_t per_seq, uint32_t num_seqs,
+                                           uint32_t r) {
+    if (cu == nullptr) return r / per_seq;
+    uint32_t lo = 0, hi = num_seqs;
+    while (hi - lo > 1) {
+        const uint32_t mid = lo + (hi - lo) / 2;
+        if (__ldg(cu + mid) <= r) lo = mid; else hi = mid;
+    }
+    return lo;
+}
+
+__device__ __forceinline__ uint32_t clean(uint32_t token, uint32_t vocab) {
+    return token < vocab ? token : kNoToken;
+}
+
+__device__ __forceinline__ void zero_row(bf16* dst, uint32_t td, uint32_t lane) {
+    for (uint32_t j = lane; j < td; j += kWarp) dst[j] = __float2bfloat16_rn(0.0f);
+}
+
+// Append every sequence's tokens to its slot's history (run by one block, after every read):
+// a thread per sequence, so a batch of up to blockDim.x sequences costs one chain of loads.
+__device__ void commit(const uint32_t* tokens, const uint32_t* cu, const uint32_t* slots,
+                       uint32_t* hist, uint32_t* state, uint32_t* errors, uint32_t rows,
+                       uint32_t num_seqs, uint32_t per_seq, uint32_t max_seqs, uint32_t hist_len,
+                       uint32_t vocab) {
+    if (cu != nullptr && threadIdx.x == 0 && (__ldg(cu) != 0 || __ldg(cu + num_seqs) != rows))
+        atomicOr(errors, kErrSeqlens);
+    for (uint32_t s = threadIdx.x; s < num_seqs; s += blockDim.x) {
+        const Span sp = span_of(cu, per_seq, s);
+        const uint32_t slot = __ldg(slots + s);
+        if (!sp.sane(rows) || slot >= max_seqs) continue;  // flagged by the gather or above
+        const uint32_t len = sp.end - sp.start;
+        const uint32_t pos = state[2 * slot];
+        const uint32_t keep = min(len, hist_len);
+        uint32_t* h = hist + static_cast<uint64_t>(slot) * hist_len;
+        for (uint32_t e = 0; e < keep; ++e)
+            h[(pos + len - keep + e) % hist_len] = clean(__ldg(tokens + sp.end - keep + e), vocab);
+        state[2 * slot] = state[2 * slot + 1] = pos + len;
+    }
+}
+
+}  // namespace
+
+// out[r, c*td:(c+1)*td] = row id_c(r) of table c (r < rows), word_ids[r] = tokens[r] (kNoWord for
+// a bad row), then every sequence's tokens appended to its slot's history.
+extern "C" __global__ void ngram_decode_gather(
+    const uint32_t* tokens, const uint32_t* cu_seqlens, const uint32_t* slots, uint32_t* hist,
+    uint32_t* state, const uint64_t* tables, const uint64_t* pows, bf16* out, uint32_t* word_ids,
+    uint32_t* ctrl, uint32_t rows, uint32_t num_seqs, uint32_t per_seq, uint32_t max_seqs,
+    uint32_t hist_len, uint32_t vocab, uint32_t num_tables, uint32_t max_ngram, uint32_t splits,
+    uint32_t td, uint32_t eos) {
+    pdl_launch_dependents();  // the GEMM may start streaming its weights (it waits for our rows)
+    const uint32_t lane = threadIdx.x % kWarp;
+    const uint64_t pairs = static_cast<uint64_t>(rows) * num_tables;
+    const uint64_t warps = static_cast<uint64_t>(gridDim.x) * blockDim.x / kWarp;
+    uint64_t i = (static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
+    for (; i < pairs; i += warps) {  // warp-uniform: the hash's ballots see all 32 lanes
+        const uint32_t r = static_cast<uint32_t>(i / num_tables);
+        const uint32_t c = static_cast<uint32_t>(i - static_cast<uint64_t>(r) * num_tables);
+        const uint32_t s = seq_of(cu_seqlens, per_seq, num_seqs, r);
+        const Span sp = span_of(cu_seqlens, per_seq, s);
+        const uint32_t slot = __ldg(slots + s);
+        const uint32_t token = __ldg(tokens + r);
+        uint32_t bad = 0;
+        if (!(sp.sane(rows) && sp.start <= r && r < sp.end)) bad |= kErrSeqlens;
+        if (slot >= max_seqs) bad |= kErrSlot;
+        if (token >= vocab) bad |= kErrToken;
+        bf16* dst = out + i * td;
+        if (bad) {
+            if (c == 0 && lane == 0) {
+                atomicOr(ctrl, bad);
+                word_ids[r] = kNoWord;
+            }
+            zero_row(dst, td, lane);
+            continue;
+        }
+        if (c == 0 && lane == 0) word_ids[r] = token;
+        const uint32_t at = r - sp.start;  // the row's position in this call's tokens
+        const uint32_t* h = hist + static_cast<uint64_t>(slot) * hist_len;
+        const ngram::Table t = ngram::load_table(tables, c);
+        const uint64_t* p = pows + static_cast<uint64_t>(c) * max_ngram;
+        const uint32_t order = c / splits + 2;
+        uint32_t id;
+        if (max_ngram <= kWarp && hist_len <= kWarp) {
+            // Lane d holds token d back. The ring is read whole (lane e: entry e) beside pos,
+            // not after it, and picked with a shuffle: one dependent load fewer per step.
+            const uint32_t ring = lane < hist_len ? h[lane] : kNoToken;
+            const uint32_t pos = state[2 * slot];
+            const uint32_t here = lane <= at && lane < max_ngram ? clean(__ldg(tokens + r - lane), vocab) : kNoToken;
+            const uint32_t back = lane - at;  // positions before this call (lane > at)
+            const bool in_ring = lane > at && back <= pos;
+            const uint32_t old = __shfl_sync(ngram::kFull, ring, in_ring ? (pos - back) % hist_len : 0);
+            const uint32_t mine = lane <= at ? here : in_ring ? old : kNoToken;
+            id = ngram::hash_id([mine](uint32_t) { return mine; }, p, order, t.rows, eos, lane);
+        } else {
+            const uint32_t pos = state[2 * slot];
+            const auto window = [=](uint32_t d) -> uint32_t {
+                if (d <= at) return clean(__ldg(tokens + r - d), vocab);
+                const uint32_t back = d - at;  // positions before this call
+                return back > pos ? kNoToken : h[(pos - back) % hist_len];
+            };
+            id = ngram::hash_id(window, p, order, t.rows, eos, lane);
+        }
+        ngram::copy_table_row(t, id, dst, td, lane);
+    }
+
+    // The last block to get here appends the tokens to the histories: every other block has
+    // finished reading them (threadfence before the count, as CUDA's threadFenceReduction).
+    __shared__ bool last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        last = atomicAdd(ctrl + 1, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    commit(tokens, cu_seqlens, slots, hist, state, ctrl, rows, num_seqs, per_seq, max_seqs,
+           hist_len, vocab);
+    if (threadIdx.x == 0) ctrl[1] = 0;  // ready for the next launch
+}
+
+// Drop the last counts[s] tokens of slots[s]'s history (speculative tokens rejected), s < num_seqs.
+extern "C" __global__ void ngram_decode_rollback(const uint32_t* slots, const uint32_t* counts,
+                                                 uint32_t* state, uint32_t* ctrl,
+                                                 uint32_t num_seqs, uint32_t max_seqs,
+                                                 uint32_t max_draft) {
+    const uint32_t s = blockIdx.x * blockDim.x + threadIdx.x;
+    if (s >= num_seqs) return;
+    const uint32_t slot = __ldg(slots + s);
+    if (slot >= max_seqs) {
+        atomicOr(ctrl, kErrSlot);
+        return;
+    }
+    const uint32_t count = __ldg(counts + s);
+    const uint32_t pos = state[2 * slot], hi = state[2 * slot + 1];
+    const uint32_t room = min(pos, max_draft - (hi - pos));  // hi - pos <= max_draft always
+    if (count > room) {
+        atomicOr(ctrl, kErrRollback);
+        return;
+    }
+    state[2 * slot] = pos - count;
+}

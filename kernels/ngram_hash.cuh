@@ -1,0 +1,81 @@
+// The n-gram hash and the table-row gather shared by ngram_fused.cu (windows built on the host)
+// and ngram_decode.cu (windows read from the device-resident token history).
+//
+// * The hash is a handful of 64-bit modular products (N terms, N small), cheap next to the row
+//   copy, so lane d takes term d (32 terms at a time when N > 32) and a ballot finds the first
+//   look-back cut; every term is reduced below M_c < 2**32 before the warp sum, so the sum of 32
+//   terms plus the running residue stays far below 2**64. Tokens < 2**32 times V**d mod M_c
+//   < 2**32 fit 64 bits, so no product needs more. The look-back rule is layers/ngram_embed/ids.py:
+//   d = 0 always counts; the first d >= 1 whose token is before the context start (kNoToken)
+//   or is the EOS ends the n-gram there (that term and all later ones contribute 0).
+// * A table descriptor is 4 u64 (layers/ops/ngram_fused.py): data address, scale address (0 for
+//   bf16 rows), rows M_c, flags (bit 0: cached, the row is a given arena slot, not the hash).
+//   Data may be device memory or pinned host memory mapped into the device's address space
+//   (NgramTable.Host): the copy is the same, the bytes come over PCIe.
+#pragma once
+#include "row_copy.cuh"
+
+namespace ngram {
+
+using rows::kWarp;
+constexpr uint32_t kFull = 0xffffffffu;
+constexpr uint32_t kNoToken = 0xffffffffu;  // window entry before the context start
+constexpr uint64_t kCached = 1;             // table descriptor flags bit 0
+
+__device__ __forceinline__ uint64_t warp_sum(uint64_t v) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(kFull, v, off);
+    return v;
+}
+
+// (sum_{d < n} w(d) * pows[d]) mod m, cut at the first d >= 1 with w(d) == kNoToken or eos.
+// `w(d)` is the token d positions back (only called for d < n). Called by all 32 lanes of a
+// warp; every lane returns the id.
+template <class Window>
+__device__ uint32_t hash_id(const Window& w, const uint64_t* pows, uint32_t n, uint64_t m,
+                            uint32_t eos, uint32_t lane) {
+    uint64_t acc = 0;
+    for (uint32_t base = 0; base < n; base += kWarp) {
+        const uint32_t d = base + lane;
+        uint32_t tok = 0;
+        bool stop = false;
+        if (d < n) {
+            tok = w(d);
+            stop = d > 0 && (tok == kNoToken || tok == eos);
+        }
+        const uint32_t stops = __ballot_sync(kFull, stop);
+        const uint32_t cut = stops ? static_cast<uint32_t>(__ffs(static_cast<int>(stops))) - 1 : kWarp;
+        uint64_t term = 0;
+        if (d < n && lane < cut) term = static_cast<uint64_t>(tok) * __ldg(pows + d) % m;
+        acc = (acc + warp_sum(term)) % m;
+        if (stops) break;
+    }
+    return static_cast<uint32_t>(acc);
+}
+
+struct Table {
+    uint64_t data, scale, rows, flags;
+    __device__ __forceinline__ bool cached() const { return flags & kCached; }
+};
+
+__device__ __forceinline__ Table load_table(const uint64_t* tables, uint32_t c) {
+    const uint64_t* t = tables + 4 * static_cast<uint64_t>(c);
+    return Table{__ldg(t), __ldg(t + 1), __ldg(t + 2), __ldg(t + 3)};
+}
+
+// dst[0:td] = row `id` of table `t` as bf16 (fp8 rows dequantised, one rounding); one warp.
+__device__ __forceinline__ void copy_table_row(const Table& t, uint32_t id, bf16* dst,
+                                               uint32_t td, uint32_t lane) {
+    if (t.scale == 0) {
+        const bf16* table = reinterpret_cast<const bf16*>(t.data);
+        rows::copy_bf16_row(table + static_cast<uint64_t>(id) * td, dst, td,
+                            rows::bf16_vec(table, dst, td), lane);
+    } else {
+        const uint8_t* table = reinterpret_cast<const uint8_t*>(t.data);
+        rows::copy_fp8_row(table + static_cast<uint64_t>(id) * td,
+                           __ldg(reinterpret_cast<const float*>(t.scale) + id), dst, td,
+                           rows::fp8_vec(table, dst, td), lane);
+    }
+}
+
+}  // namespace ngram

@@ -1,0 +1,222 @@
+"""``NgramDecoder``: the n-gram embedding with its token history on the device, for serving loops
+that capture their whole decode step in one CUDA graph.
+
+``FusedNgramEmbedding`` builds each new token's look-back window on the host and uploads it per
+call. Here every slot (one live request) keeps its last ``N - 1`` tokens (plus ``max_draft``, so
+rejected speculative tokens can be rolled back) in device memory, and one kernel both reads the
+windows from that history and appends the call's tokens to it. ``prefill`` and ``step`` take
+device pointers only and do no host synchronisation, allocation or upload: both can be recorded
+inside the caller's stream capture and replayed with new token values written to the same
+device buffers (for example by ``embed_from_argmax``, whose ids feed ``step`` directly).
+
+Per call: ``ngram_decode_gather`` (hash, gather of all T tables' rows, history update) and the
+fused path's GEMM with the word-row epilogue: the same function and roundings as
+``FusedNgramEmbedding``, so the two agree bit for bit on the same tokens.
+
+Static under capture: the argument values of the captured call (pointers, ``num_seqs``,
+``num_tokens``, ``k``). ``max_seqs``, ``max_rows`` and ``max_draft`` are fixed at construction.
+Token values, slots, ``cu_seqlens`` and rollback counts are read on the device each replay; bad
+ones never make a kernel touch memory outside its buffers: they set a flag that ``check_errors``
+reads (one small copy, outside the hot path), and the affected rows come out as zeros.
+
+Tables: resident bf16 and fp8, and host-memory tables (read in place over PCIe). ``RowCache``
+tables need the host to resolve every step and are refused: serve them with the fused path.
+Like the fused path, one decoder must not run on two streams at once (it has one gather buffer).
+"""
+
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+
+from gpu_runtime import DeviceArray, DevicePtr, GpuBackend
+
+from ..ops import gemm as gemm_ops
+from ..ops import ngram_decode as decode_ops
+from ..ops.checks import require_count, require_ptr
+from .embedding import NgramEmbedding
+from .fused import FusedNgramEmbedding
+from .tables import CachedTable
+
+
+class DecodeError(enum.IntFlag):
+    """What ``check_errors`` found since the last check (``ctrl[0]`` of the kernels)."""
+
+    NONE = 0
+    TOKEN = 1     # a token >= vocab: its row was zeroed, it ends later look-backs
+    SLOT = 2      # a slot >= max_seqs: that sequence's rows were zeroed, no history touched
+    SEQLENS = 4   # cu_seqlens not 0 <= ... <= num_tokens, non-decreasing: rows left out zeroed
+    ROLLBACK = 8  # a rollback count deeper than the history (over max_draft): slot unchanged
+
+
+Buffer = int | DeviceArray  # a device address, or a DeviceArray of uint32
+
+
+class NgramDecoder:
+    def __init__(self, layer: NgramEmbedding, *, max_seqs: int, max_rows: int, gpu: GpuBackend,
+                 stream: int = 0, max_draft: int = 0) -> None:
+        if any(isinstance(t, CachedTable) for t in layer.tables):
+            raise ValueError("NgramDecoder: RowCache tables need host work every step; serve "
+                             "them with FusedNgramEmbedding, or hold the table in host memory "
+                             "(NgramTable.Host)")
+        for value, name, low in ((max_seqs, "max_seqs", 1), (max_rows, "max_rows", 1),
+                                 (max_draft, "max_draft", 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value < 1 << 31:
+                raise ValueError(f"NgramDecoder: {name} must be an int in {low}..2**31-1, got {value!r}")
+        dims = layer.dims
+        self.dims, self.gpu, self.stream = dims, gpu, stream
+        self.max_seqs, self.max_rows, self.max_draft = max_seqs, max_rows, max_draft
+        self.hist_len = max(dims.max_ngram - 1 + max_draft, 1)
+        self.gather_k = gpu.kernel(decode_ops.MODULE, decode_ops.GATHER)
+        self.rollback_k = gpu.kernel(decode_ops.MODULE, decode_ops.ROLLBACK)
+        self.hist = self.state = self.ctrl = self.word_ids = DevicePtr(0)
+        self.fused: FusedNgramEmbedding | None = None
+        try:
+            self.fused = FusedNgramEmbedding(layer, max_rows, gpu, stream)  # weights, gather buffer
+            self.hist = gpu.alloc(max_seqs * self.hist_len * 4)
+            self.state = gpu.alloc(max_seqs * 2 * 4)
+            self.ctrl = gpu.alloc(2 * 4)
+            self.word_ids = gpu.alloc(max_rows * 4)
+            gpu.memset(self.hist, 0xFF, max_seqs * self.hist_len * 4, stream)
+            gpu.memset(self.state, 0, max_seqs * 2 * 4, stream)
+            gpu.memset(self.ctrl, 0, 2 * 4, stream)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- calls (capturable) -----------------------------------------------------------------------
+    def prefill(self, tokens: Buffer, cu_seqlens: Buffer, slots: Buffer, num_seqs: int,
+                num_tokens: int, out: int, stream: int = 0) -> None:
+        """Embed a ragged batch: sequence ``s`` is ``tokens[cu_seqlens[s]:cu_seqlens[s+1]]`` and
+        continues the history of slot ``slots[s]`` (after ``reset`` for a new request; a later
+        chunk of the same prompt just continues it). ``out [num_tokens, D]`` bf16, rows in order.
+        ``tokens`` u32 [num_tokens], ``cu_seqlens`` u32 [num_seqs + 1], ``slots`` u32 [num_seqs]."""
+        num_seqs, num_tokens = self._sizes(num_seqs, num_tokens)
+        self._run(self._ptr(tokens, num_tokens, "tokens"), self._ptr(cu_seqlens, num_seqs + 1, "cu_seqlens"),
+                  self._ptr(slots, num_seqs, "slots"), num_seqs, num_tokens, 0, out, stream)
+
+    def step(self, tokens: Buffer, slots: Buffer, num_seqs: int, out: int, stream: int = 0, *,
+             k: int = 1) -> None:
+        """``k`` new tokens for each of ``num_seqs`` sequences (k > 1: speculative drafts, to be
+        verified and the rejected ones dropped with ``rollback``): ``tokens [num_seqs, k]`` u32,
+        ``slots [num_seqs]`` u32, ``out [num_seqs * k, D]`` bf16."""
+        k = require_count(k, "step k")
+        if k < 1:
+            raise ValueError(f"NgramDecoder.step: k must be >= 1, got {k}")
+        num_seqs, rows = self._sizes(num_seqs, require_count(num_seqs, "num_seqs") * k)
+        self._run(self._ptr(tokens, rows, "tokens"), 0, self._ptr(slots, num_seqs, "slots"),
+                  num_seqs, rows, k, out, stream)
+
+    def rollback(self, slots: Buffer, counts: Buffer, num_seqs: int, stream: int = 0) -> None:
+        """Drop the last ``counts[s]`` tokens (u32, on the device) of slot ``slots[s]``'s history;
+        at most ``max_draft`` beyond what later steps wrote (deeper: ``DecodeError.ROLLBACK``)."""
+        self._open()
+        num_seqs, _ = self._sizes(num_seqs, 0)
+        decode_ops.ngram_decode_rollback(self.gpu, self.rollback_k, self._ptr(slots, num_seqs, "slots"),
+                                         self._ptr(counts, num_seqs, "counts"), self.state, self.ctrl,
+                                         num_seqs, self.max_seqs, self.max_draft, stream)
+
+    def reset(self, slot: int, stream: int = 0) -> None:
+        """Empty slot ``slot``'s history (a new request); a memset, so capturable too."""
+        self._open()
+        slot = require_count(slot, "slot")
+        if slot >= self.max_seqs:
+            raise ValueError(f"NgramDecoder.reset: slot {slot} outside 0..{self.max_seqs - 1}")
+        self.gpu.memset(self.state.offset(slot * 8), 0, 8, stream)
+
+    def reset_all(self, stream: int = 0) -> None:
+        self._open()
+        self.gpu.memset(self.state, 0, self.max_seqs * 8, stream)
+
+    # -- outside the hot path ---------------------------------------------------------------------
+    def check_errors(self, stream: int | None = None) -> DecodeError:
+        """The flags raised by every call since the last check, then cleared. Waits for
+        ``stream`` (default: the construction stream), so keep it out of the step loop."""
+        self._open()
+        stream = self.stream if stream is None else stream
+        word = np.zeros(1, np.uint32)
+        self.gpu.copy_d2h(word, self.ctrl, stream)
+        if word[0]:
+            self.gpu.memset(self.ctrl, 0, 4, stream)
+        return DecodeError(int(word[0]))
+
+    def history(self, slot: int, stream: int | None = None) -> np.ndarray:
+        """The tokens slot ``slot`` looks back on (its last ``min(pos, N - 1)``, oldest first;
+        a bad token is kept as 0xFFFFFFFF); waits for ``stream``. For tests and debugging."""
+        self._open()
+        slot = require_count(slot, "slot")
+        if slot >= self.max_seqs:
+            raise ValueError(f"NgramDecoder.history: slot {slot} outside 0..{self.max_seqs - 1}")
+        stream = self.stream if stream is None else stream
+        state = np.zeros(2, np.uint32)
+        ring = np.zeros(self.hist_len, np.uint32)
+        self.gpu.copy_d2h(state, self.state.offset(slot * 8), stream)
+        self.gpu.copy_d2h(ring, self.hist.offset(slot * self.hist_len * 4), stream)
+        pos = int(state[0])
+        return ring[[q % self.hist_len for q in range(pos - min(pos, self.dims.max_ngram - 1), pos)]]
+
+    def close(self) -> None:
+        """Free the state and the fused weights it built (not the layer's weights)."""
+        for name in ("hist", "state", "ctrl", "word_ids"):
+            ptr = getattr(self, name)
+            if ptr and not getattr(self.gpu, "closed", False):
+                self.gpu.free(ptr)
+            setattr(self, name, DevicePtr(0))
+        if self.fused is not None:
+            self.fused.close()
+            self.fused = None
+
+    def __enter__(self) -> "NgramDecoder":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def _open(self) -> None:
+        if not self.state:
+            raise ValueError("NgramDecoder: closed")
+        if self.fused is None or not self.fused.layer.ids_dev:
+            raise ValueError("NgramDecoder: its NgramEmbedding is closed")
+
+    def _sizes(self, num_seqs: int, rows: int) -> tuple[int, int]:
+        num_seqs, rows = require_count(num_seqs, "num_seqs"), require_count(rows, "num_tokens")
+        if num_seqs > self.max_seqs:
+            raise ValueError(f"NgramDecoder: num_seqs {num_seqs} over max_seqs {self.max_seqs}")
+        if rows > self.max_rows:
+            raise ValueError(f"NgramDecoder: {rows} rows over max_rows {self.max_rows}")
+        if rows and not num_seqs:
+            raise ValueError(f"NgramDecoder: {rows} tokens in no sequence")
+        return num_seqs, rows
+
+    @staticmethod
+    def _ptr(buf: Buffer, count: int, what: str) -> int:
+        """The address of a u32 device buffer of at least ``count`` entries."""
+        if isinstance(buf, DeviceArray):
+            if buf.dtype != np.uint32:
+                raise ValueError(f"NgramDecoder {what}: dtype {buf.dtype}, expected uint32")
+            if buf.size < count:
+                raise ValueError(f"NgramDecoder {what}: {buf.size} entries, the call needs {count}")
+            buf = buf.ptr
+        if isinstance(buf, bool) or not isinstance(buf, int):
+            raise TypeError(f"NgramDecoder {what}: expected a device address or DeviceArray, got {buf!r}")
+        require_ptr(buf, f"NgramDecoder {what}")
+        return int(buf)
+
+    def _run(self, tokens: int, cu_seqlens: int, slots: int, num_seqs: int, rows: int,
+             per_seq: int, out: int, stream: int) -> None:
+        self._open()
+        require_ptr(out, "NgramDecoder out")
+        if rows == 0:
+            return
+        dims, fused, gpu = self.dims, self.fused, self.gpu
+        t, td = dims.num_tables(), dims.table_dim()
+        decode_ops.ngram_decode_gather(
+            gpu, self.gather_k, tokens, cu_seqlens, slots, self.hist, self.state, fused.desc,
+            fused.pows, fused.gather_buf, self.word_ids, self.ctrl, rows, num_seqs, per_seq,
+            self.max_seqs, self.hist_len, dims.vocab_size, t, dims.max_ngram, dims.splits, td,
+            dims.eos_id, stream)
+        gemm_ops.dense_gemm_bf16_word(gpu, fused.gemm_k, fused.gather_buf, fused.projs_weight, out,
+                                      rows, dims.hidden_size, t * td, self.word_ids,
+                                      fused.layer.word.weight, fused.inv_scale, stream, overlap=True)

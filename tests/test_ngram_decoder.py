@@ -1,0 +1,345 @@
+"""NgramDecoder: on the CPU, two launches per call and no host work a capture could not hold, and
+every host-side refusal before any launch; on the GPU, bit for bit the fused path on the same
+tokens through ragged and chunked prefills, 100 graph-replayed decode steps, EOS, slot reuse,
+k-token steps with rollbacks, host-memory reads of the histories, and every device-side bad
+value flagged with the other rows intact and nothing written outside the outputs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gpu_runtime import DeviceArray, DevicePtr
+from layers import reference as ref
+from layers.ngram_embed.decoder import DecodeError, NgramDecoder
+from layers.ngram_embed.fused import FusedNgramEmbedding
+from tests.fakes import RecordingBackend
+from tests.helpers import Guarded, bits
+from tests.test_ngram_embedding import BF16, device_layer, free_layer, random_layer, small_dims
+
+P = [DevicePtr(0x100000 * (i + 1)) for i in range(6)]
+
+
+def recording_decoder(max_draft=0):
+    gpu = RecordingBackend()
+    dims = small_dims(max_ngram=3, splits=2, eos_id=7)
+    layer = device_layer(gpu, random_layer(np.random.default_rng(1), dims, "bf"), max_tokens=8)
+    return gpu, NgramDecoder(layer, max_seqs=4, max_rows=32, gpu=gpu, max_draft=max_draft)
+
+
+# -- CPU --------------------------------------------------------------------------------------
+def test_calls_are_launches_only():
+    gpu, dec = recording_decoder(max_draft=2)
+    gpu.launches.clear()
+    gpu.ops.clear()
+    dec.prefill(P[0], P[1], P[2], 3, 20, P[3], stream=5)
+    dec.step(P[0], P[2], 4, P[3], stream=5, k=3)
+    dec.rollback(P[2], P[4], 4, stream=5)
+    names = [gpu.kernel_of(launch)[1] for launch in gpu.launches]
+    assert names == ["ngram_decode_gather", "dense_gemm_bf16_word"] * 2 + ["ngram_decode_rollback"]
+    assert gpu.ops == [], "no upload, allocation or memset in the hot path"
+    assert all(launch.stream == 5 for launch in gpu.launches)
+    prefill, step = gpu.launches[0], gpu.launches[2]
+    assert prefill.args[:3] == [P[0], P[1], P[2]] and prefill.args[10:15] == [20, 3, 0, 4, dec.hist_len]
+    assert step.args[1] == 0 and step.args[10:13] == [12, 4, 3]
+    assert dec.hist_len == 2 + 2
+    gemm = gpu.launches[1]
+    assert gemm.args[3] == 20 and gemm.args[6] == dec.word_ids
+
+
+def test_reset_is_one_memset_of_the_slot_state():
+    gpu, dec = recording_decoder()
+    gpu.ops.clear()
+    dec.reset(3, stream=2)
+    assert gpu.ops == [("memset", dec.state + 24, 0, 8, 2)]
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda d: d.step(P[0], P[1], 5, P[2]), ValueError, "over max_seqs 4"),
+    (lambda d: d.step(P[0], P[1], 4, P[2], k=9), ValueError, "36 rows over max_rows 32"),
+    (lambda d: d.step(P[0], P[1], 2, P[2], k=0), ValueError, "k must be >= 1"),
+    (lambda d: d.step(0, P[1], 2, P[2]), ValueError, "tokens: null"),
+    (lambda d: d.step(P[0], P[1], 2, 0), ValueError, "out: null"),
+    (lambda d: d.step(P[0], 1.5, 2, P[2]), TypeError, "slots"),
+    (lambda d: d.step(P[0], P[1], 2.0, P[2]), TypeError, "num_seqs"),
+    (lambda d: d.prefill(P[0], P[1], P[2], 0, 5, P[3]), ValueError, "in no sequence"),
+    (lambda d: d.prefill(P[0], 0, P[2], 2, 5, P[3]), ValueError, "cu_seqlens: null"),
+    (lambda d: d.prefill(P[0], P[1], P[2], 2, 33, P[3]), ValueError, "over max_rows"),
+    (lambda d: d.rollback(P[0], 0, 2), ValueError, "counts: null"),
+    (lambda d: d.reset(4), ValueError, "slot 4 outside 0..3"),
+    (lambda d: d.reset(-1), ValueError, "slot"),
+])
+def test_refusals_launch_nothing(call, error, match):
+    gpu, dec = recording_decoder()
+    gpu.launches.clear()
+    gpu.ops.clear()
+    with pytest.raises(error, match=match):
+        call(dec)
+    assert gpu.launches == [] and gpu.ops == []
+
+
+def test_device_arrays_are_checked_for_dtype_and_size():
+    gpu, dec = recording_decoder()
+    small = DeviceArray(gpu, P[0], (3,), np.uint32)
+    wrong = DeviceArray(gpu, P[1], (8,), np.int64)
+    gpu.launches.clear()
+    with pytest.raises(ValueError, match="3 entries, the call needs 4"):
+        dec.step(small, P[1], 4, P[2])
+    with pytest.raises(ValueError, match="dtype int64"):
+        dec.step(P[0], wrong, 2, P[2])
+    assert gpu.launches == []
+    dec.step(DeviceArray(gpu, P[0], (4,), np.uint32), P[1], 4, P[2])
+    assert gpu.launches[0].args[0] == P[0]
+
+
+def test_cached_tables_and_closed_objects_are_refused():
+    gpu = RecordingBackend()
+    dims = small_dims()
+    cached = device_layer(gpu, random_layer(np.random.default_rng(2), dims, "b"), 8, cached=True)
+    with pytest.raises(ValueError, match="RowCache tables"):
+        NgramDecoder(cached, max_seqs=2, max_rows=4, gpu=gpu)
+    for bad in (0, -1, 2**31, True, 1.0):
+        with pytest.raises(ValueError, match="max_seqs"):
+            NgramDecoder(device_layer(gpu, random_layer(np.random.default_rng(3), dims, "b"), 8),
+                         max_seqs=bad, max_rows=4, gpu=gpu)
+    gpu, dec = recording_decoder()
+    dec.fused.layer.close()
+    with pytest.raises(ValueError, match="NgramEmbedding is closed"):
+        dec.step(P[0], P[1], 1, P[2])
+    dec.close()
+    with pytest.raises(ValueError, match="closed"):
+        dec.reset(0)
+
+
+# -- GPU --------------------------------------------------------------------------------------
+def u32(gpu, values, stream=0):
+    return DeviceArray.from_numpy(gpu, np.asarray(values, np.uint32), stream)
+
+
+class World:
+    """A decoder and, beside it, the fused path fed the full host-side context of every slot:
+    every decoder output must equal the fused path's rows for the same tokens, bit for bit."""
+
+    def __init__(self, gpu, rng, *, max_seqs=6, max_rows=96, max_draft=3, kinds="bf", eos=True,
+                 max_ngram=3, splits=2):
+        dims = small_dims(max_ngram=max_ngram, splits=splits, table_dim=24, hidden_size=72,
+                          base_rows=997, vocab_size=600, eos_id=5 if eos else None)
+        self.gpu, self.rng, self.dims = gpu, rng, dims
+        self.host = random_layer(rng, dims, kinds)
+        self.layer = device_layer(gpu, self.host, max_tokens=max_rows)
+        self.stream = gpu.create_stream()
+        self.dec = NgramDecoder(self.layer, max_seqs=max_seqs, max_rows=max_rows, gpu=gpu,
+                                stream=self.stream, max_draft=max_draft)
+        self.fused = FusedNgramEmbedding(self.layer, max_rows, gpu, self.stream)
+        self.ctx: dict[int, list[int]] = {s: [] for s in range(max_seqs)}
+        self.out = Guarded(gpu, (max_rows, dims.hidden_size), BF16, rng)
+
+    def tokens(self, n):
+        t = self.rng.integers(0, self.dims.vocab_size, n)
+        t[self.rng.random(n) < 0.1] = 5  # EOS inside prompts and among decoded tokens
+        return t.astype(np.uint32)
+
+    def read(self, rows):
+        self.gpu.synchronize(self.stream)
+        got = self.out.read()[:rows]
+        self.out.assert_guards_intact()
+        return got
+
+    def expect(self, slots, lens, rows):
+        """The fused path's rows for the last lens[i] tokens of each slot's context."""
+        contexts = [np.asarray(self.ctx[s], np.int64) for s in slots]
+        with Guarded(self.gpu, (max(rows, 1), self.dims.hidden_size), BF16, self.rng) as want:
+            want.poison()
+            self.gpu.synchronize(0)
+            self.fused.embed_batch(contexts, lens, want.ptr, self.gpu, self.stream)
+            self.gpu.synchronize(self.stream)
+            return want.read()[:rows]
+
+    def prefill(self, slots, lens):
+        toks = [self.tokens(n) for n in lens]
+        flat = np.concatenate(toks) if toks else np.zeros(0, np.uint32)
+        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.uint32)
+        for s, t in zip(slots, toks):
+            self.ctx[s].extend(int(x) for x in t)
+        self.out.poison()
+        self.gpu.synchronize(0)
+        with u32(self.gpu, flat if flat.size else [0]) as d_tok, u32(self.gpu, cu) as d_cu, \
+                u32(self.gpu, slots) as d_slots:
+            self.gpu.synchronize(0)
+            self.dec.prefill(d_tok, d_cu, d_slots, len(slots), int(flat.size), self.out.ptr, self.stream)
+            got = self.read(flat.size)
+        return got, self.expect(slots, lens, flat.size)
+
+    def reset(self, slot):
+        self.dec.reset(slot, self.stream)
+        self.ctx[slot] = []
+
+    def close(self):
+        self.out.free()
+        self.fused.close()
+        self.dec.close()
+        free_layer(self.layer)
+        self.gpu.destroy_stream(self.stream)
+
+
+@pytest.fixture
+def world(gpu, rng):
+    w = World(gpu, rng)
+    yield w
+    w.close()
+
+
+@pytest.mark.gpu
+def test_ragged_and_chunked_prefill_equal_the_fused_path(world):
+    lens = [7, 1, 0, 2, 30, 12]  # a slot with no tokens, sequences shorter than N - 1
+    got, want = world.prefill(list(range(6)), lens)
+    assert np.array_equal(bits(got), bits(want))
+    assert np.isfinite(got.astype(np.float32)).all()
+    # Chunked prefill: later chunks continue each slot's history.
+    for _ in range(3):
+        chunk = [int(world.rng.integers(0, 9)) for _ in range(3)]
+        got, want = world.prefill([4, 0, 2], chunk)
+        assert np.array_equal(bits(got), bits(want))
+    for s in range(6):
+        n = world.dims.max_ngram - 1
+        assert world.dec.history(s).tolist() == world.ctx[s][-n:]
+    assert world.dec.check_errors() == DecodeError.NONE
+
+
+@pytest.mark.gpu
+def test_graph_replayed_decode_steps_with_resets_and_reuse(world):
+    gpu, dec, rng = world.gpu, world.dec, world.rng
+    slots = [0, 1, 2, 3]
+    world.prefill(slots, [5, 1, 9, 2])
+    d_tok, d_slots = u32(gpu, np.zeros(4)), u32(gpu, slots)
+    out = world.out
+    gpu.synchronize(0)
+    dec.step(d_tok, d_slots, 4, out.ptr, world.stream)  # eager once: loads kernels, sets attributes
+    gpu.synchronize(world.stream)
+    for s in slots:
+        world.ctx[s].append(0)
+    gpu.begin_capture(world.stream)
+    dec.step(d_tok, d_slots, 4, out.ptr, world.stream)
+    graph = gpu.end_capture(world.stream)
+    try:
+        for step in range(100):
+            if step in (30, 71):  # a request ends; its slot is reused by a new one
+                slot = slots[step % 4]
+                world.reset(slot)
+                new = world.tokens(int(rng.integers(1, 6)))
+                with u32(gpu, new) as t, u32(gpu, [0, new.size]) as cu, u32(gpu, [slot]) as sl:
+                    gpu.synchronize(0)
+                    dec.prefill(t, cu, sl, 1, new.size, out.ptr, world.stream)
+                    gpu.synchronize(world.stream)
+                world.ctx[slot].extend(int(x) for x in new)
+            toks = world.tokens(4)
+            gpu.synchronize(world.stream)
+            gpu.copy_h2d_async(toks, d_tok.ptr, world.stream)
+            out.poison()
+            gpu.synchronize(0)
+            gpu.launch_graph(graph, world.stream)
+            got = world.read(4)
+            for s, t in zip(slots, toks):
+                world.ctx[s].append(int(t))
+            want = world.expect(slots, [1] * 4, 4)
+            assert np.array_equal(bits(got), bits(want)), step
+        assert dec.check_errors() == DecodeError.NONE
+    finally:
+        gpu.destroy_graph(graph)
+        d_tok.free()
+        d_slots.free()
+
+
+@pytest.mark.gpu
+def test_k_token_steps_with_rollbacks(world):
+    gpu, dec, rng = world.gpu, world.dec, world.rng
+    slots = [5, 2, 0]
+    world.prefill(slots, [4, 1, 6])
+    for it in range(12):
+        k = int(rng.integers(1, 4))
+        toks = world.tokens(3 * k)
+        with u32(gpu, toks) as t, u32(gpu, slots) as sl:
+            world.out.poison()
+            gpu.synchronize(0)
+            dec.step(t, sl, 3, world.out.ptr, world.stream, k=k)
+            got = world.read(3 * k)
+        for i, s in enumerate(slots):
+            world.ctx[s].extend(int(x) for x in toks[i * k:(i + 1) * k])
+        want = world.expect(slots, [k] * 3, 3 * k)
+        assert np.array_equal(bits(got), bits(want)), it
+        counts = rng.integers(0, k + 1, 3)  # drafts rejected
+        with u32(gpu, slots) as sl, u32(gpu, counts) as c:
+            gpu.synchronize(0)
+            dec.rollback(sl, c, 3, world.stream)
+            gpu.synchronize(world.stream)
+        for s, n in zip(slots, counts):
+            if n:
+                del world.ctx[s][-int(n):]
+    assert dec.check_errors() == DecodeError.NONE
+
+
+@pytest.mark.gpu
+def test_outputs_match_the_fused_reference(gpu, rng):
+    w = World(gpu, rng, kinds="fb", max_ngram=4, splits=2, eos=False)
+    try:
+        got, _ = w.prefill([0, 1], [20, 3])
+        for i, s in enumerate([0, 1]):
+            rows = got[:20] if i == 0 else got[20:]
+            want = ref.ngram_embed_fused(w.dims, w.host.word, w.host.tables, w.host.projs,
+                                         np.asarray(w.ctx[s]), len(rows))
+            g, x = rows.astype(np.float64), want.astype(np.float64)
+            assert (np.abs(g - x) <= np.abs(x) * 2.0**-7 + 1e-6).all()
+    finally:
+        w.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bad", ["token", "slot", "seqlens", "rollback"])
+def test_bad_device_values_are_flagged_and_contained(world, bad):
+    gpu, dec, v = world.gpu, world.dec, world.dims.vocab_size
+    world.prefill([0, 1, 2], [6, 3, 4])
+    before = {s: dec.history(s).tolist() for s in range(6)}
+    toks = world.tokens(8)
+    cu = np.array([0, 3, 5, 8], np.uint32)
+    slots = np.array([0, 1, 2], np.uint32)
+    if bad == "token":
+        toks[4] = v + 3  # second sequence, second row
+    elif bad == "slot":
+        slots[1] = 6
+    elif bad == "seqlens":
+        cu[2:] = [7, 5]  # the last sequence runs backwards and the total is not 8
+    world.out.poison()
+    gpu.synchronize(0)
+    if bad == "rollback":
+        with u32(gpu, [0, 1, 2]) as sl, u32(gpu, [0, 3 + 4, 1]) as c:  # 7 > max_draft 3
+            gpu.synchronize(0)
+            dec.rollback(sl, c, 3, world.stream)
+            gpu.synchronize(world.stream)
+        world.ctx[2].pop()
+        assert dec.check_errors() == DecodeError.ROLLBACK
+        assert dec.history(1).tolist() == before[1] and dec.history(2).tolist() == world.ctx[2][-2:]
+        assert dec.check_errors() == DecodeError.NONE
+        return
+    with u32(gpu, toks) as t, u32(gpu, cu) as c, u32(gpu, slots) as sl:
+        gpu.synchronize(0)
+        dec.prefill(t, c, sl, 3, 8, world.out.ptr, world.stream)
+        got = world.read(8)
+    want_flag = {"token": DecodeError.TOKEN, "slot": DecodeError.SLOT, "seqlens": DecodeError.SEQLENS}[bad]
+    assert dec.check_errors() == want_flag
+    assert dec.check_errors() == DecodeError.NONE  # cleared
+    bad_rows = {"token": [4], "slot": [3, 4], "seqlens": [7]}[bad]
+    assert not bits(got[bad_rows]).any(), "rows of bad input are zeros"
+    good = [r for r in range(8) if r not in bad_rows]
+    assert np.isfinite(got[good].astype(np.float32)).all()
+    # The good sequence(s) continued normally; the bad one's slot was left alone or sanitised.
+    world.ctx[0].extend(int(x) for x in toks[:3])
+    want0 = world.expect([0], [3], 3)
+    assert np.array_equal(bits(got[:3]), bits(want0))
+    if bad == "slot":
+        assert dec.history(1).tolist() == before[1]
+    if bad == "seqlens":
+        assert dec.history(2).tolist() == before[2]
+    if bad == "token":
+        assert dec.history(1).tolist() == [int(toks[3]), 0xFFFFFFFF]
+    for s in range(3, 6):
+        assert dec.history(s).tolist() == before[s]

@@ -20,6 +20,21 @@ first (cold NVMe). "+ prefetch" calls layer.prefetch for the next step before ea
 "bookkeeping alone" is the host time of the caches' validate + resolve + end_batch for the
 all-hit step's ids, without the layer: what a cached table adds to a step's host work.
 
+Fused table (the last printed): FusedNgramEmbedding.embed_batch(..., graph=True) on a created
+stream, B sequences of one new token each after a CONTEXT-token context (B = 1 and 64), the
+same layer with RowCache tables (all hits: the same step repeated after a warming call) and
+resident; the two are timed in alternation (bench.common.interleaved_times_us).
+  wall us       median host time per step, synchronised
+  host us       median host time until embed_batch returned
+  GPU us        median CUDA-event time per step
+  x res wall / x res host   the ratios to the resident step (targets: <= 1.3 at B = 1,
+                <= 1.5 at B = 64, wall)
+  pack us       the host time of the step's _pack and end_batch alone (windows given): for the
+                cached layer that is the ids hashed from the windows, the CacheGroup's resolve
+                and the end_batch calls; the resident one only packs
+  misses        misses during the timed steps (0: all hits)
+CACHED_BENCH=fused runs only this table (the table files are still written or reused).
+
 Miss table: one cache (capacity 65536) over table 0 resolves 65536 distinct random ids (resolve
 sorts them itself) into a fresh arena, synchronised. GB/s = bytes read / wall; io frac =
 stats.io_seconds / wall. Floors: pinned H2D copy rate, the file's cold sequential read rate
@@ -41,12 +56,14 @@ from bench.ngram_embed import CONTEXT, DIMS, device_weight
 from gpu_runtime import CudaBackend, DevicePtr
 from gpu_runtime.driver import call
 from layers.ngram_embed import NgramEmbedding, NgramTable
+from layers.ngram_embed.fused import FusedNgramEmbedding
 from layers.ngram_embed.ids import ngram_ids_tail
 from layers.ngram_embed.row_cache import RowCache
 from layers.ngram_embed.table_file import TableFile, TableFormatError, TableHeader, TableWriter
 from layers.weight_map import BF16, DenseWeight
 
 CAPACITY = 65536  # rows per table in each cache's device arena
+FUSED_BATCHES = (1, 64)  # sequences per fused decode step, one new token each
 STEPS = 2000  # decode steps of the Zipf stream
 BLOCK_ROWS = 65536  # 32 MiB of 256-wide bf16: the block tiled into the files and uploads
 GB = 1e9
@@ -135,6 +152,54 @@ def bookkeeping(caches: list[RowCache], ids: list[np.ndarray]) -> None:
         cache.end_batch()
 
 
+def fused_decode(gpu: CudaBackend, resident: NgramEmbedding, layer: NgramEmbedding, caches: list[RowCache],
+                 out: int, out_ref: int, stream: int, rng: np.random.Generator) -> list[list]:
+    """Rows of the fused table: per batch size, the resident and the all-hit cached step."""
+    vocab, h = DIMS.vocab_size, DIMS.hidden_size
+    rows_max = max(FUSED_BATCHES)
+    fused = {"resident": FusedNgramEmbedding(resident, rows_max, gpu, stream),
+             "cached, all hits": FusedNgramEmbedding(layer, rows_max, gpu, stream)}
+    sync = lambda: gpu.synchronize(stream)  # noqa: E731
+    table = []
+    try:
+        for batch in FUSED_BATCHES:
+            contexts = [rng.integers(0, vocab, CONTEXT + 1) for _ in range(batch)]
+            lens = [1] * batch
+            outs = {"resident": out_ref, "cached, all hits": out}  # fixed: each graph is captured once
+            steps = {name: (lambda i, f=f, o=outs[name]: f.embed_batch(contexts, lens, o, gpu, stream, graph=True))
+                     for name, f in fused.items()}
+            for step in steps.values():  # the first cached call loads the rows; both capture their graphs
+                step(0)
+                step(1)
+            sync()
+            a, b = np.empty(batch * h, np.uint16), np.empty(batch * h, np.uint16)
+            gpu.copy_d2h(a, out_ref, stream)
+            gpu.copy_d2h(b, out, stream)
+            say(f"fused, {batch} sequences: outputs identical: {bool(np.array_equal(a, b))}")
+            before = counts(caches)
+            times = interleaved_times_us(list(steps.values()), sync)
+            misses = int((counts(caches) - before)[1])
+            windows = fused["resident"]._windows(contexts, lens)
+
+            def pack(i: int, f: FusedNgramEmbedding) -> None:
+                f._pack(windows, contexts, lens)
+                for c in f.cached:
+                    f.layer.tables[c].cache.end_batch()
+
+            for (name, step), (wall, host) in zip(steps.items(), times):
+                f = fused[name]
+                table.append([batch, name, wall, host, gpu_time_ms(step, stream=stream, warmup=5, iters=50) * 1e3,
+                              None, None, host_time_us(lambda i, f=f: pack(i, f), warmup=100, iters=2000),
+                              misses if f.cached else None])
+            for r in table[-2:]:
+                r[5], r[6] = r[2] / table[-2][2], r[3] / table[-2][3]
+    finally:
+        sync()
+        for f in fused.values():
+            f.close()
+    return table
+
+
 def cold_sequential_read(path: str) -> float:
     """Bytes/s of reading the whole file with 8 MiB reads after dropping it from the page cache."""
     drop_page_cache([path])
@@ -208,7 +273,8 @@ def main() -> None:
         tables = [upload_table(gpu, p) for p in paths]
         resident = NgramEmbedding(DIMS, word, [NgramTable.Bf16(w) for w in tables], projs, CONTEXT, gpu)
         out = gpu.alloc(CONTEXT * h * 2)
-        out_ref = gpu.alloc(h * 2)
+        out_ref = gpu.alloc(max(FUSED_BATCHES) * h * 2)
+        only_fused = os.environ.get("CACHED_BENCH", "all") == "fused"
 
         def cached_layer() -> tuple[NgramEmbedding, list[RowCache]]:
             caches = [RowCache(gpu, p, CAPACITY, stream=stream) for p in paths]
@@ -220,6 +286,24 @@ def main() -> None:
             layer.close()
             for c in caches:
                 c.close()
+
+        say("fused decode: resident and cached all-hit, batches " + ", ".join(map(str, FUSED_BATCHES)) + " ...")
+        layer, caches = cached_layer()
+        fused_rows = fused_decode(gpu, resident, layer, caches, out, out_ref, stream, rng)
+        close(layer, caches)
+        fused_title = (f"fused decode step, graph=True: B sequences x 1 new token after {CONTEXT} ({t} tables, "
+                       f"capacity {CAPACITY})")
+        fused_header = ["B", "path", "wall us", "host us", "GPU us", "x res wall", "x res host", "pack us",
+                        "misses"]
+        if only_fused:
+            print_table(fused_title, fused_header, fused_rows)
+            resident.close()
+            gpu.free(out)
+            gpu.free(out_ref)
+            for w in [word, *projs, *tables]:
+                w.close()
+            gpu.destroy_stream(stream)
+            return
 
         say("decode: resident and cached all-hit ...")
         ctx = rng.integers(0, vocab, CONTEXT + 1)
@@ -277,6 +361,7 @@ def main() -> None:
                               *miss_run(gpu, path, stream, ids, threads)])
         print_table(f"miss throughput: {CAPACITY} random rows of {row_bytes} B into a fresh cache",
                     ["condition", "rows/s", "GB/s", "io frac"], miss_rows)
+        print_table(fused_title, fused_header, fused_rows)
 
         resident.close()
         gpu.free(out)

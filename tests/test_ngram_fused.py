@@ -214,3 +214,35 @@ def test_cached_tables_equal_resident_ones(gpu, rng, tmp_path):
         for cache in caches:
             cache.close()
         free_layer(resident)
+
+
+@pytest.mark.gpu
+def test_single_context_graph_replays_equal_eager(gpu, rng):
+    """``embed(..., graph=True)`` replays a captured shape through its own short path (the
+    context's tail through a cached window index): equal to eager calls, for list and array
+    contexts, and contexts shorter than the look-back still go through the general path."""
+    dims = small_dims(max_ngram=4, splits=2, table_dim=16, hidden_size=64, eos_id=9)
+    layer, fused = fused_of(gpu, dims, rng, "bf", max_rows=16)
+    stream = gpu.create_stream()
+    h = dims.hidden_size
+    try:
+        ctx = list(rng.integers(0, dims.vocab_size, 2))
+        with Guarded(gpu, (3, h), BF16, rng) as out:  # one output: every shape's graph is reused
+            for step in range(40):
+                ctx.append(int(rng.integers(0, dims.vocab_size)) if step % 7 else 9)
+                for s, c in ((1, ctx), (3, np.asarray(ctx))):
+                    out.poison()
+                    gpu.synchronize(0)
+                    fused.embed(c, s, out.ptr, gpu, stream, graph=True)
+                    gpu.synchronize(stream)
+                    got = out.read()[:s]
+                    want = _run(gpu, rng, lambda o: fused.embed(c, s, o, gpu, stream), s, h, stream)
+                    assert np.array_equal(bits(got), bits(want)), (step, s)
+            out.assert_guards_intact()
+            assert len(fused._graphs) == 2
+            with pytest.raises(ValueError, match="outside"):
+                fused.embed(ctx[:-1] + [dims.vocab_size], 1, out.ptr, gpu, stream, graph=True)
+    finally:
+        fused.close()
+        free_layer(layer)
+        gpu.destroy_stream(stream)

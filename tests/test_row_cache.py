@@ -4,6 +4,8 @@ prefetch; and on the GPU, a layer with cached tables equals the resident layer t
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -110,6 +112,40 @@ def test_long_stream_forces_eviction_and_stays_right(request, tmp_path, rng, fp8
         assert st.bytes_read == st.rows_read * (dim * (1 if fp8 else 2) + (4 if fp8 else 0))
     if backend == "memory":
         assert not gpu.mem and not gpu.host and not gpu.events  # all returned
+
+
+def test_a_cache_in_a_group_used_alone_behaves_as_before(tmp_path, rng):
+    """A cache whose index moved into a CacheGroup's store, resolved on its own (as the seed
+    path does), gives the slots, index state and stats of a cache never grouped; its
+    end_batch ends the group's batch (the other member's pins too)."""
+    from layers.ngram_embed.cache_group import CacheGroup
+
+    path, table, scales = table_file(tmp_path, rng, 700, 12, True)
+    other_path, _, _ = table_file(tmp_path, rng, 50, 4, False, "other.ngt")
+    gpu = mem_gpu()
+    with RowCache(gpu, path, 48, chunk_rows=7) as grouped, RowCache(gpu, path, 48, chunk_rows=7) as alone, \
+            RowCache(gpu, other_path, 8) as other:
+        resolve(grouped, [1, 2, 3])  # state before grouping carries over, pins included
+        resolve(alone, [1, 2, 3])
+        group = CacheGroup([other, grouped])
+        assert grouped.index.n_pinned == 3
+        resolve(other, [4, 5])
+        grouped.end_batch()
+        alone.end_batch()
+        assert other.index.n_pinned == 0 and not group.store.pinned.any()
+        zipf = np.minimum(rng.zipf(1.3, 8000), 700) - 1
+        for step in range(200):
+            n = int(rng.integers(0, 30))
+            ids = zipf[step * 30:step * 30 + n] if step % 2 else rng.integers(0, 700, n)
+            a, b = resolve(grouped, ids), resolve(alone, ids)
+            assert np.array_equal(a, b)
+            assert_resident(gpu, grouped, ids, a, table, scales)
+            for name in ("slot_of", "id_of", "ref", "pinned", "n_pinned", "n_free", "hand", "evictions"):
+                assert np.array_equal(getattr(grouped.index, name), getattr(alone.index, name)), (step, name)
+            grouped.end_batch()
+            alone.end_batch()
+        assert grouped.stats.evictions > 0
+        assert dataclasses.replace(grouped.stats, io_seconds=0) == dataclasses.replace(alone.stats, io_seconds=0)
 
 
 def test_pinned_rows_are_never_evicted(tmp_path, rng):

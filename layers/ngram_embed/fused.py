@@ -23,6 +23,7 @@ Like it, one instance must not run on two streams at once (its staging is shared
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import numpy as np
@@ -33,10 +34,25 @@ from ..ops import gemm as gemm_ops
 from ..ops import ngram_fused as fused_ops
 from ..weight_map import BF16, DenseWeight
 from .embedding import NgramEmbedding
-from .ids import ngram_ids_tail
-from .tables import Bf16Table, CachedTable, Fp8Table, validate_cached
+from .cache_group import cache_group
+from .ids import ids_from_windows, window_plan
+from .row_cache import RowCache
+from .tables import CachedTable, gather_entry
 
 _U32 = 1 << 32
+
+
+@functools.lru_cache(maxsize=64)
+def _window_index(lens: tuple[int, ...], n: int) -> np.ndarray:
+    """``[sum lens, n]`` positions into the padded tails (each ``s + n - 1`` long, back to back)
+    of every row's window, newest first; cached per batch shape (decode steps repeat theirs)."""
+    sizes = np.asarray(lens, np.int64)
+    row_seq = np.repeat(np.arange(sizes.size), sizes)
+    row_pos = np.arange(row_seq.size) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+    tail_start = np.cumsum(sizes + n - 1) - (sizes + n - 1)
+    index = (tail_start[row_seq] + row_pos + n - 1)[:, None] - np.arange(n)
+    index.flags.writeable = False
+    return index
 
 
 class FusedNgramEmbedding:
@@ -56,6 +72,15 @@ class FusedNgramEmbedding:
         self.gather_k = gpu.kernel("ngram_fused", "ngram_gather")
         self.gemm_k = gpu.kernel("gemm", gemm_ops.WORD_KERNEL)
         self.cached = [i for i, tb in enumerate(layer.tables) if isinstance(tb, CachedTable)]
+        # Cached tables: ids hashed on the host from the windows in one pass (_ids_plan), the
+        # RowCache ones resolved together by one CacheGroup, other RowSources one by one.
+        self._ids_plan = window_plan(dims, tuple(self.cached)) if self.cached else None
+        grouped = [j for j, c in enumerate(self.cached) if isinstance(layer.tables[c].cache, RowCache)]
+        self._group_rows = grouped  # rows of the ids (positions in self.cached) of the group's members
+        self._group_cols = [self.cached[j] for j in grouped]  # their tables: columns of the slots
+        self._group_all = len(grouped) == t  # every table in the group: it writes the packed slots itself
+        self._cache_group = cache_group([layer.tables[self.cached[j]].cache for j in grouped]) if grouped else None
+        self._other_cached = [(j, self.cached[j]) for j in range(len(self.cached)) if j not in grouped]
         self._row_words = n + 1 + (t if self.cached else 0)  # u32 words uploaded per output row
         self._graphs: dict[tuple[int, int, int], int] = {}
         self._host = None  # pinned packed-upload buffer, made with the first graph
@@ -72,7 +97,7 @@ class FusedNgramEmbedding:
         except BaseException:
             self.close()
             raise
-        self._w = DenseWeight(self.projs_cat, (h, t * td), np.dtype(BF16), DevicePtr(0), gpu)
+        self.projs_weight = DenseWeight(self.projs_cat, (h, t * td), np.dtype(BF16), DevicePtr(0), gpu)
 
     # -- construction helpers ---------------------------------------------------------------------
     def _concat_projections(self, layer: NgramEmbedding, stream: int) -> DevicePtr:
@@ -84,17 +109,8 @@ class FusedNgramEmbedding:
         return cat
 
     def _table_entries(self) -> np.ndarray:
-        entries = np.zeros((self.dims.num_tables(), 4), np.uint64)
-        for c, table in enumerate(self.layer.tables):
-            match table:
-                case Bf16Table(w):
-                    entries[c] = (w.weight, 0, self.dims.table_rows(c), 0)
-                case Fp8Table(w):
-                    entries[c] = (w.weight, w.row_scale, self.dims.table_rows(c), 0)
-                case CachedTable(cache):
-                    scale = cache.scale_dev_va()
-                    entries[c] = (cache.table_dev_va(), scale or 0, self.dims.table_rows(c), fused_ops.CACHED)
-        return entries
+        return np.array([gather_entry(table, self.dims.table_rows(c))
+                         for c, table in enumerate(self.layer.tables)], np.uint64).reshape(-1, 4)
 
     def _upload(self, array: np.ndarray, stream: int) -> DevicePtr:
         ptr = self.gpu.alloc(array.nbytes)
@@ -105,7 +121,33 @@ class FusedNgramEmbedding:
     def embed(self, ctx_tokens: Sequence[int] | np.ndarray, seq_len: int, out: int, gpu: GpuBackend,
               stream: int = 0, *, graph: bool = False) -> None:
         """The embedding of the last ``seq_len`` tokens of ``ctx_tokens`` into ``out``."""
+        if graph and not self.cached and self._replay_tail(ctx_tokens, seq_len, out, stream):
+            return
         self.embed_batch([ctx_tokens], [seq_len], out, gpu, stream, graph=graph)
+
+    def _replay_tail(self, ctx: Sequence[int] | np.ndarray, seq_len: int, out: int, stream: int) -> bool:
+        """The decode loop's call (one context, a shape already captured, no cached tables) in a
+        few numpy operations: the window rows are the context's tail read through a cached
+        index. Returns False, having done nothing, for anything else (the general path then
+        serves or refuses it)."""
+        if isinstance(seq_len, (bool, np.bool_)) or not isinstance(seq_len, (int, np.integer)):
+            return False
+        exe = self._graphs.get((seq_len, out, stream))
+        n = self.dims.max_ngram
+        want = seq_len + n - 1
+        if exe is None or not hasattr(ctx, "__len__") or getattr(ctx, "ndim", 1) != 1 or len(ctx) < want:
+            return False
+        tail = np.asarray(ctx[len(ctx) - want:])
+        if (tail.ndim != 1 or tail.dtype.kind not in "iu" or (tail.dtype.kind == "i" and tail.min() < 0)
+                or tail.max() >= self.dims.vocab_size or not self.staging or not self.layer.ids_dev):
+            return False
+        self.gpu.event_synchronize(self._done)  # the previous call's upload has read the buffer
+        words = self._host.view(np.uint32)
+        words[:seq_len * n] = tail[_window_index((int(seq_len),), n)].reshape(-1)
+        words[seq_len * n:seq_len * (n + 1)] = tail[n - 1:]
+        self.gpu.launch_graph(exe, stream)
+        self.gpu.record_event(self._done, stream)
+        return True
 
     def embed_batch(self, contexts: Sequence[Sequence[int] | np.ndarray], seq_lens: Sequence[int],
                     out: int, gpu: GpuBackend, stream: int = 0, *, graph: bool = False) -> None:
@@ -136,7 +178,9 @@ class FusedNgramEmbedding:
                 self._launch(rows, out, stream)
                 gpu.record_event(self._done, stream)
         finally:
-            for c in self.cached:
+            if self._cache_group is not None:
+                self._cache_group.end_batch()
+            for _, c in self._other_cached:
                 self.layer.tables[c].cache.end_batch()
 
     def prefetch_batch(self, contexts: Sequence[Sequence[int] | np.ndarray], seq_lens: Sequence[int]) -> int:
@@ -148,10 +192,11 @@ class FusedNgramEmbedding:
 
     def _windows(self, contexts: Sequence, seq_lens: Sequence[int]) -> np.ndarray:
         """``[R, N]`` u32: each new token and the N - 1 before it (``NO_TOKEN`` before the start).
-        Only each context's tail is read; the per-sequence loop only slices, the rest is
-        vectorised over the batch (a serving step has hundreds of sequences)."""
+        Only each context's tail is read and converted; the per-sequence loop only slices and
+        checks, the rest is one vectorised pass over the batch (a serving step has hundreds of
+        sequences, a decode call one: both stay a handful of numpy operations)."""
         n, v = self.dims.max_ngram, self.dims.vocab_size
-        tails, pads, lens = [], [], []
+        tails, lens = [], []
         for i, (ctx, s) in enumerate(zip(contexts, seq_lens)):
             if isinstance(s, (bool, np.bool_)) or not isinstance(s, (int, np.integer)) or s < 0:
                 raise ValueError(f"fused ngram embed: seq_lens[{i}] must be a non-negative int, got {s!r}")
@@ -160,29 +205,30 @@ class FusedNgramEmbedding:
             if s > len(ctx):
                 raise ValueError(f"fused ngram embed: seq_lens[{i}] = {s} over its {len(ctx)} tokens")
             if s:
-                want = s + n - 1
-                tails.append(ctx[max(len(ctx) - want, 0):])
-                pads.append(want - len(tails[-1]))
-                lens.append(s)
+                tails.append(ctx[max(len(ctx) - s - n + 1, 0):])
+                lens.append(int(s))
         if not tails:
             return np.zeros((0, n), np.uint32)
-        flat = np.concatenate(tails)
+        flat = np.asarray(tails[0]) if len(tails) == 1 else np.concatenate(tails)
         if flat.ndim != 1:
             raise ValueError(f"fused ngram embed: contexts must be 1-D, got rows of shape {flat.shape[1:]}")
-        if flat.size and flat.dtype.kind not in "iu":
+        if flat.dtype.kind not in "iu":
             raise ValueError("fused ngram embed: contexts must hold integer token ids")
-        if flat.size and (flat.min() < 0 or flat.max() >= v):
+        if (flat.dtype.kind == "i" and flat.min() < 0) or flat.max() >= v:
             bad = flat[(flat < 0) | (flat >= v)][0]
             raise ValueError(f"fused ngram embed: token {int(bad)} outside 0..V-1 = 0..{v - 1}")
-        if any(pads):  # contexts shorter than their look-back: NO_TOKEN before the start
-            flat = np.concatenate([part for tail, pad in zip(tails, pads)
-                                   for part in (np.full(pad, fused_ops.NO_TOKEN, np.uint32), tail)])
-        lens_arr = np.asarray(lens)
-        seq_start = np.concatenate([[0], np.cumsum(lens_arr + n - 1)[:-1]])  # each padded tail in flat
-        row_seq = np.repeat(np.arange(len(lens)), lens_arr)
-        row_pos = np.arange(row_seq.size) - np.repeat(np.cumsum(lens_arr) - lens_arr, lens_arr)
-        newest = seq_start[row_seq] + row_pos + n - 1
-        return flat.astype(np.uint32, copy=False)[newest[:, None] - np.arange(n)]
+        # Each tail padded in front to s + n - 1 entries with NO_TOKEN (before the context start).
+        padded = np.empty(sum(lens) + len(lens) * (n - 1), np.uint32)
+        if len(lens) == 1:
+            padded[:padded.size - flat.size] = fused_ops.NO_TOKEN
+            padded[padded.size - flat.size:] = flat
+        else:
+            padded.fill(fused_ops.NO_TOKEN)
+            ends = np.cumsum(np.asarray(lens, np.int64) + (n - 1))
+            sizes = np.fromiter((len(tail) for tail in tails), np.int64, len(tails))
+            dest = np.repeat(ends - sizes, sizes) + (np.arange(flat.size) - np.repeat(np.cumsum(sizes) - sizes, sizes))
+            padded[dest] = flat
+        return padded[_window_index(tuple(lens), n)]
 
     def _pack(self, windows: np.ndarray, contexts: Sequence, seq_lens: Sequence[int]) -> np.ndarray:
         """One u32 buffer: windows [R, N], word ids [R], then (cached tables) slots [R, T]."""
@@ -192,14 +238,26 @@ class FusedNgramEmbedding:
         packed[rows * n:rows * (n + 1)] = windows[:, 0]
         if self.cached:
             slots = packed[rows * (n + 1):].reshape(rows, t)
-            slots[:] = 0
-            ids = [np.concatenate(parts) for parts in zip(*(
-                ngram_ids_tail(self.dims, ctx, s) for ctx, s in zip(contexts, seq_lens) if s))]
-            validate_cached(self.layer.tables, ids)  # every refusal before the first load
-            for c in self.cached:
+            # [len(cached), R] ids of every cached table in one pass over the windows, which
+            # _windows built and checked; each is its hash modulo the table's rows (in range).
+            ids = ids_from_windows(self._ids_plan, windows)
+            tables = self.layer.tables
+            for j, c in self._other_cached:  # every refusal before the first load
+                if hasattr(tables[c].cache, "validate"):
+                    tables[c].cache.validate(ids[j])
+            group = self._cache_group
+            if group is not None and self._group_all:  # the group checks all, then loads
+                group.resolve(ids, slots, in_range=True)
+            else:
+                slots[:] = 0
+                if group is not None:
+                    group_slots = np.empty((rows, len(self._group_rows)), np.uint32)
+                    group.resolve(ids[self._group_rows], group_slots, in_range=True)
+                    slots[:, self._group_cols] = group_slots
                 column = np.empty(rows, np.uint32)
-                self.layer.tables[c].cache.resolve(ids[c], column)
-                slots[:, c] = column
+                for j, c in self._other_cached:
+                    tables[c].cache.resolve(ids[j], column)
+                    slots[:, c] = column
         return packed
 
     def _launch(self, rows: int, out: int, stream: int) -> None:
@@ -208,9 +266,9 @@ class FusedNgramEmbedding:
         slots = self.staging.offset(rows * (n + 1) * 4) if self.cached else 0
         fused_ops.ngram_gather(self.gpu, self.gather_k, self.staging, self.desc, self.pows, slots,
                                self.gather_buf, 0, rows, t, n, dims.splits, td, dims.eos_id, stream)
-        gemm_ops.dense_gemm_bf16_word(self.gpu, self.gemm_k, self.gather_buf, self._w, out, rows,
+        gemm_ops.dense_gemm_bf16_word(self.gpu, self.gemm_k, self.gather_buf, self.projs_weight, out, rows,
                                       dims.hidden_size, t * td, words, self.layer.word.weight,
-                                      self.inv_scale, stream)
+                                      self.inv_scale, stream, overlap=True)
 
     def _replay(self, packed: np.ndarray, rows: int, out: int, stream: int) -> None:
         gpu = self.gpu

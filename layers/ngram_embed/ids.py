@@ -223,3 +223,109 @@ def _look_back(tok: np.ndarray, base: np.ndarray, d: int, eos_id: int | None,
         return None
     shifted *= alive  # bool -> 0/1 in uint64
     return shifted, alive
+
+
+# -- ids from look-back windows (the fused path's host hashing of cached tables) -------------------
+NO_TOKEN = 0xFFFFFFFF  # a window entry before the context start (``layers.ops.ngram_fused.NO_TOKEN``)
+
+
+@dataclass(frozen=True)
+class WindowPlan:
+    """``ngram_ids_windows``'s constants for (dims, tables), taken from ``_plan``."""
+
+    mults: np.ndarray  # [Tsel, N] uint64: V**d mod M_c, 0 for d >= order(c) (``_plan``'s mults)
+    m_col: np.ndarray  # [Tsel, 1] uint64 moduli
+    one_reduction: bool  # sum_d (V-1) * max mult_d < 2**64: reduce once, after the sum
+    zero: bool  # V = 1 or every M_c = 1: every id is 0
+    eos: int | None
+
+
+@functools.lru_cache(maxsize=64)
+def window_plan(dims: NgramDims, tables: tuple[int, ...]) -> WindowPlan:
+    t, n = dims.num_tables(), dims.max_ngram
+    if dims.vocab_size >= NO_TOKEN or any(dims.table_rows(c) >= 1 << 32 for c in range(t)):
+        raise ValueError("ngram ids from windows: needs vocab_size < 2**32 - 1 and every table "
+                         "< 2**32 rows (the fused path's limits)")
+    for c in tables:
+        dims._check_index(c)
+    plan = _plan(dims)
+    # Below 2**32 rows s >= 32 and tokens below 2**32 - 1 fit one digit: no reduction first,
+    # one digit (none when V = 1: every token, hence every id, is 0).
+    assert not plan.reduce_first and plan.n_digits <= 1
+    sel = list(tables)
+    zero = plan.n_digits == 0 or plan.m_max == 1
+    if zero:
+        mults = np.zeros((len(sel), n), np.uint64)
+        one = True
+    else:
+        mults = np.ascontiguousarray(np.concatenate([plan.mults[d][0][0] for d in range(n)], axis=1)[sel])
+        one = sum(plan.mults[d][0][1] for d in range(n)) <= _U64_MAX  # the bound ``_hash`` keeps
+    m_col = np.ascontiguousarray(plan.m_col[sel])
+    for arr in (mults, m_col):
+        arr.flags.writeable = False
+    return WindowPlan(mults, m_col, one, zero, dims.eos_id)
+
+
+def ngram_ids_windows(dims: NgramDims, windows: np.ndarray, tables: Sequence[int] | None = None) -> np.ndarray:
+    """The ids of tables ``tables`` (default all, in table order) for rows given as look-back
+    windows: ``[len(tables), R]`` int64, ``out[j, r]`` the id of table ``tables[j]`` at row r.
+
+    ``windows [R, N]`` uint32 is the fused path's upload (``FusedNgramEmbedding._windows``):
+    ``windows[r, d]`` is the token ``d`` positions before row r's token, ``NO_TOKEN`` before the
+    context start. Equal to ``ngram_ids_tail``, rule for rule: ``d = 0`` always counts, the first
+    ``d >= 1`` that is ``NO_TOKEN`` or the EOS ends the n-gram (that term and the later ones add
+    0), and the same exact-integer bound as ``_hash`` (from its plan). One numpy pass over all
+    rows and tables: a product with the ``[T, N]`` multipliers and one reduction.
+
+    Limited to the fused path's case: vocab_size < 2**32 - 1 and every table < 2**32 rows
+    (ValueError otherwise), so tokens and residues fit 32 bits and a product 64.
+    """
+    sel = tuple(range(dims.num_tables())) if tables is None else tuple(int(c) for c in tables)
+    wp = window_plan(dims, sel)
+    if not (isinstance(windows, np.ndarray) and windows.dtype == np.uint32 and windows.ndim == 2
+            and windows.shape[1] == dims.max_ngram):
+        raise ValueError(f"ngram ids from windows: windows must be a uint32 [R, {dims.max_ngram}] "
+                         f"array, got {getattr(windows, 'dtype', type(windows))} {getattr(windows, 'shape', '')}")
+    if windows.size:
+        v = dims.vocab_size
+        bad = (windows >= v) & (windows != NO_TOKEN)
+        bad[:, 0] |= windows[:, 0] == NO_TOKEN  # a row's own token is always there
+        if bad.any():
+            r, d = (int(x[0]) for x in np.nonzero(bad))
+            raise ValueError(f"ngram ids from windows: windows[{r}, {d}] = {int(windows[r, d])} is not a "
+                             f"token in 0..V-1 = 0..{v - 1}" + (" or NO_TOKEN" if d else ""))
+    return ids_from_windows(wp, windows)
+
+
+def ids_from_windows(wp: WindowPlan, windows: np.ndarray) -> np.ndarray:
+    """``ngram_ids_windows`` without its checks, for windows the caller built and checked
+    (``wp = window_plan(dims, tables)``). About five numpy operations whatever R and T."""
+    rows = windows.shape[0]
+    if wp.zero or rows == 0:
+        return np.zeros((wp.mults.shape[0], rows), np.int64)
+    tok = windows.astype(np.uint64)
+    look = windows[:, 1:]
+    # Cut look-backs: entries from the first NO_TOKEN or EOS at d >= 1 on add nothing. A decode
+    # step's handful of entries is searched as a list (cheaper than numpy's reductions there).
+    if look.size <= 64:
+        entries = look.ravel().tolist()
+        cut = NO_TOKEN in entries or (wp.eos is not None and wp.eos in entries)
+    elif wp.eos is None:
+        cut = int(look.max()) == NO_TOKEN  # the largest uint32
+    else:
+        stop = look == NO_TOKEN
+        if wp.eos is not None:
+            stop |= look == wp.eos
+        cut = bool(stop.any())
+    if cut:
+        stop = look == NO_TOKEN
+        if wp.eos is not None:
+            stop |= look == wp.eos
+        tok[:, 1:][np.logical_or.accumulate(stop, axis=1)] = 0  # tokens now < V: the bound holds
+    if wp.one_reduction:  # every product and their sum below 2**64
+        ids = wp.mults.dot(tok[0]).reshape(-1, 1) if rows == 1 else wp.mults @ tok.T  # [Tsel, R]
+        ids %= wp.m_col
+    else:  # each product below 2**64, reduced before the sum: N * (M - 1) < 2**64
+        ids = (wp.mults[:, :, None] * tok.T[None, :, :] % wp.m_col[:, :, None]).sum(axis=1)
+        ids %= wp.m_col
+    return ids.view(np.int64)

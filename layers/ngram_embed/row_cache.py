@@ -20,6 +20,10 @@ page cache. Copying them to the device ahead too would save microseconds, not di
 and would cost a second stream, a thread and the GIL contention that comes with it (measured:
 it doubled a decode step).
 
+The fused layer resolves all its ``RowCache`` tables through one ``CacheGroup``
+(``cache_group.py``), which moves their indexes into one concatenated store so that a step's
+hits cost a few numpy operations for all tables together; a cache in a group still works alone.
+
 Every upload and scatter runs on the ``stream`` given at construction, which must be the
 stream the gathers run on (the layer's stream): loads and gathers are then ordered, and a slot
 is never overwritten before the gathers queued earlier have read it.
@@ -163,8 +167,9 @@ class RowCache:
         self.gpu, self.stream = gpu, stream
         self.rows, self.dim, self.dtype = self.file.rows, self.file.dim, self.file.dtype
         self.capacity = min(capacity, self.rows)
-        self.stats = CacheStats()
+        self._stats = CacheStats()
         self.index = SlotIndex(self.rows, self.capacity)
+        self._group = None  # the CacheGroup whose index store this cache's index lives in, if any
         self._arena = DevicePtr(0)
         self._arena_scales = DevicePtr(0)
         self._readers = ThreadPoolExecutor(io_threads, "rowcache-read") if io_threads > 1 else None
@@ -200,7 +205,7 @@ class RowCache:
             if slot >= 0:
                 self.index.pin_one(slot)
                 slots_out[0] = slot
-                self.stats.hits += 1
+                self._stats.hits += 1
                 return
         elif ids.size == 0:
             return
@@ -220,13 +225,14 @@ class RowCache:
                 raise
             slots[~hit] = new
             index.pin(new)
-            self.stats.rows_read += len(missing)
-            self.stats.bytes_read += len(missing) * (self.file.row_bytes + (4 if self._arena_scales else 0))
-            self.stats.io_seconds += io
+            stats = self._stats
+            stats.rows_read += len(missing)
+            stats.bytes_read += len(missing) * (self.file.row_bytes + (4 if self._arena_scales else 0))
+            stats.io_seconds += io
         slots_out[:] = slots[inverse]
-        self.stats.hits += ids.size - len(missing)
-        self.stats.misses += len(missing)
-        self.stats.evictions = index.evictions
+        self._stats.hits += ids.size - len(missing)
+        self._stats.misses += len(missing)
+        self._stats.evictions = index.evictions
 
     def validate(self, ids: np.ndarray) -> None:
         """Refuse, loading nothing, what ``resolve(ids, ...)`` would refuse: a closed cache, ids
@@ -255,9 +261,25 @@ class RowCache:
 
     def end_batch(self) -> None:
         """The batch's rows may be evicted again (loads of later batches are queued on the same
-        stream, so they land after the gathers that read the old rows)."""
-        self._require_open()
+        stream, so they land after the gathers that read the old rows). In a ``CacheGroup`` the
+        batch is the group's: this ends it for every member (at once, so the layer's end_batch
+        of each member costs a call after the first)."""
+        if self.closed:
+            raise ValueError("RowCache is closed")
         self.index.unpin_all()
+
+    @property
+    def stats(self) -> CacheStats:
+        """The counters (a ``CacheGroup`` credits its all-hit steps' hits here when read)."""
+        if self._group is not None:
+            self._group.flush_stats()
+        return self._stats
+
+    @stats.setter
+    def stats(self, value: CacheStats) -> None:
+        if self._group is not None:
+            self._group.flush_stats()
+        self._stats = value
 
     def prefetch(self, ids: np.ndarray) -> int:
         """Start reading the rows of ``ids`` that are not resident into the page cache, without
@@ -268,7 +290,7 @@ class RowCache:
         uniq = np.unique(ids)
         todo = uniq[self.index.slot_of[uniq] < 0]
         self.file.advise_willneed(todo)
-        self.stats.prefetched += len(todo)
+        self._stats.prefetched += len(todo)
         return len(todo)
 
     def _check_ids(self, ids: np.ndarray, what: str) -> np.ndarray:
@@ -297,6 +319,8 @@ class RowCache:
         if self.closed:
             return
         self.closed = True
+        if self._group is not None:
+            self._group.member_closed()
         if self._readers is not None:
             self._readers.shutdown(wait=True)
         if self._loader is not None:

@@ -19,8 +19,8 @@ import time
 
 import numpy as np
 
-from bench.common import (copy_bandwidth, gated_gpu_us, gpu_time_ms, matmul_rate, print_table, torch_or_none,
-                          torch_time_ms, wall_time_us)
+from bench.common import (copy_bandwidth, gated_gpu_us, gpu_time_ms, interleaved_times_us, matmul_rate, print_table,
+                          torch_or_none, torch_time_ms, wall_time_us)
 from gpu_runtime import CudaBackend, DeviceArray, DevicePtr
 from layers.ngram_embed import NgramDims, NgramEmbedding, NgramTable, ngram_ids_tail
 from layers.ngram_embed.fused import FusedNgramEmbedding
@@ -135,7 +135,7 @@ def fused_table(gpu: CudaBackend, rng: np.random.Generator, dims: NgramDims, lay
         sync = lambda: gpu.synchronize(stream)  # noqa: E731
         eager_us, late = gated_gpu_us(eager, stream=stream)
         eager_wall = wall_time_us(eager, sync, warmup=3, iters=30)
-        graph_wall = wall_time_us(graph, sync, warmup=3, iters=30)
+        ((graph_wall, graph_host),) = interleaved_times_us([graph], sync, warmup=5, iters=60)
         exe = fused._graphs[(s, int(out), stream)]
         graph_us, late2 = gated_gpu_us(lambda i: gpu.launch_graph(exe, stream), stream=stream)
         torch_us = None
@@ -152,10 +152,10 @@ def fused_table(gpu: CudaBackend, rng: np.random.Generator, dims: NgramDims, lay
             torch_us = torch_time_ms(torch_fused, warmup=3, iters=20) * 1e3
         floor = floor_us(dims, s, bw, rate)
         best = min(eager_us, graph_us)
-        rows.append((s, eager_us, graph_us, eager_wall, graph_wall, torch_us,
+        rows.append((s, eager_us, graph_us, eager_wall, graph_wall, graph_host, torch_us,
                      torch_us / best if torch_us else None, floor, best / floor, late + late2))
     print_table("n-gram embedding, fused path (per call)",
-                ["S", "GPU us", "graph GPU us", "wall us", "graph wall us", "torch fused us",
+                ["S", "GPU us", "graph GPU us", "wall us", "graph wall us", "graph host us", "torch fused us",
                  "torch/ours", "floor us", "x floor", "gate expired"], rows)
 
     # Batched decode: 256 sequences, one new token each, one call.

@@ -35,11 +35,12 @@ from cuda.bindings import driver as cu
 
 import gpu_runtime.gpu as gpu_module
 import gpu_runtime.staging as staging_module
-from gpu_runtime import (CudaBackend, CudaError, DevicePtr, GpuError, KernelHandle, KernelLaunch,
-                         KernelNotFoundError)
+from gpu_runtime import (CudaBackend, CudaError, DeviceArray, DevicePtr, GpuError, KernelHandle,
+                         KernelLaunch, KernelNotFoundError)
 from layers import reference as ref
 from layers.ngram_embed import (NgramDims, NgramEmbedding, NgramTable, RowCache, TableFile,
                                 TableFormatError, TableWriter, ngram_ids, ngram_ids_tail, write_table)
+from layers.ngram_embed.decoder import NgramDecoder
 from layers.ngram_embed.fused import FusedNgramEmbedding
 from layers.ops import embed, gemm, ngram_fused, residual, row_cache, token_overlay
 from layers.ops.token_overlay import OverlayKernels
@@ -83,6 +84,8 @@ ROWS = [
     ("NgramEmbedding.embed", "`NgramEmbedding.embed`"),
     ("FusedNgramEmbedding", "`FusedNgramEmbedding(...)`"),
     ("FusedNgramEmbedding.embed", "`FusedNgramEmbedding.embed` / `embed_batch`"),
+    ("NgramDecoder", "`NgramDecoder(...)`"),
+    ("NgramDecoder.calls", "`NgramDecoder.prefill` / `step` / `rollback` / `reset`"),
     ("RowCache", "`RowCache(...)`"),
     ("RowCache.resolve", "`RowCache.resolve` / `prefetch`"),
     ("TableFile", "`TableFile(...)` / `read_rows`"),
@@ -159,7 +162,7 @@ class MemGpu(MemoryBackend):
             buf, off = self._find(dst + r * dst_pitch, width)
             buf[off:off + width] = row
 
-    def launch(self, kernel, grid, block, shared_mem, stream, kinds, args) -> None:
+    def launch(self, kernel, grid, block, shared_mem, stream, kinds, args, *, overlap=False) -> None:
         self.log.append(("launch", int(kernel)))
         super().launch(kernel, grid, block, shared_mem, stream, kinds, args)
 
@@ -320,6 +323,9 @@ class World:
         self.fused = FusedNgramEmbedding(self.layer, 8, gpu)
         self.closed_fused = FusedNgramEmbedding(self.layer, 8, gpu)
         self.closed_fused.close()
+        self.decoder = NgramDecoder(self.layer, max_seqs=4, max_rows=8, gpu=gpu, max_draft=2)
+        self.closed_decoder = NgramDecoder(self.layer, max_seqs=4, max_rows=8, gpu=gpu)
+        self.closed_decoder.close()
         self.out = self.random_buffer(8 * self.dims.hidden_size * 2)
         # a 100-row fp8 disk table and what reads and writes it
         self.table, self.scales = random_fp8(rng, (100, 8)), rng.uniform(0.1, 2, 100).astype(np.float32)
@@ -643,6 +649,36 @@ CPU_CASES = [
     case("NgramEmbedding.embed", "id", lambda w: w.layer.embed([1, 2, 500], 1, w.out, w.gpu),
          ValueError, "token 500"),
     case("NgramEmbedding.embed", "empty", lambda w: w.layer.embed([1, 2, 3], 0, w.out, w.gpu)),
+    # -- NgramDecoder: construction, then the capturable calls (device values are the kernels') --
+    case("NgramDecoder", "dtype", lambda w: NgramDecoder(w.layer, max_seqs=2.0, max_rows=8, gpu=w.gpu),
+         ValueError, "max_seqs must be an int"),
+    case("NgramDecoder", "range", lambda w: NgramDecoder(w.layer, max_seqs=4, max_rows=0, gpu=w.gpu),
+         ValueError, "max_rows must be an int in 1"),
+    case("NgramDecoder", "range", lambda w: NgramDecoder(w.cached_fused.layer, max_seqs=4, max_rows=8,
+                                                        gpu=w.gpu),
+         ValueError, "RowCache tables need host work", detail="cached", needs=("cached_fused",)),
+    case("NgramDecoder.calls", "dtype", lambda w: w.decoder.step(w.p[0], 1.5, 2, w.out), TypeError,
+         "slots: expected a device address"),
+    case("NgramDecoder.calls", "dtype", lambda w: w.decoder.step(DeviceArray(w.gpu, w.p[0], (8,), np.int32),
+                                                                 w.p[1], 2, w.out),
+         ValueError, "dtype int32", detail="device-array"),
+    case("NgramDecoder.calls", "length", lambda w: w.decoder.step(DeviceArray(w.gpu, w.p[0], (3,), np.uint32),
+                                                                  w.p[1], 2, w.out, k=2),
+         ValueError, "3 entries, the call needs 4"),
+    case("NgramDecoder.calls", "range", lambda w: w.decoder.step(w.p[0], w.p[1], 5, w.out), ValueError,
+         "over max_seqs 4"),
+    case("NgramDecoder.calls", "range", lambda w: w.decoder.prefill(w.p[0], w.p[1], w.p[2], 2, 9, w.out),
+         ValueError, "9 rows over max_rows 8", detail="rows"),
+    case("NgramDecoder.calls", "range", lambda w: w.decoder.reset(4), ValueError, "slot 4 outside 0..3",
+         detail="reset"),
+    case("NgramDecoder.calls", "null", lambda w: w.decoder.prefill(w.p[0], 0, w.p[2], 2, 5, w.out), ValueError,
+         NULL),
+    case("NgramDecoder.calls", "null", lambda w: w.decoder.rollback(w.p[0], 0, 2), ValueError, NULL,
+         detail="rollback"),
+    case("NgramDecoder.calls", "closed", lambda w: w.closed_decoder.step(w.p[0], w.p[1], 1, w.out), ValueError,
+         "closed"),
+    case("NgramDecoder.calls", "empty", lambda w: w.decoder.step(w.p[0], w.p[1], 0, w.out)),
+    case("NgramDecoder.calls", "empty", lambda w: w.decoder.rollback(w.p[0], w.p[1], 0), detail="rollback"),
     # -- FusedNgramEmbedding --
     case("FusedNgramEmbedding", "dtype", lambda w: FusedNgramEmbedding(w.layer, 2.0, w.gpu), ValueError,
          "max_rows must be a positive int"),
@@ -863,6 +899,13 @@ def _after_fused_embed(w: World) -> None:
     assert w.gpu.launched()[before:] == ["ngram_gather", "dense_gemm_bf16_word"]
 
 
+def _after_decoder(w: World) -> None:
+    before = len(w.gpu.launches)
+    w.decoder.step(w.p[0], w.p[1], 2, w.out, k=2)
+    w.decoder.rollback(w.p[1], w.p[2], 2)
+    assert w.gpu.launched()[before:] == ["ngram_decode_gather", "dense_gemm_bf16_word", "ngram_decode_rollback"]
+
+
 def _after_cache(w: World) -> None:
     ids = np.array([3, 97, 3, 41])
     slots = np.empty(4, np.uint32)
@@ -924,6 +967,8 @@ AFTER: dict[str, Callable[[World], None]] = {
     "NgramEmbedding.embed": _after_layer_embed,
     "FusedNgramEmbedding": lambda w: FusedNgramEmbedding(w.layer, 8, w.gpu).close(),
     "FusedNgramEmbedding.embed": _after_fused_embed,
+    "NgramDecoder": lambda w: NgramDecoder(w.layer, max_seqs=2, max_rows=4, gpu=w.gpu).close(),
+    "NgramDecoder.calls": _after_decoder,
     "RowCache": lambda w: RowCache(w.gpu, w.table_path, 5, io_threads=1).close(),
     "RowCache.resolve": _after_cache,
     "TableFile": _after_table_file,
@@ -1426,7 +1471,9 @@ kernel module run on the device, on buffers of random bytes compared bit for bit
 LEGEND = """\
 A cell names the exception (several: the cell's cases differ); "no-op": returns without writing or
 launching; "–": does not apply (the kernels cannot see table sizes, so the launchers take ids on
-trust and the layers that build them check them; the overlay kernels skip ids >= vocab by design);
+trust and the layers that build them check them; the overlay kernels skip ids >= vocab by design;
+`NgramDecoder`'s tokens, slots and counts live on the device: its kernels flag bad ones in the error
+word that `check_errors` reads, and never read or write outside their buffers);
 "(GPU)": checked on the GPU machine only; †: uploads to temporaries, freed before it raises
 (`from_numpy` checks each array as it uploads it, `build_overlay` its threshold after uploading
 the adapter), nothing that existed before is written."""

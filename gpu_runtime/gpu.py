@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import struct
 import threading
 from abc import ABC, abstractmethod
@@ -253,6 +254,9 @@ class CudaBackend(GpuBackend):
         self._lock = threading.RLock()
         self._tls = threading.local()
         self._tls.plans = {}
+        # GPU_RUNTIME_OVERLAP=0 runs overlap=True launches as plain ones (a tool that cannot
+        # follow programmatic dependent launches, or to rule them out when hunting a race).
+        self.overlap = os.environ.get("GPU_RUNTIME_OVERLAP", "1") != "0"
         self.closed = False
 
     # -- context and lifetime ---------------------------------------------------------------
@@ -417,7 +421,7 @@ class CudaBackend(GpuBackend):
         if shared_mem > 48 * 1024 and self._shared_set.get(kernel, 0) < shared_mem:
             self._raise_shared_limit(kernel, shared_mem)
         plan.packer.pack_into(plan.buffer, 0, *args)
-        if overlap:
+        if overlap and self.overlap:
             config = _overlap_config(grid, block, shared_mem, stream)
             (err,) = cu.cuLaunchKernelEx(config, kernel, plan.params, 0)
             call_name = "cuLaunchKernelEx"

@@ -2,9 +2,10 @@
 // table's row copied into one [R, T*td] bf16 buffer that a single GEMM then consumes.
 //
 // Why this shape:
-// * One warp per (output row r, table c) pair, pairs in order i = r*T + c and grid-strided, so
-//   consecutive warps write consecutive td-element pieces of the output (out row r is the T
-//   gathered rows side by side) and any R*T fits a capped grid.
+// * One warp per (output row r, table c) pair, grid-strided so any R*T fits a capped grid, in
+//   table-major order i = c*R + r: the warps in flight read one table at a time, which keeps a
+//   host-memory table's pages within the GPU's TLB reach (NgramTable.Host; no cost on the
+//   device). Out row r is the T gathered rows side by side, each warp writing one td piece.
 // * The hash and the row copy are ngram_hash.cuh's, shared with ngram_decode.cu (vector paths
 //   when td and the addresses allow, element-wise otherwise; fp8 dequantised with one rounding).
 // * Cached tables (flag bit 0) take their row from slots[r*T + c] instead of the hash: their rows
@@ -26,16 +27,17 @@ extern "C" __global__ void ngram_gather(const uint32_t* windows, const uint64_t*
     const uint64_t warps = static_cast<uint64_t>(gridDim.x) * blockDim.x / ngram::kWarp;
     uint64_t i = (static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / ngram::kWarp;
     for (; i < pairs; i += warps) {  // warp-uniform: the hash's ballots see all 32 lanes
-        const uint64_t r = i / num_tables;
-        const uint32_t c = static_cast<uint32_t>(i - r * num_tables);
+        const uint32_t c = static_cast<uint32_t>(i / rows_r);
+        const uint64_t r = i - static_cast<uint64_t>(c) * rows_r;
+        const uint64_t rc = r * num_tables + c;  // the pair's place in [R, T] (slots, ids_out, out)
         const ngram::Table t = ngram::load_table(tables, c);
         const uint32_t* w = windows + r * max_ngram;
         const uint32_t id = t.cached()
-            ? __ldg(slots + i)
+            ? __ldg(slots + rc)
             : ngram::hash_id([w](uint32_t d) { return __ldg(w + d); },
                              pows + static_cast<uint64_t>(c) * max_ngram, c / splits + 2, t.rows,
                              eos, lane);
-        if (ids_out != nullptr && lane == 0) ids_out[i] = id;
-        ngram::copy_table_row(t, id, out + i * td, td, lane);
+        if (ids_out != nullptr && lane == 0) ids_out[rc] = id;
+        ngram::copy_table_row(t, id, out + rc * td, td, lane);
     }
 }

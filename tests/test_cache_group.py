@@ -463,6 +463,7 @@ def test_fused_cached_tables_equal_resident_with_graphs(gpu, rng, tmp_path, layo
     host = random_layer(rng, dims, "bf")
     stream = gpu.create_stream()
     resident = device_layer(gpu, host, max_tokens=64)
+    gpu.synchronize(0)  # uploaded on the default stream; the fused layers read them on `stream`
     tables, caches = list(resident.tables), []
     for c, (table, scale) in enumerate(host.tables):
         if layout == "all" or c % 2:

@@ -127,6 +127,7 @@ class World:
         self.gpu, self.rng, self.dims = gpu, rng, dims
         self.host = random_layer(rng, dims, kinds)
         self.layer = device_layer(gpu, self.host, max_tokens=max_rows)
+        gpu.synchronize(0)  # uploaded on the default stream; the decoder and fused path read them on ours
         self.stream = gpu.create_stream()
         self.dec = NgramDecoder(self.layer, max_seqs=max_seqs, max_rows=max_rows, gpu=gpu,
                                 stream=self.stream, max_draft=max_draft)

@@ -567,3 +567,17 @@ class OverlaySlots:
                               self.lm_head_rows_tab,
                               self.lm_head_ids_tab, self.lm_head_n_tab, logits, m,
                               self.max_n_override, self.h, self.vocab, stream)
+
+
+# -- PEFT adapter folders (layers/peft_adapter.py, which imports this module) -------------------
+
+_PEFT_EXPORTS = ("overlay_from_peft", "read_peft_adapter", "PeftAdapter", "PeftAdapterError")
+
+
+def __getattr__(name: str) -> Any:
+    """``overlay_from_peft`` and the rest of ``layers.peft_adapter``'s entry points are importable
+    from here too (resolved on first use: that module imports this one)."""
+    if name in _PEFT_EXPORTS:
+        from . import peft_adapter
+        return getattr(peft_adapter, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -5,14 +5,19 @@ of each tensor) and the raw little-endian bytes. The ``safetensors`` package's n
 return ``F8_E4M3`` tensors (numpy has no such dtype), and it reads whole tensors into memory;
 here each tensor is a read-only ``np.memmap`` view with the ``ml_dtypes`` dtype, so a table is
 streamed to the device without a second host copy. Files written here load with the package too.
+
+``read_header`` reads one file's header only (no tensor is mapped), ``map_tensor`` maps one
+tensor of it: a sharded checkpoint's loader opens only the shards, and maps only the tensors,
+it needs.
 """
 
 from __future__ import annotations
 
 import json
 import struct
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Iterable, Mapping
 
 import ml_dtypes
 import numpy as np
@@ -31,31 +36,90 @@ DTYPES: dict[str, np.dtype] = {
 _NAMES = {v: k for k, v in DTYPES.items()}
 
 
-def load(path: str | Path) -> dict[str, np.ndarray]:
-    """``{name: read-only memory-mapped array}`` of every tensor in the file."""
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor's entry in a safetensors header: its dtype name as the file spells it (kept
+    even where this reader has no numpy dtype for it), shape and absolute byte range."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int  # absolute file offset of the first byte
+    end: int  # absolute file offset one past the last byte
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+def read_header(path: str | Path) -> dict[str, TensorInfo]:
+    """The header of one file, read without touching (or mapping) any tensor data: ``{name:
+    TensorInfo}``. Checks the header's structure and that every byte range lies inside the file;
+    a dtype this reader cannot map is kept by name (``map_tensor`` refuses it), so a shard whose
+    other tensors have exotic dtypes can still be read for the ones that matter."""
     path = Path(path)
-    with path.open("rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(header_len))
     size = path.stat().st_size
+    with path.open("rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise ValueError(f"{path.name}: file is {size} bytes, too short for a safetensors header")
+        (header_len,) = struct.unpack("<Q", raw)
+        if header_len > size - 8:
+            raise ValueError(f"{path.name}: header length {header_len} runs past the end of the "
+                             f"file ({size} bytes); not a safetensors file?")
+        try:
+            header = json.loads(f.read(header_len))
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ValueError(f"{path.name}: header is not valid JSON ({err})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path.name}: header is a JSON {type(header).__name__}, not an object")
     base = 8 + header_len
     out = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        if info["dtype"] not in DTYPES:
-            raise TypeError(f"{path.name}: tensor {name!r} has unsupported dtype {info['dtype']}")
-        dtype = DTYPES[info["dtype"]]
-        start, end = info["data_offsets"]
-        shape = tuple(info["shape"])
-        count = int(np.prod(shape, dtype=np.int64))
-        if end - start != count * dtype.itemsize or base + end > size:
+        try:
+            dtype, shape, (start, end) = info["dtype"], info["shape"], info["data_offsets"]
+            ok = (isinstance(dtype, str) and isinstance(shape, list)
+                  and all(type(d) is int and d >= 0 for d in shape)
+                  and type(start) is int and type(end) is int and 0 <= start <= end)
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise ValueError(f"{path.name}: tensor {name!r} has a malformed header entry {info!r}")
+        shape = tuple(shape)
+        if dtype in DTYPES:
+            count = int(np.prod(shape, dtype=np.int64))
+            ok = end - start == count * DTYPES[dtype].itemsize
+        if not ok or base + end > size:
             raise ValueError(f"{path.name}: tensor {name!r} byte range [{start}, {end}) does not "
-                             f"hold shape {shape} {info['dtype']} (file is {size} bytes)")
-        if count == 0:
-            out[name] = np.zeros(shape, dtype)
-        else:
-            out[name] = np.memmap(path, dtype=dtype, mode="r", offset=base + start, shape=shape)
+                             f"hold shape {shape} {dtype} (file is {size} bytes)")
+        out[name] = TensorInfo(name, dtype, shape, base + start, base + end)
+    return out
+
+
+def map_tensor(path: str | Path, info: TensorInfo) -> np.ndarray:
+    """A read-only memory-mapped array of one tensor of ``read_header(path)``."""
+    path = Path(path)
+    if info.dtype not in DTYPES:
+        raise TypeError(f"{path.name}: tensor {info.name!r} has unsupported dtype {info.dtype}")
+    dtype = DTYPES[info.dtype]
+    if info.nbytes == 0:
+        return np.zeros(info.shape, dtype)
+    return np.memmap(path, dtype=dtype, mode="r", offset=info.start, shape=info.shape)
+
+
+def load(path: str | Path, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
+    """``{name: read-only memory-mapped array}`` of every tensor in the file (or of ``names``
+    only: a missing one is a KeyError naming the file)."""
+    header = read_header(path)
+    if names is None:
+        names = list(header)
+    out = {}
+    for name in names:
+        if name not in header:
+            raise KeyError(f"{Path(path).name}: no tensor {name!r}")
+        out[name] = map_tensor(path, header[name])
     return out
 
 

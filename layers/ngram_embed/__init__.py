@@ -1,7 +1,10 @@
 """Hashed n-gram embeddings (Over-Encoding; LongCat-Flash's variant): dims, ids, tables, layer,
-the disk-backed tables (``RowCache`` over a table file) and the host-memory tables
-(``HostWeight`` in ``NgramTable.Host``, read in place by the GPU)."""
+the disk-backed tables (``RowCache`` over a table file), the host-memory tables
+(``HostWeight`` in ``NgramTable.Host``, read in place by the GPU) and Hugging Face model folders
+(``NgramEmbedding.from_pretrained``, ``checkpoint``; table files from ``python -m
+layers.ngram_embed.convert``)."""
 
+from .checkpoint import CheckpointError, DeviceBudget, NgramCheckpoint
 from .dims import NgramDims
 from .embedding import NgramEmbedding
 from .host_table import HostWeight
@@ -10,6 +13,7 @@ from .row_cache import CacheStats, RowCache
 from .table_file import TableFile, TableFormatError, TableWriter, write_table, write_table_from_safetensors
 from .tables import HostTable, NgramTable, RowSource, gather_entry
 
-__all__ = ["CacheStats", "HostTable", "HostWeight", "NgramDims", "NgramEmbedding", "NgramTable",
-           "RowCache", "RowSource", "TableFile", "TableFormatError", "TableWriter", "gather_entry",
-           "ngram_ids", "ngram_ids_tail", "write_table", "write_table_from_safetensors"]
+__all__ = ["CacheStats", "CheckpointError", "DeviceBudget", "HostTable", "HostWeight",
+           "NgramCheckpoint", "NgramDims", "NgramEmbedding", "NgramTable", "RowCache", "RowSource",
+           "TableFile", "TableFormatError", "TableWriter", "gather_entry", "ngram_ids",
+           "ngram_ids_tail", "write_table", "write_table_from_safetensors"]

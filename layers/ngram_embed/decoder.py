@@ -52,18 +52,24 @@ class DecodeError(enum.IntFlag):
 
 Buffer = int | DeviceArray  # a device address, or a DeviceArray of uint32
 
+_NO_ROW_CACHE = ("NgramDecoder: RowCache tables need host work every step; serve them with "
+                 "FusedNgramEmbedding, or hold the table in host memory (NgramTable.Host)")
+
+
+def _check_sizes(max_seqs: int, max_rows: int, max_draft: int) -> None:
+    for value, name, low in ((max_seqs, "max_seqs", 1), (max_rows, "max_rows", 1),
+                             (max_draft, "max_draft", 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value < 1 << 31:
+            raise ValueError(f"NgramDecoder: {name} must be an int in {low}..2**31-1, got {value!r}")
+
 
 class NgramDecoder:
     def __init__(self, layer: NgramEmbedding, *, max_seqs: int, max_rows: int, gpu: GpuBackend,
                  stream: int = 0, max_draft: int = 0) -> None:
         if any(isinstance(t, CachedTable) for t in layer.tables):
-            raise ValueError("NgramDecoder: RowCache tables need host work every step; serve "
-                             "them with FusedNgramEmbedding, or hold the table in host memory "
-                             "(NgramTable.Host)")
-        for value, name, low in ((max_seqs, "max_seqs", 1), (max_rows, "max_rows", 1),
-                                 (max_draft, "max_draft", 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or not low <= value < 1 << 31:
-                raise ValueError(f"NgramDecoder: {name} must be an int in {low}..2**31-1, got {value!r}")
+            raise ValueError(_NO_ROW_CACHE)
+        _check_sizes(max_seqs, max_rows, max_draft)
+        self._owned_layer: NgramEmbedding | None = None  # set by from_pretrained: closed with this
         dims = layer.dims
         self.dims, self.gpu, self.stream = dims, gpu, stream
         self.max_seqs, self.max_rows, self.max_draft = max_seqs, max_rows, max_draft
@@ -84,6 +90,28 @@ class NgramDecoder:
         except BaseException:
             self.close()
             raise
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str, gpu: GpuBackend, *, max_seqs: int, max_rows: int = 8192,
+                        stream: int = 0, max_draft: int = 0, **layer_args) -> "NgramDecoder":
+        """``NgramEmbedding.from_pretrained(model_dir, gpu, stream=stream, **layer_args)``
+        (placement, max_tokens, eos_id, table_dir) wrapped in a decoder, which then owns the
+        layer: ``close()`` frees both. ``placement`` "files" is refused (``RowCache`` tables need
+        the host every step), like every other refusal before any upload."""
+        from .checkpoint import NgramCheckpoint, load_layer
+        from .fused import check_servable
+
+        _check_sizes(max_seqs, max_rows, max_draft)
+        check_servable(NgramCheckpoint.open(model_dir, eos_id=layer_args.get("eos_id"), parts="dense").dims, max_rows)
+        layer = load_layer(NgramEmbedding, model_dir, gpu, stream=stream, refuse_files=_NO_ROW_CACHE,
+                           **layer_args)
+        try:
+            dec = cls(layer, max_seqs=max_seqs, max_rows=max_rows, gpu=gpu, stream=stream, max_draft=max_draft)
+        except BaseException:
+            layer.close()
+            raise
+        dec._owned_layer = layer
+        return dec
 
     # -- calls (capturable) -----------------------------------------------------------------------
     def prefill(self, tokens: Buffer, cu_seqlens: Buffer, slots: Buffer, num_seqs: int,
@@ -157,7 +185,8 @@ class NgramDecoder:
         return ring[[q % self.hist_len for q in range(pos - min(pos, self.dims.max_ngram - 1), pos)]]
 
     def close(self) -> None:
-        """Free the state and the fused weights it built (not the layer's weights)."""
+        """Free the state and the fused weights it built (not the layer's weights, unless
+        ``from_pretrained`` built the layer: then the layer too)."""
         for name in ("hist", "state", "ctrl", "word_ids"):
             ptr = getattr(self, name)
             if ptr and not getattr(self.gpu, "closed", False):
@@ -166,6 +195,9 @@ class NgramDecoder:
         if self.fused is not None:
             self.fused.close()
             self.fused = None
+        layer, self._owned_layer = self._owned_layer, None
+        if layer is not None:
+            layer.close()
 
     def __enter__(self) -> "NgramDecoder":
         return self

@@ -16,7 +16,7 @@ same ``NgramEmbedding`` at once.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -36,22 +36,24 @@ U32_LIMIT = 1 << 32
 PLACEMENTS = ("device", "host")  # where from_numpy puts a table: a DenseWeight or a HostWeight
 
 
-def _placements(placement: str | Sequence[str], count: int) -> list[str]:
-    """One placement per table, from one for all or a sequence of ``count``; refused before
-    anything is uploaded."""
+def placements(placement: str | Sequence[str], count: int,
+               allowed: Sequence[str] = PLACEMENTS) -> list[str]:
+    """One placement per table (each one of ``allowed``), from one for all or a sequence of
+    ``count``; refused before anything is uploaded."""
+    names = " or ".join(f"'{p}'" for p in allowed)
     if isinstance(placement, str):
-        if placement not in PLACEMENTS:
-            raise ValueError(f"placement must be 'device' or 'host' (or one per table), got {placement!r}")
+        if placement not in allowed:
+            raise ValueError(f"placement must be {names} (or one per table), got {placement!r}")
         return [placement] * count
-    if not isinstance(placement, Sequence):
-        raise TypeError(f"placement must be 'device', 'host' or a sequence of them, got "
+    if isinstance(placement, (bool, np.bool_)) or not isinstance(placement, Sequence):
+        raise TypeError(f"placement must be {names} or a sequence of them, got "
                         f"{type(placement).__name__}")
     placement = list(placement)
     if len(placement) != count:
         raise ValueError(f"placement: {len(placement)} entries for {count} tables")
     for index, where in enumerate(placement):
-        if not isinstance(where, str) or where not in PLACEMENTS:
-            raise ValueError(f"placement[{index}] must be 'device' or 'host', got {where!r}")
+        if not isinstance(where, str) or where not in allowed:
+            raise ValueError(f"placement[{index}] must be {names}, got {where!r}")
     return placement
 
 
@@ -86,7 +88,7 @@ class NgramEmbedding:
         self.gemm_k = gpu.kernel("gemm", "dense_gemm_bf16_pipelined")
         self.scaled_add_k = gpu.kernel("residual_add", "bf16_scaled_add")
         self.max_tokens = max_tokens
-        self._owned: list[DenseWeight | HostWeight] = []  # weights built by from_numpy / from_safetensors
+        self._owned: list = []  # weights (and caches) built by from_numpy / from_safetensors / from_pretrained
         self.ids_dev = DevicePtr(0)
         self.gather_buf = DevicePtr(0)
         self.proj_buf = DevicePtr(0)
@@ -108,7 +110,7 @@ class NgramEmbedding:
         the device (``NgramTable.Bf16``/``Fp8``) or in mapped pinned host memory
         (``NgramTable.Host``, read in place over PCIe; fp8 scales still on the device). The
         layer owns the weights it built and frees them in ``close()``."""
-        places = _placements(placement, len(tables))
+        places = placements(placement, len(tables))
         owned: list[DenseWeight | HostWeight] = []
 
         def upload(array: np.ndarray, scale: np.ndarray | None = None) -> DenseWeight:
@@ -148,7 +150,7 @@ class NgramEmbedding:
         ``placement`` as in ``from_numpy``."""
         from ..safetensors_io import load
 
-        _placements(placement, dims.num_tables())  # refused before the file is opened
+        placements(placement, dims.num_tables())  # refused before the file is opened
 
         tensors = load(path)
 
@@ -165,6 +167,33 @@ class NgramEmbedding:
             tables.append(table if scale is None else (table, scale))
         projs = [get(f"projs.{c}.weight") for c in range(dims.num_tables())]
         return cls.from_numpy(dims, get("word.weight"), tables, projs, max_tokens, gpu, stream, placement)
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str, gpu: GpuBackend, *, placement: Any = "device",
+                        max_tokens: int = 8192, eos_id: int | None = None, table_dir: str | None = None,
+                        stream: int = 0, cache_rows: int = 1 << 16) -> "NgramEmbedding":
+        """The n-gram embedding of a LongCat-Flash-Lite-style Hugging Face model folder:
+        ``config.json`` (``vocab_size``, ``hidden_size``, ``emb_neighbor_num``,
+        ``emb_split_num``, ``ngram_vocab_size_ratio``, ``eos_token_id``) and ``model.safetensors``
+        or a sharded ``model.safetensors.index.json`` (only the shards holding the n-gram tensors
+        are opened, tensors memory-mapped): ``model.embed_tokens.weight`` (or
+        ``model.ngram_embeddings.word_embeddings.weight``), ``model.ngram_embeddings.embedders.{i}.weight``
+        and ``model.ngram_embeddings.post_projs.{i}.weight`` (``[hidden, table_dim]``).
+
+        ``placement``: "device", "host", "files" (``RowCache`` over ``table_dir``'s files,
+        ``cache_rows`` rows resident per table), one of those per table, or a device-memory
+        budget in bytes (``DeviceBudget(n)`` or an int: tables on the device while they fit, the
+        rest in host memory). ``table_dir``: the converter's output (``python -m
+        layers.ngram_embed.convert``), which then supplies every table. ``eos_id`` overrides
+        ``config.json``'s ``eos_token_id``, the key the published model code reads (an int or a
+        list of one; ``checkpoint.py`` says where that was checked). A missing tensor or key, a
+        shape that disagrees with the config or a dtype that cannot be served raises
+        ``CheckpointError`` naming the file and tensor before anything is uploaded. The layer
+        owns what it built. See ``layers.ngram_embed.checkpoint``."""
+        from .checkpoint import load_layer
+
+        return load_layer(cls, model_dir, gpu, placement=placement, max_tokens=max_tokens, eos_id=eos_id,
+                          table_dir=table_dir, stream=stream, cache_rows=cache_rows)
 
     def embed(self, ctx_tokens: Sequence[int] | np.ndarray, seq_len: int, out: int,
               gpu: GpuBackend, stream: int = 0) -> None:

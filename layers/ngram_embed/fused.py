@@ -55,18 +55,24 @@ def _window_index(lens: tuple[int, ...], n: int) -> np.ndarray:
     return index
 
 
+def check_servable(dims, max_rows: int) -> None:
+    """What the fused path cannot serve, refused before anything is built."""
+    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
+        raise ValueError(f"max_rows must be a positive int, got {max_rows!r}")
+    if dims.vocab_size >= fused_ops.NO_TOKEN:
+        raise ValueError(f"fused n-gram path: vocab_size {dims.vocab_size} must be < 2**32 - 1")
+    if dims.eos_id is not None and dims.eos_id >= fused_ops.NO_TOKEN:
+        raise ValueError("fused n-gram path: eos_id must be < 2**32 - 1")
+    if any(dims.table_rows(c) >= _U32 for c in range(dims.num_tables())):
+        raise ValueError("fused n-gram path: every table must have < 2**32 rows")
+
+
 class FusedNgramEmbedding:
     def __init__(self, layer: NgramEmbedding, max_rows: int, gpu: GpuBackend, stream: int = 0) -> None:
-        if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
-            raise ValueError(f"max_rows must be a positive int, got {max_rows!r}")
         dims = layer.dims
+        check_servable(dims, max_rows)
         t, n, h, td = dims.num_tables(), dims.max_ngram, dims.hidden_size, dims.table_dim()
-        if dims.vocab_size >= fused_ops.NO_TOKEN:
-            raise ValueError(f"fused n-gram path: vocab_size {dims.vocab_size} must be < 2**32 - 1")
-        if dims.eos_id is not None and dims.eos_id >= fused_ops.NO_TOKEN:
-            raise ValueError("fused n-gram path: eos_id must be < 2**32 - 1")
-        if any(dims.table_rows(c) >= _U32 for c in range(t)):
-            raise ValueError("fused n-gram path: every table must have < 2**32 rows")
+        self._owned_layer: NgramEmbedding | None = None  # set by from_pretrained: closed with this
         self.layer, self.dims, self.gpu, self.max_rows = layer, dims, gpu, max_rows
         self.inv_scale = float(np.float32(1.0) / np.float32(1 + t))
         self.gather_k = gpu.kernel("ngram_fused", "ngram_gather")
@@ -98,6 +104,25 @@ class FusedNgramEmbedding:
             self.close()
             raise
         self.projs_weight = DenseWeight(self.projs_cat, (h, t * td), np.dtype(BF16), DevicePtr(0), gpu)
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str, gpu: GpuBackend, *, max_rows: int = 8192, stream: int = 0,
+                        **layer_args) -> "FusedNgramEmbedding":
+        """``NgramEmbedding.from_pretrained(model_dir, gpu, stream=stream, **layer_args)``
+        (placement, max_tokens, eos_id, table_dir, cache_rows) wrapped in the fused path, which
+        then owns the layer: ``close()`` frees both. Refusals come before any upload."""
+        from .checkpoint import NgramCheckpoint
+
+        dims = NgramCheckpoint.open(model_dir, eos_id=layer_args.get("eos_id"), parts="dense").dims
+        check_servable(dims, max_rows)
+        layer = NgramEmbedding.from_pretrained(model_dir, gpu, stream=stream, **layer_args)
+        try:
+            fused = cls(layer, max_rows, gpu, stream)
+        except BaseException:
+            layer.close()
+            raise
+        fused._owned_layer = layer
+        return fused
 
     # -- construction helpers ---------------------------------------------------------------------
     def _concat_projections(self, layer: NgramEmbedding, stream: int) -> DevicePtr:
@@ -298,7 +323,16 @@ class FusedNgramEmbedding:
         gpu.record_event(self._done, stream)
 
     def close(self) -> None:
-        """Free the graphs, the concatenated projections and the staging (not the layer's weights)."""
+        """Free the graphs, the concatenated projections and the staging (not the layer's weights,
+        unless ``from_pretrained`` built the layer: then the layer too)."""
+        layer, self._owned_layer = self._owned_layer, None
+        try:
+            self._close()
+        finally:
+            if layer is not None:
+                layer.close()
+
+    def _close(self) -> None:
         gpu = self.gpu
         if getattr(gpu, "closed", False):
             return

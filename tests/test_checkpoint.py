@@ -1,0 +1,595 @@
+"""``NgramEmbedding.from_pretrained`` over Hugging Face model folders.
+
+CPU, on a host-memory backend: tiny LongCat-Flash-Lite-style checkpoints (sharded with an index
+across shards that also hold unrelated tensors, or one ``model.safetensors``) load to exactly
+the device bytes ``from_numpy`` gives, for every placement; the EOS comes from ``eos_token_id``
+or ``eos_id=``; every bad model folder, config, index, tensor and argument is refused before
+anything is allocated or uploaded; the fused path and the decoder own the layer they load.
+GPU: ``embed`` of a loaded layer equals ``embed`` of the ``from_numpy`` layer, bit for bit."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from gpu_runtime import KernelHandle
+from layers import safetensors_io
+from layers.ngram_embed import (CheckpointError, DeviceBudget, NgramCheckpoint, NgramDims, NgramEmbedding,
+                                NgramTable)
+from layers.ngram_embed.checkpoint import resolve_placement
+from layers.ngram_embed.decoder import NgramDecoder
+from layers.ngram_embed.fused import FusedNgramEmbedding
+from layers.weight_map import BF16
+from tests.fakes import MemoryBackend
+from tests.helpers import Guarded, bits, random_bf16, random_fp8
+from tests.test_row_cache import _emulate_scatter
+
+WORD = "model.embed_tokens.weight"
+WORD_ALT = "model.ngram_embeddings.word_embeddings.weight"
+TABLE = "model.ngram_embeddings.embedders.{}.weight"
+SCALE = "model.ngram_embeddings.embedders.{}.weight_scale"
+PROJ = "model.ngram_embeddings.post_projs.{}.weight"
+
+
+# ==== a host-memory backend that logs everything that allocates or writes =======================
+
+class MemGpu(MemoryBackend):
+    """Any kernel has a handle (``scatter_rows`` emulated); ``log`` records every call that
+    allocates, pins, registers or writes, so a refusal is shown to have done none of them."""
+
+    def __init__(self, fail_alloc_after: int | None = None) -> None:
+        super().__init__(module="*", names=[], emulate={"scatter_rows": _emulate_scatter})
+        self.log: list[str] = []
+        self.fail_alloc_after = fail_alloc_after
+
+    def kernel(self, module, name):
+        if name not in self.handles:
+            self.handles[name] = KernelHandle(0x100 + len(self.handles) + 1)
+            self.names[int(self.handles[name])] = name
+        return self.handles[name]
+
+    def alloc(self, nbytes):
+        if self.fail_alloc_after is not None and self.log.count("alloc") >= self.fail_alloc_after:
+            raise MemoryError("device full (test)")
+        self.log.append("alloc")
+        return super().alloc(nbytes)
+
+    def alloc_host(self, nbytes, *, mapped=False):
+        self.log.append("alloc_host")
+        return super().alloc_host(nbytes, mapped=mapped)
+
+    def register_host(self, array, *, read_only=True):
+        self.log.append("register_host")
+        return super().register_host(array, read_only=read_only)
+
+    def memset(self, ptr, byte, nbytes, stream=0):
+        self.log.append("memset")
+        super().memset(ptr, byte, nbytes, stream)
+
+    def copy_h2d_async(self, host, dst, stream=0):
+        self.log.append("h2d")
+        super().copy_h2d_async(host, dst, stream)
+
+    def copy_2d_async(self, dst, dst_pitch, src, src_pitch, width, height, stream=0):
+        self.log.append("copy2d")
+        for r in range(height):
+            row = self.read(src + r * src_pitch, width)
+            buf, off = self._find(dst + r * dst_pitch, width)
+            buf[off:off + width] = row
+
+    def launch(self, kernel, grid, block, shared_mem, stream, kinds, args, *, overlap=False):
+        self.log.append("launch")
+        super().launch(kernel, grid, block, shared_mem, stream, kinds, args)
+
+    def empty(self) -> bool:
+        return not (self.mem or self.host or self.mapped or self.registered)
+
+
+# ==== tiny model folders ============================================================================
+
+def tiny_config(**changes) -> dict:
+    """LongCat-Flash-Lite's config keys at toy size: T = 2*(3-1) = 4 tables of 300 // ... rows."""
+    config = {"architectures": ["LongcatFlashNgramForCausalLM"], "model_type": "longcat_flash_ngram",
+              "vocab_size": 300, "hidden_size": 24, "emb_neighbor_num": 3, "emb_split_num": 2,
+              "ngram_vocab_size_ratio": 0.25, "eos_token_id": 2, "bos_token_id": 1, "pad_token_id": 3,
+              "num_layers": 1, "torch_dtype": "bfloat16"}
+    config.update(changes)
+    return {k: v for k, v in config.items() if v is not ...}
+
+
+def published_rows(config: dict, i: int) -> int:
+    """Table i's rows as the published code computes them: ``int(m + i*2 + 1)``, m = r*V."""
+    return int(config["ngram_vocab_size_ratio"] * config["vocab_size"] + i * 2 + 1)
+
+
+@dataclass
+class Model:
+    path: Path
+    config: dict
+    dims: NgramDims
+    word: np.ndarray
+    tables: list  # (table, scale or None)
+    projs: list
+    tensors: dict = field(default_factory=dict)  # name -> array, as written
+
+    def numpy_tables(self):
+        return [t if s is None else (t, s) for t, s in self.tables]
+
+
+def make_model(rng, config: dict | None = None, kinds: str = "bf") -> Model:
+    """Weights of a tiny model (nothing written yet). ``kinds``: per table (cycled) 'b' bf16, 'f'
+    fp8 with a ``weight_scale`` tensor."""
+    config = tiny_config() if config is None else config
+    v, d = config["vocab_size"], config["hidden_size"]
+    t = config["emb_split_num"] * (config["emb_neighbor_num"] - 1)
+    td = d // t
+    eos = config.get("eos_token_id")
+    dims = NgramDims.longcat_flash(v, d, config["emb_neighbor_num"], config["emb_split_num"],
+                                   config["ngram_vocab_size_ratio"], eos if isinstance(eos, int) else None)
+    word = random_bf16(rng, (v, d))
+    tables, projs, tensors = [], [], {WORD: word}
+    for c in range(t):
+        rows = published_rows(config, c)
+        assert rows == dims.table_rows(c)
+        if kinds[c % len(kinds)] == "f":
+            table, scale = random_fp8(rng, (rows, td)), rng.uniform(0.001, 0.05, rows).astype(np.float32)
+            tensors[SCALE.format(c)] = scale
+        else:
+            table, scale = random_bf16(rng, (rows, td)), None
+        tensors[TABLE.format(c)] = table
+        proj = random_bf16(rng, (d, td), 1 / np.sqrt(td))
+        tensors[PROJ.format(c)] = proj
+        tables.append((table, scale))
+        projs.append(proj)
+    return Model(Path(), config, dims, word, tables, projs, tensors)
+
+
+UNRELATED = {"model.layers.0.self_attn.0.q_a_proj.weight": np.float32, "lm_head.weight": np.float32,
+             "model.norm.weight": np.float16}
+
+
+def write_model(path: Path, model: Model, layout: str = "sharded", rng=None) -> Model:
+    """Write ``model`` as a model folder: ``config.json`` and either ``model.safetensors`` or three
+    shards (n-gram tensors spread over them, unrelated tensors beside them) plus a fourth shard of
+    unrelated tensors only, which is garbage: a loader that opens it fails."""
+    rng = np.random.default_rng(0) if rng is None else rng
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(model.config, indent=1))
+    unrelated = {name: rng.standard_normal((4, 6)).astype(dt) for name, dt in UNRELATED.items()}
+    if layout == "single":
+        safetensors_io.save(path / "model.safetensors", {**unrelated, **model.tensors})
+    else:
+        names = list(model.tensors)
+        shards = [names[0::3], names[1::3], names[2::3]]
+        weight_map = {}
+        extra = list(unrelated)
+        for i, group in enumerate(shards):
+            file = f"model-{i + 1:05d}-of-00004.safetensors"
+            content = {n: model.tensors[n] for n in group}
+            if i < len(extra):
+                content[extra[i]] = unrelated[extra[i]]
+            safetensors_io.save(path / file, content)
+            weight_map.update({n: file for n in content})
+        garbage = "model-00004-of-00004.safetensors"
+        (path / garbage).write_bytes(b"\xff" * 64)  # not a safetensors file at all
+        weight_map["model.layers.1.mlp.experts.0.up_proj.weight"] = garbage
+        index = {"metadata": {"total_size": 0}, "weight_map": weight_map}
+        (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    model.path = path
+    return model
+
+
+def shard_of(model: Model, name: str) -> Path:
+    index = model.path / "model.safetensors.index.json"
+    if not index.exists():
+        return model.path / "model.safetensors"
+    return model.path / json.loads(index.read_text())["weight_map"][name]
+
+
+def rewrite_tensor(model: Model, name: str, array: np.ndarray | None, near: str | None = None) -> Path:
+    """Replace, add (into the file that holds ``near``) or with None remove one tensor, keeping
+    the index in step."""
+    file = shard_of(model, near or name)
+    tensors = {k: np.array(v) for k, v in safetensors_io.load(file).items()}
+    if array is None:
+        del tensors[name]
+    else:
+        tensors[name] = array
+    file.unlink()
+    safetensors_io.save(file, tensors)
+    index = model.path / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        if array is None:
+            del data["weight_map"][name]
+        else:
+            data["weight_map"][name] = file.name
+        index.write_text(json.dumps(data))
+    return file
+
+
+# ==== comparing what two backends hold ==============================================================
+
+def weight_bytes(gpu: MemoryBackend, w) -> tuple:
+    data = gpu.read(w.weight, w.nbytes)
+    scale = gpu.read(w.row_scale, w.rows * 4) if w.row_scale else None
+    return type(w).__name__, w.shape, np.dtype(w.dtype).name, data.tobytes(), None if scale is None else scale.tobytes()
+
+
+def layer_bytes(gpu: MemoryBackend, layer: NgramEmbedding) -> list:
+    out = [weight_bytes(gpu, layer.word)]
+    out += [(type(t).__name__, weight_bytes(gpu, t.weight)) for t in layer.tables]
+    out += [weight_bytes(gpu, p) for p in layer.projs]
+    return out
+
+
+def fixed_device_bytes(dims: NgramDims, max_tokens: int, fp8_rows: int = 0) -> int:
+    """What DeviceBudget counts before any table: word, projections, staging, fp8 scales."""
+    t, h, td = dims.num_tables(), dims.hidden_size, dims.table_dim()
+    return dims.vocab_size * h * 2 + t * h * td * 2 + max_tokens * (4 + 2 * td + 2 * h) + 4 * fp8_rows
+
+
+# ==== CPU: the header-only reader ===================================================================
+
+def test_read_header_maps_nothing_and_keeps_unknown_dtypes(tmp_path, rng, monkeypatch):
+    path = tmp_path / "s.safetensors"
+    a, b = random_bf16(rng, (5, 3)), rng.standard_normal(4).astype(np.float32)
+    safetensors_io.save(path, {"a": a, "b": b})
+    raw = bytearray(path.read_bytes())
+    (n,) = np.frombuffer(raw[:8], np.uint64)
+    header = json.loads(raw[8:8 + int(n)])
+    header["x"] = {"dtype": "F8_E5M2", "shape": [2], "data_offsets": [0, 2]}
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    path.write_bytes(np.uint64(len(blob)).tobytes() + blob + bytes(raw[8 + int(n):]))
+    monkeypatch.setattr(np, "memmap", lambda *a, **k: pytest.fail("read_header mapped a tensor"))
+    info = safetensors_io.read_header(path)
+    base = 8 + len(blob)
+    assert info["a"] == safetensors_io.TensorInfo("a", "BF16", (5, 3), base, base + 30)
+    assert info["x"].dtype == "F8_E5M2" and info["b"].nbytes == 16
+    monkeypatch.undo()
+    got = safetensors_io.load(path, ["a"])
+    assert list(got) == ["a"] and bits(got["a"]).tolist() == bits(a).tolist()
+    with pytest.raises(TypeError, match="unsupported dtype F8_E5M2"):
+        safetensors_io.map_tensor(path, info["x"])
+    with pytest.raises(KeyError, match="no tensor 'c'"):
+        safetensors_io.load(path, ["c"])
+
+
+def _st(header: str, data: bytes = b"") -> bytes:
+    return np.uint64(len(header)).tobytes() + header.encode() + data
+
+
+@pytest.mark.parametrize("raw, match", [
+    (b"\x01\x02", "too short"),
+    (np.uint64(1 << 40).tobytes() + b"{}", "runs past the end"),
+    (_st("[1]"), "not an object"),
+    (_st("{x:1"), "not valid JSON"),
+    (_st('{"a": {"dtype": "BF16", "shape": [-1], "data_offsets": [0, 0]}}'), "malformed header entry"),
+    (_st('{"a": {"dtype": 5, "shape": [1], "data_offsets": [0, 2]}}', b"xx"), "malformed"),
+    (_st('{"a": {"dtype": "BF16", "shape": [1]}}', b"xx"), "malformed"),
+    (_st('{"a": {"dtype": "BF16", "shape": [2], "data_offsets": [2, 0]}}', b"xxxx"), "malformed"),
+    (_st('{"a": {"dtype": "BF16", "shape": [2], "data_offsets": [0, 4]}}', b"xx"), "does not hold"),
+    (_st('{"a": {"dtype": "BF16", "shape": [3], "data_offsets": [0, 4]}}', b"xxxx"), "does not hold"),
+    (_st('{"a": {"dtype": "I4", "shape": [3], "data_offsets": [0, 8]}}', b"xxxx"), "does not hold"),
+])
+def test_read_header_refuses_malformed_headers(tmp_path, raw, match):
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(raw)
+    with pytest.raises(ValueError, match=match):
+        safetensors_io.read_header(path)
+
+
+# ==== CPU: loads ======================================================================================
+
+@pytest.mark.parametrize("layout", ["sharded", "single"])
+@pytest.mark.parametrize("kinds", ["b", "bf", "f"])
+@pytest.mark.parametrize("placement", ["device", "host", "mixed", "budget"])
+def test_loads_what_from_numpy_loads(tmp_path, rng, layout, kinds, placement):
+    model = write_model(tmp_path / "m", make_model(rng, kinds=kinds), layout)
+    dims, t = model.dims, model.dims.num_tables()
+    places = {"device": ["device"] * t, "host": ["host"] * t, "mixed": ["host", "device", "device", "host"]}
+    if placement == "budget":
+        fp8_rows = sum(dims.table_rows(c) for c, (_, s) in enumerate(model.tables) if s is not None)
+        two = sum(tb.nbytes for tb, _ in model.tables[:2])
+        arg = DeviceBudget(fixed_device_bytes(dims, 8, fp8_rows) + two)
+        expect = ["device", "device", "host", "host"]
+    else:
+        expect = places[placement]
+        arg = expect if placement == "mixed" else placement
+    gpu, ref_gpu = MemGpu(), MemGpu()
+    layer = NgramEmbedding.from_pretrained(str(model.path), gpu, placement=arg, max_tokens=8)
+    ref = NgramEmbedding.from_numpy(dims, model.word, model.numpy_tables(), model.projs, 8, ref_gpu,
+                                    placement=expect)
+    assert layer.dims == dims and layer.dims.eos_id == 2 and layer.max_tokens == 8
+    assert [isinstance(tb, NgramTable.Host) for tb in layer.tables] == [p == "host" for p in expect]
+    assert layer_bytes(gpu, layer) == layer_bytes(ref_gpu, ref)
+    layer.close()
+    ref.close()
+    assert gpu.empty() and ref_gpu.empty()
+
+
+def test_an_int_budget_places_tables_in_order(tmp_path, rng):
+    model = write_model(tmp_path / "m", make_model(rng, kinds="b"))
+    fixed = fixed_device_bytes(model.dims, 16)
+    sizes = [tb.nbytes for tb, _ in model.tables]
+    for budget, expect in [(fixed, ["host"] * 4), (fixed + sizes[0], ["device"] + ["host"] * 3),
+                           (fixed + sum(sizes) - 1, ["device"] * 3 + ["host"]), (fixed + sum(sizes), ["device"] * 4)]:
+        gpu = MemGpu()
+        with NgramEmbedding.from_pretrained(model.path, gpu, placement=budget, max_tokens=16) as layer:
+            assert [("host" if isinstance(tb, NgramTable.Host) else "device") for tb in layer.tables] == expect
+        assert resolve_placement(DeviceBudget(budget), model.dims, ["BF16"] * 4, 16) == expect
+        assert gpu.empty()
+
+
+def test_only_the_shards_holding_ngram_tensors_are_opened(tmp_path, rng, monkeypatch):
+    """Shard 4 (garbage, unrelated tensors only) is never read; each other shard's header is read
+    once and only the n-gram tensors are mapped."""
+    model = write_model(tmp_path / "m", make_model(rng))
+    headers, mapped = [], []
+    real_header, real_map = safetensors_io.read_header, safetensors_io.map_tensor
+    monkeypatch.setattr(safetensors_io, "read_header", lambda p: headers.append(Path(p).name) or real_header(p))
+    monkeypatch.setattr(safetensors_io, "map_tensor", lambda p, i: mapped.append(i.name) or real_map(p, i))
+    ckpt = NgramCheckpoint.open(model.path)
+    assert sorted(headers) == [f"model-0000{i}-of-00004.safetensors" for i in (1, 2, 3)] and not mapped
+    assert sorted(p.name for p in ckpt.shards) == sorted(headers)
+    gpu = MemGpu()
+    NgramEmbedding.from_pretrained(model.path, gpu).close()
+    assert set(mapped) == set(model.tensors) and len(mapped) == len(model.tensors)
+    tables_only = NgramCheckpoint.open(model.path, parts="tables")
+    assert tables_only.word is None and not tables_only.projs and len(tables_only.tables) == 4
+
+
+def test_word_table_names_and_wide_dense_dtypes(tmp_path, rng):
+    model = make_model(rng, kinds="b")
+    word32 = rng.standard_normal(model.word.shape).astype(np.float32)
+    projs16 = [p.astype(np.float16) for p in model.projs]
+    model.tensors[WORD_ALT] = word32  # the mlx-lm name, beside the HF one: the HF one wins
+    write_model(tmp_path / "both", model)
+    gpu = MemGpu()
+    with NgramEmbedding.from_pretrained(tmp_path / "both", gpu) as layer:
+        assert gpu.read(layer.word.weight, layer.word.nbytes).tobytes() == model.word.tobytes()
+    del model.tensors[WORD]
+    for c, p in enumerate(projs16):
+        model.tensors[PROJ.format(c)] = p
+    write_model(tmp_path / "alt", model, "single")
+    with NgramEmbedding.from_pretrained(tmp_path / "alt", gpu) as layer:
+        want = word32.astype(ml_dtypes.bfloat16)  # round to nearest even
+        assert gpu.read(layer.word.weight, layer.word.nbytes).tobytes() == want.tobytes()
+        for c, proj in enumerate(layer.projs):
+            want = projs16[c].astype(np.float32).astype(ml_dtypes.bfloat16)
+            assert gpu.read(proj.weight, proj.nbytes).tobytes() == want.tobytes()
+    assert gpu.empty()
+
+
+def test_scale_tensor_forms(tmp_path, rng):
+    """``weight_scale`` or ``row_scale``, ``[rows]`` or ``[rows, 1]``, F32 or an exact BF16 upcast."""
+    model = make_model(rng, kinds="f")
+    for c, (table, scale) in enumerate(model.tables):
+        del model.tensors[SCALE.format(c)]
+        form = [scale, scale[:, None], scale.astype(ml_dtypes.bfloat16), scale][c]
+        name = (SCALE if c != 3 else "model.ngram_embeddings.embedders.{}.row_scale").format(c)
+        model.tensors[name] = form
+        if c == 2:
+            model.tables[c] = (table, form.astype(np.float32))
+    write_model(tmp_path / "m", model)
+    gpu, ref_gpu = MemGpu(), MemGpu()
+    with NgramEmbedding.from_pretrained(model.path, gpu) as layer, \
+            NgramEmbedding.from_numpy(model.dims, model.word, model.numpy_tables(), model.projs, 8192,
+                                      ref_gpu) as ref:
+        assert layer_bytes(gpu, layer) == layer_bytes(ref_gpu, ref)
+
+
+@pytest.mark.parametrize("config_eos, override, want", [
+    (2, None, 2), (2, 7, 7), ([2], None, 2), ([5, 5], None, 5), ([2, 3], 3, 3), (..., 9, 9), (None, 0, 0),
+])
+def test_eos_from_config_or_override(tmp_path, rng, config_eos, override, want):
+    model = write_model(tmp_path / "m", make_model(rng, tiny_config(eos_token_id=config_eos), "b"))
+    gpu = MemGpu()
+    with NgramEmbedding.from_pretrained(model.path, gpu, eos_id=override) as layer:
+        assert layer.dims.eos_id == want
+        assert layer.dims == model.dims.replace(eos_id=want)
+
+
+def test_row_counts_follow_the_published_formula_for_int_and_float_ratios(tmp_path, rng):
+    for ratio, vocab in [(1, 100), (78, 7), (0.37, 331), (100.567, 64)]:
+        config = tiny_config(vocab_size=vocab, ngram_vocab_size_ratio=ratio, hidden_size=16)
+        dims = NgramCheckpoint.open(write_model(tmp_path / f"m{ratio}", make_model(rng, config, "b")).path).dims
+        assert [dims.table_rows(c) for c in range(4)] == [published_rows(config, c) for c in range(4)]
+        assert dims.table_index(3, 1) == 3 and dims.table_dim() == 16 // 4
+
+
+# ==== CPU: refusals before anything is uploaded ====================================================
+
+def _drop(name):
+    return lambda m: rewrite_tensor(m, name, None)
+
+
+def _swap(name, make):
+    return lambda m: rewrite_tensor(m, name, make(m))
+
+
+def _config(**changes):
+    def apply(m):
+        config = {**m.config, **changes}
+        (m.path / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not ...}))
+    return apply
+
+
+def _index(edit):
+    def apply(m):
+        path = m.path / "model.safetensors.index.json"
+        data = json.loads(path.read_text())
+        path.write_text(edit(data) if callable(edit) else edit)
+    return apply
+
+
+def _index_map(name, value):
+    return _index(lambda d: json.dumps({**d, "weight_map": {**d["weight_map"], name: value}}))
+
+
+BAD = [
+    # tensors
+    ("missing-table", _drop(TABLE.format(2)), "no tensor 'model.ngram_embeddings.embedders.2.weight'"),
+    ("missing-proj", _drop(PROJ.format(1)), "model.safetensors.index.json: no tensor 'model.ngram_embeddings.post_projs.1.weight'"),
+    ("dropped-from-shard", lambda m: _index_map(PROJ.format(1), shard_of(m, WORD).name)(m),
+     "no tensor 'model.ngram_embeddings.post_projs.1.weight', though"),
+    ("missing-word", _drop(WORD), "no word table"),
+    ("table-rows", _swap(TABLE.format(1), lambda m: m.tables[1][0][:-1]), r"embedders.1.weight' has shape \[77, 6\], config.json gives \[78, 6\]"),
+    ("table-dim", _swap(TABLE.format(0), lambda m: random_bf16(np.random.default_rng(1), (76, 7))), r"has shape \[76, 7\]"),
+    ("proj-transposed", _swap(PROJ.format(0), lambda m: np.ascontiguousarray(m.projs[0].T)), r"post_projs.0.weight' has shape \[6, 24\]"),
+    ("word-shape", _swap(WORD, lambda m: m.word[:-1]), r"embed_tokens.weight' has shape \[299, 24\]"),
+    ("table-f32", _swap(TABLE.format(0), lambda m: m.tables[0][0].astype(np.float32)), "is F32: tables are served as bf16 or fp8"),
+    ("table-i32", _swap(TABLE.format(0), lambda m: np.zeros((76, 6), np.int32)), "is I32; served: BF16, F8_E4M3"),
+    ("proj-i32", _swap(PROJ.format(2), lambda m: np.zeros((24, 6), np.int32)), "post_projs.2.weight' is I32"),
+    ("fp8-no-scale", _drop(SCALE.format(1)), "embedders.1.weight' is F8_E4M3 without its per-row scales"),
+    ("scale-for-bf16", lambda m: rewrite_tensor(m, SCALE.format(0), np.ones(76, np.float32), near=TABLE.format(0)),
+     "per-row scales for a BF16 table"),
+    ("scale-shape", _swap(SCALE.format(1), lambda m: np.ones(77, np.float32)), "one scale per row"),
+    ("scale-i32", _swap(SCALE.format(1), lambda m: np.ones(78, np.int32)), "weight_scale' is I32"),
+    ("shard-truncated", lambda m: shard_of(m, TABLE.format(0)).write_bytes(shard_of(m, TABLE.format(0)).read_bytes()[:-8]), "does not hold shape"),
+    # config.json
+    ("no-config", lambda m: (m.path / "config.json").unlink(), "no config.json"),
+    ("config-not-json", lambda m: (m.path / "config.json").write_text("{vocab"), "config.json: not valid JSON"),
+    *[(f"config-no-{key}", _config(**{key: ...}), f"missing key '{key}'") for key in
+      ("vocab_size", "hidden_size", "emb_neighbor_num", "emb_split_num", "ngram_vocab_size_ratio", "eos_token_id")],
+    ("config-eos-null", _config(eos_token_id=None), "missing key 'eos_token_id'"),
+    ("config-eos-list", _config(eos_token_id=[2, 9]), r"eos_token_id lists 2 ids \[2, 9\].*pass eos_id="),
+    ("config-eos-str", _config(eos_token_id="2"), "eos_token_id must be an int"),
+    ("config-eos-range", _config(eos_token_id=300), "eos_id must be in 0..V-1"),
+    ("config-ratio-neg", _config(ngram_vocab_size_ratio=-1), "ngram_vocab_size_ratio must be a number > 0"),
+    ("config-ratio-str", _config(ngram_vocab_size_ratio="78"), "ngram_vocab_size_ratio must be a number > 0"),
+    ("config-split-bool", _config(emb_split_num=True), "emb_split_num must be an int >= 1"),
+    ("config-neighbor-1", _config(emb_neighbor_num=1), "emb_neighbor_num must be an int >= 2"),
+    ("config-text-vocab", _config(text_vocab_size=256), "text_vocab_size 256 != vocab_size 300"),
+    ("config-oe-keys", _config(emb_neighbor_num=..., oe_neighbor_num=3), "missing key 'emb_neighbor_num'.*oe_"),
+    ("config-dims-change", _config(hidden_size=32), r"has shape \[300, 24\], config.json gives \[300, 32\]"),
+    # the index
+    ("index-not-json", _index("{weight"), "model.safetensors.index.json: not valid JSON"),
+    ("index-no-weight-map", _index(json.dumps({"metadata": {}})), "no 'weight_map' object"),
+    ("index-bad-entry", _index_map(TABLE.format(0), 5), "maps to 5, not a file name"),
+    ("index-escapes", _index_map(TABLE.format(0), "../elsewhere.safetensors"), "not a file name inside the model folder"),
+    ("index-missing-shard", _index_map(TABLE.format(0), "model-00009-of-00009.safetensors"), "shard model-00009-of-00009.safetensors .* does not exist"),
+    ("index-wrong-shard", lambda m: _index_map(TABLE.format(0), shard_of(m, PROJ.format(0)).name)(m),
+     "no tensor 'model.ngram_embeddings.embedders.0.weight', though model.safetensors.index.json maps it there"),
+    ("no-weights", lambda m: (m.path / "model.safetensors.index.json").unlink(), "neither model.safetensors nor"),
+]
+
+
+@pytest.mark.parametrize("case, mutate, match", BAD, ids=[b[0] for b in BAD])
+def test_bad_model_folders_are_refused_before_any_upload(tmp_path, rng, case, mutate, match):
+    model = write_model(tmp_path / "m", make_model(rng, kinds="bf"))
+    mutate(model)
+    gpu = MemGpu()
+    with pytest.raises(CheckpointError, match=match) as err:
+        NgramEmbedding.from_pretrained(model.path, gpu)
+    assert gpu.log == [] and gpu.empty()
+    if case.startswith(("table-", "proj-", "word-", "scale-", "fp8-")):  # the file that holds it
+        assert "model-0000" in str(err.value)
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(placement="gpu"), ValueError, "placement must be 'device' or 'host' or 'files'"),
+    (dict(placement=["device"] * 3), ValueError, "3 entries for 4 tables"),
+    (dict(placement=["device", "host", "disk", "host"]), ValueError, r"placement\[2\]"),
+    (dict(placement="files"), ValueError, "pass table_dir="),
+    (dict(placement=["files", "host", "host", "host"]), ValueError, "pass table_dir="),
+    (dict(placement=True), TypeError, "placement must be"),
+    (dict(placement=1000), ValueError, r"DeviceBudget\(1000\): the word table"),
+    (dict(placement=-1), ValueError, "DeviceBudget: nbytes"),
+    (dict(max_tokens=0), ValueError, "max_tokens"),
+    (dict(cache_rows=0), ValueError, "cache_rows"),
+    (dict(eos_id=300), CheckpointError, "eos_id must be in 0..V-1"),
+    (dict(table_dir="nowhere"), CheckpointError, "no manifest"),
+])
+def test_bad_arguments_are_refused_before_any_upload(tmp_path, rng, kwargs, exc, match):
+    model = write_model(tmp_path / "m", make_model(rng))
+    gpu = MemGpu()
+    with pytest.raises(exc, match=match):
+        NgramEmbedding.from_pretrained(model.path, gpu, **kwargs)
+    assert gpu.log == [] and gpu.empty()
+
+
+def test_a_failure_after_the_first_upload_frees_everything(tmp_path, rng):
+    model = write_model(tmp_path / "m", make_model(rng, kinds="bf"))
+    for after in (1, 3, 7, 9, 11):
+        gpu = MemGpu(fail_alloc_after=after)
+        with pytest.raises(MemoryError):
+            NgramEmbedding.from_pretrained(model.path, gpu, placement=["host", "device", "device", "host"])
+        assert gpu.empty() and gpu.log.count("alloc") == after
+
+
+# ==== CPU: the fused path and the decoder ============================================================
+
+def test_fused_and_decoder_from_pretrained_own_their_layer(tmp_path, rng):
+    model = write_model(tmp_path / "m", make_model(rng, kinds="bf"))
+    gpu = MemGpu()
+    fused = FusedNgramEmbedding.from_pretrained(model.path, gpu, max_rows=16, placement="host", max_tokens=4)
+    assert isinstance(fused.layer, NgramEmbedding) and fused.max_rows == 16 and fused.layer.max_tokens == 4
+    assert all(isinstance(tb, NgramTable.Host) for tb in fused.layer.tables)
+    # the concatenated projections are the checkpoint's, side by side
+    cat = gpu.read(fused.projs_cat, 24 * 4 * 6 * 2).view(BF16).reshape(24, 24)
+    np.testing.assert_array_equal(bits(cat), bits(np.concatenate(model.projs, axis=1)))
+    fused.close()
+    assert gpu.empty()
+    dec = NgramDecoder.from_pretrained(model.path, gpu, max_seqs=4, max_rows=8, max_draft=2, eos_id=5)
+    assert dec.dims.eos_id == 5 and dec.fused.layer.dims.eos_id == 5
+    dec.close()
+    assert gpu.empty()
+
+
+@pytest.mark.parametrize("make", [
+    lambda p, g: FusedNgramEmbedding.from_pretrained(p, g, max_rows=0),
+    lambda p, g: NgramDecoder.from_pretrained(p, g, max_seqs=0),
+    lambda p, g: NgramDecoder.from_pretrained(p, g, max_seqs=2, max_draft=-1),
+    lambda p, g: FusedNgramEmbedding.from_pretrained(p, g, placement="gpu"),
+])
+def test_fused_and_decoder_refusals_come_before_any_upload(tmp_path, rng, make):
+    model = write_model(tmp_path / "m", make_model(rng))
+    gpu = MemGpu()
+    with pytest.raises(ValueError):
+        make(model.path, gpu)
+    assert gpu.log == [] and gpu.empty()
+
+
+# ==== GPU ============================================================================================
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("placement", ["device", "mixed", "files"])
+def test_from_pretrained_on_the_gpu_embeds_as_from_numpy(gpu, rng, tmp_path, placement):
+    """A sharded tiny checkpoint (bf16 and fp8 tables; bf16 only for the converted files) loaded by
+    ``from_pretrained`` gives the same ``embed`` output bits as ``from_numpy`` on the same weights,
+    prefill and decode, with EOS tokens in the context."""
+    from layers.ngram_embed.convert import convert
+
+    config = tiny_config(vocab_size=500, hidden_size=48, ngram_vocab_size_ratio=0.5, eos_token_id=7)
+    model = write_model(tmp_path / "m", make_model(rng, config, "b" if placement == "files" else "bf"))
+    t = model.dims.num_tables()
+    places = ["device"] * t if placement != "mixed" else ["device", "host"] * (t // 2)
+    kwargs = dict(placement=places, max_tokens=64)
+    if placement == "files":
+        convert(model.path, tmp_path / "tables", progress=False)
+        kwargs = dict(placement="files", max_tokens=64, table_dir=str(tmp_path / "tables"), cache_rows=256)
+    ctx = rng.integers(0, 500, 60)
+    ctx[[5, 6, 30]] = 7  # EOS boundaries, one doubled
+    results = []
+    for make in (lambda: NgramEmbedding.from_pretrained(str(model.path), gpu, **kwargs),
+                 lambda: NgramEmbedding.from_numpy(model.dims, model.word, model.numpy_tables(), model.projs,
+                                                   64, gpu, placement=places)):
+        with make() as layer, Guarded(gpu, (60, 48), BF16, rng) as out:
+            assert layer.dims == model.dims
+            got = []
+            for seq_len in (60, 1, 17):
+                out.poison()
+                layer.embed(ctx, seq_len, out.ptr, gpu, 0)
+                got.append(out.read()[:seq_len].copy())
+            out.assert_guards_intact()
+            results.append(got)
+    for a, b in zip(*results):
+        assert np.isfinite(a.astype(np.float32)).all()
+        np.testing.assert_array_equal(bits(a), bits(b))

@@ -1,0 +1,377 @@
+"""The table-file converter (``python -m layers.ngram_embed.convert``) and ``from_pretrained`` over
+its output, on the CPU.
+
+bf16 tables round-trip bit for bit (F16/F32 sources rounded as numpy rounds, fp8 sources
+dequantised as the gathers do); ``--fp8`` files hold exactly the reference quantisation (and
+dequantise within its error bound); a conversion interrupted by an exception or killed outright
+resumes, skipping the tables it had finished, and ends with the same files a clean run writes;
+verification catches a corrupted file and a rerun rewrites it; ``from_pretrained`` serves the
+files as ``RowCache``, registered host tables or device tables, refusing a bad table directory
+before anything is uploaded."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from layers import reference as ref
+from layers.ngram_embed import CheckpointError, NgramEmbedding, NgramTable, TableFile
+from layers.ngram_embed.checkpoint import MANIFEST
+from layers.ngram_embed.convert import NonFiniteRow, VerifyError, convert, main, quantize_fp8_rows, verify_tables
+from layers.ngram_embed.decoder import NgramDecoder
+from layers.ngram_embed.row_cache import RowCache
+from layers.weight_map import BF16, FP8
+from tests.helpers import bits
+from tests.test_checkpoint import (SCALE, TABLE, MemGpu, layer_bytes, make_model, rewrite_tensor,
+                                   tiny_config, write_model)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def reference_fp8(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The quantisation the converter documents, row by row in plain numpy."""
+    x = np.asarray(rows, np.float32)
+    q = np.zeros(x.shape, ml_dtypes.float8_e4m3fn)
+    s = np.zeros(x.shape[0], np.float32)
+    for r in range(x.shape[0]):
+        amax = np.float32(np.abs(x[r]).max())
+        if amax == 0:
+            continue
+        s[r] = amax / np.float32(448)
+        q[r] = np.clip(x[r] / s[r], -448, 448).astype(ml_dtypes.float8_e4m3fn)
+    return q, s
+
+
+def table_contents(path) -> tuple[np.ndarray, np.ndarray | None]:
+    with TableFile(path) as f:
+        return f.rows_bytes.view(f.dtype).reshape(f.rows, f.dim).copy(), None if f.scales is None else f.scales.copy()
+
+
+def files_of(out) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(out.iterdir())}
+
+
+# ==== contents ========================================================================================
+
+@pytest.mark.parametrize("layout", ["sharded", "single"])
+@pytest.mark.parametrize("chunk_bytes", [1, 200, 1 << 20])
+def test_bf16_tables_round_trip_bit_for_bit(tmp_path, rng, capsys, layout, chunk_bytes):
+    model = write_model(tmp_path / "m", make_model(rng, kinds="bf"), layout)
+    manifest = convert(model.path, tmp_path / "out", chunk_bytes=chunk_bytes)
+    dims = model.dims
+    assert manifest["dtype"] == "bf16" and manifest["base_rows"] == dims.base_rows and manifest["row_bias"] == 1
+    assert [e["index"] for e in manifest["tables"]] == [0, 1, 2, 3]
+    assert json.loads((tmp_path / "out" / MANIFEST).read_text()) == manifest
+    for c, (table, scale) in enumerate(model.tables):
+        rows, scales = table_contents(tmp_path / "out" / f"table_{c:03d}.ngt")
+        assert scales is None and rows.dtype == BF16 and rows.shape == (dims.table_rows(c), dims.table_dim())
+        want = table if scale is None else ref.dequant_fp8(table, scale)  # fp8 source: as the gathers read it
+        np.testing.assert_array_equal(bits(rows), bits(want))
+        assert manifest["tables"][c]["source"]["tensor"] == TABLE.format(c)
+    err = capsys.readouterr().err
+    assert "table 1/4 model.ngram_embeddings.embedders.0.weight -> table_000.ngt (bf16)" in err
+    assert err.count("verified\n") == 4
+    verify_tables(tmp_path / "out")
+    assert not list((tmp_path / "out").glob("*.tmp"))
+
+
+def test_wide_sources_are_rounded_to_bf16(tmp_path, rng):
+    model = make_model(rng, kinds="b")
+    wide = [model.tables[0][0].astype(np.float32) + np.float32(1e-3), model.tables[1][0].astype(np.float16)]
+    model.tensors[TABLE.format(0)], model.tensors[TABLE.format(1)] = wide
+    write_model(tmp_path / "m", model)
+    convert(model.path, tmp_path / "out", progress=False)
+    for c, source in enumerate(wide):
+        rows, _ = table_contents(tmp_path / "out" / f"table_{c:03d}.ngt")
+        np.testing.assert_array_equal(bits(rows), bits(source.astype(np.float32).astype(BF16)))
+
+
+def test_fp8_files_hold_the_reference_quantisation(tmp_path, rng):
+    model = make_model(rng, kinds="bbfb")
+    t0 = model.tables[0][0].copy()
+    t0[3] = 0  # an all-zero row: q = 0, scale = 0
+    t0[4, 1] = BF16.type(-1e-38)  # a row of tiny values
+    t0[4, [0, 2, 3, 4, 5]] = 0
+    model.tensors[TABLE.format(0)] = t0
+    model.tables[0] = (t0, None)
+    f32 = rng.standard_normal(model.tables[3][0].shape).astype(np.float32) * 5
+    model.tensors[TABLE.format(3)] = f32
+    write_model(tmp_path / "m", model)
+    manifest = convert(model.path, tmp_path / "out", fp8=True, chunk_bytes=100, progress=False)
+    assert manifest["dtype"] == "fp8" and all(e["scales_crc32"] is not None for e in manifest["tables"])
+    sources = [t0, model.tables[1][0], None, f32]
+    for c, source in enumerate(sources):
+        q, s = table_contents(tmp_path / "out" / f"table_{c:03d}.ngt")
+        assert q.dtype == FP8 and s.dtype == np.float32
+        if source is None:  # an fp8 source is copied as it is
+            np.testing.assert_array_equal(bits(q), bits(model.tables[c][0]))
+            np.testing.assert_array_equal(bits(s), bits(model.tables[c][1]))
+            continue
+        want_q, want_s = reference_fp8(source)
+        np.testing.assert_array_equal(bits(q), bits(want_q))
+        np.testing.assert_array_equal(bits(s), bits(want_s))
+        got = quantize_fp8_rows(source)  # the function itself agrees, chunk or whole
+        np.testing.assert_array_equal(bits(got[0]), bits(want_q))
+        # what the gathers read: within e4m3's half-ulp (2**-4 relative; subnormals 2**-10 * scale),
+        # plus the one bf16 rounding of the product
+        deq = ref.dequant_fp8(q, s).astype(np.float64)
+        x = source.astype(np.float64)
+        bound = np.maximum(np.abs(x) * 2.0**-4, s[:, None] * 2.0**-10) + np.abs(x) * 2.0**-8 * 1.07 + 1e-45
+        assert (np.abs(deq - x) <= bound).all()
+    q0, s0 = table_contents(tmp_path / "out" / "table_000.ngt")
+    assert s0[3] == 0 and not q0[3].view(np.uint8).any()
+
+
+def test_non_finite_rows_have_no_fp8_form(tmp_path, rng):
+    model = make_model(rng, kinds="b")
+    bad = model.tables[2][0].copy()
+    bad[41, 2] = np.inf
+    model.tensors[TABLE.format(2)] = bad
+    write_model(tmp_path / "m", model)
+    with pytest.raises(NonFiniteRow, match=r"embedders.2.weight'.*row 41 holds a NaN or infinity"):
+        convert(model.path, tmp_path / "out", fp8=True, chunk_bytes=7 * 12, progress=False)
+    names = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert names == [MANIFEST, "table_000.ngt", "table_001.ngt"]  # no table 2, no .tmp
+    convert(model.path, tmp_path / "bf16", progress=False)  # bf16 copies bits, infinities included
+
+
+# ==== interrupted conversions ========================================================================
+
+class Stop(Exception):
+    pass
+
+
+def _stop_after(n: int):
+    count = [0]
+
+    def on_chunk(table, done, rows):
+        count[0] += 1
+        if count[0] == n:
+            raise Stop(f"stopped in table {table} at row {done} of {rows}")
+    return on_chunk
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_an_interrupted_conversion_resumes_to_the_same_files(tmp_path, rng, capsys, fp8):
+    model = write_model(tmp_path / "m", make_model(rng, kinds="bf"))
+    chunk = 10 * 6 * 2  # 10 bf16 rows of 6: 8 chunks per table
+    clean = convert(model.path, tmp_path / "clean", fp8=fp8, chunk_bytes=chunk, progress=False)
+    out = tmp_path / "out"
+    with pytest.raises(Stop, match="stopped in table 2"):
+        convert(model.path, out, fp8=fp8, chunk_bytes=chunk, progress=False, on_chunk=_stop_after(2 * 8 + 3))
+    assert sorted(p.name for p in out.iterdir()) == [MANIFEST, "table_000.ngt", "table_001.ngt"]
+    assert [e["index"] for e in json.loads((out / MANIFEST).read_text())["tables"]] == [0, 1]
+    before = {c: os.stat(out / f"table_00{c}.ngt") for c in (0, 1)}
+    resumed = convert(model.path, out, fp8=fp8, chunk_bytes=chunk)
+    err = capsys.readouterr().err
+    assert err.count("done before, verified, skipped") == 2
+    for c in (0, 1):  # not rewritten
+        after = os.stat(out / f"table_00{c}.ngt")
+        assert (after.st_ino, after.st_mtime_ns) == (before[c].st_ino, before[c].st_mtime_ns)
+    assert resumed == clean
+    assert files_of(out) == files_of(tmp_path / "clean")
+
+
+def test_a_killed_conversion_resumes_to_the_same_files(tmp_path, rng):
+    """SIGKILL in the middle of table 1: its ``.tmp`` stays behind (no clean-up ran); a rerun of
+    the command line starts that table over and ends with the clean run's files."""
+    model = write_model(tmp_path / "m", make_model(rng, kinds="fb"))
+    out = tmp_path / "out"
+    script = textwrap.dedent(f"""
+        import os, signal, sys
+        sys.path.insert(0, {REPO!r})
+        from layers.ngram_embed.convert import convert
+        count = [0]
+        def on_chunk(table, done, rows):
+            count[0] += 1
+            if table == 1 and done >= rows // 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+        convert({str(model.path)!r}, {str(out)!r}, chunk_bytes=96, progress=False, on_chunk=on_chunk)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    names = sorted(p.name for p in out.iterdir())
+    assert names == [MANIFEST, "table_000.ngt", "table_001.ngt.tmp"], names
+    with open(out / "table_001.ngt.tmp", "rb") as fh:
+        assert fh.read(8) != b"NGRAMTBL"  # the header goes in last: a partial file is no table
+    proc = subprocess.run([sys.executable, "-m", "layers.ngram_embed.convert", str(model.path), str(out),
+                           "--chunk-mib", "1"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "table 1/4" in proc.stderr and "skipped" in proc.stderr and "4 tables (bf16)" in proc.stderr
+    convert(model.path, tmp_path / "clean", progress=False)
+    assert files_of(out) == files_of(tmp_path / "clean")
+
+
+# ==== verification ===================================================================================
+
+def _flip(path, offset):
+    raw = bytearray(path.read_bytes())
+    raw[offset] ^= 0x10
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("damage, match", [
+    (lambda p: _flip(p, 4096 + 77), "crc32 rows"),
+    (lambda p: _flip(p, 20), "corrupt header"),
+    (lambda p: p.write_bytes(p.read_bytes()[:-2]), "header says"),
+    (lambda p: p.unlink(), "file missing"),
+])
+def test_verification_catches_a_damaged_file_and_a_rerun_rewrites_it(tmp_path, rng, capsys, damage, match):
+    model = write_model(tmp_path / "m", make_model(rng, kinds="bf"))
+    out = tmp_path / "out"
+    convert(model.path, out, progress=False)
+    good = files_of(out)
+    damage(out / "table_002.ngt")
+    with pytest.raises(VerifyError, match=f"table_002.ngt: .*{match}"):
+        verify_tables(out)
+    convert(model.path, out)
+    err = capsys.readouterr().err
+    assert "table 3/4" in err and "writing it again" in err and err.count("skipped") == 3
+    verify_tables(out)
+    assert files_of(out) == good
+
+
+def test_fp8_scale_corruption_is_caught(tmp_path, rng):
+    model = write_model(tmp_path / "m", make_model(rng, kinds="b"))
+    out = tmp_path / "out"
+    convert(model.path, out, fp8=True, progress=False)
+    path = out / "table_001.ngt"
+    _flip(path, path.stat().st_size - 3)  # inside the scales
+    with pytest.raises(VerifyError, match="table_001.ngt: crc32 rows .* scales"):
+        verify_tables(out)
+
+
+def test_a_conversion_with_other_settings_is_not_mixed_in(tmp_path, rng):
+    model = write_model(tmp_path / "m", make_model(rng, kinds="b"))
+    convert(model.path, tmp_path / "out", progress=False)
+    with pytest.raises(CheckpointError, match="other settings"):
+        convert(model.path, tmp_path / "out", fp8=True, progress=False)
+    other = write_model(tmp_path / "m2", make_model(rng, tiny_config(ngram_vocab_size_ratio=0.3), "b"))
+    with pytest.raises(CheckpointError, match="other settings"):
+        convert(other.path, tmp_path / "out", progress=False)
+
+
+def test_the_converter_needs_no_word_table_nor_eos(tmp_path, rng):
+    model = write_model(tmp_path / "m", make_model(rng, tiny_config(eos_token_id=[2, 9]), "b"))
+    rewrite_tensor(model, "model.embed_tokens.weight", None)
+    convert(model.path, tmp_path / "out", progress=False)
+    verify_tables(tmp_path / "out")
+
+
+def test_command_line(tmp_path, rng, capsys):
+    model = write_model(tmp_path / "m", make_model(rng, kinds="b"))
+    assert main([str(model.path), str(tmp_path / "out"), "--quiet"]) == 0
+    assert capsys.readouterr().err == ""
+    assert main([str(tmp_path / "nothing"), str(tmp_path / "out2")]) == 1
+    assert "no config.json" in capsys.readouterr().err
+    rewrite_tensor(model, TABLE.format(1), None)
+    assert main([str(model.path), str(tmp_path / "out3"), "--fp8"]) == 1
+    assert "no tensor 'model.ngram_embeddings.embedders.1.weight'" in capsys.readouterr().err
+
+
+# ==== from_pretrained over table files ===============================================================
+
+@pytest.fixture
+def converted(tmp_path, rng):
+    model = write_model(tmp_path / "m", make_model(rng, kinds="bf"))
+    convert(model.path, tmp_path / "bf16", progress=False)
+    convert(model.path, tmp_path / "fp8", fp8=True, progress=False)
+    return model, tmp_path
+
+
+def test_files_placement_serves_row_caches_over_the_table_files(converted, rng):
+    model, root = converted
+    gpu = MemGpu()
+    layer = NgramEmbedding.from_pretrained(model.path, gpu, placement=["files", "host", "device", "files"],
+                                           table_dir=root / "bf16", cache_rows=32, max_tokens=4)
+    kinds = [type(t).__name__ for t in layer.tables]
+    assert kinds == ["CachedTable", "HostTable", "Bf16Table", "CachedTable"]
+    assert gpu.log.count("register_host") == 1  # the host table is the file, registered in place
+    for c in (0, 3):
+        cache = layer.tables[c].cache
+        assert isinstance(cache, RowCache) and cache.capacity == 32
+        assert cache.file.path == str(root / "bf16" / f"table_00{c}.ngt")
+        ids = rng.integers(0, cache.rows, 20)
+        slots = np.empty(20, np.uint32)
+        cache.resolve(ids, slots)
+        arena = gpu.read(cache.table_dev_va(), cache.capacity * cache.file.row_bytes).reshape(cache.capacity, -1)
+        want = model.tables[c][0] if model.tables[c][1] is None else ref.dequant_fp8(*model.tables[c])
+        np.testing.assert_array_equal(arena[slots.astype(np.int64)], want[ids].view(np.uint8).reshape(20, -1))
+        cache.end_batch()
+    host = layer.tables[1].weight
+    np.testing.assert_array_equal(gpu.read(host.weight, host.nbytes).view(BF16).reshape(host.shape),
+                                  ref.dequant_fp8(*model.tables[1]))
+    layer.close()
+    assert gpu.empty()
+
+
+@pytest.mark.parametrize("placement", ["device", "host", ["host", "device", "device", "host"]])
+def test_fp8_table_files_load_as_from_numpy_of_their_contents(converted, placement):
+    model, root = converted
+    tables = [table_contents(root / "fp8" / f"table_00{c}.ngt") for c in range(4)]
+    gpu, ref_gpu = MemGpu(), MemGpu()
+    with NgramEmbedding.from_pretrained(model.path, gpu, placement=placement, table_dir=root / "fp8") as layer, \
+            NgramEmbedding.from_numpy(model.dims, model.word, tables, model.projs, 8192, ref_gpu,
+                                      placement=placement) as want:
+        assert layer_bytes(gpu, layer) == layer_bytes(ref_gpu, want)
+    assert gpu.empty()
+
+
+def test_table_dir_needs_no_checkpoint_tables(converted):
+    model, root = converted
+    for c in range(4):
+        rewrite_tensor(model, TABLE.format(c), None)
+    rewrite_tensor(model, SCALE.format(1), None)
+    rewrite_tensor(model, SCALE.format(3), None)
+    gpu = MemGpu()
+    NgramEmbedding.from_pretrained(model.path, gpu, placement="host", table_dir=root / "bf16").close()
+    assert gpu.empty()
+
+
+def _edit_manifest(root, edit):
+    path = root / MANIFEST
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("damage, match", [
+    (lambda d: _edit_manifest(d, lambda m: m.update(base_rows=m["base_rows"] + 1)), "tables for other dims: base_rows"),
+    (lambda d: _edit_manifest(d, lambda m: m["tables"].pop(2)), r"no table file for tables \[2\]"),
+    (lambda d: _edit_manifest(d, lambda m: m.update(version=9)), "manifest version 9"),
+    (lambda d: _edit_manifest(d, lambda m: m.update(format="x")), "not a metrale-ngram-tables manifest"),
+    (lambda d: _edit_manifest(d, lambda m: m["tables"][0].update(file="../t.ngt")), "not a file inside"),
+    (lambda d: (d / MANIFEST).write_text("{"), "not valid JSON"),
+    (lambda d: (d / "table_001.ngt").unlink(), "table 1's file .* does not exist"),
+    (lambda d: _flip(d / "table_003.ngt", 8), "format version|crc"),
+    (lambda d: (d / "table_000.ngt").write_bytes((d / "table_000.ngt").read_bytes()[:-1]), "header says"),
+    (lambda d: os.replace(d / "table_001.ngt", d / "table_000.ngt"), r"table 0 is \[78, 6\]"),
+])
+def test_a_bad_table_dir_is_refused_before_any_upload(converted, damage, match):
+    model, root = converted
+    damage(root / "bf16")
+    gpu = MemGpu()
+    with pytest.raises(CheckpointError, match=match):
+        NgramEmbedding.from_pretrained(model.path, gpu, placement="files", table_dir=root / "bf16")
+    assert gpu.log == [] and gpu.empty()
+
+
+def test_the_decoder_refuses_row_caches_before_any_upload(converted):
+    model, root = converted
+    gpu = MemGpu()
+    for placement in ("files", ["host", "files", "device", "device"]):
+        with pytest.raises(ValueError, match="RowCache tables need host work every step"):
+            NgramDecoder.from_pretrained(model.path, gpu, max_seqs=2, placement=placement, table_dir=root / "bf16")
+    assert gpu.log == [] and gpu.empty()
+    dec = NgramDecoder.from_pretrained(model.path, gpu, max_seqs=2, placement="host", table_dir=root / "fp8")
+    assert all(isinstance(t, NgramTable.Host) for t in dec.fused.layer.tables)
+    dec.close()
+    assert gpu.empty()

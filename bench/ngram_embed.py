@@ -62,6 +62,7 @@ def main() -> None:
         tables = [NgramTable.Bf16(device_weight(gpu, rng, dims.table_rows(c), td, 1.0)) for c in range(t)]
         projs = [device_weight(gpu, rng, h, td, td**-0.5) for _ in range(t)]
         layer = NgramEmbedding(dims, word, tables, projs, max(SEQ_LENS), gpu)
+        gpu.synchronize(0)  # uploaded on the default stream; the fused path reads them on `stream`
         stream = gpu.create_stream()
         out = gpu.alloc(max(SEQ_LENS) * h * 2)
         torch = torch_or_none()

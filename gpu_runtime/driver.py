@@ -40,12 +40,14 @@ def init() -> None:
     global _initialised
     if _initialised:
         return
+    # ``from None``: the traceback shows NoDeviceError alone (the bindings' loader would add
+    # some 20 lines); the original exception stays reachable as its ``cause``.
     try:
         call(cu.cuInit, 0)
     except CudaError as exc:
-        raise NoDeviceError(f"CUDA driver present but unusable: {exc}") from exc
+        raise NoDeviceError(f"CUDA driver present but unusable: {exc}", cause=exc) from None
     except Exception as exc:  # the driver library itself cannot be found or loaded
-        raise NoDeviceError(f"no CUDA driver: {exc}") from exc
+        raise NoDeviceError(f"no CUDA driver: {exc}", cause=exc) from None
     _initialised = True
 
 

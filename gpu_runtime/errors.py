@@ -8,7 +8,16 @@ class GpuError(RuntimeError):
 
 
 class NoDeviceError(GpuError):
-    """No usable CUDA driver or device: GPU work cannot run on this machine."""
+    """No usable CUDA driver or device: GPU work cannot run on this machine.
+
+    ``cause`` keeps the exception that showed it, where there was one (the driver library not
+    found, or ``CudaError`` from ``cuInit``), without chaining it into the printed traceback;
+    the message already ends with its text.
+    """
+
+    def __init__(self, message: str, *, cause: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.cause = cause
 
 
 class CudaError(GpuError):

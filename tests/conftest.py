@@ -1,4 +1,5 @@
-"""Shared fixtures: one CUDA backend per session, fresh random generators, GPU skips."""
+"""Shared fixtures: one CUDA backend per session, fresh (or ``$TEST_SEED``) random generators,
+GPU skips."""
 
 from __future__ import annotations
 
@@ -32,12 +33,33 @@ def gpu():
     backend.close()
 
 
+def _fixed_seed() -> int | None:
+    """``$TEST_SEED`` as a seed (a non-negative integer), or None where it is unset or empty."""
+    value = os.environ.get("TEST_SEED", "").strip()
+    if not value:
+        return None
+    try:
+        seed = int(value)
+    except ValueError:
+        seed = -1
+    if seed < 0:
+        raise pytest.UsageError(f"TEST_SEED={value!r}: expected a non-negative integer")
+    return seed
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _fixed_seed()  # a bad TEST_SEED stops the run before any test
+
+
 @pytest.fixture
 def rng(request: pytest.FixtureRequest) -> np.random.Generator:
-    """A generator with a fresh seed every run; the seed is in the test's report on failure."""
-    seed = int.from_bytes(os.urandom(8), "little")
+    """A generator with a fresh seed every run, or ``$TEST_SEED`` where it is set (every test's
+    generator then starts from it); the seed is in the test's report on failure."""
+    seed = _fixed_seed()
+    if seed is None:
+        seed = int.from_bytes(os.urandom(8), "little")
     request.node.user_properties.append(("seed", seed))
-    print(f"rng seed {seed}")
+    print(f"rng seed {seed} (replay: TEST_SEED={seed})")
     return np.random.default_rng(seed)
 
 

@@ -206,9 +206,8 @@ def test_zero_sizes_launch_nothing(m, n, k):
     assert gpu.launches == [] and gpu.ops == []
 
 
-def test_reference_checker_rejects_wrong_results():
+def test_reference_checker_rejects_wrong_results(rng):
     """The GPU checks can fail: a wrong word row, a missing scale, or an extra rounding of acc."""
-    rng = np.random.default_rng()
     m, n, k = 64, 256, 512
     a, w = random_bf16(rng, (m, k)), random_bf16(rng, (n, k))
     word, ids = random_bf16(rng, (VOCAB, n)), rng.integers(0, VOCAB, m).astype(np.uint32)

@@ -5,12 +5,14 @@ from __future__ import annotations
 import ctypes
 import os
 import struct
+import traceback
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from gpu_runtime import CudaError, DevicePtr, KernelHandle, KernelLaunch, NvrtcError, compiler
+from gpu_runtime import (CudaBackend, CudaError, DevicePtr, KernelHandle, KernelLaunch,
+                         NoDeviceError, NvrtcError, compiler, device_count)
 from gpu_runtime.gpu import _ArgPlan
 from gpu_runtime.signatures import parse_signatures
 from layers.ops.loading import try_kernel
@@ -124,6 +126,56 @@ def test_cuda_error_names_the_result():
     err = CudaError(1, "cuMemAlloc", "64 bytes")
     assert str(err) == "CUDA_ERROR_INVALID_VALUE: cuMemAlloc (64 bytes)"
     assert CudaError(2, "cuMemAlloc").name == "CUDA_ERROR_OUT_OF_MEMORY"
+
+
+def _printed(err: BaseException) -> str:
+    return "".join(traceback.format_exception(err))
+
+
+def _one_exception(text: str) -> bool:
+    """A printed traceback of a single exception: nothing chained before it."""
+    return (text.count("Traceback (most recent call last)") == 1
+            and "direct cause" not in text and "During handling" not in text)
+
+
+@pytest.mark.skipif(device_count() > 0, reason="needs a machine without a usable CUDA device")
+def test_no_device_is_one_no_device_error_with_its_cause():
+    """CudaBackend() where there is no driver (or no device): NoDeviceError, printed without the
+    loader's chained traceback, and the exception that showed it kept in ``cause``."""
+    with pytest.raises(NoDeviceError) as info:
+        CudaBackend()
+    err = info.value
+    assert err.__cause__ is None and _one_exception(_printed(err)), _printed(err)
+    msg = str(err)
+    if msg.startswith(("no CUDA driver: ", "CUDA driver present but unusable: ")):
+        assert isinstance(err.cause, Exception) and msg.endswith(str(err.cause))
+        assert err.__suppress_context__ and err.__context__ is err.cause
+        assert isinstance(err.cause, CudaError) == msg.startswith("CUDA driver present")
+    else:  # a driver but no device: nothing underneath
+        assert msg == "CUDA device 0 requested, 0 present" and err.cause is None
+
+
+def test_unusable_driver_keeps_the_cuda_error(monkeypatch):
+    """cuInit failing (here CUDA_ERROR_NO_DEVICE, faked) gives NoDeviceError whose ``cause`` is
+    the CudaError, inspectable, and not chained into the printed traceback."""
+    from cuda.bindings import driver as cu
+
+    from gpu_runtime import driver
+
+    def cuInit(flags):  # noqa: N802 - the name CudaError reports
+        return (cu.CUresult.CUDA_ERROR_NO_DEVICE,)
+
+    monkeypatch.setattr(cu, "cuInit", cuInit)
+    monkeypatch.setattr(driver, "_initialised", False)
+    with pytest.raises(NoDeviceError) as info:
+        CudaBackend()
+    err = info.value
+    assert str(err) == "CUDA driver present but unusable: CUDA_ERROR_NO_DEVICE: cuInit"
+    assert isinstance(err.cause, CudaError)
+    assert (err.cause.name, err.cause.call) == ("CUDA_ERROR_NO_DEVICE", "cuInit")
+    assert err.cause.result == int(cu.CUresult.CUDA_ERROR_NO_DEVICE)
+    assert err.__cause__ is None and _one_exception(_printed(err)), _printed(err)
+    assert device_count() == 0  # the same failure, seen as no device
 
 
 # -- signatures -----------------------------------------------------------------------------

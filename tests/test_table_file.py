@@ -114,25 +114,31 @@ def _written(tmp_path, rng, dtype=BF16):
     return path
 
 
-def _patch(path, offset, data, fix_crc=False):
+def _patch(path, offset, data, fix_crc=False, xor=False):
+    """Write ``data`` at ``offset`` (``xor``: XOR it into the bytes there, so that a nonzero mask
+    changes them whatever they were); ``fix_crc`` recomputes the header's CRC afterwards."""
     raw = bytearray(path.read_bytes())
+    if xor:
+        data = bytes(a ^ b for a, b in zip(raw[offset:offset + len(data)], data))
     raw[offset:offset + len(data)] = data
     if fix_crc:
         raw[48:52] = struct.pack("<I", zlib.crc32(bytes(raw[:48])))
     path.write_bytes(bytes(raw))
 
 
-@pytest.mark.parametrize("offset, data, fix_crc, match", [
-    (0, b"NGRAMTBX", True, "magic"),
-    (8, struct.pack("<I", 2), True, "version 2"),
-    (12, struct.pack("<I", 3), True, "dtype code 3"),
-    (16, b"\x07", False, "crc"),  # a flipped rows byte
-    (49, b"\x5a", False, "crc"),  # a flipped crc byte
-    (32, struct.pack("<Q", 8192), True, "offsets"),
+@pytest.mark.parametrize("offset, data, xor, fix_crc, match", [
+    (0, b"NGRAMTBX", False, True, "magic"),
+    (8, struct.pack("<I", 2), False, True, "version 2"),
+    (12, struct.pack("<I", 3), False, True, "dtype code 3"),
+    (16, b"\x07", True, False, "crc"),  # a flipped rows byte
+    (49, b"\x5a", True, False, "crc"),  # a flipped crc byte
+    (32, struct.pack("<Q", 8192), False, True, "offsets"),
 ])
-def test_corrupt_header_refused(tmp_path, rng, offset, data, fix_crc, match):
+def test_corrupt_header_refused(tmp_path, rng, offset, data, xor, fix_crc, match):
     path = _written(tmp_path, rng)
-    _patch(path, offset, data, fix_crc)
+    good = path.read_bytes()
+    _patch(path, offset, data, fix_crc, xor)
+    assert path.read_bytes() != good  # the corruption changed the header
     with pytest.raises(TableFormatError, match=match) as err:
         TableFile(path)
     assert str(path) in str(err.value)

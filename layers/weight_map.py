@@ -54,11 +54,17 @@ class DenseWeight:
         array, scale = checked_weight_arrays(array, row_scale)
         array = np.ascontiguousarray(array)
         weight = gpu.alloc(array.nbytes)
-        gpu.copy_h2d_async(array, weight, stream)
         scale_ptr = DevicePtr(0)
-        if scale is not None:
-            scale_ptr = gpu.alloc(scale.nbytes)
-            gpu.copy_h2d_async(scale, scale_ptr, stream)
+        try:
+            gpu.copy_h2d_async(array, weight, stream)
+            if scale is not None:
+                scale_ptr = gpu.alloc(scale.nbytes)
+                gpu.copy_h2d_async(scale, scale_ptr, stream)
+        except BaseException:  # nothing is left allocated when the upload fails part-way
+            if scale_ptr:
+                gpu.free(scale_ptr)
+            gpu.free(weight)
+            raise
         return cls(weight, (int(array.shape[0]), int(array.shape[1])), array.dtype, scale_ptr, gpu)
 
     @property

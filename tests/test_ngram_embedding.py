@@ -12,7 +12,7 @@ from gpu_runtime import DevicePtr
 from layers import reference as ref
 from layers.ngram_embed import NgramDims, NgramEmbedding, NgramTable, ngram_ids_tail
 from layers.weight_map import DenseWeight
-from tests.fakes import RecordingBackend
+from tests.fakes import MemoryBackend, RecordingBackend
 from tests.helpers import Guarded, bits, random_bf16, random_fp8
 
 BF16 = ml_dtypes.bfloat16
@@ -311,3 +311,18 @@ def test_decode_reads_only_the_tail_of_the_context():
     uploads = [op[1] for op in gpu.ops if op[0] == "h2d"]
     assert uploads[0] == np.array([7, 8], np.uint32).tobytes()
     assert len(gpu.launches) == 2 + 3 * dims.num_tables()
+
+
+def test_dense_weight_frees_what_it_allocated_when_the_upload_fails():
+    """An fp8 weight whose scale allocation fails leaves nothing allocated behind."""
+    class OneAlloc(MemoryBackend):
+        def alloc(self, nbytes: int):
+            if self.mem:
+                raise MemoryError("the scales do not fit")
+            return super().alloc(nbytes)
+
+    gpu = OneAlloc("embed_from_argmax", [])
+    rng = np.random.default_rng(7)
+    with pytest.raises(MemoryError, match="scales"):
+        DenseWeight.from_numpy(gpu, random_fp8(rng, (4, 8)), np.ones(4, np.float32))
+    assert gpu.mem == {}

@@ -40,18 +40,23 @@ from gpu_runtime import (CudaBackend, CudaError, DeviceArray, DevicePtr, GpuErro
 from layers import reference as ref
 from layers.ngram_embed import (NgramDims, NgramEmbedding, NgramTable, RowCache, TableFile,
                                 TableFormatError, TableWriter, ngram_ids, ngram_ids_tail, write_table)
+from layers.ngram_embed.checkpoint import CheckpointError
 from layers.ngram_embed.decoder import NgramDecoder
 from layers.ngram_embed.fused import FusedNgramEmbedding
 from layers.ops import embed, gemm, ngram_fused, residual, row_cache, token_overlay
 from layers.ops.token_overlay import OverlayKernels
 from layers.overlay import (AdapterOverlay, OverlaySlots, TableOverlay, build_overlay,
                             overlay_from_trainable_tokens)
+from layers.peft_adapter import PeftAdapterError, overlay_from_peft
 from layers.weight_map import BF16, FP8, DenseWeight
 from tests.fakes import MemoryBackend
 from tests.helpers import Guarded, bits, random_bf16, random_fp8
 from tests.test_ngram_embedding import device_layer, random_layer, small_dims
 from tests.test_ngram_fused_kernel import context, make_tables, pows_for, windows_for
 from tests.test_overlay_builder import _emulate_rowdiff, check_slot_contents, random_overlay
+from tests.test_checkpoint import PROJ, TABLE, make_model, rewrite_tensor, tiny_config, write_model
+from tests.test_peft_adapters import EMBED as PEFT_EMBED
+from tests.test_peft_adapters import save_adapter, token_rows, tt_config
 from tests.test_row_cache import _emulate_scatter, assert_resident
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -86,6 +91,8 @@ ROWS = [
     ("FusedNgramEmbedding.embed", "`FusedNgramEmbedding.embed` / `embed_batch`"),
     ("NgramDecoder", "`NgramDecoder(...)`"),
     ("NgramDecoder.calls", "`NgramDecoder.prefill` / `step` / `rollback` / `reset`"),
+    ("from_pretrained", "`NgramEmbedding.from_pretrained` (and the fused / decoder twins)"),
+    ("overlay_from_peft", "`overlay_from_peft`"),
     ("RowCache", "`RowCache(...)`"),
     ("RowCache.resolve", "`RowCache.resolve` / `prefetch`"),
     ("TableFile", "`TableFile(...)` / `read_rows`"),
@@ -420,6 +427,26 @@ class World:
         return fused
 
     # -- what "nothing written" compares -----------------------------------------------------
+    def model(self, damage: Callable[[Any], Any] | None = None) -> Any:
+        """A fresh tiny LongCat-Flash-Lite folder (sharded; ``.path``) in a subfolder (the state
+        compares top-level files only), ``damage``d before it is returned."""
+        self._models = getattr(self, "_models", 0) + 1
+        model = write_model(self.tmp / f"model{self._models}", make_model(self.rng, tiny_config()))
+        if damage is not None:
+            damage(model)
+        return model
+
+    def empty_dir(self, name: str) -> Path:
+        (self.tmp / name).mkdir()
+        return self.tmp / name
+
+    def adapter(self, tensors: dict | None = None, ids: list[int] = (1, 2)) -> Path:
+        """A fresh standalone trainable-tokens adapter folder (ids, rows of width 16)."""
+        self._adapters = getattr(self, "_adapters", 0) + 1
+        ids = list(ids)
+        tensors = tensors or {f"{PEFT_EMBED}.trainable_tokens_delta": token_rows(self.rng, len(ids))}
+        return save_adapter(self.tmp / f"adapter{self._adapters}", tt_config(ids), tensors)
+
     def state(self) -> dict[str, Any]:
         g = self.gpu
         files = {p.name: p.read_bytes() for p in sorted(self.tmp.iterdir()) if p.is_file()}
@@ -679,6 +706,37 @@ CPU_CASES = [
          "closed"),
     case("NgramDecoder.calls", "empty", lambda w: w.decoder.step(w.p[0], w.p[1], 0, w.out)),
     case("NgramDecoder.calls", "empty", lambda w: w.decoder.rollback(w.p[0], w.p[1], 0), detail="rollback"),
+    # -- model folders and adapter folders (each case damages a fresh copy, then loads it) --
+    case("from_pretrained", "dtype", lambda w: NgramEmbedding.from_pretrained(w.model(
+        lambda m: rewrite_tensor(m, TABLE.format(0), m.tables[0][0].astype(np.float32))).path, w.gpu),
+         CheckpointError, "is F32: tables are served as bf16 or fp8"),
+    case("from_pretrained", "shape", lambda w: NgramEmbedding.from_pretrained(w.model(
+        lambda m: rewrite_tensor(m, PROJ.format(0), np.ascontiguousarray(m.projs[0].T))).path, w.gpu),
+         CheckpointError, r"post_projs.0.weight' has shape \[6, 24\]"),
+    case("from_pretrained", "length", lambda w: NgramEmbedding.from_pretrained(w.model().path, w.gpu,
+                                                                               placement=["device"] * 3),
+         ValueError, "3 entries for 4 tables"),
+    case("from_pretrained", "range", lambda w: NgramEmbedding.from_pretrained(w.model().path, w.gpu, eos_id=300),
+         CheckpointError, "eos_id must be in 0..V-1"),
+    case("from_pretrained", "range", lambda w: NgramEmbedding.from_pretrained(w.model().path, w.gpu, placement="gpu"),
+         ValueError, "placement must be", detail="placement"),
+    case("from_pretrained", "null", lambda w: NgramEmbedding.from_pretrained(w.model(
+        lambda m: rewrite_tensor(m, TABLE.format(2), None)).path, w.gpu),
+         CheckpointError, "no tensor 'model.ngram_embeddings.embedders.2.weight'"),
+    case("from_pretrained", "empty", lambda w: NgramEmbedding.from_pretrained(w.model(
+        lambda m: (m.path / "config.json").unlink()).path, w.gpu), CheckpointError, "no config.json"),
+    case("overlay_from_peft", "dtype", lambda w: overlay_from_peft(w.adapter(
+        {f"{PEFT_EMBED}.trainable_tokens_delta": np.ones((2, 16), np.int32)}), vocab=64),
+         PeftAdapterError, "not a float type"),
+    case("overlay_from_peft", "shape", lambda w: overlay_from_peft(w.adapter(
+        {f"{PEFT_EMBED}.trainable_tokens_delta": token_rows(w.rng, 3)}), vocab=64),
+         PeftAdapterError, r"expected \[2, h\]"),
+    case("overlay_from_peft", "id", lambda w: overlay_from_peft(w.adapter(ids=[3, 64]), vocab=64),
+         PeftAdapterError, "token id 64 .* outside"),
+    case("overlay_from_peft", "empty", lambda w: overlay_from_peft(w.empty_dir("adapter"), vocab=64),
+         FileNotFoundError, "adapter_config.json"),
+    case("overlay_from_peft", "null", lambda w: overlay_from_peft(w.tmp / "no-adapter", vocab=64),
+         FileNotFoundError, "does not exist"),
     # -- FusedNgramEmbedding --
     case("FusedNgramEmbedding", "dtype", lambda w: FusedNgramEmbedding(w.layer, 2.0, w.gpu), ValueError,
          "max_rows must be a positive int"),
@@ -899,6 +957,18 @@ def _after_fused_embed(w: World) -> None:
     assert w.gpu.launched()[before:] == ["ngram_gather", "dense_gemm_bf16_word"]
 
 
+def _after_from_pretrained(w: World) -> None:
+    model = w.model()
+    layer = NgramEmbedding.from_pretrained(model.path, w.gpu)
+    assert layer.dims == model.dims and len(layer.tables) == model.dims.num_tables()
+    layer.close()
+
+
+def _after_peft(w: World) -> None:
+    overlay = overlay_from_peft(w.adapter(ids=[5, 9]), vocab=64)
+    assert overlay.embed.ids.tolist() == [5, 9]
+
+
 def _after_decoder(w: World) -> None:
     before = len(w.gpu.launches)
     w.decoder.step(w.p[0], w.p[1], 2, w.out, k=2)
@@ -967,6 +1037,8 @@ AFTER: dict[str, Callable[[World], None]] = {
     "NgramEmbedding.embed": _after_layer_embed,
     "FusedNgramEmbedding": lambda w: FusedNgramEmbedding(w.layer, 8, w.gpu).close(),
     "FusedNgramEmbedding.embed": _after_fused_embed,
+    "from_pretrained": _after_from_pretrained,
+    "overlay_from_peft": _after_peft,
     "NgramDecoder": lambda w: NgramDecoder(w.layer, max_seqs=2, max_rows=4, gpu=w.gpu).close(),
     "NgramDecoder.calls": _after_decoder,
     "RowCache": lambda w: RowCache(w.gpu, w.table_path, 5, io_threads=1).close(),

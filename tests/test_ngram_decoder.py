@@ -253,11 +253,26 @@ def test_graph_replayed_decode_steps_with_resets_and_reuse(world):
 
 @pytest.mark.gpu
 def test_k_token_steps_with_rollbacks(world):
+    _k_steps_with_rollbacks(world, max_k=3)
+
+
+@pytest.mark.gpu
+def test_long_histories_take_the_unshuffled_window_path(gpu, rng):
+    """max_draft 40: the ring (42 tokens) is longer than a warp, so the kernel reads the window
+    from the ring token by token instead of through one shuffle; drafts of up to 40 roll back."""
+    w = World(gpu, rng, max_draft=40, max_rows=160)
+    try:
+        _k_steps_with_rollbacks(w, max_k=40)
+    finally:
+        w.close()
+
+
+def _k_steps_with_rollbacks(world, max_k):
     gpu, dec, rng = world.gpu, world.dec, world.rng
     slots = [5, 2, 0]
     world.prefill(slots, [4, 1, 6])
     for it in range(12):
-        k = int(rng.integers(1, 4))
+        k = int(rng.integers(1, max_k + 1))
         toks = world.tokens(3 * k)
         with u32(gpu, toks) as t, u32(gpu, slots) as sl:
             world.out.poison()

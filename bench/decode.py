@@ -51,7 +51,6 @@ from layers import reference
 from layers.ngram_embed import HostWeight, NgramDims, NgramEmbedding, NgramTable
 from layers.ngram_embed.decoder import NgramDecoder
 from layers.ngram_embed.tables import Bf16Table
-from layers.ops import ngram_decode as decode_ops
 from layers.ops.embed import batched_embed
 from layers.ops.residual import scaled_add
 from layers.weight_map import BF16
@@ -375,17 +374,12 @@ def prefill_row(ctx: Ctx, layer: NgramEmbedding, placement: str) -> tuple:
     out = gpu.alloc(PREFILL * dims.hidden_size * 2)
     gpu.synchronize(0)
     try:
-        fused = dec.fused
-
         def prefill(i: int) -> None:
             dec.reset(0, s)
             dec.prefill(tok, cu, slot, 1, PREFILL, out, s)
 
         def gather(i: int) -> None:
-            decode_ops.ngram_decode_gather(
-                gpu, dec.gather_k, tok.ptr, cu.ptr, slot.ptr, dec.hist, dec.state, fused.desc,
-                fused.pows, fused.gather_buf, dec.word_ids, dec.ctrl, PREFILL, 1, 0, 1,
-                dec.hist_len, dims.vocab_size, t, dims.max_ngram, dims.splits, td, dims.eos_id, s)
+            dec.launch_gather(tok.ptr, cu.ptr, slot.ptr, 1, PREFILL, 0, s)
 
         full_us, _ = gated_gpu_us(prefill, stream=s, batch=2, warmup=1, iters=5)
         gather_us, _ = gated_gpu_us(gather, stream=s, batch=2, warmup=1, iters=5)

@@ -242,13 +242,21 @@ class NgramDecoder:
         require_ptr(out, "NgramDecoder out")
         if rows == 0:
             return
-        dims, fused, gpu = self.dims, self.fused, self.gpu
-        t, td = dims.num_tables(), dims.table_dim()
+        self.launch_gather(tokens, cu_seqlens, slots, num_seqs, rows, per_seq, stream)
+        dims, fused = self.dims, self.fused
+        gemm_ops.dense_gemm_bf16_word(self.gpu, fused.gemm_k, fused.gather_buf, fused.projs_weight,
+                                      out, rows, dims.hidden_size, dims.num_tables() * dims.table_dim(),
+                                      self.word_ids, fused.layer.word.weight, fused.inv_scale, stream,
+                                      overlap=True)
+
+    def launch_gather(self, tokens: int, cu_seqlens: int, slots: int, num_seqs: int, rows: int,
+                      per_seq: int, stream: int) -> None:
+        """The first of a call's two launches alone: hash, gather into the fused layer's gather
+        buffer, append the tokens to the histories (``prefill`` / ``step`` check their arguments
+        before it; benchmarks time it by itself). Addresses as ``prefill`` takes them."""
+        dims, fused = self.dims, self.fused
         decode_ops.ngram_decode_gather(
-            gpu, self.gather_k, tokens, cu_seqlens, slots, self.hist, self.state, fused.desc,
+            self.gpu, self.gather_k, tokens, cu_seqlens, slots, self.hist, self.state, fused.desc,
             fused.pows, fused.gather_buf, self.word_ids, self.ctrl, rows, num_seqs, per_seq,
-            self.max_seqs, self.hist_len, dims.vocab_size, t, dims.max_ngram, dims.splits, td,
-            dims.eos_id, stream)
-        gemm_ops.dense_gemm_bf16_word(gpu, fused.gemm_k, fused.gather_buf, fused.projs_weight, out,
-                                      rows, dims.hidden_size, t * td, self.word_ids,
-                                      fused.layer.word.weight, fused.inv_scale, stream, overlap=True)
+            self.max_seqs, self.hist_len, dims.vocab_size, dims.num_tables(), dims.max_ngram,
+            dims.splits, dims.table_dim(), dims.eos_id, stream)

@@ -39,8 +39,28 @@ def checked_weight_arrays(array: Any, row_scale: Any) -> tuple[np.ndarray, np.nd
     return array, scale
 
 
+class WeightShape:
+    """``rows``, ``cols`` and ``nbytes`` of a 2-D weight from its ``shape`` and ``dtype`` fields:
+    the same on the device (``DenseWeight``) and in host memory (``HostWeight``)."""
+
+    shape: tuple[int, int]
+    dtype: np.dtype
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0]
+
+    @property
+    def cols(self) -> int:
+        return self.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.cols * self.dtype.itemsize
+
+
 @dataclass
-class DenseWeight:
+class DenseWeight(WeightShape):
     weight: DevicePtr
     shape: tuple[int, int]
     dtype: np.dtype
@@ -66,18 +86,6 @@ class DenseWeight:
             gpu.free(weight)
             raise
         return cls(weight, (int(array.shape[0]), int(array.shape[1])), array.dtype, scale_ptr, gpu)
-
-    @property
-    def rows(self) -> int:
-        return self.shape[0]
-
-    @property
-    def cols(self) -> int:
-        return self.shape[1]
-
-    @property
-    def nbytes(self) -> int:
-        return self.rows * self.cols * self.dtype.itemsize
 
     def close(self) -> None:
         """Free the device memory (once; later calls do nothing)."""

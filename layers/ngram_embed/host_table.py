@@ -30,12 +30,12 @@ import numpy as np
 
 from gpu_runtime import DevicePtr, GpuBackend
 
-from ..weight_map import FP8, checked_weight_arrays
+from ..weight_map import FP8, WeightShape, checked_weight_arrays
 from .table_file import TableFile
 
 
 @dataclass(eq=False)
-class HostWeight:
+class HostWeight(WeightShape):
     """``weight``: the device-visible address of row 0 (mapped host memory); ``row_scale``:
     device memory (fp8 only). ``host`` is the rows' host view (uint8 ``[rows, row_bytes]`` for a
     table file, the pinned buffer otherwise); ``file`` the table file it maps, if any."""
@@ -93,18 +93,6 @@ class HostWeight:
             file.close()
             raise
         return cls(ptr, (file.rows, file.dim), np.dtype(file.dtype), scale_ptr, gpu, rows, file)
-
-    @property
-    def rows(self) -> int:
-        return self.shape[0]
-
-    @property
-    def cols(self) -> int:
-        return self.shape[1]
-
-    @property
-    def nbytes(self) -> int:
-        return self.rows * self.cols * self.dtype.itemsize
 
     @property
     def closed(self) -> bool:

@@ -287,6 +287,14 @@ def main() -> None:
             for c in caches:
                 c.close()
 
+        def release() -> None:
+            resident.close()
+            gpu.free(out)
+            gpu.free(out_ref)
+            for w in [word, *projs, *tables]:
+                w.close()
+            gpu.destroy_stream(stream)
+
         say("fused decode: resident and cached all-hit, batches " + ", ".join(map(str, FUSED_BATCHES)) + " ...")
         layer, caches = cached_layer()
         fused_rows = fused_decode(gpu, resident, layer, caches, out, out_ref, stream, rng)
@@ -297,12 +305,7 @@ def main() -> None:
                         "misses"]
         if only_fused:
             print_table(fused_title, fused_header, fused_rows)
-            resident.close()
-            gpu.free(out)
-            gpu.free(out_ref)
-            for w in [word, *projs, *tables]:
-                w.close()
-            gpu.destroy_stream(stream)
+            release()
             return
 
         say("decode: resident and cached all-hit ...")
@@ -363,12 +366,7 @@ def main() -> None:
                     ["condition", "rows/s", "GB/s", "io frac"], miss_rows)
         print_table(fused_title, fused_header, fused_rows)
 
-        resident.close()
-        gpu.free(out)
-        gpu.free(out_ref)
-        for w in [word, *projs, *tables]:
-            w.close()
-        gpu.destroy_stream(stream)
+        release()
 
 
 if __name__ == "__main__":

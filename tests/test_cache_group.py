@@ -220,7 +220,7 @@ def test_group_resolves_as_its_members_one_by_one(tmp_path, rng, dtype):
     assert all_hit_steps > 50 and refused < 40
     for cache, ref_cache in zip(grouped, alone):
         assert replace(cache.stats, io_seconds=0) == replace(ref_cache.stats, io_seconds=0)
-        assert cache.stats.hits > cache.stats.misses > 0
+        assert cache.stats.hits > 0 and cache.stats.misses > 0  # both paths taken (how many of each is chance)
         assert (cache.stats.evictions > 0) == (cache.capacity < cache.rows)  # the last one holds its table
     for c in grouped + alone:
         c.close()

@@ -51,13 +51,13 @@ from layers.peft_adapter import PeftAdapterError, overlay_from_peft
 from layers.weight_map import BF16, FP8, DenseWeight
 from tests.fakes import MemoryBackend
 from tests.helpers import Guarded, bits, random_bf16, random_fp8
-from tests.test_ngram_embedding import device_layer, random_layer, small_dims
-from tests.test_ngram_fused_kernel import context, make_tables, pows_for, windows_for
-from tests.test_overlay_builder import _emulate_rowdiff, check_slot_contents, random_overlay
-from tests.test_checkpoint import PROJ, TABLE, make_model, rewrite_tensor, tiny_config, write_model
-from tests.test_peft_adapters import EMBED as PEFT_EMBED
-from tests.test_peft_adapters import save_adapter, token_rows, tt_config
-from tests.test_row_cache import _emulate_scatter, assert_resident
+from tests.helpers.checkpoint import PROJ, TABLE, make_model, rewrite_tensor, tiny_config, write_model
+from tests.helpers.ngram import device_layer, random_layer, small_dims
+from tests.helpers.ngram_gather import context, make_tables, pows_for, windows_for
+from tests.helpers.overlay import check_slot_contents, emulate_rowdiff, random_overlay
+from tests.helpers.peft import EMBED as PEFT_EMBED
+from tests.helpers.peft import save_adapter, token_rows, tt_config
+from tests.helpers.row_cache import assert_resident, emulate_scatter
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -131,7 +131,7 @@ class MemGpu(MemoryBackend):
 
     def __init__(self) -> None:
         super().__init__(module="*", names=[],
-                         emulate={"scatter_rows": _emulate_scatter, "embed_rowdiff_bf16": _emulate_rowdiff})
+                         emulate={"scatter_rows": emulate_scatter, "embed_rowdiff_bf16": emulate_rowdiff})
         self.log: list[tuple[str, int]] = []
 
     def kernel(self, module: str, name: str) -> KernelHandle:

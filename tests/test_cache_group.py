@@ -23,11 +23,11 @@ from layers.ngram_embed.ids import NO_TOKEN, ngram_ids_tail, ngram_ids_windows
 from layers.ngram_embed.row_cache import RowCache
 from layers.ngram_embed.slot_index import SharedSlotIndex, SlotIndex, SlotStore
 from layers.ngram_embed.table_file import write_table
-from layers.weight_map import DenseWeight
+from layers.weight_map import BF16
 from tests.fakes import MemoryBackend
 from tests.helpers import Guarded, bits
-from tests.test_ngram_embedding import BF16, IdentityCache, device_layer, free_layer, random_layer, small_dims
-from tests.test_row_cache import _emulate_scatter, assert_resident, mem_gpu, table_file
+from tests.helpers.ngram import IdentityCache, device_layer, free_layer, random_layer, small_dims
+from tests.helpers.row_cache import assert_resident, emulate_scatter, mem_gpu, table_file
 
 
 def reference_windows(contexts, seq_lens, n: int) -> np.ndarray:
@@ -369,7 +369,7 @@ class FusedMemoryBackend(MemoryBackend):
     and no-op pitched copies and graphs."""
 
     def __init__(self) -> None:
-        super().__init__("row_cache", ["scatter_rows"], {"scatter_rows": _emulate_scatter})
+        super().__init__("row_cache", ["scatter_rows"], {"scatter_rows": emulate_scatter})
 
     def kernel(self, module, name):
         if name not in self.handles:

@@ -10,14 +10,12 @@ GPU: ``embed`` of a loaded layer equals ``embed`` of the ``from_numpy`` layer, b
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import pytest
 
-from gpu_runtime import KernelHandle
 from layers import safetensors_io
 from layers.ngram_embed import (CheckpointError, DeviceBudget, NgramCheckpoint, NgramDims, NgramEmbedding,
                                 NgramTable)
@@ -25,207 +23,10 @@ from layers.ngram_embed.checkpoint import resolve_placement
 from layers.ngram_embed.decoder import NgramDecoder
 from layers.ngram_embed.fused import FusedNgramEmbedding
 from layers.weight_map import BF16
-from tests.fakes import MemoryBackend
-from tests.helpers import Guarded, bits, random_bf16, random_fp8
-from tests.test_row_cache import _emulate_scatter
-
-WORD = "model.embed_tokens.weight"
-WORD_ALT = "model.ngram_embeddings.word_embeddings.weight"
-TABLE = "model.ngram_embeddings.embedders.{}.weight"
-SCALE = "model.ngram_embeddings.embedders.{}.weight_scale"
-PROJ = "model.ngram_embeddings.post_projs.{}.weight"
-
-
-# ==== a host-memory backend that logs everything that allocates or writes =======================
-
-class MemGpu(MemoryBackend):
-    """Any kernel has a handle (``scatter_rows`` emulated); ``log`` records every call that
-    allocates, pins, registers or writes, so a refusal is shown to have done none of them."""
-
-    def __init__(self, fail_alloc_after: int | None = None) -> None:
-        super().__init__(module="*", names=[], emulate={"scatter_rows": _emulate_scatter})
-        self.log: list[str] = []
-        self.fail_alloc_after = fail_alloc_after
-
-    def kernel(self, module, name):
-        if name not in self.handles:
-            self.handles[name] = KernelHandle(0x100 + len(self.handles) + 1)
-            self.names[int(self.handles[name])] = name
-        return self.handles[name]
-
-    def alloc(self, nbytes):
-        if self.fail_alloc_after is not None and self.log.count("alloc") >= self.fail_alloc_after:
-            raise MemoryError("device full (test)")
-        self.log.append("alloc")
-        return super().alloc(nbytes)
-
-    def alloc_host(self, nbytes, *, mapped=False):
-        self.log.append("alloc_host")
-        return super().alloc_host(nbytes, mapped=mapped)
-
-    def register_host(self, array, *, read_only=True):
-        self.log.append("register_host")
-        return super().register_host(array, read_only=read_only)
-
-    def memset(self, ptr, byte, nbytes, stream=0):
-        self.log.append("memset")
-        super().memset(ptr, byte, nbytes, stream)
-
-    def copy_h2d_async(self, host, dst, stream=0):
-        self.log.append("h2d")
-        super().copy_h2d_async(host, dst, stream)
-
-    def copy_2d_async(self, dst, dst_pitch, src, src_pitch, width, height, stream=0):
-        self.log.append("copy2d")
-        for r in range(height):
-            row = self.read(src + r * src_pitch, width)
-            buf, off = self._find(dst + r * dst_pitch, width)
-            buf[off:off + width] = row
-
-    def launch(self, kernel, grid, block, shared_mem, stream, kinds, args, *, overlap=False):
-        self.log.append("launch")
-        super().launch(kernel, grid, block, shared_mem, stream, kinds, args)
-
-    def empty(self) -> bool:
-        return not (self.mem or self.host or self.mapped or self.registered)
-
-
-# ==== tiny model folders ============================================================================
-
-def tiny_config(**changes) -> dict:
-    """LongCat-Flash-Lite's config keys at toy size: T = 2*(3-1) = 4 tables of 300 // ... rows."""
-    config = {"architectures": ["LongcatFlashNgramForCausalLM"], "model_type": "longcat_flash_ngram",
-              "vocab_size": 300, "hidden_size": 24, "emb_neighbor_num": 3, "emb_split_num": 2,
-              "ngram_vocab_size_ratio": 0.25, "eos_token_id": 2, "bos_token_id": 1, "pad_token_id": 3,
-              "num_layers": 1, "torch_dtype": "bfloat16"}
-    config.update(changes)
-    return {k: v for k, v in config.items() if v is not ...}
-
-
-def published_rows(config: dict, i: int) -> int:
-    """Table i's rows as the published code computes them: ``int(m + i*2 + 1)``, m = r*V."""
-    return int(config["ngram_vocab_size_ratio"] * config["vocab_size"] + i * 2 + 1)
-
-
-@dataclass
-class Model:
-    path: Path
-    config: dict
-    dims: NgramDims
-    word: np.ndarray
-    tables: list  # (table, scale or None)
-    projs: list
-    tensors: dict = field(default_factory=dict)  # name -> array, as written
-
-    def numpy_tables(self):
-        return [t if s is None else (t, s) for t, s in self.tables]
-
-
-def make_model(rng, config: dict | None = None, kinds: str = "bf") -> Model:
-    """Weights of a tiny model (nothing written yet). ``kinds``: per table (cycled) 'b' bf16, 'f'
-    fp8 with a ``weight_scale`` tensor."""
-    config = tiny_config() if config is None else config
-    v, d = config["vocab_size"], config["hidden_size"]
-    t = config["emb_split_num"] * (config["emb_neighbor_num"] - 1)
-    td = d // t
-    eos = config.get("eos_token_id")
-    dims = NgramDims.longcat_flash(v, d, config["emb_neighbor_num"], config["emb_split_num"],
-                                   config["ngram_vocab_size_ratio"], eos if isinstance(eos, int) else None)
-    word = random_bf16(rng, (v, d))
-    tables, projs, tensors = [], [], {WORD: word}
-    for c in range(t):
-        rows = published_rows(config, c)
-        assert rows == dims.table_rows(c)
-        if kinds[c % len(kinds)] == "f":
-            table, scale = random_fp8(rng, (rows, td)), rng.uniform(0.001, 0.05, rows).astype(np.float32)
-            tensors[SCALE.format(c)] = scale
-        else:
-            table, scale = random_bf16(rng, (rows, td)), None
-        tensors[TABLE.format(c)] = table
-        proj = random_bf16(rng, (d, td), 1 / np.sqrt(td))
-        tensors[PROJ.format(c)] = proj
-        tables.append((table, scale))
-        projs.append(proj)
-    return Model(Path(), config, dims, word, tables, projs, tensors)
-
-
-UNRELATED = {"model.layers.0.self_attn.0.q_a_proj.weight": np.float32, "lm_head.weight": np.float32,
-             "model.norm.weight": np.float16}
-
-
-def write_model(path: Path, model: Model, layout: str = "sharded", rng=None) -> Model:
-    """Write ``model`` as a model folder: ``config.json`` and either ``model.safetensors`` or three
-    shards (n-gram tensors spread over them, unrelated tensors beside them) plus a fourth shard of
-    unrelated tensors only, which is garbage: a loader that opens it fails."""
-    rng = np.random.default_rng(0) if rng is None else rng
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(model.config, indent=1))
-    unrelated = {name: rng.standard_normal((4, 6)).astype(dt) for name, dt in UNRELATED.items()}
-    if layout == "single":
-        safetensors_io.save(path / "model.safetensors", {**unrelated, **model.tensors})
-    else:
-        names = list(model.tensors)
-        shards = [names[0::3], names[1::3], names[2::3]]
-        weight_map = {}
-        extra = list(unrelated)
-        for i, group in enumerate(shards):
-            file = f"model-{i + 1:05d}-of-00004.safetensors"
-            content = {n: model.tensors[n] for n in group}
-            if i < len(extra):
-                content[extra[i]] = unrelated[extra[i]]
-            safetensors_io.save(path / file, content)
-            weight_map.update({n: file for n in content})
-        garbage = "model-00004-of-00004.safetensors"
-        (path / garbage).write_bytes(b"\xff" * 64)  # not a safetensors file at all
-        weight_map["model.layers.1.mlp.experts.0.up_proj.weight"] = garbage
-        index = {"metadata": {"total_size": 0}, "weight_map": weight_map}
-        (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
-    model.path = path
-    return model
-
-
-def shard_of(model: Model, name: str) -> Path:
-    index = model.path / "model.safetensors.index.json"
-    if not index.exists():
-        return model.path / "model.safetensors"
-    return model.path / json.loads(index.read_text())["weight_map"][name]
-
-
-def rewrite_tensor(model: Model, name: str, array: np.ndarray | None, near: str | None = None) -> Path:
-    """Replace, add (into the file that holds ``near``) or with None remove one tensor, keeping
-    the index in step."""
-    file = shard_of(model, near or name)
-    tensors = {k: np.array(v) for k, v in safetensors_io.load(file).items()}
-    if array is None:
-        del tensors[name]
-    else:
-        tensors[name] = array
-    file.unlink()
-    safetensors_io.save(file, tensors)
-    index = model.path / "model.safetensors.index.json"
-    if index.exists():
-        data = json.loads(index.read_text())
-        if array is None:
-            del data["weight_map"][name]
-        else:
-            data["weight_map"][name] = file.name
-        index.write_text(json.dumps(data))
-    return file
-
-
-# ==== comparing what two backends hold ==============================================================
-
-def weight_bytes(gpu: MemoryBackend, w) -> tuple:
-    data = gpu.read(w.weight, w.nbytes)
-    scale = gpu.read(w.row_scale, w.rows * 4) if w.row_scale else None
-    return type(w).__name__, w.shape, np.dtype(w.dtype).name, data.tobytes(), None if scale is None else scale.tobytes()
-
-
-def layer_bytes(gpu: MemoryBackend, layer: NgramEmbedding) -> list:
-    out = [weight_bytes(gpu, layer.word)]
-    out += [(type(t).__name__, weight_bytes(gpu, t.weight)) for t in layer.tables]
-    out += [weight_bytes(gpu, p) for p in layer.projs]
-    return out
+from tests.helpers import Guarded, bits, random_bf16
+from tests.helpers.checkpoint import (PROJ, SCALE, TABLE, WORD, WORD_ALT, layer_bytes, make_model, published_rows,
+                                      rewrite_tensor, shard_of, tiny_config, write_model)
+from tests.helpers.logging_backend import LoggingBackend
 
 
 def fixed_device_bytes(dims: NgramDims, max_tokens: int, fp8_rows: int = 0) -> int:
@@ -302,7 +103,7 @@ def test_loads_what_from_numpy_loads(tmp_path, rng, layout, kinds, placement):
     else:
         expect = places[placement]
         arg = expect if placement == "mixed" else placement
-    gpu, ref_gpu = MemGpu(), MemGpu()
+    gpu, ref_gpu = LoggingBackend(), LoggingBackend()
     layer = NgramEmbedding.from_pretrained(str(model.path), gpu, placement=arg, max_tokens=8)
     ref = NgramEmbedding.from_numpy(dims, model.word, model.numpy_tables(), model.projs, 8, ref_gpu,
                                     placement=expect)
@@ -320,7 +121,7 @@ def test_an_int_budget_places_tables_in_order(tmp_path, rng):
     sizes = [tb.nbytes for tb, _ in model.tables]
     for budget, expect in [(fixed, ["host"] * 4), (fixed + sizes[0], ["device"] + ["host"] * 3),
                            (fixed + sum(sizes) - 1, ["device"] * 3 + ["host"]), (fixed + sum(sizes), ["device"] * 4)]:
-        gpu = MemGpu()
+        gpu = LoggingBackend()
         with NgramEmbedding.from_pretrained(model.path, gpu, placement=budget, max_tokens=16) as layer:
             assert [("host" if isinstance(tb, NgramTable.Host) else "device") for tb in layer.tables] == expect
         assert resolve_placement(DeviceBudget(budget), model.dims, ["BF16"] * 4, 16) == expect
@@ -338,7 +139,7 @@ def test_only_the_shards_holding_ngram_tensors_are_opened(tmp_path, rng, monkeyp
     ckpt = NgramCheckpoint.open(model.path)
     assert sorted(headers) == [f"model-0000{i}-of-00004.safetensors" for i in (1, 2, 3)] and not mapped
     assert sorted(p.name for p in ckpt.shards) == sorted(headers)
-    gpu = MemGpu()
+    gpu = LoggingBackend()
     NgramEmbedding.from_pretrained(model.path, gpu).close()
     assert set(mapped) == set(model.tensors) and len(mapped) == len(model.tensors)
     tables_only = NgramCheckpoint.open(model.path, parts="tables")
@@ -351,7 +152,7 @@ def test_word_table_names_and_wide_dense_dtypes(tmp_path, rng):
     projs16 = [p.astype(np.float16) for p in model.projs]
     model.tensors[WORD_ALT] = word32  # the mlx-lm name, beside the HF one: the HF one wins
     write_model(tmp_path / "both", model)
-    gpu = MemGpu()
+    gpu = LoggingBackend()
     with NgramEmbedding.from_pretrained(tmp_path / "both", gpu) as layer:
         assert gpu.read(layer.word.weight, layer.word.nbytes).tobytes() == model.word.tobytes()
     del model.tensors[WORD]
@@ -378,7 +179,7 @@ def test_scale_tensor_forms(tmp_path, rng):
         if c == 2:
             model.tables[c] = (table, form.astype(np.float32))
     write_model(tmp_path / "m", model)
-    gpu, ref_gpu = MemGpu(), MemGpu()
+    gpu, ref_gpu = LoggingBackend(), LoggingBackend()
     with NgramEmbedding.from_pretrained(model.path, gpu) as layer, \
             NgramEmbedding.from_numpy(model.dims, model.word, model.numpy_tables(), model.projs, 8192,
                                       ref_gpu) as ref:
@@ -390,7 +191,7 @@ def test_scale_tensor_forms(tmp_path, rng):
 ])
 def test_eos_from_config_or_override(tmp_path, rng, config_eos, override, want):
     model = write_model(tmp_path / "m", make_model(rng, tiny_config(eos_token_id=config_eos), "b"))
-    gpu = MemGpu()
+    gpu = LoggingBackend()
     with NgramEmbedding.from_pretrained(model.path, gpu, eos_id=override) as layer:
         assert layer.dims.eos_id == want
         assert layer.dims == model.dims.replace(eos_id=want)
@@ -485,7 +286,7 @@ BAD = [
 def test_bad_model_folders_are_refused_before_any_upload(tmp_path, rng, case, mutate, match):
     model = write_model(tmp_path / "m", make_model(rng, kinds="bf"))
     mutate(model)
-    gpu = MemGpu()
+    gpu = LoggingBackend()
     with pytest.raises(CheckpointError, match=match) as err:
         NgramEmbedding.from_pretrained(model.path, gpu)
     assert gpu.log == [] and gpu.empty()
@@ -509,7 +310,7 @@ def test_bad_model_folders_are_refused_before_any_upload(tmp_path, rng, case, mu
 ])
 def test_bad_arguments_are_refused_before_any_upload(tmp_path, rng, kwargs, exc, match):
     model = write_model(tmp_path / "m", make_model(rng))
-    gpu = MemGpu()
+    gpu = LoggingBackend()
     with pytest.raises(exc, match=match):
         NgramEmbedding.from_pretrained(model.path, gpu, **kwargs)
     assert gpu.log == [] and gpu.empty()
@@ -518,17 +319,17 @@ def test_bad_arguments_are_refused_before_any_upload(tmp_path, rng, kwargs, exc,
 def test_a_failure_after_the_first_upload_frees_everything(tmp_path, rng):
     model = write_model(tmp_path / "m", make_model(rng, kinds="bf"))
     for after in (1, 3, 7, 9, 11):
-        gpu = MemGpu(fail_alloc_after=after)
+        gpu = LoggingBackend(fail_alloc_after=after)
         with pytest.raises(MemoryError):
             NgramEmbedding.from_pretrained(model.path, gpu, placement=["host", "device", "device", "host"])
-        assert gpu.empty() and gpu.log.count("alloc") == after
+        assert gpu.empty() and gpu.count("alloc") == after
 
 
 # ==== CPU: the fused path and the decoder ============================================================
 
 def test_fused_and_decoder_from_pretrained_own_their_layer(tmp_path, rng):
     model = write_model(tmp_path / "m", make_model(rng, kinds="bf"))
-    gpu = MemGpu()
+    gpu = LoggingBackend()
     fused = FusedNgramEmbedding.from_pretrained(model.path, gpu, max_rows=16, placement="host", max_tokens=4)
     assert isinstance(fused.layer, NgramEmbedding) and fused.max_rows == 16 and fused.layer.max_tokens == 4
     assert all(isinstance(tb, NgramTable.Host) for tb in fused.layer.tables)
@@ -551,7 +352,7 @@ def test_fused_and_decoder_from_pretrained_own_their_layer(tmp_path, rng):
 ])
 def test_fused_and_decoder_refusals_come_before_any_upload(tmp_path, rng, make):
     model = write_model(tmp_path / "m", make_model(rng))
-    gpu = MemGpu()
+    gpu = LoggingBackend()
     with pytest.raises(ValueError):
         make(model.path, gpu)
     assert gpu.log == [] and gpu.empty()

@@ -30,8 +30,8 @@ from layers.ngram_embed.decoder import NgramDecoder
 from layers.ngram_embed.row_cache import RowCache
 from layers.weight_map import BF16, FP8
 from tests.helpers import bits
-from tests.test_checkpoint import (SCALE, TABLE, MemGpu, layer_bytes, make_model, rewrite_tensor,
-                                   tiny_config, write_model)
+from tests.helpers.checkpoint import SCALE, TABLE, layer_bytes, make_model, rewrite_tensor, tiny_config, write_model
+from tests.helpers.logging_backend import LoggingBackend
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -289,12 +289,12 @@ def converted(tmp_path, rng):
 
 def test_files_placement_serves_row_caches_over_the_table_files(converted, rng):
     model, root = converted
-    gpu = MemGpu()
+    gpu = LoggingBackend()
     layer = NgramEmbedding.from_pretrained(model.path, gpu, placement=["files", "host", "device", "files"],
                                            table_dir=root / "bf16", cache_rows=32, max_tokens=4)
     kinds = [type(t).__name__ for t in layer.tables]
     assert kinds == ["CachedTable", "HostTable", "Bf16Table", "CachedTable"]
-    assert gpu.log.count("register_host") == 1  # the host table is the file, registered in place
+    assert gpu.count("register_host") == 1  # the host table is the file, registered in place
     for c in (0, 3):
         cache = layer.tables[c].cache
         assert isinstance(cache, RowCache) and cache.capacity == 32
@@ -317,7 +317,7 @@ def test_files_placement_serves_row_caches_over_the_table_files(converted, rng):
 def test_fp8_table_files_load_as_from_numpy_of_their_contents(converted, placement):
     model, root = converted
     tables = [table_contents(root / "fp8" / f"table_00{c}.ngt") for c in range(4)]
-    gpu, ref_gpu = MemGpu(), MemGpu()
+    gpu, ref_gpu = LoggingBackend(), LoggingBackend()
     with NgramEmbedding.from_pretrained(model.path, gpu, placement=placement, table_dir=root / "fp8") as layer, \
             NgramEmbedding.from_numpy(model.dims, model.word, tables, model.projs, 8192, ref_gpu,
                                       placement=placement) as want:
@@ -331,7 +331,7 @@ def test_table_dir_needs_no_checkpoint_tables(converted):
         rewrite_tensor(model, TABLE.format(c), None)
     rewrite_tensor(model, SCALE.format(1), None)
     rewrite_tensor(model, SCALE.format(3), None)
-    gpu = MemGpu()
+    gpu = LoggingBackend()
     NgramEmbedding.from_pretrained(model.path, gpu, placement="host", table_dir=root / "bf16").close()
     assert gpu.empty()
 
@@ -358,7 +358,7 @@ def _edit_manifest(root, edit):
 def test_a_bad_table_dir_is_refused_before_any_upload(converted, damage, match):
     model, root = converted
     damage(root / "bf16")
-    gpu = MemGpu()
+    gpu = LoggingBackend()
     with pytest.raises(CheckpointError, match=match):
         NgramEmbedding.from_pretrained(model.path, gpu, placement="files", table_dir=root / "bf16")
     assert gpu.log == [] and gpu.empty()
@@ -366,7 +366,7 @@ def test_a_bad_table_dir_is_refused_before_any_upload(converted, damage, match):
 
 def test_the_decoder_refuses_row_caches_before_any_upload(converted):
     model, root = converted
-    gpu = MemGpu()
+    gpu = LoggingBackend()
     for placement in ("files", ["host", "files", "device", "device"]):
         with pytest.raises(ValueError, match="RowCache tables need host work every step"):
             NgramDecoder.from_pretrained(model.path, gpu, max_seqs=2, placement=placement, table_dir=root / "bf16")

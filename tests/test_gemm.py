@@ -26,9 +26,8 @@ from layers.ops import gemm
 from layers.ops.gemm import dense_gemm_bf16_pipelined
 from layers.weight_map import BF16, FP8, DenseWeight
 from tests.fakes import RecordingBackend
-from tests.helpers import Guarded, bits, random_bf16
-
-MAX_SHARED_OPTIN = 232448  # H100/H200 per-block opt-in limit
+from tests.helpers import Guarded, bf16_ulp, bits, random_bf16
+from tests.helpers.gemm import MAX_SHARED_OPTIN, Sm90aBackend
 
 
 def _p(i: int) -> DevicePtr:
@@ -37,12 +36,6 @@ def _p(i: int) -> DevicePtr:
 
 def _weight(n: int, k: int, dtype=BF16, ptr: int = 0x200000) -> DenseWeight:
     return DenseWeight(DevicePtr(ptr), (n, k), np.dtype(dtype))
-
-
-class Sm90aBackend(RecordingBackend):
-    """A recording backend that says it compiles for sm_90a (wgmma available)."""
-
-    target = "sm_90a"
 
 
 # -- CPU: launch plans -------------------------------------------------------------------------
@@ -198,12 +191,6 @@ def test_zero_sizes_launch_nothing(m, n, k):
 
 
 # -- GPU helpers -------------------------------------------------------------------------------
-def bf16_ulp(x: np.ndarray) -> np.ndarray:
-    """Spacing of bf16 values at |x| (8 significant bits; subnormal spacing below 2^-126)."""
-    x = np.maximum(np.abs(np.asarray(x, np.float64)), 2.0**-126)
-    return 2.0 ** (np.floor(np.log2(x)) - 7)
-
-
 def check_gemm(a: np.ndarray, w: np.ndarray, got: np.ndarray) -> None:
     """Elementwise within the accumulation-order tolerance of ``gemm_bf16``, and close to fp64."""
     g = got.astype(np.float64)

@@ -25,8 +25,8 @@ from layers.ops import gemm
 from layers.ops.gemm import dense_gemm_bf16_word
 from layers.weight_map import BF16, FP8, DenseWeight
 from tests.fakes import RecordingBackend
-from tests.helpers import Guarded, bits, random_bf16
-from tests.test_gemm import MAX_SHARED_OPTIN, Sm90aBackend, bf16_ulp
+from tests.helpers import Guarded, bf16_ulp, bits, random_bf16
+from tests.helpers.gemm import MAX_SHARED_OPTIN, Sm90aBackend
 
 KINDS = "PPPUUUPPF"
 VOCAB = 1000

@@ -25,9 +25,9 @@ from layers.ops import embed as embed_ops
 from layers.ops.ngram_fused import CACHED
 from layers.weight_map import BF16, FP8, DenseWeight
 from tests.fakes import MemoryBackend, RecordingBackend
-from tests.helpers import Guarded, bits, random_bf16, random_fp8
-from tests.test_ngram_embedding import IdentityCache, device_layer, free_layer, random_layer, small_dims
-from tests.test_row_cache import table_file
+from tests.helpers import Guarded, bits, random_bf16, random_fp8, run_on_poisoned
+from tests.helpers.ngram import IdentityCache, device_layer, free_layer, random_layer, small_dims
+from tests.helpers.row_cache import table_file
 
 PAGE = 4096
 OUT = DevicePtr(0x900000)
@@ -622,12 +622,11 @@ def _layers_equal(gpu, rng, a: NgramEmbedding, b: NgramEmbedding, ctx: np.ndarra
     """``a`` and ``b`` give the same bits, seed path (and fused path: one call, a batch, a graph)."""
     # imported here: the CPU tests of this file do not depend on the fused path
     from layers.ngram_embed.fused import FusedNgramEmbedding
-    from tests.test_ngram_fused import _run
 
     h = a.dims.hidden_size
     for seq in (1, 17, 64):
-        x = _run(gpu, rng, lambda o: a.embed(ctx, seq, o, gpu, 0), seq, h)
-        y = _run(gpu, rng, lambda o: b.embed(ctx, seq, o, gpu, 0), seq, h)
+        x = run_on_poisoned(gpu, rng, lambda o: a.embed(ctx, seq, o, gpu, 0), seq, h)
+        y = run_on_poisoned(gpu, rng, lambda o: b.embed(ctx, seq, o, gpu, 0), seq, h)
         np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"seed path, seq_len {seq}")
     if not fused:
         return
@@ -637,14 +636,14 @@ def _layers_equal(gpu, rng, a: NgramEmbedding, b: NgramEmbedding, ctx: np.ndarra
         _check_descriptors(gpu, fa, a)
         _check_descriptors(gpu, fb, b)
         for seq in (1, 17, 64):
-            x = _run(gpu, rng, lambda o: fa.embed(ctx, seq, o, gpu, 0), seq, h)
-            y = _run(gpu, rng, lambda o: fb.embed(ctx, seq, o, gpu, 0), seq, h)
+            x = run_on_poisoned(gpu, rng, lambda o: fa.embed(ctx, seq, o, gpu, 0), seq, h)
+            y = run_on_poisoned(gpu, rng, lambda o: fb.embed(ctx, seq, o, gpu, 0), seq, h)
             np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"fused path, seq_len {seq}")
         contexts = [ctx[:int(rng.integers(1, ctx.size))] for _ in range(8)]
         lens = [int(rng.integers(0, min(len(c), 6) + 1)) for c in contexts]
         lens[0] = max(lens[0], 1)
         rows = sum(lens)
-        x = _run(gpu, rng, lambda o: fa.embed_batch(contexts, lens, o, gpu, stream), rows, h, stream)
+        x = run_on_poisoned(gpu, rng, lambda o: fa.embed_batch(contexts, lens, o, gpu, stream), rows, h, stream)
         with Guarded(gpu, (rows, h), BF16, rng) as out:
             for step in range(3):  # eager run and capture, then replays of the graph
                 out.poison()

@@ -13,9 +13,10 @@ from gpu_runtime import DeviceArray, DevicePtr
 from layers import reference as ref
 from layers.ngram_embed.decoder import DecodeError, NgramDecoder
 from layers.ngram_embed.fused import FusedNgramEmbedding
+from layers.weight_map import BF16
 from tests.fakes import RecordingBackend
 from tests.helpers import Guarded, bits
-from tests.test_ngram_embedding import BF16, device_layer, free_layer, random_layer, small_dims
+from tests.helpers.ngram import device_layer, free_layer, random_layer, small_dims
 
 P = [DevicePtr(0x100000 * (i + 1)) for i in range(6)]
 

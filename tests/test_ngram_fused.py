@@ -12,10 +12,10 @@ from layers import reference as ref
 from layers.ngram_embed import NgramDims, NgramEmbedding, NgramTable, RowCache, write_table
 from layers.ngram_embed.fused import FusedNgramEmbedding
 from layers.ops.ngram_fused import NO_TOKEN
-from layers.weight_map import DenseWeight
+from layers.weight_map import BF16
 from tests.fakes import RecordingBackend
-from tests.helpers import Guarded, bits
-from tests.test_ngram_embedding import BF16, device_layer, free_layer, random_layer, small_dims
+from tests.helpers import Guarded, bits, run_on_poisoned
+from tests.helpers.ngram import device_layer, free_layer, random_layer, small_dims
 
 OUT = DevicePtr(0x900000)
 
@@ -97,20 +97,6 @@ def test_dims_the_kernel_cannot_hash_are_refused():
 
 
 # -- GPU --------------------------------------------------------------------------------------
-def _run(gpu, rng, fn, rows, h, stream=0):
-    """``fn(out)`` on a poisoned guarded buffer; ``stream`` is where fn queues its work (a
-    created stream does not wait for the default stream's poison, nor it for the stream)."""
-    with Guarded(gpu, (rows, h), BF16, rng) as out:
-        out.poison()
-        gpu.synchronize(0)
-        fn(out.ptr)
-        gpu.synchronize(stream)
-        got = out.read()
-        out.assert_guards_intact()
-    assert np.isfinite(got.astype(np.float32)).all(), "unwritten (poisoned) elements"
-    return got
-
-
 def _rel(x, ideal):
     return np.linalg.norm(x.astype(np.float64) - ideal) / np.linalg.norm(ideal)
 
@@ -132,8 +118,8 @@ def test_fused_rounds_less_than_the_seed_path(gpu, rng, n, k, kinds):
             ctx[rng.random(ctx.size) < 0.05] = dims.eos_id
         for seq_len in (1, 17, 80):
             h = dims.hidden_size
-            got = _run(gpu, rng, lambda o: fused.embed(ctx, seq_len, o, gpu, 0), seq_len, h)
-            seed = _run(gpu, rng, lambda o: layer.embed(ctx, seq_len, o, gpu, 0), seq_len, h)
+            got = run_on_poisoned(gpu, rng, lambda o: fused.embed(ctx, seq_len, o, gpu, 0), seq_len, h)
+            seed = run_on_poisoned(gpu, rng, lambda o: layer.embed(ctx, seq_len, o, gpu, 0), seq_len, h)
             ideal = ref.ngram_embed_ideal(dims, host.word, host.tables, host.projs, ctx, seq_len)
             want = ref.ngram_embed_fused(dims, host.word, host.tables, host.projs, ctx, seq_len)
             assert _rel(got, ideal) <= _rel(seed, ideal) * 1.02 + 1e-7, (_rel(got, ideal), _rel(seed, ideal))
@@ -159,8 +145,8 @@ def test_graph_replay_equals_eager_and_batches_equal_single_calls(gpu, rng):
         contexts = [rng.integers(0, dims.vocab_size, int(rng.integers(1, 300))) for _ in range(40)]
         seq_lens = [int(rng.integers(0, min(len(c), 6) + 1)) for c in contexts]
         rows = sum(seq_lens)
-        batch = _run(gpu, rng, lambda o: fused.embed_batch(contexts, seq_lens, o, gpu, stream), rows, h, stream)
-        singles = [_run(gpu, rng, lambda o: fused.embed(c, s, o, gpu, stream), s, h, stream)
+        batch = run_on_poisoned(gpu, rng, lambda o: fused.embed_batch(contexts, seq_lens, o, gpu, stream), rows, h, stream)
+        singles = [run_on_poisoned(gpu, rng, lambda o: fused.embed(c, s, o, gpu, stream), s, h, stream)
                    for c, s in zip(contexts, seq_lens) if s]
         single = np.concatenate(singles)
         ulp = np.abs(single.astype(np.float64)) * 2.0**-7 + 1e-6
@@ -173,7 +159,7 @@ def test_graph_replay_equals_eager_and_batches_equal_single_calls(gpu, rng):
                 fused.embed_batch(contexts, seq_lens, out.ptr, gpu, stream, graph=True)
                 gpu.synchronize(stream)
                 got = out.read()
-                eager = _run(gpu, rng, lambda o: fused.embed_batch(contexts, seq_lens, o, gpu, stream), rows, h,
+                eager = run_on_poisoned(gpu, rng, lambda o: fused.embed_batch(contexts, seq_lens, o, gpu, stream), rows, h,
                              stream)
                 assert np.array_equal(bits(got), bits(eager)), step
                 out.assert_guards_intact()
@@ -203,8 +189,8 @@ def test_cached_tables_equal_resident_ones(gpu, rng, tmp_path):
         tokens = rng.integers(0, dims.vocab_size, 600)
         for pos in range(10, 600, 37):
             seq = int(rng.integers(1, min(pos, 32) + 1))
-            a = _run(gpu, rng, lambda o: fused_res.embed(tokens[:pos], seq, o, gpu, 0), seq, 72)
-            b = _run(gpu, rng, lambda o: fused_mix.embed(tokens[:pos], seq, o, gpu, 0), seq, 72)
+            a = run_on_poisoned(gpu, rng, lambda o: fused_res.embed(tokens[:pos], seq, o, gpu, 0), seq, 72)
+            b = run_on_poisoned(gpu, rng, lambda o: fused_mix.embed(tokens[:pos], seq, o, gpu, 0), seq, 72)
             assert np.array_equal(bits(a), bits(b)), pos
         assert all(c.stats.evictions > 0 and c.index.n_pinned == 0 for c in caches)
     finally:
@@ -236,7 +222,7 @@ def test_single_context_graph_replays_equal_eager(gpu, rng):
                     fused.embed(c, s, out.ptr, gpu, stream, graph=True)
                     gpu.synchronize(stream)
                     got = out.read()[:s]
-                    want = _run(gpu, rng, lambda o: fused.embed(c, s, o, gpu, stream), s, h, stream)
+                    want = run_on_poisoned(gpu, rng, lambda o: fused.embed(c, s, o, gpu, stream), s, h, stream)
                     assert np.array_equal(bits(got), bits(want)), (step, s)
             out.assert_guards_intact()
             assert len(fused._graphs) == 2

@@ -16,35 +16,11 @@ from layers.overlay import (AdapterOverlay, OverlaySlots, TableOverlay, build_ov
                             overlay_from_trainable_tokens)
 from layers.ops.token_overlay import OverlayKernels
 from layers.weight_map import DenseWeight
-from tests.fakes import MemoryBackend
-from tests.helpers import bits, random_bf16
+from tests.helpers import bf16_ulp, bits, random_bf16
+from tests.helpers.overlay import adapter_copy, check_slot_contents, overlay_backend, random_overlay
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
-NAMES = ("embed_rowdiff_bf16", "embed_overlay_routed_bf16", "lmhead_overlay_routed_bf16",
-         "lmhead_overlay_routed_f32")
-
-
-# -- CPU: a host-memory backend ------------------------------------------------------------------
-
-def _emulate_rowdiff(gpu: MemoryBackend, args: list) -> None:
-    base, served, flags, rows, h, thresh = args
-    a = gpu.read_as(base, rows * h, BF16).reshape(rows, h)
-    b = gpu.read_as(served, rows * h, BF16).reshape(rows, h)
-    gpu.copy_h2d_async(rowdiff_ref(a, b, thresh), flags)
-
-
-def MemGpu() -> MemoryBackend:
-    """The token_overlay kernels, ``embed_rowdiff`` emulated with the reference."""
-    return MemoryBackend(module="token_overlay", names=NAMES,
-                         emulate={"embed_rowdiff_bf16": _emulate_rowdiff})
-
-
-def adapter_copy(rng, served: np.ndarray, rows: Sequence[int], scale: float = 1.0) -> np.ndarray:
-    """``served`` with ``rows`` replaced by fresh random rows."""
-    out = served.copy()
-    out[list(rows)] = (rng.standard_normal((len(rows), served.shape[1])) * scale).astype(BF16)
-    return out
 
 
 # -- CPU: TableOverlay and the trainable-tokens form ---------------------------------------------
@@ -101,7 +77,7 @@ def test_trainable_tokens_forms(rng):
 
 @pytest.mark.parametrize("device_adapter", [False, True], ids=["numpy", "DenseWeight"])
 def test_build_overlay_finds_rows(rng, device_adapter):
-    gpu = MemGpu()
+    gpu = overlay_backend()
     k = OverlayKernels.new(gpu)
     vocab, h = 70, 12
     served_e, served_l = random_bf16(rng, (vocab, h)), random_bf16(rng, (vocab, h))
@@ -126,7 +102,7 @@ def test_build_overlay_finds_rows(rng, device_adapter):
 
 
 def test_build_overlay_threshold(rng):
-    gpu = MemGpu()
+    gpu = overlay_backend()
     k = OverlayKernels.new(gpu)
     served = random_bf16(rng, (20, 8))
     ad = served.copy()
@@ -139,7 +115,7 @@ def test_build_overlay_threshold(rng):
 
 
 def test_build_overlay_refusals(rng):
-    gpu = MemGpu()
+    gpu = overlay_backend()
     k = OverlayKernels.new(gpu)
     served = random_bf16(rng, (10, 4))
     se = DenseWeight.from_numpy(gpu, served)
@@ -168,50 +144,8 @@ def test_build_overlay_refusals(rng):
 
 # -- CPU: OverlaySlots on the host-memory backend ------------------------------------------------
 
-def read_tables(gpu: MemoryBackend, slots: OverlaySlots) -> dict[str, np.ndarray]:
-    ns = slots.num_slots
-    return dict(
-        embed_map=gpu.read_as(slots.embed_slot_map_tab, ns, np.uint64),
-        embed_rows=gpu.read_as(slots.embed_rows_tab, ns, np.uint64),
-        embed_n=gpu.read_as(slots.embed_n_tab, ns, np.int32),
-        lm_rows=gpu.read_as(slots.lm_head_rows_tab, ns, np.uint64),
-        lm_ids=gpu.read_as(slots.lm_head_ids_tab, ns, np.uint64),
-        lm_n=gpu.read_as(slots.lm_head_n_tab, ns, np.int32),
-    )
-
-
-def check_slot_contents(gpu: MemoryBackend, slots: OverlaySlots, slot: int, ov: AdapterOverlay | None):
-    """The device tables of ``slot`` describe ``ov`` exactly (or nothing when ``ov`` is None)."""
-    t = read_tables(gpu, slots)
-    emb = None if ov is None else ov.embed
-    if emb is None or emb.n == 0:
-        assert t["embed_map"][slot] == 0 and t["embed_rows"][slot] == 0 and t["embed_n"][slot] == 0
-    else:
-        expect = np.full(slots.vocab, -1, np.int32)
-        expect[emb.ids] = np.arange(emb.n)
-        np.testing.assert_array_equal(gpu.read_as(int(t["embed_map"][slot]), slots.vocab, np.int32), expect)
-        got_rows = gpu.read_as(int(t["embed_rows"][slot]), emb.n * slots.h, np.uint16)
-        np.testing.assert_array_equal(got_rows, bits(emb.rows).reshape(-1))
-        assert t["embed_n"][slot] == emb.n
-    lm = None if ov is None else ov.lm_head
-    if lm is None or lm.n == 0:
-        assert t["lm_rows"][slot] == 0 and t["lm_ids"][slot] == 0 and t["lm_n"][slot] == 0
-    else:
-        np.testing.assert_array_equal(gpu.read_as(int(t["lm_ids"][slot]), lm.n, np.int32), lm.ids)
-        got_rows = gpu.read_as(int(t["lm_rows"][slot]), lm.n * slots.h, np.uint16)
-        np.testing.assert_array_equal(got_rows, bits(lm.rows).reshape(-1))
-        assert t["lm_n"][slot] == lm.n
-
-
-def random_overlay(rng, vocab: int, h: int, n_embed: int, n_lm: int | None) -> AdapterOverlay:
-    emb = TableOverlay.of(rng.choice(vocab, n_embed, replace=False), random_bf16(rng, (n_embed, h)))
-    lm = None if n_lm is None else TableOverlay.of(rng.choice(vocab, n_lm, replace=False),
-                                                   random_bf16(rng, (n_lm, h)))
-    return AdapterOverlay(emb, lm)
-
-
 def test_slots_load_evict_reuse(rng):
-    gpu = MemGpu()
+    gpu = overlay_backend()
     baseline = set(gpu.mem)
     slots = OverlaySlots(gpu, 3, vocab=50, h=6)
     for s in range(3):
@@ -247,7 +181,7 @@ def test_slots_load_evict_reuse(rng):
 
 
 def test_slots_empty_adapter_stays_null(rng):
-    gpu = MemGpu()
+    gpu = overlay_backend()
     with OverlaySlots(gpu, 2, vocab=10, h=4) as slots:
         live = set(gpu.mem)
         slots.load(0, AdapterOverlay(TableOverlay.empty(4), TableOverlay.empty(4)))
@@ -261,7 +195,7 @@ def test_slots_empty_adapter_stays_null(rng):
 
 
 def test_slots_refusals(rng):
-    gpu = MemGpu()
+    gpu = overlay_backend()
     slots = OverlaySlots(gpu, 2, vocab=30, h=5)
     good = random_overlay(rng, 30, 5, 3, 2)
     for bad in (-1, 2, 100):
@@ -290,7 +224,7 @@ def test_slots_refusals(rng):
 
 
 def test_slots_missing_kernels(rng):
-    gpu = MemGpu()
+    gpu = overlay_backend()
     k = OverlayKernels.new(gpu)
     slots = OverlaySlots(gpu, 2, vocab=30, h=5, kernels=OverlayKernels.default())
     with pytest.raises(KernelNotFoundError):
@@ -314,7 +248,7 @@ def test_slots_missing_kernels(rng):
 
 
 def test_slots_forward_hooks(rng):
-    gpu = MemGpu()
+    gpu = overlay_backend()
     k = OverlayKernels.new(gpu)
     slots = OverlaySlots(gpu, 4, vocab=40, h=8, kernels=k, stream=0)
     slots.load(2, random_overlay(rng, 40, 8, 5, 6))
@@ -378,11 +312,6 @@ def lm_ref_tables(slot_overlays: Sequence[AdapterOverlay | None]):
         else:
             rows.append(t.rows), ids.append(t.ids), n_tab.append(t.n)
     return rows, ids, n_tab
-
-
-def bf16_ulp(v: np.ndarray) -> np.ndarray:
-    mag = np.maximum(np.abs(v.astype(np.float32)), np.float32(2.0 ** -126))
-    return np.exp2(np.floor(np.log2(mag)) - 7).astype(np.float32)
 
 
 def check_logits(got, ref, mask, init, abs_dot_max: float, h: int):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import struct
-from pathlib import Path
 from typing import Any
 
 import ml_dtypes
@@ -23,35 +22,14 @@ from layers.overlay import AdapterOverlay, overlay_from_peft
 from layers.peft_adapter import PeftAdapterError, read_peft_adapter
 from layers.weight_map import DenseWeight
 from tests.helpers import bits, random_bf16
-from tests.test_overlay_builder import MemGpu
+from tests.helpers.overlay import overlay_backend
+from tests.helpers.peft import EMBED, H, LM, P, save_adapter, token_rows, tt_config
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-VOCAB, H = 64, 16
-P = "base_model.model."
-EMBED = P + "model.embed_tokens"
-LM = P + "lm_head"
+VOCAB = 64
 
 
 # -- writing adapters as PEFT does -----------------------------------------------------------------
-
-_ST_DTYPES = {np.dtype("<f4"): "F32", np.dtype("<f2"): "F16", BF16: "BF16", np.dtype("<f8"): "F64",
-              np.dtype("<i8"): "I64", np.dtype("<i4"): "I32"}
-
-
-def write_safetensors(path: Path, tensors: dict[str, np.ndarray], metadata: dict | None = None) -> None:
-    """A safetensors file as ``safetensors.torch.save_file(tensors, path, metadata)`` writes it."""
-    header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
-    blobs, offset = [], 0
-    for name, arr in tensors.items():
-        arr = np.ascontiguousarray(arr)
-        header[name] = {"dtype": _ST_DTYPES[arr.dtype], "shape": list(arr.shape),
-                        "data_offsets": [offset, offset + arr.nbytes]}
-        blobs.append(arr.tobytes())
-        offset += arr.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"".join(blobs))
-
 
 def lora_config(**over: Any) -> dict:
     """``LoraConfig(...).to_dict()`` as ``save_pretrained`` writes it (peft 0.17 keys)."""
@@ -70,16 +48,6 @@ def lora_config(**over: Any) -> dict:
     return cfg
 
 
-def tt_config(token_indices: list[int], target_modules: Any = ("embed_tokens",), **over: Any) -> dict:
-    """``TrainableTokensConfig(...).to_dict()``: target_modules as filled in before saving."""
-    cfg = {"auto_mapping": None, "base_model_name_or_path": "tiny/llama-test", "inference_mode": True,
-           "init_weights": True, "peft_type": "TRAINABLE_TOKENS", "revision": None,
-           "target_modules": list(target_modules) if target_modules is not None else None,
-           "task_type": "CAUSAL_LM", "token_indices": token_indices}
-    cfg.update(over)
-    return cfg
-
-
 def attention_lora(rng, layers: int = 2, r: int = 4) -> dict[str, np.ndarray]:
     out = {}
     for i in range(layers):
@@ -88,20 +56,6 @@ def attention_lora(rng, layers: int = 2, r: int = 4) -> dict[str, np.ndarray]:
             out[f"{base}.lora_A.weight"] = rng.standard_normal((r, H)).astype(np.float32)
             out[f"{base}.lora_B.weight"] = np.zeros((H, r), np.float32)
     return out
-
-
-def save_adapter(path: Path, config: dict | None, tensors: dict[str, np.ndarray] | None) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    if config is not None:
-        (path / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    if tensors is not None:
-        write_safetensors(path / "adapter_model.safetensors", tensors)
-    return path
-
-
-def token_rows(rng, n: int, h: int = H) -> np.ndarray:
-    """float32 rows as PEFT saves them, not bf16-exact (so the rounding is exercised)."""
-    return rng.standard_normal((n, h)).astype(np.float32)
 
 
 def check_table(table, ids, rows_f32) -> None:
@@ -200,7 +154,7 @@ def test_lora_list_form(tmp_path, rng):
     with pytest.raises(PeftAdapterError, match="tie"):
         overlay_from_peft(d, vocab=VOCAB)
     # ... or told by the served tables: the same table is tied, two tables are not
-    gpu = MemGpu()
+    gpu = overlay_backend()
     se, sl = (DenseWeight.from_numpy(gpu, random_bf16(rng, (VOCAB, H))) for _ in range(2))
     assert overlay_from_peft(d, vocab=VOCAB, served_embed=se, served_lm_head=se).lm_head is not None
     assert overlay_from_peft(d, vocab=VOCAB, served_embed=se, served_lm_head=sl).lm_head is None
@@ -307,7 +261,7 @@ def _mts_adapter(tmp_path, rng, served_e, served_l, key_form="peft"):
 
 @pytest.mark.parametrize("key_form", ["peft", "modules_to_save_prefix"])
 def test_modules_to_save_via_build_overlay(tmp_path, rng, key_form):
-    gpu = MemGpu()
+    gpu = overlay_backend()
     served_e, served_l = random_bf16(rng, (VOCAB, H)), random_bf16(rng, (VOCAB, H))
     d, ad_e, ad_l = _mts_adapter(tmp_path, rng, served_e, served_l, key_form)
     exp_e, exp_l = changed_rows(ad_e, served_e), changed_rows(ad_l, served_l)
@@ -335,7 +289,7 @@ def test_modules_to_save_via_build_overlay(tmp_path, rng, key_form):
 def test_modules_to_save_embedding_only_tied(tmp_path, rng):
     """A copy of a tied embedding unties it in PEFT (the LM head keeps the original): LM head
     not overlaid, whatever tied says."""
-    gpu = MemGpu()
+    gpu = overlay_backend()
     served = random_bf16(rng, (VOCAB, H))
     ad = served_copy(rng, served, [1, 2])
     d = save_adapter(tmp_path / "a", lora_config(modules_to_save=["embed_tokens"]), {f"{EMBED}.weight": ad})
@@ -347,7 +301,7 @@ def test_modules_to_save_embedding_only_tied(tmp_path, rng):
 
 
 def test_lm_head_copy_on_tied_served_table(tmp_path, rng):
-    gpu = MemGpu()
+    gpu = overlay_backend()
     served = random_bf16(rng, (VOCAB, H))
     ad = served_copy(rng, served, [8])
     d = save_adapter(tmp_path / "a", lora_config(modules_to_save=["lm_head"]), {f"{LM}.weight": ad})
@@ -362,7 +316,7 @@ def test_lm_head_copy_on_tied_served_table(tmp_path, rng):
 def test_resized_vocab_full_table_with_tokens(tmp_path, rng):
     """save_embedding_layers="auto" on a resized vocabulary: the full embedding is saved next to
     the token rows; the rows that differ from the served (resized) table are served."""
-    gpu = MemGpu()
+    gpu = overlay_backend()
     served = random_bf16(rng, (VOCAB, H))
     base = served.astype(np.float32)
     base[[60, 61]] = token_rows(rng, 2)             # rows the served table does not have
@@ -502,7 +456,7 @@ def test_nothing_servable_refused(tmp_path, rng):
 
 
 def test_served_table_refusals_before_any_upload(tmp_path, rng):
-    gpu = MemGpu()
+    gpu = overlay_backend()
     served_e, served_l = random_bf16(rng, (VOCAB, H)), random_bf16(rng, (VOCAB, H))
     d, _, _ = _mts_adapter(tmp_path, rng, served_e, served_l)
     se = DenseWeight.from_numpy(gpu, served_e)

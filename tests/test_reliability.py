@@ -22,11 +22,11 @@ from layers.ngram_embed import NgramDims, NgramEmbedding, RowCache
 from layers.ngram_embed.fused import FusedNgramEmbedding
 from layers.ops.token_overlay import OverlayKernels
 from layers.overlay import OverlaySlots, build_overlay
-from layers.weight_map import DenseWeight
+from layers.weight_map import BF16, DenseWeight
 from tests.helpers import DEVICE_MEMORY_MEASURABLE, bits, random_bf16
-from tests.test_ngram_embedding import BF16, random_layer, small_dims
-from tests.test_overlay_builder import adapter_copy
-from tests.test_row_cache import assert_resident, table_file
+from tests.helpers.ngram import random_layer, small_dims
+from tests.helpers.overlay import adapter_copy
+from tests.helpers.row_cache import assert_resident, table_file
 
 TARGET = "compute_90"  # PTX: compiles with no GPU
 RUNTIME_TEST_CU = Path(__file__).parent / "kernels" / "runtime_test.cu"

@@ -10,47 +10,13 @@ import numpy as np
 import pytest
 
 from layers.ngram_embed import NgramDims, NgramEmbedding, NgramTable
-from layers.ngram_embed.ids import ngram_ids_tail
 from layers.ngram_embed.row_cache import RowCache
 from layers.ngram_embed.slot_index import SlotIndex
 from layers.ngram_embed.table_file import TableFormatError, write_table
-from layers.weight_map import DenseWeight
-from tests.fakes import MemoryBackend
-from tests.helpers import Guarded, bits, random_bf16, random_fp8
-from tests.test_ngram_embedding import BF16, device_layer, free_layer, random_layer
-
-
-def _emulate_scatter(gpu: MemoryBackend, args: list) -> None:
-    slots, rows, scales, arena, arena_scales, n, row_bytes = args
-    src = gpu.read(rows, n * row_bytes).reshape(n, row_bytes)
-    for i, slot in enumerate(gpu.read_as(slots, n, np.uint32)):
-        gpu.copy_h2d_async(src[i], arena + int(slot) * row_bytes)
-        if scales:
-            gpu.copy_h2d_async(gpu.read(scales + 4 * i, 4), arena_scales + 4 * int(slot))
-
-
-def mem_gpu() -> MemoryBackend:
-    return MemoryBackend(module="row_cache", names=["scatter_rows"], emulate={"scatter_rows": _emulate_scatter})
-
-
-def table_file(tmp_path, rng, rows: int, dim: int, fp8: bool, name: str = "t.ngt"):
-    table = random_fp8(rng, (rows, dim)) if fp8 else random_bf16(rng, (rows, dim))
-    scales = rng.uniform(0.01, 2, rows).astype(np.float32) if fp8 else None
-    path = tmp_path / name
-    write_table(path, table, scales)
-    return path, table, scales
-
-
-def assert_resident(gpu: MemoryBackend, cache: RowCache, ids, slots, table, scales) -> None:
-    """Slot ``slots[i]`` of the arena holds row ``ids[i]`` of the table (and its scale)."""
-    rb = cache.file.row_bytes
-    arena = np.empty((cache.capacity, rb), np.uint8)
-    gpu.copy_d2h(arena, cache.table_dev_va())
-    assert np.array_equal(arena[slots.astype(np.int64)], table[ids].view(np.uint8).reshape(len(ids), rb))
-    if scales is not None:
-        arena_scales = np.empty(cache.capacity, np.float32)
-        gpu.copy_d2h(arena_scales, cache.scale_dev_va())
-        assert np.array_equal(arena_scales[slots.astype(np.int64)], scales[ids])
+from layers.weight_map import BF16, DenseWeight
+from tests.helpers import Guarded, bits
+from tests.helpers.ngram import device_layer, free_layer, random_layer
+from tests.helpers.row_cache import assert_resident, mem_gpu, table_file
 
 
 def resolve(cache: RowCache, ids) -> np.ndarray:

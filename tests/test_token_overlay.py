@@ -17,6 +17,7 @@ from layers.reference import embed_overlay_ref, lmhead_dot, lmhead_overlay_ref, 
 from layers.ops.token_overlay import (OverlayKernels, embed_overlay_routed, embed_rowdiff,
                                       lmhead_overlay_routed)
 from tests.fakes import RecordingBackend
+from tests.helpers import bf16_ulp, bits, random_bf16
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 KERNEL_FILE = Path(__file__).resolve().parent.parent / "kernels" / "token_overlay.cu"
@@ -226,23 +227,10 @@ def random_bf16_bits(rng, shape) -> np.ndarray:
     return rng.integers(0, 1 << 16, size=shape, dtype=np.uint16).view(BF16)
 
 
-def random_bf16(rng, shape, scale=1.0) -> np.ndarray:
-    return (rng.standard_normal(shape) * scale).astype(BF16)
-
-
 def pointer_table(gpu, owned: list, per_slot: Sequence[np.ndarray | None]) -> DevicePtr:
     """Device array of per-slot device pointers (0 for None), like OverlaySlots' tables."""
     ptrs = np.array([0 if a is None else int(upload(gpu, owned, a)) for a in per_slot], np.uint64)
     return upload(gpu, owned, ptrs)
-
-
-def bits(a: np.ndarray) -> np.ndarray:
-    return np.asarray(a).view(np.uint16 if a.dtype == BF16 else np.uint32)
-
-
-def bf16_ulp(v: np.ndarray) -> np.ndarray:
-    mag = np.maximum(np.abs(v.astype(np.float32)), np.float32(2.0 ** -126))
-    return np.exp2(np.floor(np.log2(mag)) - 7).astype(np.float32)
 
 
 # -- GPU: embed_rowdiff --------------------------------------------------------------------------

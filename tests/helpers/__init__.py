@@ -1,4 +1,7 @@
-"""Test helpers: device buffers with canary guards, poisoning, upload and download in one line."""
+"""Test helpers: device buffers with canary guards, poisoning, upload and download in one line;
+bit views, bf16 spacing and random bf16 / fp8 arrays. Topic helpers live in the submodules
+(``ngram``, ``row_cache``, ``ngram_gather``, ``overlay``, ``checkpoint``, ``peft``, ``gemm``,
+``logging_backend``)."""
 
 from __future__ import annotations
 
@@ -65,9 +68,33 @@ class Guarded:
         self.free()
 
 
+def run_on_poisoned(gpu: CudaBackend, rng: np.random.Generator, fn: Any, rows: int, h: int,
+                    stream: int = 0) -> np.ndarray:
+    """What ``fn(out)`` writes into a poisoned, guarded ``[rows, h]`` bf16 buffer, checked to be
+    written whole and inside the buffer. ``stream`` is where fn queues its work (a created stream
+    does not wait for the default stream's poison, nor it for the stream)."""
+    import ml_dtypes
+
+    with Guarded(gpu, (rows, h), ml_dtypes.bfloat16, rng) as out:
+        out.poison()
+        gpu.synchronize(0)
+        fn(out.ptr)
+        gpu.synchronize(stream)
+        got = out.read()
+        out.assert_guards_intact()
+    assert np.isfinite(got.astype(np.float32)).all(), "unwritten (poisoned) elements"
+    return got
+
+
 def bits(a: np.ndarray) -> np.ndarray:
     """The raw bits of a 2- or 4-byte array, for bit-exact comparisons (NaN == NaN)."""
     return a.view({2: np.uint16, 4: np.uint32, 1: np.uint8}[a.dtype.itemsize])
+
+
+def bf16_ulp(x: np.ndarray) -> np.ndarray:
+    """Spacing of bf16 values at |x| (8 significant bits; subnormal spacing below 2^-126)."""
+    x = np.maximum(np.abs(np.asarray(x, np.float64)), 2.0**-126)
+    return 2.0 ** (np.floor(np.log2(x)) - 7)
 
 
 def random_bf16(rng: np.random.Generator, shape: Any, scale: float = 1.0) -> np.ndarray:

@@ -119,12 +119,13 @@ def test_pinned_rows_are_never_evicted(tmp_path, rng):
     gpu = mem_gpu()
     with RowCache(gpu, path, 40) as cache:
         first = rng.choice(500, 25, replace=False)
-        s1 = resolve(cache, first)
-        s2 = resolve(cache, rng.choice(np.setdiff1d(np.arange(500), first), 15, replace=False))
+        second = rng.choice(np.setdiff1d(np.arange(500), first), 15, replace=False)
+        s1, s2 = resolve(cache, first), resolve(cache, second)
         assert not set(s1) & set(s2)
         assert_resident(gpu, cache, first, s1, table, None)  # batch 1 still pinned
+        absent = int(np.setdiff1d(np.arange(500), np.concatenate([first, second]))[-1])
         with pytest.raises(ValueError, match="needs 41 rows resident at once, the arena holds 40"):
-            resolve(cache, [int(np.setdiff1d(np.arange(500), first)[-1])] + list(first[:3]))
+            resolve(cache, [absent] + list(first[:3]))  # one row more than the 40 pinned
         cache.end_batch()
         resolve(cache, rng.choice(500, 40, replace=False))  # whole arena, now allowed
 

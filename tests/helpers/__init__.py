@@ -51,9 +51,14 @@ class Guarded:
         self.gpu.copy_d2h(out, self.ptr)
         return out
 
-    def assert_guards_intact(self) -> None:
+    def raw(self) -> np.ndarray:
+        """Every byte of the allocation, guards included."""
         raw = np.empty(self.total, np.uint8)
         self.gpu.copy_d2h(raw, self.base)
+        return raw
+
+    def assert_guards_intact(self) -> None:
+        raw = self.raw()
         head, tail = slice(0, self.lead), slice(self.lead + self.nbytes, self.total)
         assert np.array_equal(raw[head], self.canary[head]), "write before the buffer"
         assert np.array_equal(raw[tail], self.canary[tail]), "write past the buffer"

@@ -1,0 +1,31 @@
+"""The launcher rows of the matrix: the function under test and the kernel it launches, and the
+kernel the backend checks use for their good launch."""
+
+from __future__ import annotations
+
+from gpu_runtime import GpuBackend, KernelHandle
+from layers.ops import embed, gemm, ngram_fused, residual, row_cache, token_overlay
+
+LAUNCH_KERNEL = {
+    "batched_embed": "batched_embed", "batched_embed_fp8": "batched_embed_fp8",
+    "embed_from_argmax": "embed_from_argmax_bf16", "scaled_add": "bf16_scaled_add",
+    "residual_add": "bf16_residual_add", "dense_gemm_bf16_pipelined": "dense_gemm_bf16_pipelined",
+    "dense_gemm_bf16_word": "dense_gemm_bf16_word", "embed_rowdiff": "embed_rowdiff_bf16",
+    "embed_overlay_routed": "embed_overlay_routed_bf16",
+    "lmhead_overlay_routed": "lmhead_overlay_routed_bf16", "scatter_rows": "scatter_rows",
+    "ngram_gather": "ngram_gather",
+}
+LAUNCH_FN = {
+    "batched_embed": embed.batched_embed, "batched_embed_fp8": embed.batched_embed_fp8,
+    "embed_from_argmax": embed.embed_from_argmax, "scaled_add": residual.scaled_add,
+    "residual_add": residual.residual_add, "dense_gemm_bf16_pipelined": gemm.dense_gemm_bf16_pipelined,
+    "dense_gemm_bf16_word": gemm.dense_gemm_bf16_word, "embed_rowdiff": token_overlay.embed_rowdiff,
+    "embed_overlay_routed": token_overlay.embed_overlay_routed,
+    "lmhead_overlay_routed": token_overlay.lmhead_overlay_routed,
+    "scatter_rows": row_cache.scatter_rows, "ngram_gather": ngram_fused.ngram_gather,
+}
+
+
+def scaled_add_kernel(gpu: GpuBackend) -> KernelHandle:
+    """``bf16_scaled_add``: a kernel every backend check can launch for a known answer."""
+    return gpu.kernel("residual_add", "bf16_scaled_add")

@@ -16,7 +16,7 @@ import pytest
 from cuda.bindings import driver as cu
 
 import gpu_runtime.gpu as gpu_module
-from gpu_runtime import CudaBackend, DevicePtr, GpuError, KernelHandle
+from gpu_runtime import CudaBackend, DevicePtr, GpuError
 from layers import reference as ref
 from layers.ngram_embed import (HostTable, HostWeight, NgramEmbedding, NgramTable, TableFile,
                                 TableFormatError, gather_entry, ngram_ids_tail, write_table)
@@ -26,6 +26,7 @@ from layers.ops.ngram_fused import CACHED
 from layers.weight_map import BF16, FP8, DenseWeight
 from tests.fakes import MemoryBackend, RecordingBackend
 from tests.helpers import Guarded, bits, random_bf16, random_fp8, run_on_poisoned
+from tests.helpers.logging_backend import LoggingBackend
 from tests.helpers.ngram import IdentityCache, device_layer, free_layer, random_layer, small_dims
 from tests.helpers.row_cache import table_file
 
@@ -244,56 +245,13 @@ def _gather(gpu: MemoryBackend, args: list, fp8: bool) -> None:
     gpu.gathered.append(np.ascontiguousarray(got).copy())
 
 
-class HostMem(MemoryBackend):
-    """``MemoryBackend`` with a handle for any kernel, the two row gathers emulated (their output
-    kept in ``gathered``), and a log of every call that allocates, frees, pins or writes."""
+class HostMem(LoggingBackend):
+    """``LoggingBackend`` with the two row gathers emulated (their output kept in ``gathered``)."""
 
     def __init__(self) -> None:
-        super().__init__(module="*", names=[], emulate={
-            "batched_embed": lambda g, a: _gather(g, a, False),
-            "batched_embed_fp8": lambda g, a: _gather(g, a, True)})
-        self.log: list[str] = []
+        super().__init__(emulate={"batched_embed": lambda g, a: _gather(g, a, False),
+                                  "batched_embed_fp8": lambda g, a: _gather(g, a, True)})
         self.gathered: list[np.ndarray] = []
-
-    def kernel(self, module: str, name: str) -> KernelHandle:
-        if name not in self.handles:
-            self.handles[name] = KernelHandle(0x100 + len(self.handles) + 1)
-            self.names[int(self.handles[name])] = name
-        return self.handles[name]
-
-    def _log(self, what: str) -> None:
-        self.log.append(what)
-
-    def alloc(self, nbytes):
-        self._log("alloc")
-        return super().alloc(nbytes)
-
-    def free(self, ptr):
-        self._log("free")
-        super().free(ptr)
-
-    def alloc_host(self, nbytes, *, mapped=False):
-        self._log("alloc_host")
-        return super().alloc_host(nbytes, mapped=mapped)
-
-    def free_host(self, array):
-        self._log("free_host")
-        super().free_host(array)
-
-    def register_host(self, array, *, read_only=True):
-        self._log("register_host")
-        return super().register_host(array, read_only=read_only)
-
-    def unregister_host(self, array):
-        self._log("unregister_host")
-        super().unregister_host(array)
-
-    def copy_h2d_async(self, host, dst, stream=0):
-        self._log("h2d")
-        super().copy_h2d_async(host, dst, stream)
-
-    def empty(self) -> bool:
-        return not (self.mem or self.host or self.mapped or self.registered)
 
 
 def _is_mapped(gpu: MemoryBackend, ptr: int) -> bool:
@@ -322,7 +280,7 @@ def test_host_weight_from_numpy(rng, fp8):
         pass
     assert gpu.empty() and w.closed and w.weight == 0 and w.row_scale == 0
     w.close()  # once
-    assert gpu.log.count("free_host") == 1
+    assert gpu.count("free_host") == 1
 
 
 @pytest.mark.parametrize("array, scale, exc, match", [
@@ -346,7 +304,7 @@ def test_host_weight_from_table_file_registers_the_map(tmp_path, rng, fp8):
     path, table, scales = table_file(tmp_path, rng, 123, 40, fp8)
     w = HostWeight.from_table_file(gpu, path)
     assert (w.shape, w.dtype) == ((123, 40), table.dtype)
-    assert gpu.log.count("register_host") == 1 and "alloc_host" not in gpu.log  # nothing copied
+    assert gpu.count("register_host") == 1 and gpu.count("alloc_host") == 0  # nothing copied
     ((addr, (nbytes, read_only)),) = gpu.registered.items()
     assert read_only and nbytes == table.nbytes and addr % PAGE == 0
     assert isinstance(w.file, TableFile) and addr == w.file.rows_bytes.ctypes.data
@@ -358,7 +316,7 @@ def test_host_weight_from_table_file_registers_the_map(tmp_path, rng, fp8):
     gpu.log.clear()
     w.close()
     assert gpu.empty() and file.closed and w.file is None and w.weight == 0
-    assert gpu.log == (["free", "unregister_host"] if fp8 else ["unregister_host"])
+    assert gpu.ops() == (["free", "unregister_host"] if fp8 else ["unregister_host"])
 
 
 def test_host_weight_from_a_bad_file_registers_nothing(tmp_path, rng):
@@ -380,7 +338,7 @@ def test_host_weight_from_table_file_undoes_the_registration_when_a_later_step_f
     path, _, _ = table_file(tmp_path, rng, 50, 8, fp8=True)
     with pytest.raises(MemoryError):
         HostWeight.from_table_file(gpu, path)
-    assert gpu.log == ["register_host", "unregister_host"] and gpu.empty()
+    assert gpu.ops() == ["register_host", "unregister_host"] and gpu.empty()
 
 
 # ==== variants: check_table and gather_entry ====================================================
@@ -520,7 +478,7 @@ def test_a_refused_layer_frees_the_host_tables_it_pinned():
     projs[-1] = projs[-1][:, :-1]  # the constructor refuses it, after every table was pinned
     with pytest.raises(ValueError, match="proj 3 must be"):
         NgramEmbedding.from_numpy(dims, host.word, _tables_arg(host), projs, 8, gpu, placement="host")
-    assert gpu.log.count("alloc_host") == 4 and gpu.log.count("free_host") == 4 and gpu.empty()
+    assert gpu.count("alloc_host") == 4 and gpu.count("free_host") == 4 and gpu.empty()
 
 
 def test_a_layer_refuses_a_closed_host_table():

@@ -1,7 +1,9 @@
-"""A host-memory backend that logs every call that allocates, frees, pins, registers or writes,
-so a refusal can be shown to have done none of them."""
+"""A host-memory backend that logs every call that allocates, frees, pins, registers, writes or
+launches, so a refusal can be shown to have done none of them and a release to have undone all."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 
@@ -13,15 +15,21 @@ from tests.helpers.row_cache import emulate_scatter
 
 class LoggingBackend(MemoryBackend):
     """``MemoryBackend`` that hands out a handle for any kernel (names are unique across our
-    modules), emulates ``scatter_rows`` and ``embed_rowdiff_bf16``, copies 2-D, and logs
-    ``(operation, address)`` for each call that allocates, frees, pins, registers, writes or
-    launches. ``fail_alloc_after``: device allocations after that many raise ``MemoryError``."""
+    modules), emulates ``scatter_rows`` and ``embed_rowdiff_bf16`` (and the kernels in
+    ``emulate``), copies 2-D, and logs ``(operation, address)`` for each call that allocates,
+    frees, pins, registers, writes or launches. ``fail_alloc_after``: device allocations after
+    that many raise ``MemoryError``."""
 
-    def __init__(self, fail_alloc_after: int | None = None) -> None:
-        super().__init__(module="*", names=[],
-                         emulate={"scatter_rows": emulate_scatter, "embed_rowdiff_bf16": emulate_rowdiff})
+    def __init__(self, fail_alloc_after: int | None = None,
+                 emulate: dict[str, Callable[[MemoryBackend, list], None]] | None = None) -> None:
+        super().__init__(module="*", names=[], emulate={
+            "scatter_rows": emulate_scatter, "embed_rowdiff_bf16": emulate_rowdiff, **(emulate or {})})
         self.log: list[tuple[str, int]] = []
         self.fail_alloc_after = fail_alloc_after
+
+    def ops(self) -> list[str]:
+        """The operations logged, in order, without their addresses."""
+        return [op for op, _ in self.log]
 
     def count(self, operation: str) -> int:
         """How many times ``operation`` ("alloc", "h2d", ...) is in the log."""
@@ -58,9 +66,17 @@ class LoggingBackend(MemoryBackend):
         self.log.append(("alloc_host", array.ctypes.data))
         return array
 
+    def free_host(self, array: np.ndarray) -> None:
+        self.log.append(("free_host", array.ctypes.data))
+        super().free_host(array)
+
     def register_host(self, array: np.ndarray, *, read_only: bool = True) -> DevicePtr:
         self.log.append(("register_host", array.ctypes.data))
         return super().register_host(array, read_only=read_only)
+
+    def unregister_host(self, array: np.ndarray) -> None:
+        self.log.append(("unregister_host", array.ctypes.data))
+        super().unregister_host(array)
 
     def memset(self, ptr, byte, nbytes, stream=0) -> None:
         self.log.append(("memset", int(ptr)))

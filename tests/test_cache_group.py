@@ -27,7 +27,8 @@ from layers.weight_map import BF16
 from tests.fakes import MemoryBackend
 from tests.helpers import Guarded, bits
 from tests.helpers.ngram import IdentityCache, device_layer, free_layer, random_layer, small_dims
-from tests.helpers.row_cache import assert_resident, emulate_scatter, mem_gpu, table_file
+from tests.helpers.row_cache import (assert_consistent, assert_resident, assign_random_absent, emulate_scatter,
+                                      mem_gpu, table_file)
 
 
 def reference_windows(contexts, seq_lens, n: int) -> np.ndarray:
@@ -115,14 +116,7 @@ def test_shared_slot_indexes_stay_bijections(rng):
     members = [SharedSlotIndex(SlotIndex(r, c), store, k) for k, (r, c) in enumerate(zip(rows, caps))]
     for _ in range(600):
         index = members[int(rng.integers(0, 2))]
-        held = np.flatnonzero(index.pinned)
-        held_ids = index.id_of[held].copy()
-        absent = np.flatnonzero(index.slot_of < 0)
-        n = int(rng.integers(0, index.evictable() + 1))
-        ids = rng.choice(absent, min(n, absent.size), replace=False)
-        slots = index.assign(ids)
-        assert np.array_equal(index.id_of[slots], ids)
-        assert np.array_equal(index.id_of[held], held_ids), "a pinned slot was evicted"
+        slots = assign_random_absent(rng, index)
         op = rng.integers(0, 5)
         if op == 0 and len(slots):
             index.pin(rng.choice(slots, rng.integers(0, len(slots) + 1)))
@@ -136,10 +130,7 @@ def test_shared_slot_indexes_stay_bijections(rng):
         elif len(slots) and rng.random() < 0.3:
             index.forget(slots)
         for m in members:
-            resident = np.flatnonzero(m.id_of >= 0)
-            assert np.array_equal(m.slot_of[m.id_of[resident]], resident)
-            assert (m.slot_of >= 0).sum() == resident.size == m.capacity - m.n_free
-            assert m.n_pinned == m.pinned.sum()
+            assert_consistent(m)
 
 
 # -- CacheGroup against its members one by one -------------------------------------------------------

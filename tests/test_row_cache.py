@@ -16,7 +16,7 @@ from layers.ngram_embed.table_file import TableFormatError, write_table
 from layers.weight_map import BF16, DenseWeight
 from tests.helpers import Guarded, bits
 from tests.helpers.ngram import device_layer, free_layer, random_layer
-from tests.helpers.row_cache import assert_resident, mem_gpu, table_file
+from tests.helpers.row_cache import assert_consistent, assert_resident, assign_random_absent, mem_gpu, table_file
 
 
 def resolve(cache: RowCache, ids) -> np.ndarray:
@@ -31,14 +31,7 @@ def test_slot_index_stays_a_bijection_and_spares_pinned_slots(rng, capacity):
     rows = 1000
     index = SlotIndex(rows, capacity)
     for _ in range(400):
-        held = np.flatnonzero(index.pinned)
-        held_ids = index.id_of[held].copy()
-        absent = np.flatnonzero(index.slot_of < 0)
-        n = int(rng.integers(0, index.evictable() + 1))
-        ids = rng.choice(absent, min(n, absent.size), replace=False)
-        slots = index.assign(ids)
-        assert len(set(slots.tolist())) == len(ids) and np.array_equal(index.id_of[slots], ids)
-        assert np.array_equal(index.id_of[held], held_ids), "a pinned slot was evicted"
+        slots = assign_random_absent(rng, index)
         op = rng.integers(0, 4)
         if op == 0 and len(slots):
             index.pin(rng.choice(slots, rng.integers(0, len(slots) + 1)))  # repeats allowed
@@ -48,10 +41,7 @@ def test_slot_index_stays_a_bijection_and_spares_pinned_slots(rng, capacity):
             index.unpin_all()
         elif len(slots) and rng.random() < 0.3:
             index.forget(slots)  # their load failed
-        resident = np.flatnonzero(index.id_of >= 0)
-        assert np.array_equal(index.slot_of[index.id_of[resident]], resident)
-        assert (index.slot_of >= 0).sum() == resident.size == capacity - index.n_free
-        assert index.n_pinned == index.pinned.sum()
+        assert_consistent(index)
 
 
 @pytest.mark.parametrize("backend", ["memory", pytest.param("cuda", marks=pytest.mark.gpu)])

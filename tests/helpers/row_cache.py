@@ -1,5 +1,6 @@
 """Row-cache tests' shared pieces: ``scatter_rows`` emulated on the host-memory backend, random
-disk tables, and the check that an arena holds the rows its slots claim."""
+disk tables, the check that an arena holds the rows its slots claim, and the steps of a random
+walk over a slot index."""
 
 from __future__ import annotations
 
@@ -46,3 +47,26 @@ def assert_resident(gpu: MemoryBackend, cache: RowCache, ids, slots, table, scal
         arena_scales = np.empty(cache.capacity, np.float32)
         gpu.copy_d2h(arena_scales, cache.scale_dev_va())
         assert np.array_equal(arena_scales[slots.astype(np.int64)], scales[ids])
+
+
+def assign_random_absent(rng, index) -> np.ndarray:
+    """Assign slots to a random batch of absent ids (at most as many as are evictable) and check
+    that each id got a slot of its own and no pinned slot was evicted; returns the slots."""
+    held = np.flatnonzero(index.pinned)
+    held_ids = index.id_of[held].copy()
+    absent = np.flatnonzero(index.slot_of < 0)
+    n = int(rng.integers(0, index.evictable() + 1))
+    ids = rng.choice(absent, min(n, absent.size), replace=False)
+    slots = index.assign(ids)
+    assert len(set(slots.tolist())) == len(ids) and np.array_equal(index.id_of[slots], ids)
+    assert np.array_equal(index.id_of[held], held_ids), "a pinned slot was evicted"
+    return slots
+
+
+def assert_consistent(index) -> None:
+    """``slot_of`` and ``id_of`` are inverse on the resident rows, and the free and pinned counts
+    agree with the arrays."""
+    resident = np.flatnonzero(index.id_of >= 0)
+    assert np.array_equal(index.slot_of[index.id_of[resident]], resident)
+    assert (index.slot_of >= 0).sum() == resident.size == index.capacity - index.n_free
+    assert index.n_pinned == index.pinned.sum()

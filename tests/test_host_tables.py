@@ -1,22 +1,15 @@
-"""Tables in host memory (``NgramTable.Host``): ``CudaBackend``'s mapped and registered host
-memory (flags, tracking, refusals before the driver, on a scripted driver), ``HostWeight`` on a
-host-memory backend, ``check_table`` and ``gather_entry`` for every variant, ``from_numpy``'s
-placement; on the GPU, layers whose tables the kernels read in place from pinned host memory give
-the bits the same layers give with device tables (seed path and fused path), from numpy or from
-a table file, and free what they pinned."""
+"""Tables in host memory (``NgramTable.Host``): ``HostWeight`` on a host-memory backend,
+``check_table`` and ``gather_entry`` for every variant, ``from_numpy``'s placement; on the GPU,
+layers whose tables the kernels read in place from pinned host memory give the bits the same
+layers give with device tables (seed path and fused path), from numpy or from a table file, and
+free what they pinned. (``CudaBackend``'s host memory itself: test_host_memory.py.)"""
 
 from __future__ import annotations
 
-import ctypes
-import mmap
-from typing import Any
-
 import numpy as np
 import pytest
-from cuda.bindings import driver as cu
 
-import gpu_runtime.gpu as gpu_module
-from gpu_runtime import CudaBackend, DevicePtr, GpuError
+from gpu_runtime import CudaBackend, DevicePtr
 from layers import reference as ref
 from layers.ngram_embed import (HostTable, HostWeight, NgramEmbedding, NgramTable, TableFile,
                                 TableFormatError, gather_entry, ngram_ids_tail, write_table)
@@ -25,205 +18,12 @@ from layers.ops import embed as embed_ops
 from layers.ops.ngram_fused import CACHED
 from layers.weight_map import BF16, FP8, DenseWeight
 from tests.fakes import MemoryBackend, RecordingBackend
-from tests.helpers import Guarded, bits, random_bf16, random_fp8, run_on_poisoned
+from tests.helpers import PAGE, Guarded, bits, page_aligned, random_bf16, random_fp8, run_on_poisoned
 from tests.helpers.logging_backend import LoggingBackend
 from tests.helpers.ngram import IdentityCache, device_layer, free_layer, random_layer, small_dims
 from tests.helpers.row_cache import table_file
 
-PAGE = 4096
 OUT = DevicePtr(0x900000)
-
-
-# ==== CudaBackend on a scripted driver ==========================================================
-
-class DriverReached(AssertionError):
-    """A driver call where a refusal should have come first."""
-
-
-class ScriptedDriver:
-    """Stands in for ``gpu_runtime.driver.call`` in gpu.py: logs every call and answers with
-    plausible values (real host memory for ``cuMemHostAlloc``, a fixed offset for mapped
-    device pointers); with ``strict`` set, every call raises ``DriverReached``."""
-
-    DEV_OFFSET = 0x1_0000_0000_0000  # device address = host address + this (a fake, distinct VA)
-
-    def __init__(self, read_only_supported: int = 1) -> None:
-        self.calls: list[tuple[str, tuple]] = []
-        self.strict = False
-        self.read_only_supported = read_only_supported
-        self.keep: list[Any] = []
-        self.handle = 0x7F00_0000_0000
-
-    def __call__(self, fn: Any, *args: Any, detail: str = "") -> Any:
-        name = getattr(fn, "__name__", repr(fn))
-        if self.strict:
-            raise DriverReached(name)
-        self.calls.append((name, args))
-        if name == "cuDeviceGetName":
-            return b"scripted\0"
-        if name == "cuDeviceGetAttribute":
-            ro = cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED
-            return self.read_only_supported if args[0] == ro else 0
-        if name in ("cuMemAlloc", "cuStreamCreate", "cuEventCreate"):
-            self.handle += 1 << 20
-            return self.handle
-        if name == "cuMemHostAlloc":
-            buf = ctypes.create_string_buffer(int(args[0]))
-            self.keep.append(buf)
-            return ctypes.addressof(buf)
-        if name == "cuMemHostGetDevicePointer":
-            return int(args[0]) + self.DEV_OFFSET
-        return 0
-
-    def named(self, name: str) -> list[tuple]:
-        return [args for n, args in self.calls if n == name]
-
-
-@pytest.fixture
-def scripted(monkeypatch):
-    """(make, driver): ``make()`` builds a ``CudaBackend`` on the scripted driver."""
-    driver = ScriptedDriver()
-    monkeypatch.setattr(gpu_module, "call", driver)
-    monkeypatch.setattr(gpu_module.driver, "init", lambda: None)
-    monkeypatch.setattr(gpu_module.driver, "device_count", lambda: 1)
-    monkeypatch.setattr(gpu_module.driver, "compute_capability", lambda device: (9, 0))
-    return CudaBackend, driver
-
-
-def page_aligned(nbytes: int, keep: list) -> np.ndarray:
-    """A writable, page-aligned uint8 array (anonymous mmap)."""
-    m = mmap.mmap(-1, nbytes)
-    keep.append(m)
-    arr = np.frombuffer(m, np.uint8)
-    assert arr.ctypes.data % PAGE == 0
-    return arr
-
-
-def test_alloc_host_mapped_flags_and_device_pointers(scripted):
-    make, driver = scripted
-    gpu = make()
-    plain = gpu.alloc_host(1000)
-    mapped = gpu.alloc_host(8192, mapped=True)
-    flags = [args[1] for args in driver.named("cuMemHostAlloc")]
-    assert flags == [0, cu.CU_MEMHOSTALLOC_DEVICEMAP | cu.CU_MEMHOSTALLOC_PORTABLE]
-    base = mapped.ctypes.data
-    driver.calls.clear()
-    assert gpu.host_device_ptr(mapped) == base + driver.DEV_OFFSET
-    assert gpu.host_device_ptr(mapped[100:300]) == base + 100 + driver.DEV_OFFSET
-    # the driver is asked about the buffer's own address, the offset added after
-    assert [args for args in driver.named("cuMemHostGetDevicePointer")] == [(base, 0), (base, 0)]
-    assert isinstance(gpu.host_device_ptr(mapped), DevicePtr)
-    with pytest.raises(ValueError, match="not inside a mapped"):
-        gpu.host_device_ptr(plain)  # pinned but not mapped
-    with pytest.raises(ValueError, match="not inside a mapped"):
-        gpu.host_device_ptr(np.zeros(16, np.uint8))  # pageable
-    assert gpu.pinned_buffers == 2
-    gpu.free_host(mapped)
-    with pytest.raises(ValueError, match="not inside a mapped"):
-        gpu.host_device_ptr(mapped)  # freed: no longer mapped
-    gpu.close()
-    assert driver.named("cuMemFreeHost")[-1] == (plain.ctypes.data,)
-
-
-@pytest.mark.parametrize("supported, read_only, want_ro", [(1, True, True), (0, True, False), (1, False, False)])
-def test_register_host_flags_and_tracking(scripted, supported, read_only, want_ro):
-    make, driver = scripted
-    driver.read_only_supported = supported
-    gpu = make()
-    keep: list = []
-    a, b = page_aligned(3 * PAGE, keep), page_aligned(5000, keep)
-    ptr = gpu.register_host(a, read_only=read_only)
-    assert ptr == a.ctypes.data + driver.DEV_OFFSET
-    gpu.register_host(b[:5000], read_only=read_only)
-    (first, second) = driver.named("cuMemHostRegister")
-    want = cu.CU_MEMHOSTREGISTER_DEVICEMAP | (cu.CU_MEMHOSTREGISTER_READ_ONLY if want_ro else 0)
-    assert first == (a.ctypes.data, 3 * PAGE, want) and second == (b.ctypes.data, 5000, want)
-    ro_attr = cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED
-    asked = [args for args in driver.named("cuDeviceGetAttribute") if args[0] == ro_attr]
-    assert len(asked) == (1 if read_only else 0)  # read once, and only when it matters
-    assert gpu.host_registrations == 2 and gpu.pinned_buffers == 2
-    assert gpu.host_device_ptr(a[PAGE:]) == a.ctypes.data + PAGE + driver.DEV_OFFSET
-    gpu.unregister_host(a)
-    assert driver.named("cuMemHostUnregister") == [(a.ctypes.data,)]
-    assert gpu.host_registrations == 1
-    with pytest.raises(ValueError, match="not inside a mapped"):
-        gpu.host_device_ptr(a)
-    gpu.close()  # unregisters what is left, before the context goes
-    names = [n for n, _ in driver.calls]
-    assert driver.named("cuMemHostUnregister") == [(a.ctypes.data,), (b.ctypes.data,)]
-    assert names.index("cuMemHostUnregister", names.index("cuCtxSynchronize")) < names.index("cuDevicePrimaryCtxRelease")
-    assert gpu.host_registrations == 0
-
-
-def test_register_host_accepts_a_read_only_memmap_of_a_table_file(scripted, tmp_path, rng):
-    make, driver = scripted
-    gpu = make()
-    path, table, _ = table_file(tmp_path, rng, 300, 24, fp8=False)
-    rows = np.memmap(path, np.uint8, mode="r", offset=PAGE, shape=(300, 48))
-    ptr = gpu.register_host(rows)
-    assert ptr == rows.ctypes.data + driver.DEV_OFFSET
-    with pytest.raises(ValueError, match="overlaps"):
-        gpu.register_host(rows)  # registered twice
-    gpu.unregister_host(rows)
-    gpu.close()
-
-
-def _refusal_world(make, driver):
-    keep: list = []
-    gpu, closed = make(), make()
-    closed.close()
-    world = dict(gpu=gpu, closed=closed, keep=keep)
-    world["aligned"] = page_aligned(2 * PAGE, keep)
-    world["registered"] = page_aligned(2 * PAGE, keep)
-    gpu.register_host(world["registered"])
-    world["plain"] = gpu.alloc_host(256)
-    world["mapped"] = gpu.alloc_host(256, mapped=True)
-    ro = page_aligned(PAGE, keep)
-    ro.flags.writeable = False
-    world["readonly"] = ro
-    return world
-
-
-REFUSALS = [
-    ("register-type", lambda w: w["gpu"].register_host(b"\0" * PAGE), TypeError, "numpy array"),
-    ("register-flag", lambda w: w["gpu"].register_host(w["aligned"], read_only=1), TypeError, "bool"),
-    ("register-strided", lambda w: w["gpu"].register_host(w["aligned"][::2]), ValueError, "C-contiguous"),
-    ("register-empty", lambda w: w["gpu"].register_host(w["aligned"][:0]), ValueError, "0 bytes"),
-    ("register-unaligned", lambda w: w["gpu"].register_host(w["aligned"][1:]), ValueError, "page"),
-    ("register-readonly-rw", lambda w: w["gpu"].register_host(w["readonly"], read_only=False), ValueError,
-     "read_only=True"),
-    ("register-overlap", lambda w: w["gpu"].register_host(w["registered"][PAGE:]), ValueError, "overlaps"),
-    ("register-closed", lambda w: w["closed"].register_host(w["aligned"]), GpuError, "closed"),
-    ("unregister-type", lambda w: w["gpu"].unregister_host([1, 2]), TypeError, "numpy array"),
-    ("unregister-foreign", lambda w: w["gpu"].unregister_host(w["aligned"]), ValueError, "not a whole"),
-    ("unregister-part", lambda w: w["gpu"].unregister_host(w["registered"][:PAGE]), ValueError, "not a whole"),
-    ("unregister-closed", lambda w: w["closed"].unregister_host(w["registered"]), GpuError, "closed"),
-    ("devptr-type", lambda w: w["gpu"].host_device_ptr(memoryview(b"x")), TypeError, "numpy array"),
-    ("devptr-pageable", lambda w: w["gpu"].host_device_ptr(np.zeros(16, np.uint8)), ValueError, "not inside"),
-    ("devptr-unmapped", lambda w: w["gpu"].host_device_ptr(w["plain"]), ValueError, "not inside"),
-    ("devptr-strided", lambda w: w["gpu"].host_device_ptr(w["mapped"][::2]), ValueError, "C-contiguous"),
-    ("devptr-past-end", lambda w: w["gpu"].host_device_ptr(
-        np.frombuffer((ctypes.c_uint8 * 512).from_address(w["mapped"].ctypes.data), np.uint8)),
-     ValueError, "not inside"),
-    ("devptr-closed", lambda w: w["closed"].host_device_ptr(w["mapped"]), GpuError, "closed"),
-    ("alloc-mapped-type", lambda w: w["gpu"].alloc_host(16, mapped="yes"), TypeError, "bool"),
-    ("alloc-mapped-empty", lambda w: w["gpu"].alloc_host(0, mapped=True), ValueError, "0 bytes"),
-]
-
-
-@pytest.mark.parametrize("case, fn, exc, match", REFUSALS, ids=[r[0] for r in REFUSALS])
-def test_host_memory_refusals_come_before_the_driver(scripted, case, fn, exc, match):
-    make, driver = scripted
-    world = _refusal_world(make, driver)
-    held = (world["gpu"].host_registrations, world["gpu"].pinned_buffers)
-    driver.strict = True  # from here every driver call raises DriverReached
-    with pytest.raises(exc, match=match):
-        fn(world)
-    driver.strict = False
-    assert (world["gpu"].host_registrations, world["gpu"].pinned_buffers) == held
-    # still usable afterwards
-    assert world["gpu"].host_device_ptr(world["registered"]) == world["registered"].ctypes.data + driver.DEV_OFFSET
-    world["gpu"].close()
 
 
 # ==== HostWeight on a host-memory backend =======================================================

@@ -1,11 +1,10 @@
-"""An offline ``CudaBackend``: built by its own ``__init__`` with the driver answering from Python,
-then every driver call made to raise ``DriverReached``, so a case that passes on it refused (or
-did nothing) before reaching the driver. This is the one place that knows ``gpu_runtime.gpu``'s
-internals (``call``, ``driver``, ``cu``) and ``gpu_runtime.staging``'s ``call``."""
+"""An offline ``CudaBackend``: built by its own ``__init__`` on the scripted driver, then every
+driver call made to raise ``DriverReached``, so a case that passes on it refused (or did nothing)
+before reaching the driver. Besides ``tests.helpers.scripted_driver``, this knows
+``gpu_runtime.gpu``'s ``cu`` and ``gpu_runtime.staging``'s ``call``."""
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,10 +15,7 @@ from cuda.bindings import driver as cu
 import gpu_runtime.gpu as gpu_module
 import gpu_runtime.staging as staging_module
 from gpu_runtime import CudaBackend, DevicePtr
-
-
-class DriverReached(AssertionError):
-    """Raised by every driver call of the offline backend: a refusal must come before it."""
+from tests.helpers.scripted_driver import DriverReached, install_scripted_driver
 
 
 class _OfflineDriver:
@@ -33,10 +29,6 @@ class _OfflineDriver:
                 raise DriverReached(name)
             return reached
         return real
-
-
-def _reached(fn: Any, *args: Any, detail: str = "") -> None:
-    raise DriverReached(getattr(fn, "__name__", repr(fn)))
 
 
 @dataclass
@@ -55,29 +47,10 @@ class Target:
 
 def offline_backends(monkeypatch: pytest.MonkeyPatch, rng: np.random.Generator
                      ) -> tuple[CudaBackend, Target]:
-    """A ``CudaBackend`` built by its own ``__init__`` with the driver answering from Python
-    (fake addresses; real host memory for pinned buffers), a ``Target`` on it and a closed twin;
-    then every driver call is made to raise ``DriverReached``."""
-    keep: list[Any] = []
-    next_handle = [0x7F00_0000_0000]
-
-    def permissive(fn: Any, *args: Any, detail: str = "") -> Any:
-        name = getattr(fn, "__name__", "")
-        if name == "cuDeviceGetName":
-            return b"offline\0"
-        if name in ("cuMemAlloc", "cuStreamCreate", "cuEventCreate"):
-            next_handle[0] += 1 << 20
-            return next_handle[0]
-        if name == "cuMemHostAlloc":
-            buf = ctypes.create_string_buffer(int(args[0]))
-            keep.append(buf)
-            return ctypes.addressof(buf)
-        return 0
-
-    monkeypatch.setattr(gpu_module, "call", permissive)
-    monkeypatch.setattr(gpu_module.driver, "init", lambda: None)
-    monkeypatch.setattr(gpu_module.driver, "device_count", lambda: 1)
-    monkeypatch.setattr(gpu_module.driver, "compute_capability", lambda device: (9, 0))
+    """A ``CudaBackend`` built by its own ``__init__`` on the scripted driver (fake addresses; real
+    host memory for pinned buffers), a ``Target`` on it and a closed twin; then every driver call,
+    through ``call`` or straight to ``cu``, is made to raise ``DriverReached``."""
+    driver = install_scripted_driver(monkeypatch)
     backend, closed = CudaBackend(), CudaBackend()
     closed.close()
     base = backend.alloc(8192)
@@ -85,9 +58,9 @@ def offline_backends(monkeypatch: pytest.MonkeyPatch, rng: np.random.Generator
     pinned[:] = rng.integers(0, 256, 4096, dtype=np.uint8)
     target = Target(base.offset(256), pinned, rng.integers(0, 256, 64, dtype=np.uint8),
                     backend.create_stream(), backend.create_event(), closed)
-    monkeypatch.setattr(gpu_module, "call", _reached)
-    monkeypatch.setattr(staging_module, "call", _reached)
+    driver.strict = True
+    monkeypatch.setattr(staging_module, "call", driver)
     monkeypatch.setattr(gpu_module, "cu", _OfflineDriver())
-    backend._keep = keep  # the pinned buffers' memory lives as long as the backend
+    backend._keep = driver.keep  # the pinned buffers' memory lives as long as the backend
     return backend, target
 

@@ -5,6 +5,7 @@ bit views, bf16 spacing and random bf16 / fp8 arrays. Topic helpers live in the 
 
 from __future__ import annotations
 
+import mmap
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -19,6 +20,7 @@ POISON = 0xFF  # bf16 0xFFFF is NaN, u32 0xFFFFFFFF is an id no table has
 # memory of its own (memcheck: gigabytes over a thousand graph launches) and several test
 # processes share the device, so cuMemGetInfo says nothing about this process's leaks.
 DEVICE_MEMORY_MEASURABLE = not os.environ.get("GPU_SANITIZER")
+PAGE = 4096  # host page size: register_host needs page-aligned arrays
 
 
 class Guarded:
@@ -89,6 +91,15 @@ def run_on_poisoned(gpu: CudaBackend, rng: np.random.Generator, fn: Any, rows: i
         out.assert_guards_intact()
     assert np.isfinite(got.astype(np.float32)).all(), "unwritten (poisoned) elements"
     return got
+
+
+def page_aligned(nbytes: int, keep: list) -> np.ndarray:
+    """A writable, page-aligned uint8 array (an anonymous mmap, appended to ``keep`` to stay alive)."""
+    m = mmap.mmap(-1, nbytes)
+    keep.append(m)
+    arr = np.frombuffer(m, np.uint8)
+    assert arr.ctypes.data % PAGE == 0
+    return arr
 
 
 def bits(a: np.ndarray) -> np.ndarray:

@@ -1,0 +1,69 @@
+"""A scripted CUDA driver: ``CudaBackend`` built by its own ``__init__`` on a machine without a
+GPU, every driver call logged and answered from Python, or (``strict``) refused with
+``DriverReached`` so a check can be shown to come before the driver. This is the one place that
+knows ``gpu_runtime.gpu``'s internals (``call``, ``driver``)."""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import pytest
+from cuda.bindings import driver as cu
+
+import gpu_runtime.gpu as gpu_module
+
+
+class DriverReached(AssertionError):
+    """A driver call where a refusal should have come first."""
+
+
+class ScriptedDriver:
+    """Stands in for ``gpu_runtime.driver.call`` in gpu.py: logs every call and answers with
+    plausible values (real host memory for ``cuMemHostAlloc``, a fixed offset for mapped
+    device pointers); with ``strict`` set, every call raises ``DriverReached``."""
+
+    DEV_OFFSET = 0x1_0000_0000_0000  # device address = host address + this (a fake, distinct VA)
+
+    def __init__(self, read_only_supported: int = 1) -> None:
+        self.calls: list[tuple[str, tuple]] = []
+        self.strict = False
+        self.read_only_supported = read_only_supported
+        self.keep: list[Any] = []
+        self.handle = 0x7F00_0000_0000
+
+    def __call__(self, fn: Any, *args: Any, detail: str = "") -> Any:
+        name = getattr(fn, "__name__", repr(fn))
+        if self.strict:
+            raise DriverReached(name)
+        self.calls.append((name, args))
+        if name == "cuDeviceGetName":
+            return b"scripted\0"
+        if name == "cuDeviceGetAttribute":
+            ro = cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED
+            return self.read_only_supported if args[0] == ro else 0
+        if name in ("cuMemAlloc", "cuStreamCreate", "cuEventCreate"):
+            self.handle += 1 << 20
+            return self.handle
+        if name == "cuMemHostAlloc":
+            buf = ctypes.create_string_buffer(int(args[0]))
+            self.keep.append(buf)
+            return ctypes.addressof(buf)
+        if name == "cuMemHostGetDevicePointer":
+            return int(args[0]) + self.DEV_OFFSET
+        return 0
+
+    def named(self, name: str) -> list[tuple]:
+        """The arguments of every logged call of ``name``."""
+        return [args for n, args in self.calls if n == name]
+
+
+def install_scripted_driver(monkeypatch: pytest.MonkeyPatch) -> ScriptedDriver:
+    """Make ``CudaBackend()`` run on a new ``ScriptedDriver`` (one device, sm_90) until the test
+    ends; returns the driver."""
+    driver = ScriptedDriver()
+    monkeypatch.setattr(gpu_module, "call", driver)
+    monkeypatch.setattr(gpu_module.driver, "init", lambda: None)
+    monkeypatch.setattr(gpu_module.driver, "device_count", lambda: 1)
+    monkeypatch.setattr(gpu_module.driver, "compute_capability", lambda device: (9, 0))
+    return driver

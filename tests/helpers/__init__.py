@@ -1,7 +1,8 @@
 """Test helpers: device buffers with canary guards, poisoning, upload and download in one line;
-bit views, bf16 spacing and random bf16 / fp8 arrays. Topic helpers live in the submodules
+what a call writes into a poisoned buffer; page-aligned host arrays; bit views, bf16 spacing and
+random bf16 / fp8 arrays. Topic helpers live in the submodules
 (``ngram``, ``row_cache``, ``ngram_gather``, ``overlay``, ``checkpoint``, ``peft``, ``gemm``,
-``logging_backend``)."""
+``logging_backend``, ``scripted_driver``)."""
 
 from __future__ import annotations
 

@@ -66,6 +66,15 @@ class _SlotBuffers:
             setattr(self, name, DevicePtr(0))
 
 
+def _device_table(index: int) -> property:
+    """``OverlaySlots``' device pointer table ``index`` (``_host_tables`` order), refused once closed."""
+
+    def table(self: "OverlaySlots") -> DevicePtr:
+        return self._table(index)
+
+    return property(table)
+
+
 class OverlaySlots:
     """A fixed number of adapter slots and the device pointer tables the routed kernels read.
 
@@ -115,30 +124,13 @@ class OverlaySlots:
         return (self._host_embed_map, self._host_embed_rows, self._host_embed_n,
                 self._host_lm_rows, self._host_lm_ids, self._host_lm_n)
 
-    # -- device pointers for the launchers ---------------------------------------------------
-    @property
-    def embed_slot_map_tab(self) -> DevicePtr:
-        return self._table(0)
-
-    @property
-    def embed_rows_tab(self) -> DevicePtr:
-        return self._table(1)
-
-    @property
-    def embed_n_tab(self) -> DevicePtr:
-        return self._table(2)
-
-    @property
-    def lm_head_rows_tab(self) -> DevicePtr:
-        return self._table(3)
-
-    @property
-    def lm_head_ids_tab(self) -> DevicePtr:
-        return self._table(4)
-
-    @property
-    def lm_head_n_tab(self) -> DevicePtr:
-        return self._table(5)
+    # -- device pointers for the launchers (the order of _host_tables) -----------------------------
+    embed_slot_map_tab = _device_table(0)
+    embed_rows_tab = _device_table(1)
+    embed_n_tab = _device_table(2)
+    lm_head_rows_tab = _device_table(3)
+    lm_head_ids_tab = _device_table(4)
+    lm_head_n_tab = _device_table(5)
 
     def _table(self, i: int) -> DevicePtr:
         self._live()

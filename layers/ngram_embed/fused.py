@@ -34,8 +34,7 @@ from ..ops import ngram_fused as fused_ops
 from ..weight_map import BF16, DenseWeight
 from .cached_rows import CachedRows
 from .embedding import NgramEmbedding
-from .front import (check_seq_len, check_tokens, context_tail, require_backend, require_open, require_out,
-                    window_index, windows)
+from .front import check_tokens, context_tail, require_backend, require_open, require_out, window_index, windows
 from .ids import ids_from_windows, window_plan
 from .tables import gather_entry
 
@@ -144,10 +143,11 @@ class FusedNgramEmbedding:
         """The decode loop's call (one context that reaches back N - 1 tokens before its new ones,
         a shape already captured, no cached tables) in a few numpy operations: the window rows
         are the context's tail read through a cached index, written straight into the pinned
-        upload. Refuses what the general path refuses, with its messages; returns False, having
-        done nothing, for anything else (the general path then serves it)."""
-        seq_len = check_seq_len(seq_len, _WHAT)
-        exe = self._graphs.get((seq_len, out, stream))
+        upload. Refuses a bad context as the general path does (``front``'s checks); returns
+        False, having done nothing, for anything else (the general path then serves or refuses
+        it: a seq_len that is not a plain int, an unknown shape, a foreign backend, a closed
+        layer)."""
+        exe = self._graphs.get((seq_len, out, stream)) if type(seq_len) is int else None
         if exe is None or gpu is not self.gpu or self.layer.closed:
             return False
         n = self.dims.max_ngram

@@ -85,8 +85,6 @@ from typing import Any, Iterable, Sequence
 import ml_dtypes
 import numpy as np
 
-from gpu_runtime import KernelNotFoundError
-
 from . import safetensors_io
 from .ops.token_overlay import OverlayKernels
 from .overlay import AdapterOverlay, TableOverlay, build_overlay
@@ -649,10 +647,7 @@ def _gpu_of(served: Any, gpu: Any, role: str) -> Any:
 
 def _require_kernels(kernels: OverlayKernels, role: str) -> None:
     names = ("rowdiff", "embed_overlay") if role == EMBED else ("rowdiff", "lmhead_overlay_bf16", "lmhead_overlay_f32")
-    missing = [n for n in names if not getattr(kernels, n)]
-    if missing:
-        raise KernelNotFoundError(f"the adapter ships a full {role} table but the token-overlay kernels "
-                                  f"{missing} are not loaded (kernels/token_overlay.cu missing or without them)")
+    kernels.require(f"a full {role} table", *names)
 
 
 def _same_table(a: Any, b: Any) -> bool:

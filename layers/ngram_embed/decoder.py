@@ -36,6 +36,7 @@ from ..ops import gemm as gemm_ops
 from ..ops import ngram_decode as decode_ops
 from ..ops.checks import require_count, require_ptr
 from .embedding import NgramEmbedding
+from .front import require_open, require_out
 from .fused import FusedNgramEmbedding
 from .tables import CachedTable
 
@@ -52,6 +53,7 @@ class DecodeError(enum.IntFlag):
 
 Buffer = int | DeviceArray  # a device address, or a DeviceArray of uint32
 
+_WHAT = "NgramDecoder"
 _NO_ROW_CACHE = ("NgramDecoder: RowCache tables need host work every step; serve them with "
                  "FusedNgramEmbedding, or hold the table in host memory (NgramTable.Host)")
 
@@ -206,11 +208,12 @@ class NgramDecoder:
         self.close()
 
     # -- helpers ----------------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return not self.state
+
     def _open(self) -> None:
-        if not self.state:
-            raise ValueError("NgramDecoder: closed")
-        if self.fused is None or not self.fused.layer.ids_dev:
-            raise ValueError("NgramDecoder: its NgramEmbedding is closed")
+        require_open(_WHAT, self, None if self.fused is None else self.fused.layer)
 
     def _sizes(self, num_seqs: int, rows: int) -> tuple[int, int]:
         num_seqs, rows = require_count(num_seqs, "num_seqs"), require_count(rows, "num_tokens")
@@ -239,7 +242,7 @@ class NgramDecoder:
     def _run(self, tokens: int, cu_seqlens: int, slots: int, num_seqs: int, rows: int,
              per_seq: int, out: int, stream: int) -> None:
         self._open()
-        require_ptr(out, "NgramDecoder out")
+        require_out(out, _WHAT)
         if rows == 0:
             return
         self.launch_gather(tokens, cu_seqlens, slots, num_seqs, rows, per_seq, stream)

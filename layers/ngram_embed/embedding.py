@@ -25,14 +25,16 @@ from gpu_runtime import DevicePtr, GpuBackend
 from ..ops import embed as embed_ops
 from ..ops import gemm as gemm_ops
 from ..ops import residual as residual_ops
-from ..ops.checks import require_ptr
-from ..weight_map import BF16, FP8, DenseWeight
+from ..weight_map import BF16, DenseWeight
+from .cached_rows import CachedRows
 from .dims import NgramDims
+from .front import check_seq_len, require_backend, require_open, require_out, tail_tokens
 from .host_table import HostWeight
-from .ids import ngram_ids_tail
-from .tables import AnyTable, Bf16Table, CachedTable, Fp8Table, HostTable, check_table, validate_cached
+from .ids import tail_ids
+from .tables import AnyTable, Bf16Table, CachedTable, Fp8Table, HostTable, check_table, gather_entry
 
 U32_LIMIT = 1 << 32
+_WHAT = "ngram embed"
 PLACEMENTS = ("device", "host")  # where from_numpy puts a table: a DenseWeight or a HostWeight
 
 
@@ -83,6 +85,7 @@ class NgramEmbedding:
         self.tables = list(tables)
         self.projs = list(projs)
         self.gpu = gpu
+        self._cached = CachedRows(self.tables)  # resolved table by table, as the seed does
         self.batched_embed_k = gpu.kernel("embed_from_argmax", "batched_embed")
         self.batched_embed_fp8_k = gpu.kernel("embed_from_argmax", "batched_embed_fp8")
         self.gemm_k = gpu.kernel("gemm", "dense_gemm_bf16_pipelined")
@@ -195,41 +198,36 @@ class NgramEmbedding:
         return load_layer(cls, model_dir, gpu, placement=placement, max_tokens=max_tokens, eos_id=eos_id,
                           table_dir=table_dir, stream=stream, cache_rows=cache_rows)
 
+    @property
+    def closed(self) -> bool:
+        return not self.ids_dev
+
     def embed(self, ctx_tokens: Sequence[int] | np.ndarray, seq_len: int, out: int,
               gpu: GpuBackend, stream: int = 0) -> None:
         """Embedding of the last ``seq_len`` tokens of ``ctx_tokens`` into ``out``
-        (``[seq_len, hidden]`` bf16). Everything is validated before the first launch."""
-        if self.ids_dev == 0:
-            raise ValueError("ngram embed: NgramEmbedding is closed")
-        if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 0:
-            raise ValueError(f"ngram embed: seq_len must be a non-negative int, got {seq_len!r}")
-        seq_len = int(seq_len)
+        (``[seq_len, hidden]`` bf16). ``gpu`` is the seed's argument, kept in its place: it must
+        be the backend the layer was built with, which does every upload and launch. Everything
+        is validated before the first launch; a cached table's rows are unpinned after its
+        gather, or after a failure (``CachedRows.batch``)."""
+        require_open(_WHAT, self, self)
+        require_backend(_WHAT, gpu, self.gpu)
+        seq_len = check_seq_len(seq_len, _WHAT)
         if seq_len > self.max_tokens:
             raise ValueError(f"ngram embed: seq_len over staging ({seq_len} > max_tokens {self.max_tokens})")
-        # Only the tail is converted: a decode step must not copy a long context list.
-        if not hasattr(ctx_tokens, "__len__") or getattr(ctx_tokens, "ndim", 1) != 1:
-            raise ValueError(f"ngram embed: ctx_tokens must be 1-D, got shape {np.shape(ctx_tokens)}")
-        n_ctx = len(ctx_tokens)
-        tail = np.asarray(ctx_tokens[max(n_ctx - max(seq_len, 1), 0):])
-        if tail.ndim != 1:
-            raise ValueError(f"ngram embed: ctx_tokens must be 1-D, got rows of shape {tail.shape[1:]}")
-        if seq_len > n_ctx:
-            raise ValueError(f"ngram embed: seq_len over ctx ({seq_len} > {n_ctx} tokens)")
+        tail, _ = tail_tokens(self.dims, ctx_tokens, seq_len, _WHAT)  # only the tail is read
         if seq_len == 0:
             return
-        require_ptr(out, "ngram embed out")
-        dims = self.dims
-        h, td = dims.hidden_size, dims.table_dim()
-        # Hashing validates the tokens it reads (ids < V); the new tokens are among them.
-        all_ids = ngram_ids_tail(dims, ctx_tokens, seq_len)
-        id_arrays = []
-        for index, ids in enumerate(all_ids):
-            if ids.size and int(ids.max()) >= U32_LIMIT:
-                raise ValueError(f"ngram embed: table {index} id exceeds u32")
-            id_arrays.append(ids.astype(np.uint32))
-        validate_cached(self.tables, id_arrays)  # a cached table's refusal comes before any launch
+        require_out(out, _WHAT)
+        ids = tail_ids(self.dims, tail, seq_len)  # [T, seq_len]
+        if int(ids.max()) >= U32_LIMIT:
+            index = int(np.flatnonzero((ids >= U32_LIMIT).any(axis=1))[0])
+            raise ValueError(f"ngram embed: table {index} id exceeds u32")
+        ids = ids.astype(np.uint32)
+        self._cached.validate(ids)  # a cached table's refusal comes before any launch
         new_tokens = tail[tail.shape[0] - seq_len:].astype(np.uint32)
-        inv_scale = float(np.float32(1.0) / np.float32(1 + dims.num_tables()))  # f32, as the seed
+        h, td = self.dims.hidden_size, self.dims.table_dim()
+        inv_scale = float(np.float32(1.0) / np.float32(1 + self.dims.num_tables()))  # f32, as the seed
+        gpu = self.gpu
 
         # Zero `out`, then add the base row and each table's projection scaled by 1 / (1 + T).
         gpu.memset(out, 0, seq_len * h * 2, stream)
@@ -241,56 +239,51 @@ class NgramEmbedding:
         residual_ops.scaled_add(gpu, self.scaled_add_k, out, self.proj_buf, inv_scale, seq_len * h, stream)
 
         # Hash ids of the tail, then one table at a time.
-        for index, ids in enumerate(id_arrays):
-            table = self.tables[index]
-            if not isinstance(table, CachedTable):
-                gpu.copy_h2d_async(ids, self.ids_dev, stream)
-            match table:
-                case CachedTable(cache):
-                    # An NVMe-backed table maps the ids to arena slots (`resolve`), which
-                    # replace the ids before the gather. (The seed uploads the ids first and
-                    # then the slots over them; the first copy is skipped here, as nothing
-                    # reads it: one upload less per cached table and call.)
-                    slots = np.empty(ids.size, np.uint32)
-                    cache.resolve(ids, slots)
-                    gpu.copy_h2d_async(slots, self.ids_dev, stream)
-                    arena, scale = cache.table_dev_va(), cache.scale_dev_va()
-                    if scale is not None:
-                        embed_ops.batched_embed_fp8(gpu, self.batched_embed_fp8_k, self.ids_dev, arena,
-                                                    scale, self.gather_buf, seq_len, td, stream)
-                    else:
-                        embed_ops.batched_embed(gpu, self.batched_embed_k, self.ids_dev, arena,
-                                                self.gather_buf, seq_len, td, stream)
-                    cache.end_batch()
-                case Bf16Table(w):
-                    embed_ops.batched_embed(gpu, self.batched_embed_k, self.ids_dev, w.weight,
-                                            self.gather_buf, seq_len, td, stream)
-                case Fp8Table(w):
-                    embed_ops.batched_embed_fp8(gpu, self.batched_embed_fp8_k, self.ids_dev, w.weight,
-                                                w.row_scale, self.gather_buf, seq_len, td, stream)
-                case HostTable(w):
-                    # Rows read in place from mapped host memory; fp8 scales from the device.
-                    if w.dtype == FP8:
-                        embed_ops.batched_embed_fp8(gpu, self.batched_embed_fp8_k, self.ids_dev, w.weight,
-                                                    w.row_scale, self.gather_buf, seq_len, td, stream)
-                    else:
-                        embed_ops.batched_embed(gpu, self.batched_embed_k, self.ids_dev, w.weight,
-                                                self.gather_buf, seq_len, td, stream)
+        for index, (table, table_ids) in enumerate(zip(self.tables, ids)):
+            if isinstance(table, CachedTable):
+                # An NVMe-backed table maps the ids to arena slots (`resolve`), which replace the
+                # ids before the gather, and ends its batch after it. (The seed uploads the ids
+                # first and then the slots over them; the first copy is skipped here, as nothing
+                # reads it: one upload less per cached table and call.)
+                with self._cached.batch(index):
+                    gpu.copy_h2d_async(self._cached.resolve_table(index, table_ids), self.ids_dev, stream)
+                    self._gather(index, table, seq_len, stream)
+            else:
+                gpu.copy_h2d_async(table_ids, self.ids_dev, stream)
+                self._gather(index, table, seq_len, stream)
             gemm_ops.dense_gemm_bf16_pipelined(gpu, self.gemm_k, self.gather_buf, self.projs[index],
                                                self.proj_buf, seq_len, h, td, stream)
             residual_ops.scaled_add(gpu, self.scaled_add_k, out, self.proj_buf, inv_scale,
                                     seq_len * h, stream)
 
+    def _gather(self, index: int, table: AnyTable, rows: int, stream: int) -> None:
+        """Rows ``ids_dev[:rows]`` of table ``index`` into ``gather_buf``: bf16 rows as they are,
+        fp8 rows dequantised with their scales. Resident, host (read in place from mapped host
+        memory; fp8 scales on the device) and cached tables (the arena, at the resolved slots)
+        alike: ``gather_entry`` says where the rows and scales are."""
+        data, scale, _, _ = gather_entry(table, self.dims.table_rows(index))
+        td = self.dims.table_dim()
+        if scale:
+            embed_ops.batched_embed_fp8(self.gpu, self.batched_embed_fp8_k, self.ids_dev, data, scale,
+                                        self.gather_buf, rows, td, stream)
+        else:
+            embed_ops.batched_embed(self.gpu, self.batched_embed_k, self.ids_dev, data, self.gather_buf,
+                                    rows, td, stream)
+
     def prefetch(self, ctx_tokens: Sequence[int] | np.ndarray, seq_len: int) -> int:
         """Start loading the rows that ``embed(ctx_tokens, seq_len, ...)`` will read from
         cached tables that can prefetch (``RowCache``); returns the rows queued. Call it as soon
         as the next step's tokens are known: the loads overlap whatever runs until then."""
-        caches = [(i, t.cache) for i, t in enumerate(self.tables)
-                  if isinstance(t, CachedTable) and hasattr(t.cache, "prefetch")]
-        if not caches or seq_len == 0:
+        caches = [(c, cache) for c, cache in zip(self._cached.columns, self._cached.caches)
+                  if hasattr(cache, "prefetch")]
+        if not caches:
             return 0
-        all_ids = ngram_ids_tail(self.dims, ctx_tokens, seq_len)
-        return sum(cache.prefetch(all_ids[i]) for i, cache in caches)
+        seq_len = check_seq_len(seq_len, "ngram prefetch")
+        tail, _ = tail_tokens(self.dims, ctx_tokens, seq_len, "ngram prefetch")
+        if seq_len == 0:
+            return 0
+        ids = tail_ids(self.dims, tail, seq_len)
+        return sum(cache.prefetch(ids[c]) for c, cache in caches)
 
     def close(self) -> None:
         """Free the staging buffers, and the weights if this layer uploaded them itself."""

@@ -23,7 +23,6 @@ Like it, one instance must not run on two streams at once (its staging is shared
 
 from __future__ import annotations
 
-import functools
 from typing import Sequence
 
 import numpy as np
@@ -33,26 +32,14 @@ from gpu_runtime import DevicePtr, GpuBackend
 from ..ops import gemm as gemm_ops
 from ..ops import ngram_fused as fused_ops
 from ..weight_map import BF16, DenseWeight
+from .cached_rows import CachedRows
 from .embedding import NgramEmbedding
-from .cache_group import cache_group
+from .front import check_tokens, context_tail, require_backend, require_open, require_out, window_index, windows
 from .ids import ids_from_windows, window_plan
-from .row_cache import RowCache
-from .tables import CachedTable, gather_entry
+from .tables import gather_entry
 
 _U32 = 1 << 32
-
-
-@functools.lru_cache(maxsize=64)
-def _window_index(lens: tuple[int, ...], n: int) -> np.ndarray:
-    """``[sum lens, n]`` positions into the padded tails (each ``s + n - 1`` long, back to back)
-    of every row's window, newest first; cached per batch shape (decode steps repeat theirs)."""
-    sizes = np.asarray(lens, np.int64)
-    row_seq = np.repeat(np.arange(sizes.size), sizes)
-    row_pos = np.arange(row_seq.size) - np.repeat(np.cumsum(sizes) - sizes, sizes)
-    tail_start = np.cumsum(sizes + n - 1) - (sizes + n - 1)
-    index = (tail_start[row_seq] + row_pos + n - 1)[:, None] - np.arange(n)
-    index.flags.writeable = False
-    return index
+_WHAT = "fused ngram embed"
 
 
 def check_servable(dims, max_rows: int) -> None:
@@ -77,16 +64,12 @@ class FusedNgramEmbedding:
         self.inv_scale = float(np.float32(1.0) / np.float32(1 + t))
         self.gather_k = gpu.kernel("ngram_fused", "ngram_gather")
         self.gemm_k = gpu.kernel("gemm", gemm_ops.WORD_KERNEL)
-        self.cached = [i for i, tb in enumerate(layer.tables) if isinstance(tb, CachedTable)]
         # Cached tables: ids hashed on the host from the windows in one pass (_ids_plan), the
         # RowCache ones resolved together by one CacheGroup, other RowSources one by one.
+        self._rows = CachedRows(layer.tables, grouped=True)
+        self.cached = self._rows.columns
+        self._cache_group, self._group_all = self._rows.group, self._rows.group_all  # read by tests
         self._ids_plan = window_plan(dims, tuple(self.cached)) if self.cached else None
-        grouped = [j for j, c in enumerate(self.cached) if isinstance(layer.tables[c].cache, RowCache)]
-        self._group_rows = grouped  # rows of the ids (positions in self.cached) of the group's members
-        self._group_cols = [self.cached[j] for j in grouped]  # their tables: columns of the slots
-        self._group_all = len(grouped) == t  # every table in the group: it writes the packed slots itself
-        self._cache_group = cache_group([layer.tables[self.cached[j]].cache for j in grouped]) if grouped else None
-        self._other_cached = [(j, self.cached[j]) for j in range(len(self.cached)) if j not in grouped]
         self._row_words = n + 1 + (t if self.cached else 0)  # u32 words uploaded per output row
         self._graphs: dict[tuple[int, int, int], int] = {}
         self._host = None  # pinned packed-upload buffer, made with the first graph
@@ -143,32 +126,38 @@ class FusedNgramEmbedding:
         return ptr
 
     # -- calls ------------------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return not self.staging
+
     def embed(self, ctx_tokens: Sequence[int] | np.ndarray, seq_len: int, out: int, gpu: GpuBackend,
               stream: int = 0, *, graph: bool = False) -> None:
-        """The embedding of the last ``seq_len`` tokens of ``ctx_tokens`` into ``out``."""
-        if graph and not self.cached and self._replay_tail(ctx_tokens, seq_len, out, stream):
+        """The embedding of the last ``seq_len`` tokens of ``ctx_tokens`` into ``out``; ``gpu``
+        must be the backend the layer was built with (as for ``NgramEmbedding.embed``)."""
+        if graph and not self.cached and self._replay_tail(ctx_tokens, seq_len, out, gpu, stream):
             return
         self.embed_batch([ctx_tokens], [seq_len], out, gpu, stream, graph=graph)
 
-    def _replay_tail(self, ctx: Sequence[int] | np.ndarray, seq_len: int, out: int, stream: int) -> bool:
-        """The decode loop's call (one context, a shape already captured, no cached tables) in a
-        few numpy operations: the window rows are the context's tail read through a cached
-        index. Returns False, having done nothing, for anything else (the general path then
-        serves or refuses it)."""
-        if isinstance(seq_len, (bool, np.bool_)) or not isinstance(seq_len, (int, np.integer)):
+    def _replay_tail(self, ctx: Sequence[int] | np.ndarray, seq_len: int, out: int, gpu: GpuBackend,
+                     stream: int) -> bool:
+        """The decode loop's call (one context that reaches back N - 1 tokens before its new ones,
+        a shape already captured, no cached tables) in a few numpy operations: the window rows
+        are the context's tail read through a cached index, written straight into the pinned
+        upload. Refuses a bad context as the general path does (``front``'s checks); returns
+        False, having done nothing, for anything else (the general path then serves or refuses
+        it: a seq_len that is not a plain int, an unknown shape, a foreign backend, a closed
+        layer)."""
+        exe = self._graphs.get((seq_len, out, stream)) if type(seq_len) is int else None
+        if exe is None or gpu is not self.gpu or self.layer.closed:
             return False
-        exe = self._graphs.get((seq_len, out, stream))
         n = self.dims.max_ngram
-        want = seq_len + n - 1
-        if exe is None or not hasattr(ctx, "__len__") or getattr(ctx, "ndim", 1) != 1 or len(ctx) < want:
-            return False
-        tail = np.asarray(ctx[len(ctx) - want:])
-        if (tail.ndim != 1 or tail.dtype.kind not in "iu" or (tail.dtype.kind == "i" and tail.min() < 0)
-                or tail.max() >= self.dims.vocab_size or not self.staging or not self.layer.ids_dev):
-            return False
+        tail, start = context_tail(ctx, seq_len, n - 1, _WHAT)
+        if not start and len(tail) < seq_len + n - 1:
+            return False  # reaches the context start: padded windows (the general path)
+        tail = check_tokens(np.asarray(tail), self.dims.vocab_size, _WHAT)
         self.gpu.event_synchronize(self._done)  # the previous call's upload has read the buffer
         words = self._host.view(np.uint32)
-        words[:seq_len * n] = tail[_window_index((int(seq_len),), n)].reshape(-1)
+        words[:seq_len * n] = tail[window_index((seq_len,), n)].reshape(-1)
         words[seq_len * n:seq_len * (n + 1)] = tail[n - 1:]
         self.gpu.launch_graph(exe, stream)
         self.gpu.record_event(self._done, stream)
@@ -176,113 +165,63 @@ class FusedNgramEmbedding:
 
     def embed_batch(self, contexts: Sequence[Sequence[int] | np.ndarray], seq_lens: Sequence[int],
                     out: int, gpu: GpuBackend, stream: int = 0, *, graph: bool = False) -> None:
-        """Sequence i's last ``seq_lens[i]`` tokens, rows in order, into ``out [sum S_i, D]`` bf16.
-        Everything is validated before anything is uploaded or launched."""
-        if self.staging == 0:
-            raise ValueError("fused ngram embed: closed")
-        if self.layer.ids_dev == 0:
-            raise ValueError("fused ngram embed: its NgramEmbedding is closed")
-        if len(contexts) != len(seq_lens):
-            raise ValueError(f"fused ngram embed: {len(contexts)} contexts, {len(seq_lens)} seq_lens")
-        windows = self._windows(contexts, seq_lens)
+        """Sequence i's last ``seq_lens[i]`` tokens, rows in order, into ``out [sum S_i, D]`` bf16;
+        ``gpu`` must be the backend the layer was built with. Everything is validated before
+        anything is uploaded or launched; cached tables' rows are unpinned after the launches,
+        or after a failure (``CachedRows.batch``)."""
+        require_open(_WHAT, self, self.layer)
+        require_backend(_WHAT, gpu, self.gpu)
+        windows = self._batch_windows(contexts, seq_lens)
         rows = windows.shape[0]
         if rows == 0:
             return
         if rows > self.max_rows:
             raise ValueError(f"fused ngram embed: {rows} rows over max_rows {self.max_rows}")
-        if not out:
-            raise ValueError("fused ngram embed out: null device pointer")
+        require_out(out, _WHAT)
         if graph and not stream:
             raise ValueError("fused ngram embed: graph=True needs a created stream, not the default stream")
-        try:
-            packed = self._pack(windows, contexts, seq_lens)  # resolves cached tables: the last step
+        with self._rows.batch():
+            packed = self._pack(windows)  # resolves cached tables: the last step before the launches
             if graph:
                 self._replay(packed, rows, out, stream)
             else:
-                gpu.copy_h2d_async(packed, self.staging, stream)
+                self.gpu.copy_h2d_async(packed, self.staging, stream)
                 self._launch(rows, out, stream)
-                gpu.record_event(self._done, stream)
-        finally:
-            if self._cache_group is not None:
-                self._cache_group.end_batch()
-            for _, c in self._other_cached:
-                self.layer.tables[c].cache.end_batch()
+                self.gpu.record_event(self._done, stream)
 
     def prefetch_batch(self, contexts: Sequence[Sequence[int] | np.ndarray], seq_lens: Sequence[int]) -> int:
         """Start reading ahead the cached tables' rows of a later ``embed_batch`` (as soon as its
-        tokens are known); returns the rows queued. Nothing to do without cached tables."""
+        tokens are known; checked as ``embed_batch`` checks them); returns the rows queued.
+        Nothing to do without cached tables."""
         if not self.cached:
             return 0
-        return sum(self.layer.prefetch(ctx, s) for ctx, s in zip(contexts, seq_lens))
+        ids = ids_from_windows(self._ids_plan, self._batch_windows(contexts, seq_lens))
+        return sum(cache.prefetch(ids[j]) for j, cache in enumerate(self._rows.caches)
+                   if hasattr(cache, "prefetch"))
+
+    def _batch_windows(self, contexts: Sequence, seq_lens: Sequence[int]) -> np.ndarray:
+        if len(contexts) != len(seq_lens):
+            raise ValueError(f"fused ngram embed: {len(contexts)} contexts, {len(seq_lens)} seq_lens")
+        return self._windows(contexts, seq_lens)
 
     def _windows(self, contexts: Sequence, seq_lens: Sequence[int]) -> np.ndarray:
-        """``[R, N]`` u32: each new token and the N - 1 before it (``NO_TOKEN`` before the start).
-        Only each context's tail is read and converted; the per-sequence loop only slices and
-        checks, the rest is one vectorised pass over the batch (a serving step has hundreds of
-        sequences, a decode call one: both stay a handful of numpy operations)."""
-        n, v = self.dims.max_ngram, self.dims.vocab_size
-        tails, lens = [], []
-        for i, (ctx, s) in enumerate(zip(contexts, seq_lens)):
-            if isinstance(s, (bool, np.bool_)) or not isinstance(s, (int, np.integer)) or s < 0:
-                raise ValueError(f"fused ngram embed: seq_lens[{i}] must be a non-negative int, got {s!r}")
-            if not hasattr(ctx, "__len__") or getattr(ctx, "ndim", 1) != 1:
-                raise ValueError(f"fused ngram embed: context {i} must be 1-D")
-            if s > len(ctx):
-                raise ValueError(f"fused ngram embed: seq_lens[{i}] = {s} over its {len(ctx)} tokens")
-            if s:
-                tails.append(ctx[max(len(ctx) - s - n + 1, 0):])
-                lens.append(int(s))
-        if not tails:
-            return np.zeros((0, n), np.uint32)
-        flat = np.asarray(tails[0]) if len(tails) == 1 else np.concatenate(tails)
-        if flat.ndim != 1:
-            raise ValueError(f"fused ngram embed: contexts must be 1-D, got rows of shape {flat.shape[1:]}")
-        if flat.dtype.kind not in "iu":
-            raise ValueError("fused ngram embed: contexts must hold integer token ids")
-        if (flat.dtype.kind == "i" and flat.min() < 0) or flat.max() >= v:
-            bad = flat[(flat < 0) | (flat >= v)][0]
-            raise ValueError(f"fused ngram embed: token {int(bad)} outside 0..V-1 = 0..{v - 1}")
-        # Each tail padded in front to s + n - 1 entries with NO_TOKEN (before the context start).
-        padded = np.empty(sum(lens) + len(lens) * (n - 1), np.uint32)
-        if len(lens) == 1:
-            padded[:padded.size - flat.size] = fused_ops.NO_TOKEN
-            padded[padded.size - flat.size:] = flat
-        else:
-            padded.fill(fused_ops.NO_TOKEN)
-            ends = np.cumsum(np.asarray(lens, np.int64) + (n - 1))
-            sizes = np.fromiter((len(tail) for tail in tails), np.int64, len(tails))
-            dest = np.repeat(ends - sizes, sizes) + (np.arange(flat.size) - np.repeat(np.cumsum(sizes) - sizes, sizes))
-            padded[dest] = flat
-        return padded[_window_index(tuple(lens), n)]
+        """``[R, N]`` u32 look-back windows of the batch (``front.windows``)."""
+        return windows(self.dims, contexts, seq_lens, _WHAT)
 
-    def _pack(self, windows: np.ndarray, contexts: Sequence, seq_lens: Sequence[int]) -> np.ndarray:
-        """One u32 buffer: windows [R, N], word ids [R], then (cached tables) slots [R, T]."""
+    def _pack(self, windows: np.ndarray, contexts: Sequence | None = None,
+              seq_lens: Sequence[int] | None = None) -> np.ndarray:
+        """One u32 buffer: windows [R, N], word ids [R], then (cached tables) slots [R, T], the
+        cached tables resolved (call it inside ``self._rows.batch()``). ``contexts`` and
+        ``seq_lens`` are unused (the windows hold all it needs), kept for bench.cached."""
         rows, n, t = windows.shape[0], self.dims.max_ngram, self.dims.num_tables()
         packed = np.empty(rows * self._row_words, np.uint32)
         packed[:rows * n] = windows.reshape(-1)
         packed[rows * n:rows * (n + 1)] = windows[:, 0]
         if self.cached:
-            slots = packed[rows * (n + 1):].reshape(rows, t)
             # [len(cached), R] ids of every cached table in one pass over the windows, which
             # _windows built and checked; each is its hash modulo the table's rows (in range).
             ids = ids_from_windows(self._ids_plan, windows)
-            tables = self.layer.tables
-            for j, c in self._other_cached:  # every refusal before the first load
-                if hasattr(tables[c].cache, "validate"):
-                    tables[c].cache.validate(ids[j])
-            group = self._cache_group
-            if group is not None and self._group_all:  # the group checks all, then loads
-                group.resolve(ids, slots, in_range=True)
-            else:
-                slots[:] = 0
-                if group is not None:
-                    group_slots = np.empty((rows, len(self._group_rows)), np.uint32)
-                    group.resolve(ids[self._group_rows], group_slots, in_range=True)
-                    slots[:, self._group_cols] = group_slots
-                column = np.empty(rows, np.uint32)
-                for j, c in self._other_cached:
-                    tables[c].cache.resolve(ids[j], column)
-                    slots[:, c] = column
+            self._rows.resolve(ids, packed[rows * (n + 1):].reshape(rows, t), in_range=True)
         return packed
 
     def _launch(self, rows: int, out: int, stream: int) -> None:

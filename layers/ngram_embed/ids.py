@@ -35,8 +35,10 @@ from typing import Any
 import numpy as np
 
 from .dims import NgramDims
+from .front import check_tokens, sliceable
 
 _U64_MAX = (1 << 64) - 1
+_WHAT = "ngram ids"
 
 
 def ngram_ids(dims: NgramDims, tokens: Any) -> list[np.ndarray]:
@@ -46,7 +48,7 @@ def ngram_ids(dims: NgramDims, tokens: Any) -> list[np.ndarray]:
 
 def ngram_ids_array(dims: NgramDims, tokens: Any) -> np.ndarray:
     """The ids of every position as one ``[T, len(tokens)]`` int64 array."""
-    tok = _validated_tokens(dims, np.asarray(tokens), offset=0)
+    tok = check_tokens(np.asarray(tokens), dims.vocab_size, _WHAT, 0).astype(np.uint64, copy=False)
     return _hash(dims, tok).view(np.int64)  # every id < M_c <= 2**63
 
 
@@ -58,7 +60,7 @@ def ngram_ids_tail(dims: NgramDims, tokens: Any, seq_len: int) -> list[np.ndarra
     A window that reaches the start of the context is zero-padded exactly as the full computation
     pads; one that starts later holds every token the look-back (and its EOS test) can touch.
     """
-    arr = _as_sequence_array(tokens)
+    arr = sliceable(tokens, _WHAT, name="tokens")
     total = len(arr)
     if isinstance(seq_len, (bool, np.bool_)) or not isinstance(seq_len, (int, np.integer)):
         raise ValueError(f"ngram ids: seq_len must be an int, got {seq_len!r}")
@@ -66,48 +68,16 @@ def ngram_ids_tail(dims: NgramDims, tokens: Any, seq_len: int) -> list[np.ndarra
     if not 0 <= seq_len <= total:
         raise ValueError(f"ngram ids: seq_len must be in 0..len(tokens) = 0..{total}, got {seq_len}")
     start = max(0, total - seq_len - (dims.max_ngram - 1))
-    window = np.asarray(arr[start:])
-    tok = _validated_tokens(dims, window, offset=start)
-    ids = _hash(dims, tok)[:, tok.shape[0] - seq_len:].view(np.int64)
-    return list(ids)
+    window = check_tokens(np.asarray(arr[start:]), dims.vocab_size, _WHAT, start)
+    return list(tail_ids(dims, window, seq_len))
 
 
-def _as_sequence_array(tokens: Any) -> Any:
-    """``tokens`` as something sliceable without copying the whole context (an ndarray stays as it
-    is, a list or tuple is sliced before conversion); refuses anything that is not 1-D."""
-    if isinstance(tokens, np.ndarray):
-        if tokens.ndim != 1:
-            raise ValueError(f"ngram ids: tokens must be 1-D, got shape {tokens.shape}")
-        return tokens
-    if isinstance(tokens, Sequence) and not isinstance(tokens, (str, bytes)):
-        return tokens  # element types and nesting are checked on the window that is read
-    arr = np.asarray(tokens)
-    if arr.ndim != 1:
-        raise ValueError(f"ngram ids: tokens must be 1-D, got shape {arr.shape}")
-    return arr
-
-
-def _validated_tokens(dims: NgramDims, arr: np.ndarray, offset: int) -> np.ndarray:
-    """Check a 1-D integer array of ids in 0..V-1; return it as uint64. ``offset`` is the window's
-    position in the context, so errors name the context position."""
-    if arr.ndim != 1:
-        raise ValueError(f"ngram ids: tokens must be 1-D, got shape {arr.shape}")
-    if arr.shape[0] == 0:
-        return np.zeros(0, dtype=np.uint64)
-    if arr.dtype.kind not in "iu":
-        raise ValueError(f"ngram ids: tokens must be integers, got dtype {arr.dtype}")
-    v = dims.vocab_size
-    info = np.iinfo(arr.dtype)
-    bad = np.zeros(arr.shape[0], dtype=bool)
-    if info.min < 0:
-        bad |= arr < 0
-    if info.max >= v:
-        bad |= arr >= arr.dtype.type(v)
-    if bad.any():
-        pos = int(np.flatnonzero(bad)[0])
-        raise ValueError(f"ngram ids: token {int(arr[pos])} at position {pos + offset} outside "
-                         f"0..V-1 = 0..{v - 1}")
-    return arr.astype(np.uint64, copy=False)
+def tail_ids(dims: NgramDims, tail: np.ndarray, seq_len: int) -> np.ndarray:
+    """``[T, seq_len]`` int64: the ids of the last ``seq_len`` positions of ``tail``, checked
+    tokens (``front.check_tokens``) that are either a whole context or its last
+    ``seq_len + N - 1`` tokens (``ngram_ids_tail``'s window, ``front.tail_tokens``)."""
+    tok = tail.astype(np.uint64, copy=False)
+    return _hash(dims, tok)[:, tok.shape[0] - seq_len:].view(np.int64)
 
 
 @dataclass(frozen=True)

@@ -151,9 +151,3 @@ def gather_entry(table: AnyTable, rows: int) -> tuple[int, int, int, int]:
             return (int(cache.table_dev_va()), int(scale or 0), rows, CACHED)
     raise TypeError(f"gather_entry: expected NgramTable.Bf16/Fp8/Host/Cached, got {type(table).__name__}")
 
-
-def validate_cached(tables: list, ids: list[np.ndarray]) -> None:
-    """``validate`` every cached table that has it against its ids (before any launch)."""
-    for table, table_ids in zip(tables, ids):
-        if isinstance(table, CachedTable) and hasattr(table.cache, "validate"):
-            table.cache.validate(table_ids)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from gpu_runtime import GpuBackend, KernelHandle, KernelLaunch
+from gpu_runtime import GpuBackend, KernelHandle, KernelLaunch, KernelNotFoundError
 
 from .checks import require_count, require_ptr
 from .loading import try_kernel
@@ -51,6 +51,15 @@ class OverlayKernels:
         """All handles zero, as if no overlay kernel were loaded."""
         zero = KernelHandle(0)
         return cls(zero, zero, zero, zero)
+
+    def require(self, ships: str, *names: str) -> None:
+        """Refuse an adapter that ships ``ships`` (e.g. "embedding overlay tensors") when any of
+        the kernels ``names`` (field names) is not loaded: the seed's refusal, before any work."""
+        missing = [n for n in names if not getattr(self, n)]
+        if missing:
+            raise KernelNotFoundError(
+                f"the adapter ships {ships} but the token-overlay kernels {missing} are not loaded "
+                "(kernels/token_overlay.cu missing or without them)")
 
 
 def _require_i32(value: int, what: str) -> int:

@@ -1,0 +1,335 @@
+"""``OverlaySlots``: a fixed number of adapter slots, each made device-resident on ``load``, and
+the device pointer tables the routed kernels (``embed_overlay_routed``, ``lmhead_overlay_routed``)
+read to route each token to its sequence's adapter."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from gpu_runtime import DevicePtr, GpuBackend
+
+from ..ops.checks import require_count, require_ptr
+from ..ops.token_overlay import OverlayKernels, embed_overlay_routed, lmhead_overlay_routed
+from .model import BF16, F32, AdapterOverlay
+
+
+@dataclass
+class _SlotBuffers:
+    """Device buffers of one loaded slot (0 where a table has no overlay)."""
+
+    overlay: AdapterOverlay
+    embed_map: DevicePtr = DevicePtr(0)
+    embed_rows: DevicePtr = DevicePtr(0)
+    embed_n: int = 0
+    lm_rows: DevicePtr = DevicePtr(0)
+    lm_ids: DevicePtr = DevicePtr(0)
+    lm_n: int = 0
+
+    @classmethod
+    def upload(cls, gpu: GpuBackend, overlay: AdapterOverlay, vocab: int, stream: int) -> "_SlotBuffers":
+        """Allocate and fill the buffers of ``overlay`` on ``stream``; tables with no rows stay
+        null (n = 0). On a failure, what was allocated is freed before the error propagates."""
+        buf = cls(overlay)
+        try:
+            emb = overlay.embed
+            if emb is not None and emb.n:
+                slot_map = np.full(vocab, -1, np.int32)
+                slot_map[emb.ids] = np.arange(emb.n, dtype=np.int32)
+                buf._put(gpu, "embed_map", slot_map, stream)
+                buf._put(gpu, "embed_rows", emb.rows, stream)
+                buf.embed_n = emb.n
+            lm = overlay.lm_head
+            if lm is not None and lm.n:
+                buf._put(gpu, "lm_rows", lm.rows, stream)
+                buf._put(gpu, "lm_ids", lm.ids, stream)
+                buf.lm_n = lm.n
+        except BaseException:
+            gpu.synchronize(stream)
+            buf.free(gpu)
+            raise
+        return buf
+
+    def _put(self, gpu: GpuBackend, name: str, host: np.ndarray, stream: int) -> None:
+        """Allocate buffer ``name`` (owned from then on) and queue the copy of ``host`` into it."""
+        setattr(self, name, gpu.alloc(host.nbytes))
+        gpu.copy_h2d_async(host, getattr(self, name), stream)
+
+    def free(self, gpu: GpuBackend) -> None:
+        """Free the buffers (the caller has drained every stream that reads them)."""
+        for name in ("embed_map", "embed_rows", "lm_rows", "lm_ids"):
+            ptr = getattr(self, name)
+            if ptr:
+                gpu.free(ptr)
+            setattr(self, name, DevicePtr(0))
+
+
+def _device_table(index: int) -> property:
+    """``OverlaySlots``' device pointer table ``index`` (``_host_tables`` order), refused once closed."""
+
+    def table(self: "OverlaySlots") -> DevicePtr:
+        return self._table(index)
+
+    return property(table)
+
+
+class OverlaySlots:
+    """A fixed number of adapter slots and the device pointer tables the routed kernels read.
+
+    Embedding set: ``embed_slot_map_tab`` (per slot a pointer to ``int32[vocab]``, -1 where the
+    id is not overridden), ``embed_rows_tab`` (pointer to ``[n, h]`` bf16), ``embed_n_tab``
+    (``int32[num_slots]``). LM-head set: ``lm_head_rows_tab``, ``lm_head_ids_tab`` (pointer to
+    ``int32[n]``), ``lm_head_n_tab``. An empty slot, or a table an adapter does not override,
+    has null entries and n = 0. Table updates are queued on the ``stream`` given to
+    ``load`` / ``evict``; a forward on another stream must be ordered after them by the caller.
+    """
+
+    def __init__(self, gpu: GpuBackend, num_slots: int, vocab: int, h: int, *,
+                 kernels: OverlayKernels | None = None, stream: int = 0) -> None:
+        self.gpu = gpu
+        self.num_slots = require_count(num_slots, "num_slots")
+        self.vocab = require_count(vocab, "vocab")
+        self.h = require_count(h, "h")
+        if self.num_slots == 0 or self.vocab == 0 or self.h == 0:
+            raise ValueError(f"OverlaySlots needs num_slots, vocab and h >= 1, got "
+                             f"{num_slots}, {vocab}, {h}")
+        if self.vocab > 1 << 31:
+            raise ValueError(f"vocab {vocab} too large for int32 slot maps")
+        self.kernels = OverlayKernels.new(gpu) if kernels is None else kernels
+        ns = self.num_slots
+        self._host_embed_map = np.zeros(ns, np.uint64)
+        self._host_embed_rows = np.zeros(ns, np.uint64)
+        self._host_embed_n = np.zeros(ns, np.int32)
+        self._host_lm_rows = np.zeros(ns, np.uint64)
+        self._host_lm_ids = np.zeros(ns, np.uint64)
+        self._host_lm_n = np.zeros(ns, np.int32)
+        self._slots: list[_SlotBuffers | None] = [None] * ns
+        self._seq_scratch = DevicePtr(0)
+        self._seq_capacity = 0
+        self._tables: list[DevicePtr] = []
+        self.closed = False
+        try:
+            for host in self._host_tables():
+                ptr = gpu.alloc(host.nbytes)
+                self._tables.append(ptr)
+                gpu.copy_h2d_async(host, ptr, stream)
+        except BaseException:
+            for ptr in self._tables:
+                gpu.free(ptr)
+            raise
+
+    def _host_tables(self) -> tuple[np.ndarray, ...]:
+        return (self._host_embed_map, self._host_embed_rows, self._host_embed_n,
+                self._host_lm_rows, self._host_lm_ids, self._host_lm_n)
+
+    # -- device pointers for the launchers (the order of _host_tables) -----------------------------
+    embed_slot_map_tab = _device_table(0)
+    embed_rows_tab = _device_table(1)
+    embed_n_tab = _device_table(2)
+    lm_head_rows_tab = _device_table(3)
+    lm_head_ids_tab = _device_table(4)
+    lm_head_n_tab = _device_table(5)
+
+    def _table(self, i: int) -> DevicePtr:
+        self._live()
+        return self._tables[i]
+
+    @property
+    def max_n_override(self) -> int:
+        """Largest LM-head override count over the loaded slots: the lmhead grid's y extent."""
+        return int(self._host_lm_n.max())
+
+    @property
+    def has_embed_overlay(self) -> bool:
+        return bool((self._host_embed_n > 0).any())
+
+    def loaded(self, slot: int) -> AdapterOverlay | None:
+        """The overlay loaded in ``slot``, None when the slot is free."""
+        entry = self._slots[self._check_slot(slot)]
+        return None if entry is None else entry.overlay
+
+    # -- loading and eviction ----------------------------------------------------------------
+    def _live(self) -> None:
+        if self.closed:
+            raise ValueError("OverlaySlots is closed")
+
+    def _check_slot(self, slot: int) -> int:
+        if isinstance(slot, bool) or not hasattr(slot, "__index__"):
+            raise TypeError(f"slot index must be an int, got {slot!r}")
+        slot = int(slot)
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"slot index {slot} outside 0..{self.num_slots - 1}")
+        return slot
+
+    def _check_overlay(self, overlay: AdapterOverlay) -> None:
+        if not isinstance(overlay, AdapterOverlay):
+            raise TypeError(f"expected an AdapterOverlay, got {type(overlay).__name__}")
+        for which, table in (("embedding", overlay.embed), ("LM head", overlay.lm_head)):
+            if table is not None:
+                table.check_fits(which, self.h, self.vocab)
+        if overlay.embed is not None and overlay.embed.n:
+            self.kernels.require("embedding overlay tensors", "embed_overlay")
+        if overlay.lm_head is not None and overlay.lm_head.n:
+            self.kernels.require("LM-head overlay tensors", "lmhead_overlay_bf16", "lmhead_overlay_f32")
+
+    def load(self, slot: int, overlay: AdapterOverlay, stream: int = 0) -> None:
+        """Make ``overlay`` device-resident in the free ``slot`` (see ``replace`` for a used one).
+        Tables with no rows stay null (n = 0): the kernels then skip that slot."""
+        self._live()
+        slot = self._check_slot(slot)
+        if self._slots[slot] is not None:
+            raise ValueError(f"slot {slot} is in use: evict it first, or use replace()")
+        self._check_overlay(overlay)
+        self._upload(slot, overlay, stream)
+
+    def replace(self, slot: int, overlay: AdapterOverlay, stream: int = 0) -> None:
+        """Evict whatever ``slot`` holds and load ``overlay`` (validated before anything changes)."""
+        self._live()
+        slot = self._check_slot(slot)
+        self._check_overlay(overlay)
+        self.evict(slot, stream)
+        self._upload(slot, overlay, stream)
+
+    def evict(self, slot: int, stream: int = 0) -> None:
+        """Clear ``slot`` completely: null table entries, n = 0, its device buffers freed (after
+        ``stream`` drained, so no queued kernel still reads them). A free slot is left as is."""
+        self._live()
+        slot = self._check_slot(slot)
+        entry = self._slots[slot]
+        if entry is None:
+            return
+        self._set_entries(slot, _SlotBuffers(entry.overlay), stream)
+        self._slots[slot] = None
+        self.gpu.synchronize(stream)
+        entry.free(self.gpu)
+
+    def _upload(self, slot: int, overlay: AdapterOverlay, stream: int) -> None:
+        buf = _SlotBuffers.upload(self.gpu, overlay, self.vocab, stream)
+        self._set_entries(slot, buf, stream)
+        self._slots[slot] = buf
+
+    def _set_entries(self, slot: int, buf: _SlotBuffers, stream: int) -> None:
+        self._host_embed_map[slot] = int(buf.embed_map)
+        self._host_embed_rows[slot] = int(buf.embed_rows)
+        self._host_embed_n[slot] = buf.embed_n
+        self._host_lm_rows[slot] = int(buf.lm_rows)
+        self._host_lm_ids[slot] = int(buf.lm_ids)
+        self._host_lm_n[slot] = buf.lm_n
+        for host, ptr in zip(self._host_tables(), self._tables):
+            self.gpu.copy_h2d_async(host, ptr, stream)
+
+    def close(self, stream: int = 0) -> None:
+        """Free every slot's buffers, the tables and the scratch once ``stream`` drained (once;
+        later calls do nothing). Work on other streams must be finished by the caller."""
+        if self.closed or getattr(self.gpu, "closed", False):
+            self.closed = True
+            return
+        self.gpu.synchronize(stream)
+        for entry in self._slots:
+            if entry is not None:
+                entry.free(self.gpu)
+        for ptr in self._tables:
+            self.gpu.free(ptr)
+        if self._seq_scratch:
+            self.gpu.free(self._seq_scratch)
+        self._slots = [None] * self.num_slots
+        self._tables = []
+        self._seq_scratch = DevicePtr(0)
+        self.closed = True
+
+    def __enter__(self) -> "OverlaySlots":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- forward hooks -----------------------------------------------------------------------
+    def _check_active(self, active: int) -> int:
+        if isinstance(active, bool) or not hasattr(active, "__index__"):
+            raise TypeError(f"active slot must be an int, got {active!r}")
+        active = int(active)
+        if active >= self.num_slots:
+            raise ValueError(f"active slot {active} outside 0..{self.num_slots - 1} "
+                             "(negative: no adapter)")
+        return max(active, -1)
+
+    def _seq_slot_host(self, seq_slot: Any, count: int) -> np.ndarray | DevicePtr:
+        """Check ``seq_slot``: a host int array (or list) must have ``count`` entries, each
+        < num_slots (negative = no adapter), and comes back as int32; a device pointer (or
+        ``DeviceArray``) is the caller's promise; None or 0 means the uniform ``active`` slot."""
+        if seq_slot is None:
+            return DevicePtr(0)
+        if isinstance(seq_slot, (list, tuple)):
+            seq_slot = np.asarray(seq_slot, dtype=np.int64)
+        if not isinstance(seq_slot, np.ndarray):
+            return DevicePtr(getattr(seq_slot, "ptr", seq_slot))
+        if seq_slot.shape != (count,):
+            raise ValueError(f"seq_slot shape {seq_slot.shape} != ({count},)")
+        if seq_slot.size and seq_slot.dtype.kind not in "iu":
+            raise TypeError(f"seq_slot must be integers, got {seq_slot.dtype}")
+        if seq_slot.size and int(seq_slot.max()) >= self.num_slots:
+            raise ValueError(f"seq_slot holds slot {int(seq_slot.max())}, outside "
+                             f"0..{self.num_slots - 1}")
+        return np.maximum(seq_slot.astype(np.int64), -1).astype(np.int32)
+
+    def _seq_slot_ptr(self, seq_slot: np.ndarray | DevicePtr, stream: int) -> DevicePtr:
+        """The device pointer for a checked ``seq_slot``: host arrays go to one scratch buffer
+        on ``stream`` (so host-array calls must stay on one stream at a time)."""
+        if not isinstance(seq_slot, np.ndarray):
+            return seq_slot
+        count = int(seq_slot.size)
+        if count == 0:
+            return DevicePtr(0)
+        if count > self._seq_capacity:
+            if self._seq_scratch:
+                self.gpu.synchronize(stream)  # a queued kernel may still read the old scratch
+                self.gpu.free(self._seq_scratch)
+                self._seq_scratch, self._seq_capacity = DevicePtr(0), 0
+            self._seq_scratch = self.gpu.alloc(4 * count)
+            self._seq_capacity = count
+        self.gpu.copy_h2d_async(seq_slot, self._seq_scratch, stream)
+        return self._seq_scratch
+
+    def embed_overlay(self, ids: int, seq_slot: Any, active: int, out: int, num_tokens: int,
+                      stream: int = 0) -> None:
+        """Overlay the gathered embeddings ``out`` (``[num_tokens, h]`` bf16) in place.
+        ``seq_slot``: per-token slots as a device pointer, a host int array (checked and
+        uploaded; one scratch buffer, so use one stream at a time), or None / 0 for ``active``."""
+        self._live()
+        active = self._check_active(active)
+        num_tokens = require_count(num_tokens, "num_tokens")
+        seq = self._seq_slot_host(seq_slot, num_tokens)
+        if num_tokens == 0 or not self.has_embed_overlay or not self.kernels.embed_overlay:
+            return  # nothing to launch: no rows, every slot's tables null, or no kernel (hook)
+        require_ptr(ids, "embed_overlay_routed ids")  # before a host seq_slot is uploaded
+        require_ptr(out, "embed_overlay_routed out")
+        embed_overlay_routed(self.gpu, self.kernels.embed_overlay, ids,
+                             self._seq_slot_ptr(seq, stream), active,
+                             self.embed_slot_map_tab, self.embed_rows_tab, self.embed_n_tab, out,
+                             num_tokens, self.h, self.vocab, stream)
+
+    def lmhead_overlay(self, hidden: int, seq_slot: Any, active: int, logits: int, m: int,
+                       stream: int = 0, *, dtype: Any = BF16) -> None:
+        """Recompute the overridden columns of ``logits`` (``[m, vocab]``, ``dtype`` bf16 or
+        float32, which picks the kernel) from ``hidden`` (``[m, h]`` bf16), in place."""
+        self._live()
+        dtype = np.dtype(dtype)
+        if dtype == BF16:
+            kernel = self.kernels.lmhead_overlay_bf16
+        elif dtype == F32:
+            kernel = self.kernels.lmhead_overlay_f32
+        else:
+            raise TypeError(f"logits dtype must be bfloat16 or float32, got {dtype}")
+        active = self._check_active(active)
+        m = require_count(m, "m")
+        seq = self._seq_slot_host(seq_slot, m)
+        if m == 0 or self.max_n_override == 0 or not kernel:
+            return  # nothing to launch: no rows, no LM-head overrides loaded, or no kernel (hook)
+        require_ptr(hidden, "lmhead_overlay_routed hidden")  # before a host seq_slot is uploaded
+        require_ptr(logits, "lmhead_overlay_routed logits")
+        lmhead_overlay_routed(self.gpu, kernel, hidden, self._seq_slot_ptr(seq, stream), active,
+                              self.lm_head_rows_tab,
+                              self.lm_head_ids_tab, self.lm_head_n_tab, logits, m,
+                              self.max_n_override, self.h, self.vocab, stream)

@@ -1,0 +1,293 @@
+"""The n-gram front end (``layers/ngram_embed/front.py``, ``cached_rows.py``) on the CPU.
+
+The faithful and fused paths refuse the same bad context the same way; the ``gpu`` of the call
+must be the layer's own backend; a failure between a cached table's ``resolve`` and its
+``end_batch`` leaves no row pinned, on both paths; the fused path's short replay of a decode
+step uploads what the general path uploads, and refuses what it refuses.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from gpu_runtime import KernelHandle
+from layers.ngram_embed import NgramDims, NgramEmbedding, NgramTable, RowCache, write_table
+from layers.ngram_embed.cached_rows import CachedRows
+from layers.ngram_embed.fused import FusedNgramEmbedding
+from layers.weight_map import DenseWeight
+from tests.fakes import MemoryBackend
+
+BF16 = ml_dtypes.bfloat16
+DIMS = NgramDims(vocab_size=50, hidden_size=16, max_ngram=3, splits=2, base_rows=61, row_bias=1,
+                 table_dim=8, eos_id=7)
+
+
+class Injected(RuntimeError):
+    """The failure a test injects into a launch."""
+
+
+class FakeGpu(MemoryBackend):
+    """Device memory in host arrays; every kernel is known and its launches are recorded, none
+    runs; ``fail_at = (name, k)`` makes the k-th launch of kernel ``name`` (from now) raise.
+    Pitched copies and graphs do nothing (a graph is a handle; a replay is recorded)."""
+
+    def __init__(self) -> None:
+        super().__init__("row_cache", ["scatter_rows"])
+        self.fail_at: tuple[str, int] | None = None
+        self.replays = 0
+        self.out = self.alloc(16 * DIMS.hidden_size * 2)  # every call's output
+
+    def kernel(self, module, name):
+        if name not in self.handles:
+            self.handles[name] = KernelHandle(0x100 + len(self.handles))
+            self.names[int(self.handles[name])] = name
+        return self.handles[name]
+
+    def launch(self, kernel, grid, block, shared_mem, stream, kinds, args, **kw) -> None:
+        name = self.names[int(kernel)]
+        if self.fail_at is not None and self.fail_at[0] == name:
+            left = self.fail_at[1] - 1
+            self.fail_at = (name, left) if left else None
+            if not left:
+                raise Injected(f"{name}: injected launch failure")
+        self.launches.append(dict(name=name, stream=stream, args=list(args)))
+
+    def copy_2d_async(self, *args, **kw) -> None:
+        pass
+
+    def begin_capture(self, stream: int) -> None:
+        pass
+
+    def end_capture(self, stream: int) -> int:
+        return 0x6000
+
+    def abort_capture(self, stream: int) -> None:
+        pass
+
+    def launch_graph(self, graph: int, stream: int) -> None:
+        self.replays += 1
+
+    def destroy_graph(self, graph: int) -> None:
+        pass
+
+
+def _layer(gpu, rng, tmp_path, cached: str = "") -> NgramEmbedding:
+    """A layer on ``gpu``: table c a RowCache (capacity 8) where ``cached[c] == "c"``, else
+    bf16; ``_close`` frees it with its weights and caches (``layer._test_owned``)."""
+    h, td = DIMS.hidden_size, DIMS.table_dim()
+    owned: list = []
+
+    def upload(array: np.ndarray) -> DenseWeight:
+        owned.append(DenseWeight.from_numpy(gpu, array))
+        return owned[-1]
+
+    tables = []
+    for c in range(DIMS.num_tables()):
+        rows = rng.standard_normal((DIMS.table_rows(c), td)).astype(BF16)
+        if cached[c:c + 1] == "c":
+            write_table(tmp_path / f"t{c}.ngt", rows)
+            owned.append(RowCache(gpu, tmp_path / f"t{c}.ngt", 8, io_threads=1))
+            tables.append(NgramTable.Cached(owned[-1]))
+        else:
+            tables.append(NgramTable.Bf16(upload(rows)))
+    word = upload(rng.standard_normal((DIMS.vocab_size, h)).astype(BF16))
+    projs = [upload(rng.standard_normal((h, td)).astype(BF16)) for _ in tables]
+    layer = NgramEmbedding(DIMS, word, tables, projs, 16, gpu)
+    layer._test_owned = owned
+    return layer
+
+
+def _close(*objs) -> None:
+    for obj in objs:
+        obj.close()
+        for owned in getattr(obj, "_test_owned", ()):
+            owned.close()
+
+
+CTX = [3, 9, 14, 27, 5, 40]
+
+
+# -- the same refusals on both paths ------------------------------------------------------------------
+@pytest.mark.parametrize("ctx, seq_len, says", [
+    ([1.5, 2.0, 3.0], 1, "tokens must be integers"),
+    ([[1, 2, 3]], 1, "1-D"),
+    ([1, 2, 50], 1, "token 50"),
+    ([1, 2, -1], 2, "token -1"),
+    ([1, 2, 3], 4, "= 4 over ctx"),
+    ([1, 2, 3], -1, "non-negative"),
+    ([1, 2, 3], True, "non-negative"),
+])
+def test_both_host_paths_refuse_a_bad_context_alike(rng, tmp_path, ctx, seq_len, says):
+    gpu = FakeGpu()
+    layer = _layer(gpu, rng, tmp_path)
+    fused = FusedNgramEmbedding(layer, 16, gpu)
+    gpu.launches.clear()
+    try:
+        messages = []
+        for call in (lambda: layer.embed(ctx, seq_len, gpu.out, gpu),
+                     lambda: fused.embed(ctx, seq_len, gpu.out, gpu)):
+            with pytest.raises(ValueError, match=says) as err:
+                call()
+            messages.append(str(err.value).split(": ", 1)[1].replace("seq_lens[0]", "seq_len")
+                            .replace("context 0", "ctx_tokens"))
+        if "position" not in messages[0]:  # the faithful path knows the token's context position
+            assert messages[0] == messages[1]
+        assert gpu.launches == []
+    finally:
+        _close(fused, layer)
+
+
+def test_the_gpu_of_a_call_must_be_the_layers_own(rng, tmp_path):
+    gpu, other = FakeGpu(), FakeGpu()
+    layer = _layer(gpu, rng, tmp_path)
+    fused = FusedNgramEmbedding(layer, 16, gpu)
+    stream = gpu.create_stream()
+    fused.embed(CTX, 1, gpu.out, gpu, stream, graph=True)  # captured: the replay path is armed
+    gpu.launches.clear()
+    try:
+        for call in (lambda: layer.embed(CTX, 2, gpu.out, other),
+                     lambda: fused.embed(CTX, 2, gpu.out, other),
+                     lambda: fused.embed(CTX, 1, gpu.out, other, stream, graph=True),
+                     lambda: fused.embed_batch([CTX, CTX], [1, 2], gpu.out, other)):
+            replays = gpu.replays
+            with pytest.raises(ValueError, match="not the backend this layer was built with"):
+                call()
+            assert gpu.launches == [] and other.launches == [] and gpu.replays == replays
+        layer.embed(CTX, 2, gpu.out, gpu)
+        fused.embed_batch([CTX, CTX], [1, 2], gpu.out, gpu)
+        assert {l["name"] for l in gpu.launches} >= {"batched_embed", "ngram_gather"}
+    finally:
+        _close(fused, layer)
+
+
+# -- a failure after resolve leaves nothing pinned ----------------------------------------------------
+def _caches(layer) -> list[RowCache]:
+    return [t.cache for t in layer.tables if isinstance(t, NgramTable.Cached)]
+
+
+def _pinned(layer) -> list[int]:
+    return [cache.index.n_pinned for cache in _caches(layer)]
+
+
+def test_faithful_path_unpins_after_a_failed_gather(rng, tmp_path):
+    gpu = FakeGpu()
+    layer = _layer(gpu, rng, tmp_path, cached="cc")
+    try:
+        gpu.fail_at = ("batched_embed", 2)  # the word rows' gather, then table 0's: after its resolve
+        with pytest.raises(Injected):
+            layer.embed(CTX, 3, gpu.out, gpu)
+        assert _pinned(layer) == [0, 0]
+        assert _caches(layer)[0].stats.misses == 3  # resolved (loaded), then unpinned
+        gpu.fail_at = ("dense_gemm_bf16_pipelined", 2)  # table 1's GEMM: after its own end_batch
+        with pytest.raises(Injected):
+            layer.embed(CTX, 3, gpu.out, gpu)
+        assert _pinned(layer) == [0, 0]
+        layer.embed(CTX, 6, gpu.out, gpu)  # the whole arena free again: 6 rows of 8
+        assert _pinned(layer) == [0, 0]
+    finally:
+        _close(layer)
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_fused_path_unpins_after_a_failed_launch(rng, tmp_path, graph):
+    gpu = FakeGpu()
+    layer = _layer(gpu, rng, tmp_path, cached="cb")  # a grouped RowCache beside a resident table
+    fused = FusedNgramEmbedding(layer, 16, gpu)
+    stream = gpu.create_stream()
+    try:
+        for _ in range(2):  # a shape's first call (eager, then captured), then a replay
+            gpu.fail_at = ("ngram_gather", 1)
+            with pytest.raises(Injected):
+                fused.embed_batch([CTX, CTX[:4]], [3, 2], gpu.out, gpu, stream, graph=graph)
+            assert _pinned(layer) == [0]
+            assert _caches(layer)[0].stats.misses > 0
+        fused.embed_batch([CTX, CTX[:4]], [3, 2], gpu.out, gpu, stream, graph=graph)
+        assert _pinned(layer) == [0]
+    finally:
+        _close(fused, layer)
+
+
+class _Source:
+    """A ``RowSource`` that counts its pinned rows; ``closed`` makes ``end_batch`` raise."""
+
+    rows, dim = 100, 4
+
+    def __init__(self, closed: bool = False) -> None:
+        self.pinned, self.closed = 0, closed
+
+    def resolve(self, ids, slots_out) -> None:
+        slots_out[:] = ids
+        self.pinned += ids.size
+
+    def table_dev_va(self) -> int:
+        return 0x1000
+
+    def scale_dev_va(self) -> None:
+        return None
+
+    def end_batch(self) -> None:
+        if self.closed:
+            raise ValueError("source is closed")
+        self.pinned = 0
+
+
+def test_batch_ends_every_cache_and_keeps_the_first_error():
+    sources = [_Source(), _Source(closed=True), _Source()]
+    rows = CachedRows([NgramTable.Cached(s) for s in sources])
+    slots = np.empty((2, 3), np.uint32)
+    with pytest.raises(Injected):
+        with rows.batch():
+            rows.resolve(np.array([[1, 2], [3, 4], [5, 6]]), slots)
+            raise Injected("the body's failure propagates, not the closed source's")
+    assert [s.pinned for s in sources] == [0, 2, 0]
+    with pytest.raises(ValueError, match="source is closed"):
+        with rows.batch():
+            rows.resolve(np.array([[1, 2], [3, 4], [5, 6]]), slots)
+    assert [s.pinned for s in sources] == [0, 4, 0]
+    with rows.batch(0):
+        assert rows.resolve_table(0, np.array([7, 8])).tolist() == [7, 8]
+        assert sources[0].pinned == 2
+    assert sources[0].pinned == 0
+
+
+# -- the fused path's short replay ------------------------------------------------------------------------
+def test_replayed_decode_step_uploads_what_the_general_path_packs(rng, tmp_path):
+    gpu = FakeGpu()
+    layer = _layer(gpu, rng, tmp_path)
+    fused = FusedNgramEmbedding(layer, 16, gpu)
+    stream = gpu.create_stream()
+    n = DIMS.max_ngram
+    try:
+        fused.embed(CTX[:3], 2, gpu.out, gpu, stream, graph=True)  # captures the (2, gpu.out, stream) shape
+        for ctx in (CTX, np.array(CTX, np.int32), CTX[:3], CTX[:2]):
+            replays = gpu.replays
+            fused.embed(ctx, 2, gpu.out, gpu, stream, graph=True)
+            assert gpu.replays == replays + 1
+            want = fused._pack(fused._windows([ctx], [2]))
+            assert np.array_equal(fused._host.view(np.uint32)[:want.size], want), ctx
+            assert want[:2 * n].reshape(2, n)[:, 0].tolist() == list(ctx[-2:])
+        for ctx, says in (([1, 2, 3, 50], "token 50 outside"), ([1.0, 2.0, 3.0, 4.0], "integers"),
+                          ([[1, 2], [3, 4]], "1-D"), ([1], "over ctx")):
+            replays = gpu.replays
+            with pytest.raises(ValueError, match=says):
+                fused.embed(ctx, 2, gpu.out, gpu, stream, graph=True)
+            assert gpu.replays == replays
+    finally:
+        _close(fused, layer)
+
+
+def test_prefetch_batch_checks_its_batch_as_embed_batch_does(rng, tmp_path):
+    gpu = FakeGpu()
+    layer = _layer(gpu, rng, tmp_path, cached="cb")
+    fused = FusedNgramEmbedding(layer, 16, gpu)
+    try:
+        with pytest.raises(ValueError, match="2 contexts, 1 seq_lens"):
+            fused.prefetch_batch([CTX, CTX], [1])
+        with pytest.raises(ValueError, match="token 50 outside"):
+            fused.prefetch_batch([[1, 50]], [1])
+        assert fused.prefetch_batch([CTX, CTX[:2]], [3, 2]) > 0
+        assert _pinned(layer) == [0]
+    finally:
+        _close(fused, layer)

@@ -12,7 +12,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .gpu import DevicePtr, GpuBackend
+from .backend import GpuBackend
+from .pointers import DevicePtr
 
 
 class DeviceArray:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from .gpu import DevicePtr, GpuBackend, KernelHandle
+from .backend import GpuBackend
+from .pointers import DevicePtr, KernelHandle
 
 _U32 = 1 << 32
 _U64 = 1 << 64

@@ -12,8 +12,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from gpu_runtime import DevicePtr, GpuBackend, KernelHandle, KernelNotFoundError
-from gpu_runtime.gpu import host_view
+from gpu_runtime import (DevicePtr, Events, GpuBackend, KernelHandle, KernelNotFoundError,
+                         MappedHostMemory, PinnedHostMemory, PitchedCopies)
+from gpu_runtime.host_memory import host_view
+from gpu_runtime.sources import module_of
 
 
 @dataclass
@@ -29,8 +31,9 @@ class Launch:
 
 
 @dataclass
-class RecordingBackend(GpuBackend):
-    """Kernels are named handles 1, 2, ...; ``missing`` names (module, kernel) pairs to refuse."""
+class RecordingBackend(GpuBackend, PinnedHostMemory, MappedHostMemory, Events, PitchedCopies):
+    """Kernels are named handles 1, 2, ...; ``missing`` names (module, kernel) pairs to refuse.
+    ``kernel`` takes a source path or a bare module name; both record the module name."""
 
     missing: set[tuple[str, str]] = field(default_factory=set)
     launches: list[Launch] = field(default_factory=list)
@@ -38,8 +41,10 @@ class RecordingBackend(GpuBackend):
     names: dict[int, tuple[str, str]] = field(default_factory=dict)
     ops: list[tuple[Any, ...]] = field(default_factory=list)
     next_ptr: int = 0x10000
+    closed: bool = False
 
-    def kernel(self, module: str, name: str) -> KernelHandle:
+    def kernel(self, source: Any, name: str) -> KernelHandle:
+        module = module_of(source)
         if (module, name) in self.missing or (module, "*") in self.missing:
             raise KernelNotFoundError(f"{module}.{name}")
         if (module, name) not in self.handles:
@@ -96,6 +101,9 @@ class RecordingBackend(GpuBackend):
         self.host_mapped.pop(array.ctypes.data, None)
         self.ops.append(("free_host", array.ctypes.data))
 
+    def upload_pinned_async(self, host: np.ndarray, dst: int, stream: int = 0) -> None:
+        self.ops.append(("h2d", host.tobytes(), dst, stream))
+
     def host_device_ptr(self, array: np.ndarray) -> DevicePtr:
         addr = array.ctypes.data
         for base, (size, dev) in [*self.host_mapped.items(), *self.registered.items()]:
@@ -121,6 +129,9 @@ class RecordingBackend(GpuBackend):
     def record_event(self, event: int, stream: int = 0) -> None:
         pass
 
+    def wait_event(self, stream: int, event: int) -> None:
+        pass
+
     def event_synchronize(self, event: int) -> None:
         pass
 
@@ -140,10 +151,13 @@ class RecordingBackend(GpuBackend):
         return self.names[launch.kernel]
 
 
-class MemoryBackend(GpuBackend):
+class MemoryBackend(GpuBackend, PinnedHostMemory, MappedHostMemory, Events):
     """Device memory simulated in host memory (fresh allocations read 0xEE); launches are
     recorded and the kernels named in ``emulate`` run as ``fn(gpu, args)``. Work is done at
-    once, so streams and events are no-ops; pinned buffers are ordinary arrays."""
+    once, so streams and events are no-ops; pinned buffers are ordinary arrays. ``close``
+    only marks it closed (what a ``DeviceBuffer`` looks at)."""
+
+    closed = False
 
     def __init__(self, module: str, names: Sequence[str],
                  emulate: dict[str, Callable[["MemoryBackend", list], None]] | None = None) -> None:
@@ -182,10 +196,14 @@ class MemoryBackend(GpuBackend):
         dtype = np.dtype(dtype)
         return self.read(ptr, count * dtype.itemsize).view(dtype)
 
-    def kernel(self, module: str, name: str) -> KernelHandle:
+    def kernel(self, source: Any, name: str) -> KernelHandle:
+        module = module_of(source)
         if module != self.module or name not in self.handles:
             raise KernelNotFoundError(f"{module}.{name}")
         return self.handles[name]
+
+    def close(self) -> None:
+        self.closed = True
 
     def alloc(self, nbytes: int) -> DevicePtr:
         assert nbytes > 0

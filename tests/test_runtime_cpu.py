@@ -11,12 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpu_runtime import (CudaBackend, CudaError, DevicePtr, KernelHandle, KernelLaunch,
-                         NoDeviceError, NvrtcError, compiler, device_count)
-from gpu_runtime.gpu import _ArgPlan
-from gpu_runtime.signatures import parse_signatures
+from gpu_runtime import (CudaBackend, CudaError, DeviceCopies, DevicePtr, Events, GpuBackend, Graphs,
+                         KernelHandle, KernelLaunch, MappedHostMemory, NoDeviceError, NvrtcError,
+                         PinnedHostMemory, PitchedCopies, compiler, device_count)
+from gpu_runtime.packing import ArgPlan
+from gpu_runtime.signatures import Param, Signature, parse_signatures
+from gpu_runtime.sources import module_of, source_path
 from layers.ops.loading import try_kernel
-from tests.fakes import RecordingBackend
+from tests.fakes import MemoryBackend, RecordingBackend
 
 KERNEL_FILES = sorted(compiler.kernel_dir().glob("*.cu"))
 
@@ -89,13 +91,13 @@ def test_extreme_values_accepted():
     ("ULUL", [0, 8, 16, 24], 32),
 ])
 def test_arg_plan_matches_c_abi_offsets(kinds, offsets, size):
-    plan = _ArgPlan(kinds)
+    plan = ArgPlan(kinds)
     assert plan.offsets == offsets
     assert plan.packer.size == size
 
 
 def test_arg_plan_packs_bytes_where_pointers_point():
-    plan = _ArgPlan("PUIFL")
+    plan = ArgPlan("PUIFL")
     values = [0x1122334455667788, 0xDEADBEEF, -2, 1.25, 2**64 - 3]
     plan.packer.pack_into(plan.buffer, 0, *values)
     raw = [ctypes.string_at(plan.pointers[i], s) for i, s in enumerate(plan.sizes)]
@@ -114,6 +116,32 @@ def test_device_ptr_and_kernel_handle_are_ints():
         DevicePtr(-1)
     with pytest.raises(ValueError):
         DevicePtr(0).offset(4)
+
+
+def test_capabilities_by_inheritance_or_by_methods():
+    capabilities = (PinnedHostMemory, MappedHostMemory, Events, Graphs, PitchedCopies, DeviceCopies)
+    assert all(issubclass(CudaBackend, c) for c in capabilities) and issubclass(CudaBackend, GpuBackend)
+    recording = RecordingBackend()
+    assert [isinstance(recording, c) for c in capabilities] == [True, True, True, False, True, False]
+
+    class WithGraphs(MemoryBackend):  # declares nothing, defines every Graphs method
+        def begin_capture(self, stream): ...
+        def end_capture(self, stream): ...
+        def abort_capture(self, stream): ...
+        def launch_graph(self, graph, stream): ...
+        def destroy_graph(self, graph): ...
+
+    assert isinstance(WithGraphs("m", []), Graphs) and not isinstance(MemoryBackend("m", []), Graphs)
+    assert not recording.closed
+
+
+def test_kernel_source_is_a_path_or_a_bare_module_name(tmp_path):
+    assert source_path("residual_add", tmp_path) == tmp_path / "residual_add.cu"
+    assert source_path(tmp_path / "x.cu", Path("/elsewhere")) == tmp_path / "x.cu"
+    assert source_path("kernels/residual_add.cu", tmp_path) == Path("kernels/residual_add.cu")
+    assert module_of("residual_add") == module_of(Path("kernels/residual_add.cu")) == "residual_add"
+    gpu = RecordingBackend()
+    assert gpu.kernel(compiler.kernel_dir() / "gemm.cu", "k") == gpu.kernel("gemm", "k")
 
 
 def test_try_kernel_gives_zero_for_missing_kernels_only():
@@ -187,6 +215,15 @@ def test_parse_signatures_kinds():
     extern "C" __global__ void b() {}
     '''
     assert parse_signatures(src) == {"a": "PUIFLP", "b": ""}
+
+
+def test_signatures_keep_parameter_names():
+    src = 'extern "C" __global__ void k(const bf16* __restrict__ x, int32_t *off, uint32_t n) {}'
+    (sig,) = parse_signatures(src).values()
+    assert sig == Signature([Param("x", "P"), Param("off", "P"), Param("n", "U")])
+    assert sig.names == ("x", "off", "n") and sig.kinds == "PPU"
+    # transitional: a signature still compares and concatenates as its kinds string
+    assert sig == "PPU" and "PPU" == sig and sig != "PPI" and sig + "F" == "PPUF"
 
 
 def test_every_kernel_module_declares_kernels():
@@ -309,7 +346,7 @@ def test_param_layout_without_driver_param_count(monkeypatch):
     """Bindings newer than the driver: cuFuncGetParamCount raises; the layout is probed."""
     from cuda.bindings import driver as cu
 
-    from gpu_runtime.gpu import CudaBackend
+    from gpu_runtime import CudaBackend
 
     def missing(kernel):
         raise RuntimeError('Function "cuFuncGetParamCount" not found')

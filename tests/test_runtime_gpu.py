@@ -93,14 +93,15 @@ def test_argument_mismatches_refused_before_launch(tgpu):
 def test_param_info_check_without_source_signature(tgpu):
     """Where the source signature is unknown, the driver's parameter layout still refuses."""
     k = tgpu.kernel("runtime_test", "add_u32")
-    saved = tgpu._signatures["runtime_test"].pop("add_u32")
+    signatures = tgpu._signatures[(TEST_KERNELS / "runtime_test.cu").resolve()]
+    saved = signatures.pop("add_u32")
     try:
         with pytest.raises(TypeError, match=r"add_u32: takes 4 arguments, 3 given"):
             KernelLaunch(tgpu, k).arg_ptr(1).arg_ptr(2).arg_u32(3).launch(0)
         with pytest.raises(TypeError, match=r"argument 2 is 4 bytes at offset 16, launch packs 8"):
             KernelLaunch(tgpu, k).arg_ptr(1).arg_ptr(2).arg_u64(3).arg_u32(4).launch(0)
     finally:
-        tgpu._signatures["runtime_test"]["add_u32"] = saved
+        signatures["add_u32"] = saved
 
 
 def test_stream_ordering_and_async_upload_from_reused_buffer(tgpu, rng):

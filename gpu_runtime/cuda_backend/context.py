@@ -1,0 +1,80 @@
+"""The device and its primary context: what every area of ``CudaBackend`` stands on.
+
+The context is made current on each thread at that thread's first call (``_bind``), which also
+gives the thread its own packed-argument plans; ``_live`` is the check every public call starts
+with: the backend is open, and bound on this thread.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any, Sequence
+
+from cuda.bindings import driver as cu
+
+from .. import compiler, driver
+from ..driver import call
+from ..errors import GpuError, NoDeviceError
+from ..packing import ArgPlan
+
+
+class CudaContext:
+    """One device's primary context (the one the CUDA runtime, CuPy and torch share)."""
+
+    def __init__(self, device: int = 0, *, target: str | None = None,
+                 kernel_dir: str | Path | None = None, options: Sequence[str] = ()) -> None:
+        driver.init()
+        count = driver.device_count()
+        if not 0 <= device < count:
+            raise NoDeviceError(f"CUDA device {device} requested, {count} present")
+        self.device = device
+        self._dev = call(cu.cuDeviceGet, device)
+        self._ctx = call(cu.cuDevicePrimaryCtxRetain, self._dev)
+        call(cu.cuCtxSetCurrent, self._ctx)
+        self.compute_capability = driver.compute_capability(device)
+        self.target = target or compiler.target_for(*self.compute_capability)
+        self.kernel_dir = Path(kernel_dir) if kernel_dir else compiler.kernel_dir()
+        self.options = tuple(options)
+        self.sm_count = self._attribute(cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        self.l2_bytes = self._attribute(cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)
+        self.max_shared_optin = self._attribute(
+            cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+        self.name = call(cu.cuDeviceGetName, 256, self._dev).split(b"\0")[0].decode()
+        self._lock = threading.RLock()
+        self._tls = threading.local()
+        self._tls.plans = {}
+        # GPU_RUNTIME_OVERLAP=0 runs overlap=True launches as plain ones (a tool that cannot
+        # follow programmatic dependent launches, or to rule them out when hunting a race).
+        self.overlap = os.environ.get("GPU_RUNTIME_OVERLAP", "1") != "0"
+        self._closed = False
+
+    def _attribute(self, attr: Any) -> int:
+        return int(call(cu.cuDeviceGetAttribute, attr, self._dev))
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _bind(self) -> dict[str, ArgPlan]:
+        """Make the context current on this thread (once per thread); return its arg plans."""
+        try:
+            return self._tls.plans
+        except AttributeError:
+            if self._closed:
+                raise GpuError("CudaBackend is closed") from None
+            call(cu.cuCtxSetCurrent, self._ctx)
+            self._tls.plans = {}
+            return self._tls.plans
+
+    def _live(self) -> None:
+        if self._closed:
+            raise GpuError("CudaBackend is closed")
+        self._bind()
+
+    def _synchronize_context(self) -> None:
+        call(cu.cuCtxSynchronize)
+
+    def _release_context(self) -> None:
+        call(cu.cuDevicePrimaryCtxRelease, self._dev)

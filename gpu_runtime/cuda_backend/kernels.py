@@ -1,0 +1,206 @@
+"""Kernels: NVRTC modules loaded from ``.cu`` sources, and launches checked against them.
+
+Every new (kernel, argument kinds) pair is checked once against the kernel's signature, read
+from its source, and against the parameter layout the driver reports; after that a launch only
+packs its values into the thread's prebuilt buffer and calls the driver.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Any, NamedTuple, Sequence
+
+from cuda.bindings import driver as cu
+
+from .. import compiler
+from ..driver import call
+from ..errors import CudaError, GpuError, KernelNotFoundError
+from ..packing import ArgPlan, kinds_mismatch
+from ..pointers import KernelHandle
+from ..signatures import Signature, module_signatures
+from ..sources import source_path
+from .context import CudaContext
+
+_STATIC_SHARED = 48 * 1024  # more dynamic shared memory than this needs the kernel's opt-in
+
+
+class _Loaded(NamedTuple):
+    module: str  # the source file's stem, for messages
+    name: str
+    path: Path
+
+
+class CudaKernels(CudaContext):
+    _modules: dict[Path, Any]
+    _signatures: dict[Path, dict[str, Signature]]
+    _kernels: dict[tuple[Any, str], KernelHandle]  # (source as given, name) -> handle
+    _loaded: dict[int, _Loaded]
+    _checked: set[tuple[int, Any]]  # (kernel, kinds) pairs that passed the checks
+    _shared_set: dict[int, int]  # kernel -> dynamic shared memory opted in to
+
+    def _init_kernels(self) -> None:
+        self._modules = {}
+        self._signatures = {}
+        self._kernels = {}
+        self._loaded = {}
+        self._checked = set()
+        self._shared_set = {}
+
+    def _release_kernels(self) -> None:
+        for module in self._modules.values():
+            call(cu.cuModuleUnload, module)
+        self._modules.clear()
+        self._kernels.clear()
+        self._loaded.clear()
+        self._checked.clear()
+
+    # -- loading ----------------------------------------------------------------------------
+    def kernel(self, source: str | os.PathLike, name: str) -> KernelHandle:
+        handle = self._kernels.get((source, name))
+        if handle is not None:
+            return handle
+        self._live()
+        with self._lock:
+            path = source_path(source, self.kernel_dir)
+            mod = self._module(path)
+            try:
+                fn = call(cu.cuModuleGetFunction, mod, name.encode())
+            except CudaError as exc:
+                raise KernelNotFoundError(f"kernel {name!r} not in module {path.stem!r} ({exc.name})") from exc
+            handle = KernelHandle(int(fn))
+            self._kernels[(source, name)] = handle
+            self._loaded[int(handle)] = _Loaded(path.stem, name, path.resolve())
+            return handle
+
+    def _module(self, path: Path) -> Any:
+        if not path.is_file():
+            raise KernelNotFoundError(f"no kernel module {path.stem!r} ({path} does not exist)")
+        key = path.resolve()
+        loaded = self._modules.get(key)
+        if loaded is not None:
+            return loaded
+        compiled = compiler.compile_module(path, self.target, self.options)
+        try:
+            loaded = call(cu.cuModuleLoadData, compiled.image)
+        except CudaError:
+            if not compiled.cached:
+                raise
+            compiler.evict(path, self.target)  # a stale or damaged entry: rebuild it once
+            compiled = compiler.compile_module(path, self.target, self.options)
+            loaded = call(cu.cuModuleLoadData, compiled.image)
+        self._modules[key] = loaded
+        self._signatures[key] = module_signatures(path)
+        return loaded
+
+    def kernel_name(self, kernel: int) -> str:
+        loaded = self._loaded.get(int(kernel))
+        if loaded is None:
+            return f"?.<unknown kernel 0x{int(kernel):x}>"
+        return f"{loaded.module}.{loaded.name}"
+
+    # -- checks, once per kernel and argument shape -----------------------------------------
+    def _check_launch(self, kernel: int, kinds: str, plan: ArgPlan) -> None:
+        """The kernel is ours, and the arguments match its signature (kinds read from the
+        source, offsets and sizes from ``cuFuncGetParamInfo``)."""
+        loaded = self._loaded.get(int(kernel))
+        if loaded is None:
+            state = "backend is closed" if self._closed else "not loaded by this backend"
+            raise GpuError(f"kernel handle 0x{int(kernel):x}: {state}")
+        expected = self._signatures[loaded.path].get(loaded.name)
+        where = f"{loaded.module}.{loaded.name}"
+        if expected is not None and expected.kinds != kinds:
+            raise TypeError(kinds_mismatch(where, expected.kinds, kinds))
+        layout = self._param_layout(kernel)
+        if layout is not None:  # None: this driver cannot report layouts
+            if len(layout) != len(kinds):
+                raise TypeError(f"{where}: takes {len(layout)} arguments, {len(kinds)} given")
+            for i, (offset, size) in enumerate(layout):
+                if (offset, size) != (plan.offsets[i], plan.sizes[i]):
+                    raise TypeError(
+                        f"{where}: argument {i} is {size} bytes at offset {offset}, "
+                        f"launch packs {plan.sizes[i]} bytes at offset {plan.offsets[i]}"
+                    )
+        self._checked.add((int(kernel), kinds))
+
+    @staticmethod
+    def _param_layout(kernel: int) -> list[tuple[int, int]] | None:
+        """(offset, size) of each parameter from the driver (CUDA 12.4+), None where the driver
+        cannot say. Where the driver has ``cuFuncGetParamCount`` no call goes past the last one;
+        elsewhere the end is found by probing (one CUDA_ERROR_INVALID_VALUE, once per kernel)."""
+        info = getattr(cu, "cuFuncGetParamInfo", None)
+        if info is None:
+            return None
+        count = None
+        try:  # the bindings may know it while the driver (13.0) does not: RuntimeError
+            err, value = cu.cuFuncGetParamCount(kernel)
+            count = None if err else int(value)
+        except (AttributeError, RuntimeError):
+            pass
+        layout: list[tuple[int, int]] = []
+        while count is None or len(layout) < count:
+            err, offset, size = info(kernel, len(layout))
+            if err == cu.CUresult.CUDA_ERROR_INVALID_VALUE and count is None:
+                return layout  # probed past the last parameter
+            if err:
+                return None
+            layout.append((int(offset), int(size)))
+        return layout
+
+    def _raise_shared_limit(self, kernel: int, shared_mem: int) -> None:
+        if shared_mem > self.max_shared_optin:
+            raise ValueError(f"{self.kernel_name(kernel)}: {shared_mem} bytes of shared memory, "
+                             f"device allows {self.max_shared_optin}")
+        attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        call(cu.cuFuncSetAttribute, kernel, attr, shared_mem)
+        self._shared_set[kernel] = shared_mem
+
+    # -- launch -----------------------------------------------------------------------------
+    def launch(self, kernel: KernelHandle, grid: tuple[int, int, int], block: tuple[int, int, int],
+               shared_mem: int, stream: int, kinds: str, args: Sequence[int | float], *,
+               overlap: bool = False) -> None:
+        try:
+            plans = self._tls.plans
+        except AttributeError:
+            plans = self._bind()
+        plan = plans.get(kinds)
+        if plan is None:
+            plan = plans[kinds] = ArgPlan(kinds)
+        if (kernel, kinds) not in self._checked:
+            self._check_launch(kernel, kinds, plan)
+        if shared_mem > _STATIC_SHARED and self._shared_set.get(kernel, 0) < shared_mem:
+            self._raise_shared_limit(kernel, shared_mem)
+        plan.packer.pack_into(plan.buffer, 0, *args)
+        if overlap and self.overlap:
+            config = _overlap_config(grid, block, shared_mem, stream)
+            (err,) = cu.cuLaunchKernelEx(config, kernel, plan.params, 0)
+            call_name = "cuLaunchKernelEx"
+        else:
+            gx, gy, gz = grid
+            bx, by, bz = block
+            (err,) = cu.cuLaunchKernel(kernel, gx, gy, gz, bx, by, bz, shared_mem, stream, plan.params, 0)
+            call_name = "cuLaunchKernel"
+        if err:
+            raise CudaError(err, call_name, f"{self.kernel_name(kernel)} grid={grid} "
+                            f"block={block} shared={shared_mem}")
+
+
+@functools.lru_cache(maxsize=256)
+def _overlap_config(grid: tuple[int, int, int], block: tuple[int, int, int], shared_mem: int,
+                    stream: int) -> Any:
+    """A ``CUlaunchConfig`` with programmatic stream serialisation (programmatic dependent launch):
+    the kernel may start while the previous kernel on the stream still runs, and waits for it
+    (``griddepcontrol.wait``) only where it reads that kernel's output. Built once per shape:
+    ``cuLaunchKernelEx`` reads it during the call."""
+    config = cu.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = grid
+    config.blockDimX, config.blockDimY, config.blockDimZ = block
+    config.sharedMemBytes = shared_mem
+    config.hStream = cu.CUstream(stream)
+    attr = cu.CUlaunchAttribute()
+    attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    config.attrs = [attr]
+    config.numAttrs = 1
+    return config

@@ -5,12 +5,12 @@ from .backend import (DeviceCopies, Events, GpuBackend, Graphs, MappedHostMemory
 from .cuda_backend import CudaBackend
 from .device_array import DeviceArray
 from .driver import device_count
-from .errors import CudaError, GpuError, KernelNotFoundError, NoDeviceError, NvrtcError
+from .errors import ClosedError, CudaError, GpuError, KernelNotFoundError, NoDeviceError, NvrtcError
 from .kernel_args import KernelLaunch
 from .pointers import DevicePtr, KernelHandle
 
 __all__ = [
-    "CudaBackend", "CudaError", "DeviceArray", "DeviceCopies", "DevicePtr", "Events", "GpuBackend",
+    "ClosedError", "CudaBackend", "CudaError", "DeviceArray", "DeviceCopies", "DevicePtr", "Events", "GpuBackend",
     "GpuError", "Graphs", "KernelHandle", "KernelLaunch", "KernelNotFoundError", "MappedHostMemory",
     "NoDeviceError", "NvrtcError", "PinnedHostMemory", "PitchedCopies", "device_count",
 ]

@@ -81,7 +81,7 @@ class DeviceArray:
 
     # -- lifetime ---------------------------------------------------------------------------
     def free(self) -> None:
-        if self.owner and self.ptr and not getattr(self.gpu, "closed", False):
+        if self.owner and self.ptr and not self.gpu.closed:
             self.gpu.free(self.ptr)
         self.ptr = DevicePtr(0)
 

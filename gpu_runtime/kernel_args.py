@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+from . import validate
 from .backend import GpuBackend
 from .pointers import DevicePtr, KernelHandle
 
@@ -20,21 +21,10 @@ _GRID_MAX = ((1 << 31) - 1, 65535, 65535)
 _BLOCK_MAX = (1024, 1024, 64)
 
 
-def _int(value: object, what: str) -> int:
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    try:  # numpy integers and other exact integer types
-        if isinstance(value, bool):
-            raise TypeError
-        return value.__index__()  # type: ignore[attr-defined]
-    except (AttributeError, TypeError):
-        raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r}") from None
-
-
 def _dims(dims: Sequence[int], limits: tuple[int, int, int], what: str) -> tuple[int, int, int]:
     if len(dims) != 3:
         raise ValueError(f"{what} must have 3 dimensions, got {list(dims)}")
-    out = tuple(_int(d, what) for d in dims)
+    out = tuple(validate.integer(d, what) for d in dims)
     for d, limit in zip(out, limits):
         if not 1 <= d <= limit:
             raise ValueError(f"{what} {list(out)}: each dimension must be in 1..{list(limits)}")
@@ -88,14 +78,11 @@ class KernelLaunch:
         return self
 
     def shared_mem(self, nbytes: int) -> "KernelLaunch":
-        nbytes = _int(nbytes, "shared_mem")
-        if not 0 <= nbytes < _U32:
-            raise ValueError(f"shared_mem must be in 0..2**32-1, got {nbytes}")
-        self._shared = nbytes
+        self._shared = validate.count(nbytes, "shared_mem", limit=_U32)
         return self
 
     def _push_int(self, kind: str, value: int, low: int, high: int, what: str) -> "KernelLaunch":
-        value = _int(value, f"{what} argument")
+        value = validate.integer(value, f"{what} argument")
         if not low <= value < high:
             raise ValueError(f"argument {len(self._args)}: {value} does not fit {what}")
         self._kinds += kind

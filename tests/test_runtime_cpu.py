@@ -11,9 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpu_runtime import (CudaBackend, CudaError, DeviceCopies, DevicePtr, Events, GpuBackend, Graphs,
-                         KernelHandle, KernelLaunch, MappedHostMemory, NoDeviceError, NvrtcError,
-                         PinnedHostMemory, PitchedCopies, compiler, device_count)
+from gpu_runtime import (ClosedError, CudaBackend, CudaError, DeviceCopies, DevicePtr, Events,
+                         GpuBackend, GpuError, Graphs, KernelHandle, KernelLaunch, MappedHostMemory,
+                         NoDeviceError, NvrtcError, PinnedHostMemory, PitchedCopies, compiler,
+                         device_count, validate)
 from gpu_runtime.packing import ArgPlan
 from gpu_runtime.signatures import Param, Signature, parse_signatures
 from gpu_runtime.sources import module_of, source_path
@@ -104,6 +105,57 @@ def test_arg_plan_packs_bytes_where_pointers_point():
     assert raw == [struct.pack("<Q", values[0]), struct.pack("<I", values[1]),
                    struct.pack("<i", values[2]), struct.pack("<f", values[3]),
                    struct.pack("<Q", values[4])]
+
+
+# -- the validation policy ------------------------------------------------------------------
+@pytest.mark.parametrize("check, value, out", [
+    (validate.integer, np.int64(-3), -3),
+    (validate.count, 0, 0),
+    (lambda v, w: validate.count(v, w, limit=10), np.uint8(9), 9),
+    (validate.positive, 1, 1),
+    (validate.u32, 2**32 - 1, 2**32 - 1),
+    (lambda v, w: validate.pointer(v, w, nullable=True), 0, 0),
+    (validate.pointer, DevicePtr(0x1000), 0x1000),
+    (validate.real32, np.float32(0.5), 0.5),
+    (validate.real32, -3, -3.0),
+    (validate.boolean, False, False),
+])
+def test_validate_returns_the_normalised_value(check, value, out):
+    got = check(value, "x")
+    assert got == out and type(got) is type(out)
+
+
+@pytest.mark.parametrize("check, value, error, message", [
+    (validate.integer, True, TypeError, "x must be an int, got bool True"),
+    (validate.integer, np.True_, TypeError, "x must be an int"),
+    (validate.integer, 1.0, TypeError, "x must be an int, got float 1.0"),
+    (validate.integer, "3", TypeError, "x must be an int"),
+    (validate.count, -1, ValueError, "x must be a non-negative int, got -1"),
+    (lambda v, w: validate.count(v, w, limit=256), 256, ValueError, r"x must be in 0\.\.255, got 256"),
+    (validate.positive, 0, ValueError, "x must be an int >= 1, got 0"),
+    (lambda v, w: validate.positive(v, w, limit=8), 8, ValueError, r"x must be in 1\.\.7"),
+    (validate.u32, 2**32, ValueError, r"x must be in 0\.\.2\*\*32-1, got 4294967296"),
+    (validate.u32, 1.5, TypeError, "must be an int"),
+    (validate.pointer, 0, ValueError, "x: null device pointer"),
+    (validate.pointer, 2**64, ValueError, "out of range"),
+    (validate.pointer, -1, ValueError, "out of range"),
+    (validate.pointer, 1.0, TypeError, "must be an int"),
+    (validate.real32, "x", TypeError, "x must be a real number"),
+    (validate.real32, True, TypeError, "real number"),
+    (validate.real32, float("nan"), ValueError, "finite and fit an f32"),
+    (validate.real32, 1e39, ValueError, "fit an f32"),
+    (validate.boolean, 1, TypeError, "x must be a bool, got 1"),
+])
+def test_validate_refuses_by_the_one_policy(check, value, error, message):
+    with pytest.raises(error, match=message):
+        check(value, "x")
+
+
+def test_require_open_raises_closed_error_a_gpu_error():
+    validate.require_open(False, "thing")
+    with pytest.raises(ClosedError, match="^thing is closed$") as info:
+        validate.require_open(True, "thing")
+    assert isinstance(info.value, GpuError)
 
 
 # -- value types ----------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpu_runtime import (CudaBackend, CudaError, DeviceArray, DevicePtr, GpuError, KernelLaunch,
+from gpu_runtime import (ClosedError, CudaBackend, CudaError, DeviceArray, DevicePtr, KernelLaunch,
                          KernelNotFoundError)
 from tests.helpers import DEVICE_MEMORY_MEASURABLE
 
@@ -237,11 +237,11 @@ def test_closed_backend_refuses_and_close_is_idempotent(gpu):
     backend.kernel("residual_add", "bf16_residual_add")
     backend.close()
     backend.close()
-    with pytest.raises(GpuError, match="closed"):
+    with pytest.raises(ClosedError, match="CudaBackend is closed"):
         backend.alloc(16)
-    with pytest.raises(GpuError, match="closed"):
+    with pytest.raises(ClosedError, match="CudaBackend is closed"):
         backend.memset(ptr, 0, 16)
-    with pytest.raises(GpuError):
+    with pytest.raises(ClosedError):
         KernelLaunch(backend, backend.kernel("residual_add", "bf16_residual_add"))
 
 

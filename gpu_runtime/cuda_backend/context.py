@@ -14,9 +14,9 @@ from typing import Any, Sequence
 
 from cuda.bindings import driver as cu
 
-from .. import compiler, driver
+from .. import compiler, driver, validate
 from ..driver import call
-from ..errors import GpuError, NoDeviceError
+from ..errors import NoDeviceError
 from ..packing import ArgPlan
 
 
@@ -62,15 +62,14 @@ class CudaContext:
         try:
             return self._tls.plans
         except AttributeError:
-            if self._closed:
-                raise GpuError("CudaBackend is closed") from None
+            validate.require_open(self._closed, "CudaBackend")
             call(cu.cuCtxSetCurrent, self._ctx)
             self._tls.plans = {}
             return self._tls.plans
 
     def _live(self) -> None:
-        if self._closed:
-            raise GpuError("CudaBackend is closed")
+        """Every public call's first check: the backend is open and bound on this thread."""
+        validate.require_open(self._closed, "CudaBackend")
         self._bind()
 
     def _synchronize_context(self) -> None:

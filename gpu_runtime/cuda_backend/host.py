@@ -9,11 +9,12 @@ from typing import Any
 import numpy as np
 from cuda.bindings import driver as cu
 
+from .. import validate
 from ..driver import call
 from ..host_memory import HOST_PAGE, host_view
 from ..pointers import DevicePtr
 from .context import CudaContext
-from .memory import _count, _require
+from .memory import _size
 
 
 class CudaHostMemory(CudaContext):
@@ -43,11 +44,10 @@ class CudaHostMemory(CudaContext):
         return len(self._registered)
 
     def alloc_host(self, nbytes: int, *, mapped: bool = False) -> np.ndarray:
-        nbytes = _count(nbytes, "alloc_host size")
+        nbytes = _size(nbytes, "alloc_host size")
         if nbytes == 0:
             raise ValueError("alloc_host of 0 bytes")
-        if not isinstance(mapped, bool):
-            raise TypeError(f"alloc_host: mapped must be a bool, got {mapped!r}")
+        mapped = validate.boolean(mapped, "alloc_host: mapped")
         self._live()
         flags = cu.CU_MEMHOSTALLOC_DEVICEMAP | cu.CU_MEMHOSTALLOC_PORTABLE if mapped else 0
         addr = int(call(cu.cuMemHostAlloc, nbytes, flags,
@@ -69,13 +69,13 @@ class CudaHostMemory(CudaContext):
         call(cu.cuMemFreeHost, addr)
 
     def upload_pinned_async(self, host: np.ndarray, dst: int, stream: int = 0) -> None:
-        _require(dst, "upload_pinned_async destination")
+        dst = validate.pointer(dst, "upload_pinned_async destination")
         addr, nbytes, _ = host_view(host)
         if not any(base <= addr and addr + nbytes <= base + size for base, size in self._host.items()):
             raise ValueError("upload_pinned_async: host buffer is not inside an alloc_host buffer")
         if nbytes:
             self._live()
-            call(cu.cuMemcpyHtoDAsync, int(dst), addr, nbytes, stream)
+            call(cu.cuMemcpyHtoDAsync, dst, addr, nbytes, stream)
 
     def _mapped_range(self, addr: int, nbytes: int) -> int | None:
         """The start of the mapped ``alloc_host`` buffer or registered range that holds
@@ -105,8 +105,7 @@ class CudaHostMemory(CudaContext):
     def register_host(self, array: np.ndarray, *, read_only: bool = True) -> DevicePtr:
         if not isinstance(array, np.ndarray):
             raise TypeError(f"register_host: expected a numpy array, got {type(array).__name__}")
-        if not isinstance(read_only, bool):
-            raise TypeError(f"register_host: read_only must be a bool, got {read_only!r}")
+        read_only = validate.boolean(read_only, "register_host: read_only")
         if not array.flags.c_contiguous:
             raise ValueError("register_host: host array must be C-contiguous")
         addr, nbytes = int(array.ctypes.data), int(array.nbytes)

@@ -16,7 +16,7 @@ from cuda.bindings import driver as cu
 
 from .. import compiler
 from ..driver import call
-from ..errors import CudaError, GpuError, KernelNotFoundError
+from ..errors import ClosedError, CudaError, GpuError, KernelNotFoundError
 from ..packing import ArgPlan, kinds_mismatch
 from ..pointers import KernelHandle
 from ..signatures import Signature, module_signatures
@@ -106,8 +106,9 @@ class CudaKernels(CudaContext):
         source, offsets and sizes from ``cuFuncGetParamInfo``)."""
         loaded = self._loaded.get(int(kernel))
         if loaded is None:
-            state = "backend is closed" if self._closed else "not loaded by this backend"
-            raise GpuError(f"kernel handle 0x{int(kernel):x}: {state}")
+            if self._closed:
+                raise ClosedError(f"kernel handle 0x{int(kernel):x}: backend is closed")
+            raise GpuError(f"kernel handle 0x{int(kernel):x}: not loaded by this backend")
         expected = self._signatures[loaded.path].get(loaded.name)
         where = f"{loaded.module}.{loaded.name}"
         if expected is not None and expected.kinds != kinds:

@@ -2,6 +2,7 @@
 
 from .backend import (DeviceCopies, Events, GpuBackend, Graphs, MappedHostMemory, PinnedHostMemory,
                       PitchedCopies)
+from .buffer import DeviceBuffer
 from .cuda_backend import CudaBackend
 from .device_array import DeviceArray
 from .driver import device_count
@@ -10,7 +11,8 @@ from .kernel_args import KernelLaunch
 from .pointers import DevicePtr, KernelHandle
 
 __all__ = [
-    "ClosedError", "CudaBackend", "CudaError", "DeviceArray", "DeviceCopies", "DevicePtr", "Events", "GpuBackend",
-    "GpuError", "Graphs", "KernelHandle", "KernelLaunch", "KernelNotFoundError", "MappedHostMemory",
-    "NoDeviceError", "NvrtcError", "PinnedHostMemory", "PitchedCopies", "device_count",
+    "ClosedError", "CudaBackend", "CudaError", "DeviceArray", "DeviceBuffer", "DeviceCopies",
+    "DevicePtr", "Events", "GpuBackend", "GpuError", "Graphs", "KernelHandle", "KernelLaunch",
+    "KernelNotFoundError", "MappedHostMemory", "NoDeviceError", "NvrtcError", "PinnedHostMemory",
+    "PitchedCopies", "device_count",
 ]

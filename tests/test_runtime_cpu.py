@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import operator
 import os
 import struct
 import traceback
@@ -11,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpu_runtime import (ClosedError, CudaBackend, CudaError, DeviceCopies, DevicePtr, Events,
+from gpu_runtime import (ClosedError, CudaBackend, CudaError, DeviceBuffer, DeviceCopies, DevicePtr, Events,
                          GpuBackend, GpuError, Graphs, KernelHandle, KernelLaunch, MappedHostMemory,
                          NoDeviceError, NvrtcError, PinnedHostMemory, PitchedCopies, compiler,
                          device_count, validate)
@@ -156,6 +157,69 @@ def test_require_open_raises_closed_error_a_gpu_error():
     with pytest.raises(ClosedError, match="^thing is closed$") as info:
         validate.require_open(True, "thing")
     assert isinstance(info.value, GpuError)
+
+
+# -- DeviceBuffer ---------------------------------------------------------------------------
+def test_device_buffer_is_a_pointer_until_closed_then_refuses():
+    gpu = MemoryBackend("m", ["k"])
+    buf = DeviceBuffer(gpu, 100)
+    assert isinstance(buf.ptr, DevicePtr) and buf.nbytes == 100 and not buf.closed
+    assert int(buf) == buf.ptr == operator.index(buf) and int(buf.ptr) in gpu.mem
+    gpu.memset(buf, 7, 100)  # taken wherever a pointer int is
+    assert (gpu.read(buf.ptr, 100) == 7).all()
+    KernelLaunch(gpu, gpu.kernel("m", "k")).arg_ptr(buf).launch(0)
+    assert gpu.launches[-1]["args"] == [int(buf.ptr)]
+    ptr = buf.ptr
+    buf.close()
+    buf.close()  # idempotent: freed once
+    assert buf.closed and int(ptr) not in gpu.mem and "closed" in repr(buf)
+    for use in (lambda: buf.ptr, lambda: int(buf), lambda: KernelLaunch(gpu, gpu.kernel("m", "k")).arg_ptr(buf)):
+        with pytest.raises(ClosedError, match="DeviceBuffer is closed"):
+            use()
+
+
+def test_device_buffer_close_on_a_stream_waits_for_it_then_frees():
+    gpu = RecordingBackend()
+    with DeviceBuffer(gpu, 64) as buf:
+        ptr = buf.ptr
+        buf.close(stream=5)
+    assert gpu.ops[-2:] == [("sync", 5), ("free", ptr)]
+    assert [op for op in gpu.ops if op[0] == "free"] == [("free", ptr)]  # leaving the block: no second free
+
+
+def test_device_buffer_with_block_and_closed_backend():
+    gpu = RecordingBackend()
+    with DeviceBuffer(gpu, 64) as buf:
+        ptr = buf.ptr
+    assert buf.closed and gpu.ops[-1] == ("free", ptr)
+    late = DeviceBuffer(gpu, 64)
+    gpu.closed = True  # the backend freed everything itself
+    late.close()
+    assert late.closed and gpu.ops[-1][0] == "alloc"  # no free of its own
+
+
+def test_device_buffer_upload_and_refusals():
+    gpu = MemoryBackend("m", [])
+    host = np.arange(10, dtype=np.float32)
+    with DeviceBuffer.upload(gpu, host) as buf:
+        assert buf.nbytes == 40
+        np.testing.assert_array_equal(gpu.read_as(buf.ptr, 10, np.float32), host)
+    assert gpu.mem == {}
+    with pytest.raises(ValueError, match="DeviceBuffer size must be an int >= 1"):
+        DeviceBuffer(gpu, 0)
+    with pytest.raises(TypeError, match="DeviceBuffer size must be an int"):
+        DeviceBuffer(gpu, 1.5)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        DeviceBuffer.upload(gpu, host[::2])
+
+    class FailingUpload(MemoryBackend):
+        def copy_h2d_async(self, host, dst, stream=0):
+            raise RuntimeError("upload failed")
+
+    failing = FailingUpload("m", [])
+    with pytest.raises(RuntimeError, match="upload failed"):
+        DeviceBuffer.upload(failing, host)
+    assert failing.mem == {}  # freed on the way out
 
 
 # -- value types ----------------------------------------------------------------------------

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpu_runtime import (ClosedError, CudaBackend, CudaError, DeviceArray, DevicePtr, KernelLaunch,
-                         KernelNotFoundError)
+from gpu_runtime import (ClosedError, CudaBackend, CudaError, DeviceArray, DeviceBuffer, DevicePtr,
+                         KernelLaunch, KernelNotFoundError)
 from tests.helpers import DEVICE_MEMORY_MEASURABLE
 
 pytestmark = pytest.mark.gpu
@@ -194,6 +194,34 @@ def test_device_array_round_trip_and_interface(gpu, rng):
         assert cai["data"] == (int(arr.ptr), False)
         arr.fill_bytes(0)
         assert (arr.to_numpy() == 0).all()
+
+
+def test_device_buffer_round_trip_launch_and_free_on_a_stream(tgpu, rng):
+    """A buffer uploads, is launched on as a pointer, frees itself after its stream's work, and
+    gives the memory back; a closed buffer refuses to be a pointer."""
+    n = 1 << 16
+    stream = tgpu.create_stream()
+    add = tgpu.kernel("runtime_test", "add_u32")
+    host = rng.integers(0, 2**31, n, dtype=np.uint32)
+    try:
+        with DeviceBuffer.upload(tgpu, host, stream) as src, DeviceBuffer(tgpu, 4 * n) as dst:
+            (KernelLaunch(tgpu, add).grid([64, 1, 1]).block([256, 1, 1])
+             .arg_ptr(dst).arg_ptr(src).arg_u32(7).arg_u32(n).launch(stream))
+            back = np.empty(n, np.uint32)
+            tgpu.copy_d2h(back, dst, stream)
+            np.testing.assert_array_equal(back, host + np.uint32(7))
+            KernelLaunch(tgpu, add).grid([64, 1, 1]).block([256, 1, 1]) \
+                .arg_ptr(dst).arg_ptr(src).arg_u32(1).arg_u32(n).launch(stream)
+            src_ptr = src.ptr
+            src.close(stream)  # waits for the launch that reads it, then frees
+            assert src.closed
+            with pytest.raises(ValueError, match="not allocated by this backend"):
+                tgpu.free(src_ptr)  # already freed, once
+        assert dst.closed
+        with pytest.raises(ClosedError):
+            KernelLaunch(tgpu, add).arg_ptr(dst)
+    finally:
+        tgpu.destroy_stream(stream)
 
 
 def test_two_threads_with_their_own_streams(tgpu, rng):

@@ -1,4 +1,5 @@
-"""Per-launch host cost of ``KernelLaunch`` against the bare driver call, cuda.core and CuPy.
+"""Per-launch host cost of ``KernelLaunch`` and a ``KernelSpec`` launch against the bare
+driver call, cuda.core and CuPy.
 
 Kernel: ``bf16_scaled_add`` (4 arguments: two pointers, an f32, a u32) on 1024 elements, so
 the GPU keeps up and the loop measures the host. "bare" is ``cuLaunchKernel`` with an argument
@@ -16,6 +17,7 @@ from cuda.bindings import driver as cu
 from bench.common import host_time_us, print_table
 from gpu_runtime import CudaBackend, KernelLaunch, compiler
 from layers.ops.residual import scaled_add
+from layers.ops.specs import SCALED_ADD
 
 N = 1024
 
@@ -93,8 +95,12 @@ def main() -> None:
         def ours_launcher(i: int) -> None:
             scaled_add(gpu, kernel, out, x, 0.5, N, stream)
 
+        def ours_spec(i: int) -> None:
+            SCALED_ADD.launch(gpu, kernel, (1, 1, 1), (256, 1, 1), stream, out=out, x=x, scale=0.5, n=N)
+
         cases = [("bare cuLaunchKernel, prebuilt args", bare_launcher(gpu, kernel, out, x, stream)),
                  ("KernelLaunch builder", ours),
+                 ("KernelSpec launch (SCALED_ADD)", ours_spec),
                  ("layers.ops.scaled_add launcher", ours_launcher),
                  ("cuda.core launch", cuda_core_launcher(gpu, out, x)),
                  ("CuPy RawKernel", cupy_launcher())]

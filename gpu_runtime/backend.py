@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
+from . import launch_config
 from .host_memory import Host
 from .pointers import DevicePtr, KernelHandle
+
+if TYPE_CHECKING:
+    from .launch_spec import KernelSpec
 
 KernelSource = str | os.PathLike  # a path to a .cu file (wave 1: also a bare module name)
 
@@ -66,6 +70,25 @@ class GpuBackend(ABC):
         ``KernelLaunch.launch(stream, overlap=True)`` passes ``overlap=True``: a programmatic
         dependent launch (the kernel may start before the previous one on the stream ends; it
         must wait for it itself). Backends that cannot overlap may run it as a plain launch."""
+
+    def launch_spec(self, spec: "KernelSpec", kernel: KernelHandle, grid: Sequence[int],
+                    block: Sequence[int], shared_mem: int, stream: int, params: int,
+                    values: Sequence[Any], overlap: bool = False) -> None:
+        """Launch primitive behind ``KernelSpec.launch``: the values are packed already (so in
+        range) at ``params`` (the ``void*[]`` the driver takes), and given as ``values`` too, in
+        the spec's order.
+
+        This version, for backends that do not run kernels, refuses what ``CudaBackend`` refuses
+        (bad grid, block or shared memory, a null kernel) and hands the plain values to
+        ``launch``, where they are recorded as a ``KernelLaunch``'s are."""
+        if not kernel:
+            raise ValueError(f"{spec.name}: null kernel handle (the kernel was not loaded)")
+        grid, block, shared_mem = launch_config.check(grid, block, shared_mem)
+        args = spec.values(values)
+        if overlap:
+            self.launch(kernel, grid, block, shared_mem, stream, spec.kinds, args, overlap=True)  # type: ignore[call-arg]
+        else:
+            self.launch(kernel, grid, block, shared_mem, stream, spec.kinds, args)
 
 
 class _Capability(ABC):

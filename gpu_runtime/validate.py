@@ -1,8 +1,10 @@
 """The one validation policy: ``TypeError`` for a wrong type, ``ValueError`` for a wrong value,
 ``ClosedError`` for a closed object.
 
-Each check returns the normalised value (a plain ``int``, ``float`` or ``bool``); ``what`` names
-the argument in the message (``"alloc size"``, ``"scaled_add n"``).
+Each check returns the normalised value (an ``int``, ``float`` or ``bool``; an int subclass such
+as ``DevicePtr`` is returned as it is); ``what`` names the argument in the message
+(``"alloc size"``, ``"scaled_add n"``). Launchers call these on every launch, so each starts
+with a fast path for the common case (a plain in-range value) before the general checks.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import operator
 import numpy as np
 
 from .errors import ClosedError
+from .pointers import DevicePtr
 
 F32_MAX = 3.4028234663852886e38
 
@@ -24,6 +27,8 @@ def integer(value: object, what: str) -> int:
         return value
     if isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{what} must be an int, got bool {value!r}")
+    if isinstance(value, int):
+        return value
     try:
         return operator.index(value)  # type: ignore[arg-type]
     except TypeError:
@@ -39,6 +44,8 @@ def _bound(limit: int) -> str:
 
 def count(value: object, what: str, *, limit: int | None = None) -> int:
     """An integer >= 0 (and < ``limit``)."""
+    if type(value) is int and value >= 0 and (limit is None or value < limit):
+        return value
     n = integer(value, what)
     if limit is None:
         if n < 0:
@@ -61,11 +68,15 @@ def positive(value: object, what: str, *, limit: int | None = None) -> int:
 
 def u32(value: object, what: str) -> int:
     """What a ``uint32_t`` kernel parameter takes."""
+    if type(value) is int and 0 <= value <= 0xFFFFFFFF:
+        return value
     return count(value, what, limit=1 << 32)
 
 
 def pointer(value: object, what: str, *, nullable: bool = False) -> int:
     """A device address: an integer below 2**64; 0 (null) only where ``nullable``."""
+    if (type(value) is DevicePtr or type(value) is int) and 0 < value < 0x10000000000000000:
+        return value
     ptr = integer(value, what)
     if not ptr and not nullable:
         raise ValueError(f"{what}: null device pointer")
@@ -76,6 +87,8 @@ def pointer(value: object, what: str, *, nullable: bool = False) -> int:
 
 def real32(value: object, what: str) -> float:
     """A real number that is finite and fits an f32 (the kernels compute in fp32)."""
+    if type(value) is float and -F32_MAX <= value <= F32_MAX:  # NaN and infinities fail this
+        return value
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(f"{what} must be a real number, got {value!r}")
     x = float(value)

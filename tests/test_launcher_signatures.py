@@ -1,6 +1,7 @@
 """Every launcher passes its kernel the argument kinds its C signature declares, in order; the
 token-overlay launchers pass them in exactly the seed's order (arguments go by position, so a
-swap would launch garbage without any error)."""
+swap would launch garbage without any error). Every kernel has a ``KernelSpec`` whose parameter
+names and kinds are its source's, and a spec launch binds by name, so a swap cannot pass."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from pathlib import Path
 import pytest
 
 from gpu_runtime import DevicePtr, compiler
+from gpu_runtime.launch_spec import KernelSpec
 from gpu_runtime.signatures import parse_signatures
 from layers.ops import embed, gemm, ngram_decode, ngram_fused, residual, row_cache, token_overlay
+from layers.ops.specs import BATCHED_EMBED, SPECS
 from layers.weight_map import BF16, DenseWeight
 from tests.fakes import RecordingBackend
 
@@ -118,3 +121,52 @@ def test_overlay_launchers_follow_the_seed_position_for_position():
         assert launch.kinds == "".join(_KIND[k] for k, _ in chain), fn_name
         expected = [values[expr.strip()] for _, expr in chain]
         assert [int(a) for a in launch.args] == expected, fn_name
+
+
+# -- KernelSpec: named arguments ---------------------------------------------------------------
+def _sources() -> dict[str, dict]:
+    return {path.stem: parse_signatures(path.read_text()) for path in compiler.kernel_dir().glob("*.cu")}
+
+
+def test_every_kernel_has_one_spec_and_every_spec_a_kernel():
+    sources = _sources()
+    assert set(SPECS) == set(sources)
+    for module, specs in SPECS.items():
+        names = [spec.name for spec in specs]
+        assert sorted(names) == sorted(sources[module]), module
+        assert len(set(names)) == len(names), module
+
+
+@pytest.mark.parametrize("spec", [s for specs in SPECS.values() for s in specs], ids=lambda s: s.name)
+def test_spec_matches_its_kernel_source_names_and_kinds(spec):
+    (signature,) = [sigs[spec.name] for sigs in _sources().values() if spec.name in sigs]
+    spec.check_signature(signature, spec.name)  # raises on any difference
+    assert spec.params == signature and spec.params.names == signature.names
+
+
+def test_spec_with_two_same_kind_parameters_swapped_is_refused():
+    """batched_embed takes (ids, table, out, n, dim): a spec that names n and dim the other way
+    round has the same kinds, and is refused by name."""
+    swapped = KernelSpec("batched_embed", ids="P", table="P", out="P", dim="U", n="U")
+    (signature,) = [sigs["batched_embed"] for sigs in _sources().values() if "batched_embed" in sigs]
+    assert swapped.kinds == signature.kinds
+    with pytest.raises(TypeError, match=r"parameter 3 is n: u32 in the source, dim: u32 in spec"):
+        swapped.check_signature(signature, "embed_from_argmax.batched_embed")
+
+
+def test_arguments_bound_by_name_land_in_their_positions():
+    """Keywords in any order launch the kernel's order; a missing or unknown name is refused
+    before anything is launched."""
+    gpu = RecordingBackend()
+    k = gpu.kernel("embed_from_argmax", "batched_embed")
+    BATCHED_EMBED.launch(gpu, k, (2, 1, 1), (256, 1, 1), 3, dim=7, n=5, out=_p(2), table=_p(1), ids=_p(0))
+    (launch,) = gpu.launches
+    assert launch.kinds == "PPPUU" and launch.args == [int(_p(0)), int(_p(1)), int(_p(2)), 5, 7]
+    with pytest.raises(TypeError, match="missing 1 required keyword-only argument: 'dim'"):
+        BATCHED_EMBED.launch(gpu, k, (2, 1, 1), (256, 1, 1), 3, n=5, out=_p(2), table=_p(1), ids=_p(0))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'count'"):
+        BATCHED_EMBED.launch(gpu, k, (2, 1, 1), (256, 1, 1), 3, count=5, dim=7, out=_p(2), table=_p(1),
+                             ids=_p(0))
+    with pytest.raises(TypeError):  # arguments cannot be given by position
+        BATCHED_EMBED.launch(gpu, k, (2, 1, 1), (256, 1, 1), 3, _p(0), _p(1), _p(2), 5, 7)
+    assert len(gpu.launches) == 1

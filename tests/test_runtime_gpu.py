@@ -11,6 +11,7 @@ import pytest
 
 from gpu_runtime import (ClosedError, CudaBackend, CudaError, DeviceArray, DeviceBuffer, DevicePtr,
                          KernelLaunch, KernelNotFoundError)
+from gpu_runtime.launch_spec import KernelSpec
 from tests.helpers import DEVICE_MEMORY_MEASURABLE
 
 pytestmark = pytest.mark.gpu
@@ -88,6 +89,58 @@ def test_argument_mismatches_refused_before_launch(tgpu):
             KernelLaunch(tgpu, k).arg_ptr(out).arg_ptr(out).arg_i32(2).arg_f32(3).arg_u64(4).arg_ptr(out).launch(0)
     finally:
         tgpu.free(out)
+
+
+ADD_U32 = KernelSpec("add_u32", dst="P", src="P", add="U", n="U")
+
+
+def test_spec_launch_binds_by_name_and_refuses_a_swapped_spec(tgpu, rng):
+    """A KernelSpec launch reaches the kernel with each argument in its place (keywords in any
+    order, DeviceBuffers as pointers, from a second thread too); a spec naming two u32 the other
+    way round is refused at its first launch, before the driver."""
+    n = 5000
+    add = tgpu.kernel("runtime_test", "add_u32")
+    host = rng.integers(0, 2**31, n, dtype=np.uint32)
+    with DeviceBuffer.upload(tgpu, host) as src, DeviceBuffer(tgpu, 4 * n) as dst:
+        ADD_U32.launch(tgpu, add, (8, 1, 1), (256, 1, 1), 0, n=n, add=11, dst=dst, src=src)
+        back = np.empty(n, np.uint32)
+        tgpu.copy_d2h(back, dst)
+        np.testing.assert_array_equal(back, host + np.uint32(11))
+        thread = threading.Thread(target=lambda: ADD_U32.launch(tgpu, add, [8, 1, 1], [256, 1, 1], 0,
+                                                                dst=dst, src=dst, add=1, n=n))
+        thread.start()
+        thread.join()
+        tgpu.copy_d2h(back, dst)
+        np.testing.assert_array_equal(back, host + np.uint32(12))
+        swapped = KernelSpec("add_u32", dst="P", src="P", n="U", add="U")
+        with pytest.raises(TypeError, match="parameter 2 is add: u32 in the source, n: u32 in spec"):
+            swapped.launch(tgpu, add, (8, 1, 1), (256, 1, 1), 0, dst=dst, src=src, add=1, n=n)
+        with pytest.raises(ValueError, match="more than 1024 threads"):
+            ADD_U32.launch(tgpu, add, (8, 1, 1), (1024, 2, 1), 0, dst=dst, src=src, add=1, n=n)
+        tgpu.copy_d2h(back, dst)
+        np.testing.assert_array_equal(back, host + np.uint32(12))  # nothing ran
+
+
+def test_layer_spec_launch_equals_the_launcher(gpu, rng):
+    import ml_dtypes
+
+    from layers.ops import scaled_add
+    from layers.ops.specs import SCALED_ADD
+
+    n = 3001
+    kernel = gpu.kernel("residual_add", "bf16_scaled_add")
+    x = rng.standard_normal(n).astype(ml_dtypes.bfloat16)
+    base = rng.standard_normal(n).astype(ml_dtypes.bfloat16)
+    outs = []
+    with DeviceBuffer.upload(gpu, x) as xd, DeviceBuffer.upload(gpu, base) as a, \
+            DeviceBuffer.upload(gpu, base) as b:
+        scaled_add(gpu, kernel, a, xd, -0.37, n, 0)
+        SCALED_ADD.launch(gpu, kernel, (2, 1, 1), (256, 1, 1), 0, out=b, x=xd, scale=-0.37, n=n)
+        for buf in (a, b):
+            got = np.empty(n, ml_dtypes.bfloat16)
+            gpu.copy_d2h(got, buf)
+            outs.append(got.view(np.uint16))
+    np.testing.assert_array_equal(outs[0], outs[1])
 
 
 def test_param_info_check_without_source_signature(tgpu):
@@ -260,9 +313,10 @@ def test_two_threads_with_their_own_streams(tgpu, rng):
 
 
 def test_closed_backend_refuses_and_close_is_idempotent(gpu):
-    backend = CudaBackend()
+    backend = CudaBackend(kernel_dir=TEST_KERNELS)
     ptr = backend.alloc(1024)
-    backend.kernel("residual_add", "bf16_residual_add")
+    k = backend.kernel("runtime_test", "add_u32")
+    ADD_U32.launch(backend, k, (1, 1, 1), (32, 1, 1), 0, dst=ptr, src=ptr, add=1, n=1)
     backend.close()
     backend.close()
     with pytest.raises(ClosedError, match="CudaBackend is closed"):
@@ -270,7 +324,9 @@ def test_closed_backend_refuses_and_close_is_idempotent(gpu):
     with pytest.raises(ClosedError, match="CudaBackend is closed"):
         backend.memset(ptr, 0, 16)
     with pytest.raises(ClosedError):
-        KernelLaunch(backend, backend.kernel("residual_add", "bf16_residual_add"))
+        KernelLaunch(backend, backend.kernel("runtime_test", "add_u32"))
+    with pytest.raises(ClosedError, match="backend is closed"):
+        ADD_U32.launch(backend, k, (1, 1, 1), (32, 1, 1), 0, dst=ptr, src=ptr, add=1, n=1)
 
 
 def test_pinned_upload_events_and_cross_stream_wait(gpu, rng):

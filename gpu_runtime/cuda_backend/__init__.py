@@ -10,19 +10,19 @@ from typing import Sequence
 
 from ..backend import (DeviceCopies, Events, GpuBackend, Graphs, MappedHostMemory, PinnedHostMemory,
                        PitchedCopies)
-from . import context, graphs, host, kernels, memory, streams
+from . import context, graphs, host, kernels, launch, memory, streams
 from .graphs import CudaGraphs
 from .host import CudaHostMemory
-from .kernels import CudaKernels
+from .launch import CudaLaunch
 from .memory import CudaMemory
 from .streams import CudaStreams
 
-# The modules that call the driver, each through its own ``call`` and ``cu`` (a test that
-# replaces the driver replaces both in each; ``gpu_runtime.gpu`` does it for its callers).
-DRIVER_MODULES = (context, memory, host, streams, graphs, kernels)
+# The modules that call the driver, each through its own ``cu`` (and ``call``, where it checks a
+# status): a test that replaces the driver sets both in each (``gpu_runtime.gpu`` does it).
+DRIVER_MODULES = (context, memory, host, streams, graphs, kernels, launch)
 
 
-class CudaBackend(CudaKernels, CudaMemory, CudaHostMemory, CudaStreams, CudaGraphs, GpuBackend,
+class CudaBackend(CudaLaunch, CudaMemory, CudaHostMemory, CudaStreams, CudaGraphs, GpuBackend,
                   PinnedHostMemory, MappedHostMemory, Events, Graphs, PitchedCopies, DeviceCopies):
     """``GpuBackend`` on the CUDA driver API, on one device's primary context.
 

@@ -1,8 +1,9 @@
 """The device and its primary context: what every area of ``CudaBackend`` stands on.
 
 The context is made current on each thread at that thread's first call (``_bind``), which also
-gives the thread its own packed-argument plans; ``_live`` is the check every public call starts
-with: the backend is open, and bound on this thread.
+gives the thread its own packed-argument plans and tables of the launches it has checked;
+``_live`` is the check every public call starts with: the backend is open, and bound on this
+thread.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ class CudaContext:
         self.name = call(cu.cuDeviceGetName, 256, self._dev).split(b"\0")[0].decode()
         self._lock = threading.RLock()
         self._tls = threading.local()
-        self._tls.plans = {}
+        self._thread_tables: list[dict[Any, Any]] = []  # each thread's checked launches
+        self._bind_thread()
         # GPU_RUNTIME_OVERLAP=0 runs overlap=True launches as plain ones (a tool that cannot
         # follow programmatic dependent launches, or to rule them out when hunting a race).
         self.overlap = os.environ.get("GPU_RUNTIME_OVERLAP", "1") != "0"
@@ -57,15 +59,24 @@ class CudaContext:
     def closed(self) -> bool:
         return self._closed
 
-    def _bind(self) -> dict[str, ArgPlan]:
-        """Make the context current on this thread (once per thread); return its arg plans."""
-        try:
-            return self._tls.plans
-        except AttributeError:
+    def _bind(self) -> None:
+        """Make the context current on this thread, once per thread."""
+        if not hasattr(self._tls, "shapes"):
             validate.require_open(self._closed, "CudaBackend")
             call(cu.cuCtxSetCurrent, self._ctx)
-            self._tls.plans = {}
-            return self._tls.plans
+            self._bind_thread()
+
+    def _bind_thread(self) -> None:
+        """This thread's tables: argument plans by kinds; the (kernel, kinds) launch shapes and
+        the kernel -> ``KernelSpec`` pairs it has checked (cleared on close, so that a launch on
+        a closed backend meets the checks again, and their refusal)."""
+        shapes: dict[tuple[int, str], ArgPlan] = {}
+        specs: dict[int, Any] = {}
+        with self._lock:
+            self._thread_tables += [shapes, specs]
+        self._tls.plans = {}
+        self._tls.shapes = shapes
+        self._tls.specs = specs
 
     def _live(self) -> None:
         """Every public call's first check: the backend is open and bound on this thread."""

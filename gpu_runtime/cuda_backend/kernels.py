@@ -1,30 +1,27 @@
-"""Kernels: NVRTC modules loaded from ``.cu`` sources, and launches checked against them.
+"""Kernels: NVRTC modules loaded from ``.cu`` sources, and the checks a launch passes once.
 
-Every new (kernel, argument kinds) pair is checked once against the kernel's signature, read
-from its source, and against the parameter layout the driver reports; after that a launch only
-packs its values into the thread's prebuilt buffer and calls the driver.
+Every new (kernel, argument kinds) pair, or (kernel, ``KernelSpec``) pair, is checked once
+against the kernel's signature, read from its source, and against the parameter layout the
+driver reports; ``launch.py`` then only packs values and calls the driver.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 from pathlib import Path
-from typing import Any, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 from cuda.bindings import driver as cu
 
 from .. import compiler
 from ..driver import call
 from ..errors import ClosedError, CudaError, GpuError, KernelNotFoundError
+from ..launch_spec import KernelSpec
 from ..packing import ArgPlan, kinds_mismatch
 from ..pointers import KernelHandle
 from ..signatures import Signature, module_signatures
 from ..sources import source_path
 from .context import CudaContext
-
-_STATIC_SHARED = 48 * 1024  # more dynamic shared memory than this needs the kernel's opt-in
-
 
 class _Loaded(NamedTuple):
     module: str  # the source file's stem, for messages
@@ -37,7 +34,7 @@ class CudaKernels(CudaContext):
     _signatures: dict[Path, dict[str, Signature]]
     _kernels: dict[tuple[Any, str], KernelHandle]  # (source as given, name) -> handle
     _loaded: dict[int, _Loaded]
-    _checked: set[tuple[int, Any]]  # (kernel, kinds) pairs that passed the checks
+    _checked: set[tuple[int, Any]]  # (kernel, kinds or KernelSpec) pairs that passed the checks
     _shared_set: dict[int, int]  # kernel -> dynamic shared memory opted in to
 
     def _init_kernels(self) -> None:
@@ -55,6 +52,8 @@ class CudaKernels(CudaContext):
         self._kernels.clear()
         self._loaded.clear()
         self._checked.clear()
+        for table in self._thread_tables:  # every thread's: its next launch meets the checks again
+            table.clear()
 
     # -- loading ----------------------------------------------------------------------------
     def kernel(self, source: str | os.PathLike, name: str) -> KernelHandle:
@@ -101,29 +100,65 @@ class CudaKernels(CudaContext):
         return f"{loaded.module}.{loaded.name}"
 
     # -- checks, once per kernel and argument shape -----------------------------------------
-    def _check_launch(self, kernel: int, kinds: str, plan: ArgPlan) -> None:
-        """The kernel is ours, and the arguments match its signature (kinds read from the
-        source, offsets and sizes from ``cuFuncGetParamInfo``)."""
+    def _loaded_kernel(self, kernel: int) -> _Loaded:
         loaded = self._loaded.get(int(kernel))
         if loaded is None:
             if self._closed:
                 raise ClosedError(f"kernel handle 0x{int(kernel):x}: backend is closed")
             raise GpuError(f"kernel handle 0x{int(kernel):x}: not loaded by this backend")
+        return loaded
+
+    def _launch_shape(self, kernel: int, kinds: str) -> ArgPlan:
+        """A (kernel, kinds) pair new to this thread: bind the thread, check the pair (once per
+        backend), and return the thread's plan for ``kinds``."""
+        self._bind()
+        plan = self._tls.plans.get(kinds)
+        if plan is None:
+            plan = self._tls.plans[kinds] = ArgPlan(kinds)
+        if (int(kernel), kinds) not in self._checked:
+            self._check_launch(kernel, kinds, plan)
+        self._tls.shapes[(int(kernel), kinds)] = plan
+        return plan
+
+    def _check_launch(self, kernel: int, kinds: str, plan: ArgPlan) -> None:
+        """The kernel is ours, and the arguments match its signature (kinds read from the
+        source, offsets and sizes from ``cuFuncGetParamInfo``)."""
+        loaded = self._loaded_kernel(kernel)
         expected = self._signatures[loaded.path].get(loaded.name)
         where = f"{loaded.module}.{loaded.name}"
         if expected is not None and expected.kinds != kinds:
             raise TypeError(kinds_mismatch(where, expected.kinds, kinds))
-        layout = self._param_layout(kernel)
-        if layout is not None:  # None: this driver cannot report layouts
-            if len(layout) != len(kinds):
-                raise TypeError(f"{where}: takes {len(layout)} arguments, {len(kinds)} given")
-            for i, (offset, size) in enumerate(layout):
-                if (offset, size) != (plan.offsets[i], plan.sizes[i]):
-                    raise TypeError(
-                        f"{where}: argument {i} is {size} bytes at offset {offset}, "
-                        f"launch packs {plan.sizes[i]} bytes at offset {plan.offsets[i]}"
-                    )
+        self._check_layout(kernel, where, plan.offsets, plan.sizes)
         self._checked.add((int(kernel), kinds))
+
+    def _check_spec(self, kernel: int, spec: KernelSpec) -> None:
+        """As ``_check_launch``, for a spec (the source's parameter names count too); then
+        this thread launches ``kernel`` with ``spec`` without asking again."""
+        if not kernel:
+            raise ValueError(f"{spec.name}: null kernel handle (the kernel was not loaded)")
+        self._bind()
+        if (int(kernel), spec) not in self._checked:
+            loaded = self._loaded_kernel(kernel)
+            expected = self._signatures[loaded.path].get(loaded.name)
+            where = f"{loaded.module}.{loaded.name}"
+            if expected is not None:
+                spec.check_signature(expected, where)
+            self._check_layout(kernel, where, spec.offsets, spec.sizes)
+            self._checked.add((int(kernel), spec))
+        self._tls.specs[int(kernel)] = spec
+
+    def _check_layout(self, kernel: int, where: str, offsets: list[int], sizes: list[int]) -> None:
+        layout = self._param_layout(kernel)
+        if layout is None:  # this driver cannot report layouts
+            return
+        if len(layout) != len(sizes):
+            raise TypeError(f"{where}: takes {len(layout)} arguments, {len(sizes)} given")
+        for i, (offset, size) in enumerate(layout):
+            if (offset, size) != (offsets[i], sizes[i]):
+                raise TypeError(
+                    f"{where}: argument {i} is {size} bytes at offset {offset}, "
+                    f"launch packs {sizes[i]} bytes at offset {offsets[i]}"
+                )
 
     @staticmethod
     def _param_layout(kernel: int) -> list[tuple[int, int]] | None:
@@ -156,52 +191,3 @@ class CudaKernels(CudaContext):
         attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         call(cu.cuFuncSetAttribute, kernel, attr, shared_mem)
         self._shared_set[kernel] = shared_mem
-
-    # -- launch -----------------------------------------------------------------------------
-    def launch(self, kernel: KernelHandle, grid: tuple[int, int, int], block: tuple[int, int, int],
-               shared_mem: int, stream: int, kinds: str, args: Sequence[int | float], *,
-               overlap: bool = False) -> None:
-        try:
-            plans = self._tls.plans
-        except AttributeError:
-            plans = self._bind()
-        plan = plans.get(kinds)
-        if plan is None:
-            plan = plans[kinds] = ArgPlan(kinds)
-        if (kernel, kinds) not in self._checked:
-            self._check_launch(kernel, kinds, plan)
-        if shared_mem > _STATIC_SHARED and self._shared_set.get(kernel, 0) < shared_mem:
-            self._raise_shared_limit(kernel, shared_mem)
-        plan.packer.pack_into(plan.buffer, 0, *args)
-        if overlap and self.overlap:
-            config = _overlap_config(grid, block, shared_mem, stream)
-            (err,) = cu.cuLaunchKernelEx(config, kernel, plan.params, 0)
-            call_name = "cuLaunchKernelEx"
-        else:
-            gx, gy, gz = grid
-            bx, by, bz = block
-            (err,) = cu.cuLaunchKernel(kernel, gx, gy, gz, bx, by, bz, shared_mem, stream, plan.params, 0)
-            call_name = "cuLaunchKernel"
-        if err:
-            raise CudaError(err, call_name, f"{self.kernel_name(kernel)} grid={grid} "
-                            f"block={block} shared={shared_mem}")
-
-
-@functools.lru_cache(maxsize=256)
-def _overlap_config(grid: tuple[int, int, int], block: tuple[int, int, int], shared_mem: int,
-                    stream: int) -> Any:
-    """A ``CUlaunchConfig`` with programmatic stream serialisation (programmatic dependent launch):
-    the kernel may start while the previous kernel on the stream still runs, and waits for it
-    (``griddepcontrol.wait``) only where it reads that kernel's output. Built once per shape:
-    ``cuLaunchKernelEx`` reads it during the call."""
-    config = cu.CUlaunchConfig()
-    config.gridDimX, config.gridDimY, config.gridDimZ = grid
-    config.blockDimX, config.blockDimY, config.blockDimZ = block
-    config.sharedMemBytes = shared_mem
-    config.hStream = cu.CUstream(stream)
-    attr = cu.CUlaunchAttribute()
-    attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-    attr.value.programmaticStreamSerializationAllowed = 1
-    config.attrs = [attr]
-    config.numAttrs = 1
-    return config

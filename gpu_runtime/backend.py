@@ -86,7 +86,8 @@ class GpuBackend(ABC):
         grid, block, shared_mem = launch_config.check(grid, block, shared_mem)
         args = spec.values(values)
         if overlap:
-            self.launch(kernel, grid, block, shared_mem, stream, spec.kinds, args, overlap=True)  # type: ignore[call-arg]
+            self.launch(kernel, grid, block, shared_mem, stream, spec.kinds, args,  # type: ignore[call-arg]
+                        overlap=True)
         else:
             self.launch(kernel, grid, block, shared_mem, stream, spec.kinds, args)
 

@@ -18,7 +18,6 @@ from .backend import GpuBackend
 from .cuda_backend import DRIVER_MODULES, CudaBackend
 from .driver import call  # noqa: F401
 from .host_memory import HOST_PAGE, Host, host_view
-from .packing import ArgPlan as _ArgPlan  # noqa: F401
 from .pointers import DevicePtr, KernelHandle
 
 

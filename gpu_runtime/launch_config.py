@@ -41,6 +41,9 @@ def shared_bytes(nbytes: int) -> int:
     return validate.count(nbytes, "shared_mem", limit=1 << 32)
 
 
-def check(grid: Sequence[int], block: Sequence[int], shared_mem: int) -> tuple[tuple[int, int, int], tuple[int, int, int], int]:
+Dims = tuple[int, int, int]
+
+
+def check(grid: Sequence[int], block: Sequence[int], shared_mem: int) -> tuple[Dims, Dims, int]:
     """All three, normalised (tuples of ints); the first refusal raises."""
     return grid_dims(grid), block_dims(block), shared_bytes(shared_mem)

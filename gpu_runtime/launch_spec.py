@@ -149,7 +149,8 @@ def _launch_by_name(spec: KernelSpec) -> Callable[..., None]:
         f"        bad = True\n"
         f"    if bad:\n"
         f"        raise spec.refusal(({names}))\n"
-        f"    gpu.launch_spec(spec, kernel, grid, block, shared_mem, stream, plan.params, ({names}), overlap)\n"
+        f"    gpu.launch_spec(spec, kernel, grid, block, shared_mem, stream, plan.params, ({names}),\n"
+        f"                    overlap)\n"
     )
     namespace: dict[str, Any] = {
         "spec": spec, "local": threading.local(), "ArgPlan": ArgPlan,

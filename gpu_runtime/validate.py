@@ -46,23 +46,20 @@ def count(value: object, what: str, *, limit: int | None = None) -> int:
     """An integer >= 0 (and < ``limit``)."""
     if type(value) is int and value >= 0 and (limit is None or value < limit):
         return value
-    n = integer(value, what)
-    if limit is None:
-        if n < 0:
-            raise ValueError(f"{what} must be a non-negative int, got {n}")
-    elif not 0 <= n < limit:
-        raise ValueError(f"{what} must be in 0..{_bound(limit)}, got {n}")
-    return n
+    return _at_least(0, value, what, limit)
 
 
 def positive(value: object, what: str, *, limit: int | None = None) -> int:
     """An integer >= 1 (and < ``limit``)."""
+    return _at_least(1, value, what, limit)
+
+
+def _at_least(low: int, value: object, what: str, limit: int | None) -> int:
     n = integer(value, what)
-    if limit is None:
-        if n < 1:
-            raise ValueError(f"{what} must be an int >= 1, got {n}")
-    elif not 1 <= n < limit:
-        raise ValueError(f"{what} must be in 1..{_bound(limit)}, got {n}")
+    if limit is not None and not low <= n < limit:
+        raise ValueError(f"{what} must be in {low}..{_bound(limit)}, got {n}")
+    if n < low:
+        raise ValueError(f"{what} must be {'a non-negative int' if low == 0 else 'an int >= 1'}, got {n}")
     return n
 
 

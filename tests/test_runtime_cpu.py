@@ -8,8 +8,8 @@ import itertools
 import operator
 import os
 import struct
-import threading
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -178,7 +178,8 @@ def test_device_buffer_is_a_pointer_until_closed_then_refuses():
     buf.close()
     buf.close()  # idempotent: freed once
     assert buf.closed and int(ptr) not in gpu.mem and "closed" in repr(buf)
-    for use in (lambda: buf.ptr, lambda: int(buf), lambda: KernelLaunch(gpu, gpu.kernel("m", "k")).arg_ptr(buf)):
+    k = gpu.kernel("m", "k")
+    for use in (lambda: buf.ptr, lambda: int(buf), lambda: KernelLaunch(gpu, k).arg_ptr(buf)):
         with pytest.raises(ClosedError, match="DeviceBuffer is closed"):
             use()
 
@@ -678,21 +679,14 @@ def test_spec_launch_refusals_on_the_cuda_backend(scripted):
 def test_spec_launch_per_thread_and_closed_backend(scripted):
     gpu, driver, k = scripted
     ADD.launch(gpu, k, (1, 1, 1), (32, 1, 1), 0, dst=1, src=2, scale=1.0, n=3)
-    errors: list[BaseException] = []
 
     def other_thread(n: int) -> None:
-        try:
-            for _ in range(50):
-                ADD.launch(gpu, k, (1, 1, 1), (32, 1, 1), 0, dst=1, src=2, scale=1.0, n=n)
-        except BaseException as exc:
-            errors.append(exc)
+        for _ in range(50):
+            ADD.launch(gpu, k, (1, 1, 1), (32, 1, 1), 0, dst=1, src=2, scale=1.0, n=n)
 
-    threads = [threading.Thread(target=other_thread, args=(n,)) for n in (10, 20)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors and len(driver.launches) == 101
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(other_thread, (10, 20)))  # re-raises what a thread raised
+    assert len(driver.launches) == 101
     assert {raw[3] for *_, raw in driver.launches} == {struct.pack("<I", n) for n in (3, 10, 20)}
     gpu.close()
     with pytest.raises(ClosedError, match="backend is closed"):

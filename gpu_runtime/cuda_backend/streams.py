@@ -24,20 +24,28 @@ class CudaStreams(CudaContext):
         self._streams.clear()
         self._events.clear()
 
+    def _own(self, handles: set[int], handle: int) -> int:
+        with self._lock:
+            handles.add(handle)
+        return handle
+
+    def _disown(self, handles: set[int], handle: int, refusal: str) -> None:
+        """Take ``handle`` out of ``handles`` before destroying it; ``ValueError(refusal)`` if it
+        is not there (not ours, or destroyed already)."""
+        with self._lock:
+            if handle not in handles:
+                raise ValueError(refusal)
+            handles.discard(handle)
+
     # -- streams ----------------------------------------------------------------------------
     def create_stream(self) -> int:
         self._live()
-        stream = int(call(cu.cuStreamCreate, cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
-        with self._lock:
-            self._streams.add(stream)
-        return stream
+        stream = call(cu.cuStreamCreate, cu.CUstream_flags.CU_STREAM_NON_BLOCKING)
+        return self._own(self._streams, int(stream))
 
     def destroy_stream(self, stream: int) -> None:
         self._live()
-        with self._lock:
-            if stream not in self._streams:
-                raise ValueError(f"stream 0x{stream:x} was not created by this backend")
-            self._streams.discard(stream)
+        self._disown(self._streams, stream, f"stream 0x{stream:x} was not created by this backend")
         call(cu.cuStreamSynchronize, stream)
         call(cu.cuStreamDestroy, stream)
 
@@ -48,10 +56,8 @@ class CudaStreams(CudaContext):
     # -- events -----------------------------------------------------------------------------
     def create_event(self) -> int:
         self._live()
-        event = int(call(cu.cuEventCreate, cu.CUevent_flags.CU_EVENT_DISABLE_TIMING))
-        with self._lock:
-            self._events.add(event)
-        return event
+        event = call(cu.cuEventCreate, cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+        return self._own(self._events, int(event))
 
     def record_event(self, event: int, stream: int = 0) -> None:
         self._live()
@@ -67,8 +73,6 @@ class CudaStreams(CudaContext):
 
     def destroy_event(self, event: int) -> None:
         self._live()
-        with self._lock:
-            if event not in self._events:
-                raise ValueError(f"event 0x{event:x} was not created by this backend (or destroyed twice)")
-            self._events.discard(event)
+        self._disown(self._events, event,
+                     f"event 0x{event:x} was not created by this backend (or destroyed twice)")
         call(cu.cuEventDestroy, event)

@@ -8,11 +8,12 @@ from .device_array import DeviceArray
 from .driver import device_count
 from .errors import ClosedError, CudaError, GpuError, KernelNotFoundError, NoDeviceError, NvrtcError
 from .kernel_args import KernelLaunch
+from .launch_spec import KernelSpec
 from .pointers import DevicePtr, KernelHandle
 
 __all__ = [
     "ClosedError", "CudaBackend", "CudaError", "DeviceArray", "DeviceBuffer", "DeviceCopies",
     "DevicePtr", "Events", "GpuBackend", "GpuError", "Graphs", "KernelHandle", "KernelLaunch",
-    "KernelNotFoundError", "MappedHostMemory", "NoDeviceError", "NvrtcError", "PinnedHostMemory",
-    "PitchedCopies", "device_count",
+    "KernelNotFoundError", "KernelSpec", "MappedHostMemory", "NoDeviceError", "NvrtcError",
+    "PinnedHostMemory", "PitchedCopies", "device_count",
 ]

@@ -1,6 +1,10 @@
 """GpuBackends without a GPU: ``RecordingBackend`` records launches and does nothing;
 ``MemoryBackend`` keeps device memory in host arrays and emulates chosen kernels, so host logic
-(overlay slots, the row cache) runs end to end in CI."""
+(overlay slots, the row cache) runs end to end in CI.
+
+Both take ``KernelSpec`` launches through ``GpuBackend.launch_spec``'s own version, which checks
+them as ``CudaBackend`` does and hands the plain values to ``launch``: a spec launch is recorded
+exactly as the ``KernelLaunch`` of the same arguments."""
 
 from __future__ import annotations
 
@@ -154,8 +158,8 @@ class RecordingBackend(GpuBackend, PinnedHostMemory, MappedHostMemory, Events, P
 class MemoryBackend(GpuBackend, PinnedHostMemory, MappedHostMemory, Events):
     """Device memory simulated in host memory (fresh allocations read 0xEE); launches are
     recorded and the kernels named in ``emulate`` run as ``fn(gpu, args)``. Work is done at
-    once, so streams and events are no-ops; pinned buffers are ordinary arrays. ``close``
-    only marks it closed (what a ``DeviceBuffer`` looks at)."""
+    once, so streams and events are no-ops; pinned buffers are ordinary arrays. It is never
+    closed (a test may set ``closed`` to see what looks at it)."""
 
     closed = False
 
@@ -201,9 +205,6 @@ class MemoryBackend(GpuBackend, PinnedHostMemory, MappedHostMemory, Events):
         if module != self.module or name not in self.handles:
             raise KernelNotFoundError(f"{module}.{name}")
         return self.handles[name]
-
-    def close(self) -> None:
-        self.closed = True
 
     def alloc(self, nbytes: int) -> DevicePtr:
         assert nbytes > 0

@@ -9,7 +9,7 @@ kernel accepts null (the launchers let it be 0 today); every other pointer must 
 
 from __future__ import annotations
 
-from gpu_runtime.launch_spec import KernelSpec
+from gpu_runtime import KernelSpec
 
 # -- embed_from_argmax.cu --------------------------------------------------------------------
 BATCHED_EMBED = KernelSpec("batched_embed", ids="P", table="P", out="P", n="U", dim="U")

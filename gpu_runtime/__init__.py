@@ -1,13 +1,19 @@
 """A small CUDA runtime over cuda-python's driver API: memory, streams, NVRTC kernels, launches."""
 
+from .backend import (DeviceCopies, Events, GpuBackend, Graphs, MappedHostMemory, PinnedHostMemory,
+                      PitchedCopies)
+from .buffer import DeviceBuffer
+from .cuda_backend import CudaBackend
 from .device_array import DeviceArray
 from .driver import device_count
-from .errors import CudaError, GpuError, KernelNotFoundError, NoDeviceError, NvrtcError
-from .gpu import CudaBackend, DevicePtr, GpuBackend, KernelHandle
+from .errors import ClosedError, CudaError, GpuError, KernelNotFoundError, NoDeviceError, NvrtcError
 from .kernel_args import KernelLaunch
+from .launch_spec import KernelSpec
+from .pointers import DevicePtr, KernelHandle
 
 __all__ = [
-    "CudaBackend", "CudaError", "DeviceArray", "DevicePtr", "GpuBackend", "GpuError",
-    "KernelHandle", "KernelLaunch", "KernelNotFoundError", "NoDeviceError", "NvrtcError",
-    "device_count",
+    "ClosedError", "CudaBackend", "CudaError", "DeviceArray", "DeviceBuffer", "DeviceCopies",
+    "DevicePtr", "Events", "GpuBackend", "GpuError", "Graphs", "KernelHandle", "KernelLaunch",
+    "KernelNotFoundError", "KernelSpec", "MappedHostMemory", "NoDeviceError", "NvrtcError",
+    "PinnedHostMemory", "PitchedCopies", "device_count",
 ]

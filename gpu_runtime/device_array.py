@@ -12,7 +12,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .gpu import DevicePtr, GpuBackend
+from .backend import GpuBackend
+from .pointers import DevicePtr
 
 
 class DeviceArray:
@@ -80,7 +81,7 @@ class DeviceArray:
 
     # -- lifetime ---------------------------------------------------------------------------
     def free(self) -> None:
-        if self.owner and self.ptr and not getattr(self.gpu, "closed", False):
+        if self.owner and self.ptr and not self.gpu.closed:
             self.gpu.free(self.ptr)
         self.ptr = DevicePtr(0)
 

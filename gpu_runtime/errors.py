@@ -7,6 +7,10 @@ class GpuError(RuntimeError):
     """Base class of every error the runtime raises on purpose."""
 
 
+class ClosedError(GpuError):
+    """An object was used after ``close()``: a backend, a buffer, a layer, a cache..."""
+
+
 class NoDeviceError(GpuError):
     """No usable CUDA driver or device: GPU work cannot run on this machine.
 

@@ -10,34 +10,13 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from .gpu import DevicePtr, GpuBackend, KernelHandle
+from . import launch_config, validate
+from .backend import GpuBackend
+from .pointers import DevicePtr, KernelHandle
 
 _U32 = 1 << 32
 _U64 = 1 << 64
 _I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
-_GRID_MAX = ((1 << 31) - 1, 65535, 65535)
-_BLOCK_MAX = (1024, 1024, 64)
-
-
-def _int(value: object, what: str) -> int:
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    try:  # numpy integers and other exact integer types
-        if isinstance(value, bool):
-            raise TypeError
-        return value.__index__()  # type: ignore[attr-defined]
-    except (AttributeError, TypeError):
-        raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r}") from None
-
-
-def _dims(dims: Sequence[int], limits: tuple[int, int, int], what: str) -> tuple[int, int, int]:
-    if len(dims) != 3:
-        raise ValueError(f"{what} must have 3 dimensions, got {list(dims)}")
-    out = tuple(_int(d, what) for d in dims)
-    for d, limit in zip(out, limits):
-        if not 1 <= d <= limit:
-            raise ValueError(f"{what} {list(out)}: each dimension must be in 1..{list(limits)}")
-    return out  # type: ignore[return-value]
 
 
 class KernelLaunch:
@@ -62,39 +41,40 @@ class KernelLaunch:
         return cls(gpu, kernel)
 
     # Each setter has a fast path for plain in-range ints (the common case, a few hundred ns
-    # cheaper) and falls back to the general conversion and checks, which also phrase errors.
+    # cheaper; limits written as literals, which Python loads faster than names) and falls back
+    # to the general conversion and checks, which also phrase errors.
     def grid(self, dims: Sequence[int]) -> "KernelLaunch":
-        if len(dims) == 3:
+        try:
             x, y, z = dims
+        except (TypeError, ValueError):
+            pass
+        else:
             if (type(x) is int and type(y) is int and type(z) is int
                     and 0 < x <= 2147483647 and 0 < y <= 65535 and 0 < z <= 65535):
                 self._grid = (x, y, z)
                 return self
-        self._grid = _dims(dims, _GRID_MAX, "grid")
+        self._grid = launch_config.grid_dims(dims)
         return self
 
     def block(self, dims: Sequence[int]) -> "KernelLaunch":
-        if len(dims) == 3:
+        try:
             x, y, z = dims
+        except (TypeError, ValueError):
+            pass
+        else:
             if (type(x) is int and type(y) is int and type(z) is int
                     and 0 < x and 0 < y and 0 < z <= 64 and x * y * z <= 1024):
                 self._block = (x, y, z)
                 return self
-        block = _dims(dims, _BLOCK_MAX, "block")
-        if block[0] * block[1] * block[2] > 1024:
-            raise ValueError(f"block {list(block)}: more than 1024 threads")
-        self._block = block
+        self._block = launch_config.block_dims(dims)
         return self
 
     def shared_mem(self, nbytes: int) -> "KernelLaunch":
-        nbytes = _int(nbytes, "shared_mem")
-        if not 0 <= nbytes < _U32:
-            raise ValueError(f"shared_mem must be in 0..2**32-1, got {nbytes}")
-        self._shared = nbytes
+        self._shared = launch_config.shared_bytes(nbytes)
         return self
 
     def _push_int(self, kind: str, value: int, low: int, high: int, what: str) -> "KernelLaunch":
-        value = _int(value, f"{what} argument")
+        value = validate.integer(value, f"{what} argument")
         if not low <= value < high:
             raise ValueError(f"argument {len(self._args)}: {value} does not fit {what}")
         self._kinds += kind
@@ -109,7 +89,7 @@ class KernelLaunch:
         return self._push_int("P", ptr, 0, _U64, "pointer")
 
     def arg_u32(self, value: int) -> "KernelLaunch":
-        if type(value) is int and 0 <= value < _U32:
+        if type(value) is int and 0 <= value <= 0xFFFFFFFF:
             self._kinds += "U"
             self._args.append(value)
             return self

@@ -1,8 +1,9 @@
-"""Kernel signatures read from ``.cu`` source: the argument kinds each kernel takes, by position.
+"""Kernel signatures read from ``.cu`` source: each kernel's parameters, by name and kind.
 
 Arguments are passed by position, so a launcher that swaps two ``uint32_t`` or passes a pointer
 where a length belongs launches garbage. The backend checks every new (kernel, argument kinds)
-pair against the signature read here, and a CPU test checks every launcher against it.
+pair against the signature read here, a ``KernelSpec`` is checked against the names too, and a
+CPU test checks every launcher and spec against it.
 
 Kinds: ``P`` pointer (any ``T*``), ``U`` u32, ``I`` i32, ``F`` f32, ``L`` u64.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Iterable, NamedTuple
 
 _KERNEL = re.compile(
     r'extern\s+"C"\s+__global__\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?void\s+'
@@ -32,6 +34,58 @@ _SCALAR_KINDS = {
 }
 
 
+class Param(NamedTuple):
+    """One kernel parameter: its C name and its kind letter."""
+
+    name: str
+    kind: str
+
+
+class Signature(tuple):
+    """A kernel's parameters in order (a tuple of ``Param``); ``kinds`` is their kind letters.
+
+    Transitional: a signature also compares equal to its kinds string and concatenates with a
+    string, as the kinds strings it replaces did, so that callers comparing ``sig == "PPU"``
+    keep working until they compare ``sig.kinds``.
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, params: Iterable[Param] = ()) -> "Signature":
+        return super().__new__(cls, params)
+
+    @property
+    def kinds(self) -> str:
+        return "".join(p.kind for p in self)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(p.name for p in self)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, str):
+            return self.kinds == other
+        return tuple.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    __hash__ = tuple.__hash__
+
+    def __add__(self, other: object):  # type: ignore[override]
+        if isinstance(other, str):
+            return self.kinds + other
+        return Signature(tuple.__add__(self, other))  # type: ignore[arg-type]
+
+    def __radd__(self, other: object) -> str:
+        if isinstance(other, str):
+            return other + self.kinds
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return f"Signature({', '.join(f'{p.name}:{p.kind}' for p in self)})"
+
+
 def param_kind(decl: str) -> str:
     """Kind letter of one C parameter declaration such as ``const bf16* __restrict__ x``."""
     if "*" in decl:
@@ -44,15 +98,23 @@ def param_kind(decl: str) -> str:
         raise ValueError(f"unsupported kernel parameter type in {decl!r}") from None
 
 
-def parse_signatures(source: str) -> dict[str, str]:
-    """``{kernel name: kinds}`` for every ``extern "C" __global__`` kernel in ``source``."""
+def param_name(decl: str) -> str:
+    """The name of one C parameter declaration (``x`` of ``const bf16* __restrict__ x``)."""
+    name = decl.replace("*", " ").replace("&", " ").split()[-1]
+    if not name.isidentifier():
+        raise ValueError(f"no parameter name in {decl!r}")
+    return name
+
+
+def parse_signatures(source: str) -> dict[str, Signature]:
+    """``{kernel name: Signature}`` for every ``extern "C" __global__`` kernel in ``source``."""
     text = _COMMENTS.sub(" ", source)
-    out: dict[str, str] = {}
+    out: dict[str, Signature] = {}
     for name, params in _KERNEL.findall(text):
         decls = [p.strip() for p in params.split(",") if p.strip() and p.strip() != "void"]
-        out[name] = "".join(param_kind(d) for d in decls)
+        out[name] = Signature(Param(param_name(d), param_kind(d)) for d in decls)
     return out
 
 
-def module_signatures(path: Path) -> dict[str, str]:
+def module_signatures(path: Path) -> dict[str, Signature]:
     return parse_signatures(Path(path).read_text())

@@ -1,6 +1,10 @@
 """GpuBackends without a GPU: ``RecordingBackend`` records launches and does nothing;
 ``MemoryBackend`` keeps device memory in host arrays and emulates chosen kernels, so host logic
-(overlay slots, the row cache) runs end to end in CI."""
+(overlay slots, the row cache) runs end to end in CI.
+
+Both take ``KernelSpec`` launches through ``GpuBackend.launch_spec``'s own version, which checks
+them as ``CudaBackend`` does and hands the plain values to ``launch``: a spec launch is recorded
+exactly as the ``KernelLaunch`` of the same arguments."""
 
 from __future__ import annotations
 
@@ -12,8 +16,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from gpu_runtime import DevicePtr, GpuBackend, KernelHandle, KernelNotFoundError
-from gpu_runtime.gpu import host_view
+from gpu_runtime import (DevicePtr, Events, GpuBackend, KernelHandle, KernelNotFoundError,
+                         MappedHostMemory, PinnedHostMemory, PitchedCopies)
+from gpu_runtime.host_memory import host_view
+from gpu_runtime.sources import module_of
 
 
 @dataclass
@@ -29,8 +35,9 @@ class Launch:
 
 
 @dataclass
-class RecordingBackend(GpuBackend):
-    """Kernels are named handles 1, 2, ...; ``missing`` names (module, kernel) pairs to refuse."""
+class RecordingBackend(GpuBackend, PinnedHostMemory, MappedHostMemory, Events, PitchedCopies):
+    """Kernels are named handles 1, 2, ...; ``missing`` names (module, kernel) pairs to refuse.
+    ``kernel`` takes a source path or a bare module name; both record the module name."""
 
     missing: set[tuple[str, str]] = field(default_factory=set)
     launches: list[Launch] = field(default_factory=list)
@@ -38,8 +45,10 @@ class RecordingBackend(GpuBackend):
     names: dict[int, tuple[str, str]] = field(default_factory=dict)
     ops: list[tuple[Any, ...]] = field(default_factory=list)
     next_ptr: int = 0x10000
+    closed: bool = False
 
-    def kernel(self, module: str, name: str) -> KernelHandle:
+    def kernel(self, source: Any, name: str) -> KernelHandle:
+        module = module_of(source)
         if (module, name) in self.missing or (module, "*") in self.missing:
             raise KernelNotFoundError(f"{module}.{name}")
         if (module, name) not in self.handles:
@@ -96,6 +105,9 @@ class RecordingBackend(GpuBackend):
         self.host_mapped.pop(array.ctypes.data, None)
         self.ops.append(("free_host", array.ctypes.data))
 
+    def upload_pinned_async(self, host: np.ndarray, dst: int, stream: int = 0) -> None:
+        self.ops.append(("h2d", host.tobytes(), dst, stream))
+
     def host_device_ptr(self, array: np.ndarray) -> DevicePtr:
         addr = array.ctypes.data
         for base, (size, dev) in [*self.host_mapped.items(), *self.registered.items()]:
@@ -121,6 +133,9 @@ class RecordingBackend(GpuBackend):
     def record_event(self, event: int, stream: int = 0) -> None:
         pass
 
+    def wait_event(self, stream: int, event: int) -> None:
+        pass
+
     def event_synchronize(self, event: int) -> None:
         pass
 
@@ -140,10 +155,13 @@ class RecordingBackend(GpuBackend):
         return self.names[launch.kernel]
 
 
-class MemoryBackend(GpuBackend):
+class MemoryBackend(GpuBackend, PinnedHostMemory, MappedHostMemory, Events):
     """Device memory simulated in host memory (fresh allocations read 0xEE); launches are
     recorded and the kernels named in ``emulate`` run as ``fn(gpu, args)``. Work is done at
-    once, so streams and events are no-ops; pinned buffers are ordinary arrays."""
+    once, so streams and events are no-ops; pinned buffers are ordinary arrays. It is never
+    closed (a test may set ``closed`` to see what looks at it)."""
+
+    closed = False
 
     def __init__(self, module: str, names: Sequence[str],
                  emulate: dict[str, Callable[["MemoryBackend", list], None]] | None = None) -> None:
@@ -182,7 +200,8 @@ class MemoryBackend(GpuBackend):
         dtype = np.dtype(dtype)
         return self.read(ptr, count * dtype.itemsize).view(dtype)
 
-    def kernel(self, module: str, name: str) -> KernelHandle:
+    def kernel(self, source: Any, name: str) -> KernelHandle:
+        module = module_of(source)
         if module != self.module or name not in self.handles:
             raise KernelNotFoundError(f"{module}.{name}")
         return self.handles[name]

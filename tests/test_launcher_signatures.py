@@ -1,17 +1,26 @@
 """Every launcher passes its kernel the argument kinds its C signature declares, in order; the
 token-overlay launchers pass them in exactly the seed's order (arguments go by position, so a
-swap would launch garbage without any error)."""
+swap would launch garbage without any error). Every kernel has a ``KernelSpec`` whose parameter
+names and kinds are its source's, and a spec launch binds by name, so a swap cannot pass."""
 
 from __future__ import annotations
 
+import ctypes
+import inspect
+import itertools
 import re
+import struct
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from gpu_runtime import DevicePtr, compiler
+from gpu_runtime import (ClosedError, CudaBackend, CudaError, DevicePtr, GpuError, KernelHandle,
+                         KernelLaunch, KernelSpec, compiler, packing)
 from gpu_runtime.signatures import parse_signatures
 from layers.ops import embed, gemm, ngram_decode, ngram_fused, residual, row_cache, token_overlay
+from layers.ops.specs import BATCHED_EMBED, SPECS
 from layers.weight_map import BF16, DenseWeight
 from tests.fakes import RecordingBackend
 
@@ -118,3 +127,262 @@ def test_overlay_launchers_follow_the_seed_position_for_position():
         assert launch.kinds == "".join(_KIND[k] for k, _ in chain), fn_name
         expected = [values[expr.strip()] for _, expr in chain]
         assert [int(a) for a in launch.args] == expected, fn_name
+
+
+# -- KernelSpec: named arguments ---------------------------------------------------------------
+def _sources() -> dict[str, dict]:
+    return {path.stem: parse_signatures(path.read_text()) for path in compiler.kernel_dir().glob("*.cu")}
+
+
+def test_every_kernel_has_one_spec_and_every_spec_a_kernel():
+    sources = _sources()
+    assert set(SPECS) == set(sources)
+    for module, specs in SPECS.items():
+        names = [spec.name for spec in specs]
+        assert sorted(names) == sorted(sources[module]), module
+        assert len(set(names)) == len(names), module
+
+
+@pytest.mark.parametrize("spec", [s for specs in SPECS.values() for s in specs], ids=lambda s: s.name)
+def test_spec_matches_its_kernel_source_names_and_kinds(spec):
+    (signature,) = [sigs[spec.name] for sigs in _sources().values() if spec.name in sigs]
+    spec.check_signature(signature, spec.name)  # raises on any difference
+    assert spec.params == signature and spec.params.names == signature.names
+
+
+def test_spec_with_two_same_kind_parameters_swapped_is_refused():
+    """batched_embed takes (ids, table, out, n, dim): a spec that names n and dim the other way
+    round has the same kinds, and is refused by name."""
+    swapped = KernelSpec("batched_embed", ids="P", table="P", out="P", dim="U", n="U")
+    (signature,) = [sigs["batched_embed"] for sigs in _sources().values() if "batched_embed" in sigs]
+    assert swapped.kinds == signature.kinds
+    with pytest.raises(TypeError, match=r"parameter 3 is n: u32 in the source, dim: u32 in spec"):
+        swapped.check_signature(signature, "embed_from_argmax.batched_embed")
+
+
+def test_arguments_bound_by_name_land_in_their_positions():
+    """Keywords in any order launch the kernel's order; a missing or unknown name is refused
+    before anything is launched."""
+    gpu = RecordingBackend()
+    k = gpu.kernel("embed_from_argmax", "batched_embed")
+    BATCHED_EMBED.launch(gpu, k, (2, 1, 1), (256, 1, 1), 3, dim=7, n=5, out=_p(2), table=_p(1), ids=_p(0))
+    (launch,) = gpu.launches
+    assert launch.kinds == "PPPUU" and launch.args == [int(_p(0)), int(_p(1)), int(_p(2)), 5, 7]
+    with pytest.raises(TypeError, match="missing 1 required keyword-only argument: 'dim'"):
+        BATCHED_EMBED.launch(gpu, k, (2, 1, 1), (256, 1, 1), 3, n=5, out=_p(2), table=_p(1), ids=_p(0))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'count'"):
+        BATCHED_EMBED.launch(gpu, k, (2, 1, 1), (256, 1, 1), 3, count=5, dim=7, out=_p(2), table=_p(1),
+                             ids=_p(0))
+    with pytest.raises(TypeError):  # arguments cannot be given by position
+        BATCHED_EMBED.launch(gpu, k, (2, 1, 1), (256, 1, 1), 3, _p(0), _p(1), _p(2), 5, 7)
+    assert len(gpu.launches) == 1
+
+
+# -- KernelSpec: its own checks and CudaBackend's -----------------------------------------------------------------------------
+ADD = KernelSpec("add", dst="P", src="P", scale="F", n="U")
+_ADD_SOURCE = ('extern "C" __global__ void add(float* dst, const float* src, float scale, unsigned n) {\n'
+               '    if (threadIdx.x < n) dst[threadIdx.x] += scale * src[threadIdx.x];\n}\n')
+
+
+def test_kernel_spec_names_kinds_and_launch_signature():
+    assert ADD.kinds == "PPFU" and ADD.params.names == ("dst", "src", "scale", "n") and not ADD.nullable
+    assert (ADD.offsets, ADD.sizes) == ([0, 8, 16, 20], [8, 8, 4, 4])
+    assert repr(ADD) == "KernelSpec('add', dst='P', src='P', scale='F', n='U')"
+    assert str(inspect.signature(ADD.launch)) == (
+        "(gpu, kernel, grid, block, stream, /, *, dst, src, scale, n, shared_mem=0, overlap=False)")
+    with pytest.raises(ValueError, match="is not a kind"):
+        KernelSpec("k", n="Q")
+    with pytest.raises(ValueError, match="is not a kind"):
+        KernelSpec("k", n="U?")
+    for bad in ("overlap", "shared_mem", "_x", "lambda"):
+        with pytest.raises(ValueError, match="cannot name a parameter"):
+            KernelSpec("k", **{bad: "U"})
+
+
+def test_nullable_pointer_spec():
+    spec = KernelSpec("k", a="P", b="P?", n="U")
+    assert spec.kinds == "PPU" and spec.nullable == {"b"}
+    assert repr(spec) == "KernelSpec('k', a='P', b='P?', n='U')"
+    gpu = RecordingBackend()
+    k = gpu.kernel("m", "k")
+    spec.launch(gpu, k, (1, 1, 1), (1, 1, 1), 0, a=16, b=0, n=1)
+    with pytest.raises(ValueError, match="k a: null device pointer"):
+        spec.launch(gpu, k, (1, 1, 1), (1, 1, 1), 0, a=0, b=16, n=1)
+    assert [launch.args for launch in gpu.launches] == [[16, 0, 1]]
+
+
+def test_spec_launch_records_like_a_kernel_launch():
+    gpu = RecordingBackend()
+    k = gpu.kernel("m", "add")
+    ADD.launch(gpu, k, [3, 1, 1], (64, 1, 1), 9, n=np.uint32(7), scale=np.float32(0.5), src=DevicePtr(16),
+               dst=32, shared_mem=128, overlap=True)
+    KernelLaunch(gpu, k).grid([3, 1, 1]).block([64, 1, 1]).shared_mem(128).arg_ptr(32).arg_ptr(16) \
+        .arg_f32(0.5).arg_u32(7).launch(9, overlap=True)
+    spec_launch, builder_launch = gpu.launches
+    assert spec_launch == builder_launch
+    assert [type(a) for a in spec_launch.args] == [int, int, float, int]
+
+
+@pytest.mark.parametrize("over, error, message", [
+    (dict(n=2**32), ValueError, r"^add n must be in 0\.\.2\*\*32-1, got 4294967296$"),
+    (dict(n=-1), ValueError, r"add n must be in 0\.\.2\*\*32-1, got -1"),
+    (dict(n=1.5), TypeError, r"^add n must be an int, got float 1\.5$"),
+    (dict(n="3"), TypeError, r"add n must be an int"),
+    (dict(n=True), TypeError, r"add n must be an int, got bool"),
+    (dict(dst=0), ValueError, r"^add dst: null device pointer$"),
+    (dict(dst=-1), ValueError, r"add dst: device pointer out of range: -1"),
+    (dict(src=None), TypeError, r"add src must be an int"),
+    (dict(src=np.zeros(2)), TypeError, r"add src must be an int"),
+    (dict(scale=1e39), ValueError, r"^add scale: 1e\+39 overflows f32$"),
+    (dict(scale="x"), TypeError, r"add scale must be a real number"),
+    (dict(grid=(0, 1, 1)), ValueError, r"each dimension must be in 1\.\."),
+    (dict(block=(2048, 1, 1)), ValueError, r"each dimension must be in 1\.\."),
+    (dict(block=(32, 1)), ValueError, "3 dimensions"),
+    (dict(shared_mem=-1), ValueError, "shared_mem"),
+    (dict(kernel=KernelHandle(0)), ValueError, "add: null kernel handle"),
+])
+def test_spec_launch_refusals_name_kernel_and_parameter(over, error, message):
+    gpu = RecordingBackend()
+    args = dict(kernel=gpu.kernel("m", "add"), grid=(1, 1, 1), block=(32, 1, 1), dst=32, src=16,
+                scale=0.5, n=7)
+    args.update(over)
+    kernel, grid, block = args.pop("kernel"), args.pop("grid"), args.pop("block")
+    with pytest.raises(error, match=message):
+        ADD.launch(gpu, kernel, grid, block, 0, **args)
+    assert gpu.launches == []
+
+
+class _ScriptedDriver:
+    """A driver for ``CudaBackend`` without a GPU (set as ``gpu_runtime.gpu.call``): handles
+    from a counter, a parameter layout per kernel, and launches recorded with the bytes their
+    arguments point at."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, sizes: list[int]) -> None:
+        from cuda.bindings import driver as cu
+
+        import gpu_runtime.gpu as seam
+        self.cu, self.sizes = cu, sizes
+        self.handles = itertools.count(0x7F00_0000_0000, 1 << 20)
+        self.launches: list[tuple] = []
+        self.layout_queries = 0
+        self.fail_with = None
+        monkeypatch.setattr(seam, "call", self.call)
+        monkeypatch.setattr(seam.driver, "init", lambda: None)
+        monkeypatch.setattr(seam.driver, "device_count", lambda: 1)
+        monkeypatch.setattr(seam.driver, "compute_capability", lambda device: (9, 0))
+        monkeypatch.setattr(cu, "cuFuncGetParamCount", lambda k: (cu.CUresult.CUDA_SUCCESS, len(sizes)),
+                            raising=False)
+        monkeypatch.setattr(cu, "cuFuncGetParamInfo", self.param_info)
+        monkeypatch.setattr(cu, "cuLaunchKernel", self.launch)
+        monkeypatch.setattr(cu, "cuLaunchKernelEx", self.launch_ex)
+
+    def call(self, fn, *args, detail=""):
+        name = fn.__name__
+        if name == "cuDeviceGetName":
+            return b"scripted\0"
+        if name in ("cuModuleLoadData", "cuModuleGetFunction", "cuStreamCreate"):
+            return next(self.handles)
+        return 0
+
+    def param_info(self, kernel, i):
+        self.layout_queries += 1
+        offsets, _ = packing.layout("".join({8: "P", 4: "U"}[s] for s in self.sizes))
+        return self.cu.CUresult.CUDA_SUCCESS, offsets[i], self.sizes[i]
+
+    def _record(self, how, kernel, config, params):
+        pointers = (ctypes.c_void_p * len(self.sizes)).from_address(params)
+        raw = [ctypes.string_at(pointers[i], s) for i, s in enumerate(self.sizes)]
+        self.launches.append((how, int(kernel), config, raw))
+        return (self.fail_with or self.cu.CUresult.CUDA_SUCCESS,)
+
+    def launch(self, kernel, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        if not all(type(d) is int and d >= 0 for d in (gx, gy, gz, bx, by, bz)):
+            raise TypeError("the bindings take unsigned ints")  # as cuda.bindings' conversion
+        invalid = not (gx and gy and gz and bx and by and bz) or bx * by * bz > 1024
+        if invalid:
+            return (self.cu.CUresult.CUDA_ERROR_INVALID_VALUE,)
+        return self._record("plain", kernel, ((gx, gy, gz), (bx, by, bz), shared, stream), params)
+
+    def launch_ex(self, config, kernel, params, extra):
+        grid = (config.gridDimX, config.gridDimY, config.gridDimZ)
+        return self._record("overlap", kernel, (grid, config.sharedMemBytes), params)
+
+
+@pytest.fixture
+def scripted(monkeypatch, tmp_path):
+    """(backend, driver, kernel): a CudaBackend on the scripted driver and the ``add`` kernel,
+    compiled for real (NVRTC) from a source given by path."""
+    monkeypatch.setenv("GPU_RUNTIME_CACHE_DIR", str(tmp_path / "cache"))
+    driver = _ScriptedDriver(monkeypatch, [8, 8, 4, 4])
+    src = tmp_path / "add.cu"
+    src.write_text(_ADD_SOURCE)
+    gpu = CudaBackend()
+    return gpu, driver, gpu.kernel(src, "add")
+
+
+def _packed(dst, src, scale, n):
+    return [struct.pack("<Q", dst), struct.pack("<Q", src), struct.pack("<f", scale), struct.pack("<I", n)]
+
+
+def test_spec_launch_packs_the_kernel_arguments_once_checked(scripted):
+    gpu, driver, k = scripted
+    for n in (7, 8):
+        ADD.launch(gpu, k, (2, 1, 1), (64, 1, 1), 5, n=n, scale=0.25, src=0x2000, dst=DevicePtr(0x1000))
+    ADD.launch(gpu, k, (2, 1, 1), (64, 1, 1), 5, n=9, scale=0.25, src=0x2000, dst=0x1000, overlap=True)
+    assert [(how, config) for how, _, config, _ in driver.launches] == [
+        ("plain", ((2, 1, 1), (64, 1, 1), 0, 5))] * 2 + [("overlap", ((2, 1, 1), 0))]
+    assert [raw for *_, raw in driver.launches] == [_packed(0x1000, 0x2000, 0.25, n) for n in (7, 8, 9)]
+    assert driver.layout_queries == 4  # the layout is asked once per kernel and spec, not per launch
+
+
+def test_spec_refused_against_the_source_at_its_first_launch(scripted):
+    gpu, driver, k = scripted
+    swapped = KernelSpec("add", src="P", dst="P", scale="F", n="U")  # same kinds, names swapped
+    with pytest.raises(TypeError, match=r"add\.add: parameter 0 is dst: pointer in the source, "
+                                        r"src: pointer in spec add"):
+        swapped.launch(gpu, k, (1, 1, 1), (32, 1, 1), 0, src=1, dst=2, scale=1.0, n=3)
+    short = KernelSpec("add", dst="P", src="P", scale="F")
+    with pytest.raises(TypeError, match="the source has 4 parameters"):
+        short.launch(gpu, k, (1, 1, 1), (32, 1, 1), 0, src=1, dst=2, scale=1.0)
+    assert driver.launches == []
+
+
+def test_spec_launch_refusals_on_the_cuda_backend(scripted):
+    gpu, driver, k = scripted
+    good = dict(dst=1, src=2, scale=1.0, n=3)
+    with pytest.raises(ValueError, match=r"add n must be in 0\.\.2\*\*32-1"):
+        ADD.launch(gpu, k, (1, 1, 1), (32, 1, 1), 0, **{**good, "n": 2**32})
+    with pytest.raises(ValueError, match="more than 1024 threads"):  # the driver refused; phrased
+        ADD.launch(gpu, k, (1, 1, 1), (32, 32, 2), 0, **good)
+    with pytest.raises(TypeError, match="grid must be an int"):  # the bindings refused; phrased
+        ADD.launch(gpu, k, (1.5, 1, 1), (32, 1, 1), 0, **good)
+    with pytest.raises(ValueError, match="null kernel handle"):
+        ADD.launch(gpu, KernelHandle(0), (1, 1, 1), (32, 1, 1), 0, **good)
+    with pytest.raises(GpuError, match="not loaded by this backend"):
+        ADD.launch(gpu, KernelHandle(0xDEAD), (1, 1, 1), (32, 1, 1), 0, **good)
+    driver.fail_with = driver.cu.CUresult.CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES
+    with pytest.raises(CudaError, match=r"CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES: cuLaunchKernel \(add\.add"):
+        ADD.launch(gpu, k, (1, 1, 1), (32, 1, 1), 0, **good)
+    driver.fail_with = None
+    ADD.launch(gpu, k, (1, 1, 1), (32, 1, 1), 0, **good)  # still usable
+    assert len(driver.launches) == 2
+
+
+def test_spec_launch_per_thread_and_closed_backend(scripted):
+    gpu, driver, k = scripted
+    ADD.launch(gpu, k, (1, 1, 1), (32, 1, 1), 0, dst=1, src=2, scale=1.0, n=3)
+
+    def other_thread(n: int) -> None:
+        for _ in range(50):
+            ADD.launch(gpu, k, (1, 1, 1), (32, 1, 1), 0, dst=1, src=2, scale=1.0, n=n)
+
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(other_thread, (10, 20)))  # re-raises what a thread raised
+    assert len(driver.launches) == 101
+    assert {raw[3] for *_, raw in driver.launches} == {struct.pack("<I", n) for n in (3, 10, 20)}
+    gpu.close()
+    with pytest.raises(ClosedError, match="backend is closed"):
+        ADD.launch(gpu, k, (1, 1, 1), (32, 1, 1), 0, dst=1, src=2, scale=1.0, n=3)
+    with pytest.raises(ClosedError, match="backend is closed"):
+        KernelLaunch(gpu, k).arg_ptr(1).arg_ptr(2).arg_f32(1.0).arg_u32(3).launch(0)
+    assert len(driver.launches) == 101

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import operator
 import os
 import struct
 import traceback
@@ -11,12 +12,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpu_runtime import (CudaBackend, CudaError, DevicePtr, KernelHandle, KernelLaunch,
-                         NoDeviceError, NvrtcError, compiler, device_count)
-from gpu_runtime.gpu import _ArgPlan
-from gpu_runtime.signatures import parse_signatures
+from gpu_runtime import (ClosedError, CudaBackend, CudaError, DeviceBuffer, DeviceCopies, DevicePtr, Events,
+                         GpuBackend, GpuError, Graphs, KernelHandle, KernelLaunch, MappedHostMemory,
+                         NoDeviceError, NvrtcError, PinnedHostMemory, PitchedCopies, compiler,
+                         device_count, validate)
+from gpu_runtime.packing import ArgPlan
+from gpu_runtime.signatures import Param, Signature, parse_signatures
+from gpu_runtime.sources import module_of, source_path
 from layers.ops.loading import try_kernel
-from tests.fakes import RecordingBackend
+from tests.fakes import MemoryBackend, RecordingBackend
 
 KERNEL_FILES = sorted(compiler.kernel_dir().glob("*.cu"))
 
@@ -89,19 +93,134 @@ def test_extreme_values_accepted():
     ("ULUL", [0, 8, 16, 24], 32),
 ])
 def test_arg_plan_matches_c_abi_offsets(kinds, offsets, size):
-    plan = _ArgPlan(kinds)
+    plan = ArgPlan(kinds)
     assert plan.offsets == offsets
     assert plan.packer.size == size
 
 
 def test_arg_plan_packs_bytes_where_pointers_point():
-    plan = _ArgPlan("PUIFL")
+    plan = ArgPlan("PUIFL")
     values = [0x1122334455667788, 0xDEADBEEF, -2, 1.25, 2**64 - 3]
     plan.packer.pack_into(plan.buffer, 0, *values)
     raw = [ctypes.string_at(plan.pointers[i], s) for i, s in enumerate(plan.sizes)]
     assert raw == [struct.pack("<Q", values[0]), struct.pack("<I", values[1]),
                    struct.pack("<i", values[2]), struct.pack("<f", values[3]),
                    struct.pack("<Q", values[4])]
+
+
+# -- the validation policy ------------------------------------------------------------------
+@pytest.mark.parametrize("check, value, out", [
+    (validate.integer, np.int64(-3), -3),
+    (validate.count, 0, 0),
+    (lambda v, w: validate.count(v, w, limit=10), np.uint8(9), 9),
+    (validate.positive, 1, 1),
+    (validate.u32, 2**32 - 1, 2**32 - 1),
+    (lambda v, w: validate.pointer(v, w, nullable=True), 0, 0),
+    (validate.pointer, DevicePtr(0x1000), DevicePtr(0x1000)),  # an int subclass stays itself
+    (validate.real32, np.float32(0.5), 0.5),
+    (validate.real32, -3, -3.0),
+    (validate.boolean, False, False),
+])
+def test_validate_returns_the_normalised_value(check, value, out):
+    got = check(value, "x")
+    assert got == out and type(got) is type(out)
+
+
+@pytest.mark.parametrize("check, value, error, message", [
+    (validate.integer, True, TypeError, "x must be an int, got bool True"),
+    (validate.integer, np.True_, TypeError, "x must be an int"),
+    (validate.integer, 1.0, TypeError, "x must be an int, got float 1.0"),
+    (validate.integer, "3", TypeError, "x must be an int"),
+    (validate.count, -1, ValueError, "x must be a non-negative int, got -1"),
+    (lambda v, w: validate.count(v, w, limit=256), 256, ValueError, r"x must be in 0\.\.255, got 256"),
+    (validate.positive, 0, ValueError, "x must be an int >= 1, got 0"),
+    (lambda v, w: validate.positive(v, w, limit=8), 8, ValueError, r"x must be in 1\.\.7"),
+    (validate.u32, 2**32, ValueError, r"x must be in 0\.\.2\*\*32-1, got 4294967296"),
+    (validate.u32, 1.5, TypeError, "must be an int"),
+    (validate.pointer, 0, ValueError, "x: null device pointer"),
+    (validate.pointer, 2**64, ValueError, "out of range"),
+    (validate.pointer, -1, ValueError, "out of range"),
+    (validate.pointer, 1.0, TypeError, "must be an int"),
+    (validate.real32, "x", TypeError, "x must be a real number"),
+    (validate.real32, True, TypeError, "real number"),
+    (validate.real32, float("nan"), ValueError, "finite and fit an f32"),
+    (validate.real32, 1e39, ValueError, "fit an f32"),
+    (validate.boolean, 1, TypeError, "x must be a bool, got 1"),
+])
+def test_validate_refuses_by_the_one_policy(check, value, error, message):
+    with pytest.raises(error, match=message):
+        check(value, "x")
+
+
+def test_require_open_raises_closed_error_a_gpu_error():
+    validate.require_open(False, "thing")
+    with pytest.raises(ClosedError, match="^thing is closed$") as info:
+        validate.require_open(True, "thing")
+    assert isinstance(info.value, GpuError)
+
+
+# -- DeviceBuffer ---------------------------------------------------------------------------
+def test_device_buffer_is_a_pointer_until_closed_then_refuses():
+    gpu = MemoryBackend("m", ["k"])
+    buf = DeviceBuffer(gpu, 100)
+    assert isinstance(buf.ptr, DevicePtr) and buf.nbytes == 100 and not buf.closed
+    assert int(buf) == buf.ptr == operator.index(buf) and int(buf.ptr) in gpu.mem
+    gpu.memset(buf, 7, 100)  # taken wherever a pointer int is
+    assert (gpu.read(buf.ptr, 100) == 7).all()
+    KernelLaunch(gpu, gpu.kernel("m", "k")).arg_ptr(buf).launch(0)
+    assert gpu.launches[-1]["args"] == [int(buf.ptr)]
+    ptr = buf.ptr
+    buf.close()
+    buf.close()  # idempotent: freed once
+    assert buf.closed and int(ptr) not in gpu.mem and "closed" in repr(buf)
+    k = gpu.kernel("m", "k")
+    for use in (lambda: buf.ptr, lambda: int(buf), lambda: KernelLaunch(gpu, k).arg_ptr(buf)):
+        with pytest.raises(ClosedError, match="DeviceBuffer is closed"):
+            use()
+
+
+def test_device_buffer_close_on_a_stream_waits_for_it_then_frees():
+    gpu = RecordingBackend()
+    with DeviceBuffer(gpu, 64) as buf:
+        ptr = buf.ptr
+        buf.close(stream=5)
+    assert gpu.ops[-2:] == [("sync", 5), ("free", ptr)]
+    assert [op for op in gpu.ops if op[0] == "free"] == [("free", ptr)]  # leaving the block: no second free
+
+
+def test_device_buffer_with_block_and_closed_backend():
+    gpu = RecordingBackend()
+    with DeviceBuffer(gpu, 64) as buf:
+        ptr = buf.ptr
+    assert buf.closed and gpu.ops[-1] == ("free", ptr)
+    late = DeviceBuffer(gpu, 64)
+    gpu.closed = True  # the backend freed everything itself
+    late.close()
+    assert late.closed and gpu.ops[-1][0] == "alloc"  # no free of its own
+
+
+def test_device_buffer_upload_and_refusals():
+    gpu = MemoryBackend("m", [])
+    host = np.arange(10, dtype=np.float32)
+    with DeviceBuffer.upload(gpu, host) as buf:
+        assert buf.nbytes == 40
+        np.testing.assert_array_equal(gpu.read_as(buf.ptr, 10, np.float32), host)
+    assert gpu.mem == {}
+    with pytest.raises(ValueError, match="DeviceBuffer size must be an int >= 1"):
+        DeviceBuffer(gpu, 0)
+    with pytest.raises(TypeError, match="DeviceBuffer size must be an int"):
+        DeviceBuffer(gpu, 1.5)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        DeviceBuffer.upload(gpu, host[::2])
+
+    class FailingUpload(MemoryBackend):
+        def copy_h2d_async(self, host, dst, stream=0):
+            raise RuntimeError("upload failed")
+
+    failing = FailingUpload("m", [])
+    with pytest.raises(RuntimeError, match="upload failed"):
+        DeviceBuffer.upload(failing, host)
+    assert failing.mem == {}  # freed on the way out
 
 
 # -- value types ----------------------------------------------------------------------------
@@ -114,6 +233,32 @@ def test_device_ptr_and_kernel_handle_are_ints():
         DevicePtr(-1)
     with pytest.raises(ValueError):
         DevicePtr(0).offset(4)
+
+
+def test_capabilities_by_inheritance_or_by_methods():
+    capabilities = (PinnedHostMemory, MappedHostMemory, Events, Graphs, PitchedCopies, DeviceCopies)
+    assert all(issubclass(CudaBackend, c) for c in capabilities) and issubclass(CudaBackend, GpuBackend)
+    recording = RecordingBackend()
+    assert [isinstance(recording, c) for c in capabilities] == [True, True, True, False, True, False]
+
+    class WithGraphs(MemoryBackend):  # declares nothing, defines every Graphs method
+        def begin_capture(self, stream): ...
+        def end_capture(self, stream): ...
+        def abort_capture(self, stream): ...
+        def launch_graph(self, graph, stream): ...
+        def destroy_graph(self, graph): ...
+
+    assert isinstance(WithGraphs("m", []), Graphs) and not isinstance(MemoryBackend("m", []), Graphs)
+    assert not recording.closed
+
+
+def test_kernel_source_is_a_path_or_a_bare_module_name(tmp_path):
+    assert source_path("residual_add", tmp_path) == tmp_path / "residual_add.cu"
+    assert source_path(tmp_path / "x.cu", Path("/elsewhere")) == tmp_path / "x.cu"
+    assert source_path("kernels/residual_add.cu", tmp_path) == Path("kernels/residual_add.cu")
+    assert module_of("residual_add") == module_of(Path("kernels/residual_add.cu")) == "residual_add"
+    gpu = RecordingBackend()
+    assert gpu.kernel(compiler.kernel_dir() / "gemm.cu", "k") == gpu.kernel("gemm", "k")
 
 
 def test_try_kernel_gives_zero_for_missing_kernels_only():
@@ -187,6 +332,15 @@ def test_parse_signatures_kinds():
     extern "C" __global__ void b() {}
     '''
     assert parse_signatures(src) == {"a": "PUIFLP", "b": ""}
+
+
+def test_signatures_keep_parameter_names():
+    src = 'extern "C" __global__ void k(const bf16* __restrict__ x, int32_t *off, uint32_t n) {}'
+    (sig,) = parse_signatures(src).values()
+    assert sig == Signature([Param("x", "P"), Param("off", "P"), Param("n", "U")])
+    assert sig.names == ("x", "off", "n") and sig.kinds == "PPU"
+    # transitional: a signature still compares and concatenates as its kinds string
+    assert sig == "PPU" and "PPU" == sig and sig != "PPI" and sig + "F" == "PPUF"
 
 
 def test_every_kernel_module_declares_kernels():
@@ -309,7 +463,7 @@ def test_param_layout_without_driver_param_count(monkeypatch):
     """Bindings newer than the driver: cuFuncGetParamCount raises; the layout is probed."""
     from cuda.bindings import driver as cu
 
-    from gpu_runtime.gpu import CudaBackend
+    from gpu_runtime import CudaBackend
 
     def missing(kernel):
         raise RuntimeError('Function "cuFuncGetParamCount" not found')

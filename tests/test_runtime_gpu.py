@@ -9,8 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpu_runtime import (CudaBackend, CudaError, DeviceArray, DevicePtr, GpuError, KernelLaunch,
-                         KernelNotFoundError)
+from gpu_runtime import (ClosedError, CudaBackend, CudaError, DeviceArray, DeviceBuffer, DevicePtr,
+                         KernelLaunch, KernelNotFoundError)
+from gpu_runtime.launch_spec import KernelSpec
 from tests.helpers import DEVICE_MEMORY_MEASURABLE
 
 pytestmark = pytest.mark.gpu
@@ -90,17 +91,70 @@ def test_argument_mismatches_refused_before_launch(tgpu):
         tgpu.free(out)
 
 
+ADD_U32 = KernelSpec("add_u32", dst="P", src="P", add="U", n="U")
+
+
+def test_spec_launch_binds_by_name_and_refuses_a_swapped_spec(tgpu, rng):
+    """A KernelSpec launch reaches the kernel with each argument in its place (keywords in any
+    order, DeviceBuffers as pointers, from a second thread too); a spec naming two u32 the other
+    way round is refused at its first launch, before the driver."""
+    n = 5000
+    add = tgpu.kernel("runtime_test", "add_u32")
+    host = rng.integers(0, 2**31, n, dtype=np.uint32)
+    with DeviceBuffer.upload(tgpu, host) as src, DeviceBuffer(tgpu, 4 * n) as dst:
+        ADD_U32.launch(tgpu, add, (8, 1, 1), (256, 1, 1), 0, n=n, add=11, dst=dst, src=src)
+        back = np.empty(n, np.uint32)
+        tgpu.copy_d2h(back, dst)
+        np.testing.assert_array_equal(back, host + np.uint32(11))
+        thread = threading.Thread(target=lambda: ADD_U32.launch(tgpu, add, [8, 1, 1], [256, 1, 1], 0,
+                                                                dst=dst, src=dst, add=1, n=n))
+        thread.start()
+        thread.join()
+        tgpu.copy_d2h(back, dst)
+        np.testing.assert_array_equal(back, host + np.uint32(12))
+        swapped = KernelSpec("add_u32", dst="P", src="P", n="U", add="U")
+        with pytest.raises(TypeError, match="parameter 2 is add: u32 in the source, n: u32 in spec"):
+            swapped.launch(tgpu, add, (8, 1, 1), (256, 1, 1), 0, dst=dst, src=src, add=1, n=n)
+        with pytest.raises(ValueError, match="more than 1024 threads"):
+            ADD_U32.launch(tgpu, add, (8, 1, 1), (1024, 2, 1), 0, dst=dst, src=src, add=1, n=n)
+        tgpu.copy_d2h(back, dst)
+        np.testing.assert_array_equal(back, host + np.uint32(12))  # nothing ran
+
+
+def test_layer_spec_launch_equals_the_launcher(gpu, rng):
+    import ml_dtypes
+
+    from layers.ops import scaled_add
+    from layers.ops.specs import SCALED_ADD
+
+    n = 3001
+    kernel = gpu.kernel("residual_add", "bf16_scaled_add")
+    x = rng.standard_normal(n).astype(ml_dtypes.bfloat16)
+    base = rng.standard_normal(n).astype(ml_dtypes.bfloat16)
+    outs = []
+    with DeviceBuffer.upload(gpu, x) as xd, DeviceBuffer.upload(gpu, base) as a, \
+            DeviceBuffer.upload(gpu, base) as b:
+        scaled_add(gpu, kernel, a, xd, -0.37, n, 0)
+        SCALED_ADD.launch(gpu, kernel, (2, 1, 1), (256, 1, 1), 0, out=b, x=xd, scale=-0.37, n=n)
+        for buf in (a, b):
+            got = np.empty(n, ml_dtypes.bfloat16)
+            gpu.copy_d2h(got, buf)
+            outs.append(got.view(np.uint16))
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
 def test_param_info_check_without_source_signature(tgpu):
     """Where the source signature is unknown, the driver's parameter layout still refuses."""
     k = tgpu.kernel("runtime_test", "add_u32")
-    saved = tgpu._signatures["runtime_test"].pop("add_u32")
+    signatures = tgpu._signatures[(TEST_KERNELS / "runtime_test.cu").resolve()]
+    saved = signatures.pop("add_u32")
     try:
         with pytest.raises(TypeError, match=r"add_u32: takes 4 arguments, 3 given"):
             KernelLaunch(tgpu, k).arg_ptr(1).arg_ptr(2).arg_u32(3).launch(0)
         with pytest.raises(TypeError, match=r"argument 2 is 4 bytes at offset 16, launch packs 8"):
             KernelLaunch(tgpu, k).arg_ptr(1).arg_ptr(2).arg_u64(3).arg_u32(4).launch(0)
     finally:
-        tgpu._signatures["runtime_test"]["add_u32"] = saved
+        signatures["add_u32"] = saved
 
 
 def test_stream_ordering_and_async_upload_from_reused_buffer(tgpu, rng):
@@ -195,6 +249,34 @@ def test_device_array_round_trip_and_interface(gpu, rng):
         assert (arr.to_numpy() == 0).all()
 
 
+def test_device_buffer_round_trip_launch_and_free_on_a_stream(tgpu, rng):
+    """A buffer uploads, is launched on as a pointer, frees itself after its stream's work, and
+    gives the memory back; a closed buffer refuses to be a pointer."""
+    n = 1 << 16
+    stream = tgpu.create_stream()
+    add = tgpu.kernel("runtime_test", "add_u32")
+    host = rng.integers(0, 2**31, n, dtype=np.uint32)
+    try:
+        with DeviceBuffer.upload(tgpu, host, stream) as src, DeviceBuffer(tgpu, 4 * n) as dst:
+            (KernelLaunch(tgpu, add).grid([64, 1, 1]).block([256, 1, 1])
+             .arg_ptr(dst).arg_ptr(src).arg_u32(7).arg_u32(n).launch(stream))
+            back = np.empty(n, np.uint32)
+            tgpu.copy_d2h(back, dst, stream)
+            np.testing.assert_array_equal(back, host + np.uint32(7))
+            KernelLaunch(tgpu, add).grid([64, 1, 1]).block([256, 1, 1]) \
+                .arg_ptr(dst).arg_ptr(src).arg_u32(1).arg_u32(n).launch(stream)
+            src_ptr = src.ptr
+            src.close(stream)  # waits for the launch that reads it, then frees
+            assert src.closed
+            with pytest.raises(ValueError, match="not allocated by this backend"):
+                tgpu.free(src_ptr)  # already freed, once
+        assert dst.closed
+        with pytest.raises(ClosedError):
+            KernelLaunch(tgpu, add).arg_ptr(dst)
+    finally:
+        tgpu.destroy_stream(stream)
+
+
 def test_two_threads_with_their_own_streams(tgpu, rng):
     n = 1 << 14
     results: dict[int, np.ndarray] = {}
@@ -231,17 +313,20 @@ def test_two_threads_with_their_own_streams(tgpu, rng):
 
 
 def test_closed_backend_refuses_and_close_is_idempotent(gpu):
-    backend = CudaBackend()
+    backend = CudaBackend(kernel_dir=TEST_KERNELS)
     ptr = backend.alloc(1024)
-    backend.kernel("residual_add", "bf16_residual_add")
+    k = backend.kernel("runtime_test", "add_u32")
+    ADD_U32.launch(backend, k, (1, 1, 1), (32, 1, 1), 0, dst=ptr, src=ptr, add=1, n=1)
     backend.close()
     backend.close()
-    with pytest.raises(GpuError, match="closed"):
+    with pytest.raises(ClosedError, match="CudaBackend is closed"):
         backend.alloc(16)
-    with pytest.raises(GpuError, match="closed"):
+    with pytest.raises(ClosedError, match="CudaBackend is closed"):
         backend.memset(ptr, 0, 16)
-    with pytest.raises(GpuError):
-        KernelLaunch(backend, backend.kernel("residual_add", "bf16_residual_add"))
+    with pytest.raises(ClosedError):
+        KernelLaunch(backend, backend.kernel("runtime_test", "add_u32"))
+    with pytest.raises(ClosedError, match="backend is closed"):
+        ADD_U32.launch(backend, k, (1, 1, 1), (32, 1, 1), 0, dst=ptr, src=ptr, add=1, n=1)
 
 
 def test_pinned_upload_events_and_cross_stream_wait(gpu, rng):

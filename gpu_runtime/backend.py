@@ -1,0 +1,196 @@
+"""What the layers need from a GPU: ``GpuBackend`` (the required core) and the optional
+capabilities a backend may add (pinned and mapped host memory, events, graphs, pitched and
+device-to-device copies).
+
+The layers are written against these interfaces only, so a test can record what a launcher
+builds without a GPU. A layer asks for a capability with ``isinstance(gpu, Graphs)``: a backend
+has one by inheriting it, or by defining all of its methods (as ``collections.abc`` checks).
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+
+from . import launch_config
+from .host_memory import Host
+from .pointers import DevicePtr, KernelHandle
+
+if TYPE_CHECKING:
+    from .launch_spec import KernelSpec
+
+KernelSource = str | os.PathLike  # a path to a .cu file (wave 1: also a bare module name)
+
+
+class GpuBackend(ABC):
+    """The required core. Streams are raw ``CUstream`` handles as ints, 0 = default."""
+
+    @property
+    @abstractmethod
+    def closed(self) -> bool:
+        """True once ``close()`` ran: every call but ``close`` then raises ``ClosedError``."""
+
+    @abstractmethod
+    def kernel(self, source: KernelSource, name: str) -> KernelHandle:
+        """Compile ``source`` (a ``.cu`` file) if needed and return kernel ``name``; raises
+        ``KernelNotFoundError`` if either is missing. For now a bare module name (no ``/``, no
+        ``.cu``) is also taken, resolved against the backend's kernel directory."""
+
+    @abstractmethod
+    def alloc(self, nbytes: int) -> DevicePtr: ...
+
+    @abstractmethod
+    def free(self, ptr: int) -> None: ...
+
+    @abstractmethod
+    def memset(self, ptr: int, byte: int, nbytes: int, stream: int = 0) -> None: ...
+
+    @abstractmethod
+    def copy_h2d_async(self, host: Host, dst: int, stream: int = 0) -> None:
+        """Upload ``host``; the caller may reuse ``host`` as soon as this returns."""
+
+    @abstractmethod
+    def copy_d2h(self, host_out: Host, src: int, stream: int = 0) -> None:
+        """Fill ``host_out`` from ``src`` after the work queued on ``stream``; returns when done."""
+
+    @abstractmethod
+    def synchronize(self, stream: int = 0) -> None: ...
+
+    @abstractmethod
+    def create_stream(self) -> int: ...
+
+    @abstractmethod
+    def launch(self, kernel: KernelHandle, grid: tuple[int, int, int], block: tuple[int, int, int],
+               shared_mem: int, stream: int, kinds: str, args: Sequence[int | float]) -> None:
+        """Launch primitive behind ``KernelLaunch``: ``kinds`` has one letter per argument
+        (``P`` pointer, ``U`` u32, ``I`` i32, ``F`` f32, ``L`` u64), already range-checked.
+        ``KernelLaunch.launch(stream, overlap=True)`` passes ``overlap=True``: a programmatic
+        dependent launch (the kernel may start before the previous one on the stream ends; it
+        must wait for it itself). Backends that cannot overlap may run it as a plain launch."""
+
+    def launch_spec(self, spec: "KernelSpec", kernel: KernelHandle, grid: Sequence[int],
+                    block: Sequence[int], shared_mem: int, stream: int, params: int,
+                    values: Sequence[Any], overlap: bool = False) -> None:
+        """Launch primitive behind ``KernelSpec.launch``: the values are packed already (so in
+        range) at ``params`` (the ``void*[]`` the driver takes), and given as ``values`` too, in
+        the spec's order.
+
+        This version, for backends that do not run kernels, refuses what ``CudaBackend`` refuses
+        (bad grid, block or shared memory, a null kernel) and hands the plain values to
+        ``launch``, where they are recorded as a ``KernelLaunch``'s are."""
+        if not kernel:
+            raise ValueError(f"{spec.name}: null kernel handle (the kernel was not loaded)")
+        grid, block, shared_mem = launch_config.check(grid, block, shared_mem)
+        args = spec.values(values)
+        if overlap:
+            self.launch(kernel, grid, block, shared_mem, stream, spec.kinds, args,  # type: ignore[call-arg]
+                        overlap=True)
+        else:
+            self.launch(kernel, grid, block, shared_mem, stream, spec.kinds, args)
+
+
+class _Capability(ABC):
+    """An optional part of the interface. A class has it if it inherits it or defines every
+    one of its methods."""
+
+    @classmethod
+    def __subclasshook__(cls, other: type) -> Any:
+        methods = cls.__abstractmethods__
+        if methods and all(callable(getattr(other, m, None)) for m in methods):
+            return True
+        return NotImplemented
+
+
+class PinnedHostMemory(_Capability):
+    """Page-locked host buffers, for code that overlaps host I/O with copies (the row cache)."""
+
+    @abstractmethod
+    def alloc_host(self, nbytes: int, *, mapped: bool = False) -> np.ndarray:
+        """A page-locked uint8 host buffer (the DMA engine reads it directly); ``mapped=True``
+        also maps it into the device's address space (``host_device_ptr``: kernels read it in
+        place, over PCIe)."""
+
+    @abstractmethod
+    def free_host(self, array: np.ndarray) -> None: ...
+
+    @abstractmethod
+    def upload_pinned_async(self, host: np.ndarray, dst: int, stream: int = 0) -> None:
+        """Copy from (a view of) an ``alloc_host`` buffer with no staging copy. The DMA reads
+        ``host`` after this returns: do not touch it before an event recorded after the copy."""
+
+
+class MappedHostMemory(_Capability):
+    """Host memory the device reads in place (zero-copy), for tables bigger than the device."""
+
+    @abstractmethod
+    def host_device_ptr(self, array: np.ndarray) -> DevicePtr:
+        """The device address of ``array``, which lies inside a mapped ``alloc_host`` buffer or
+        a ``register_host`` range."""
+
+    @abstractmethod
+    def register_host(self, array: np.ndarray, *, read_only: bool = True) -> DevicePtr:
+        """Page-lock a page-aligned, C-contiguous host array where it is (e.g. a read-only
+        ``np.memmap`` of a file), map it for the device and return its device address.
+        ``read_only``: the device only reads it (required for a read-only mapping)."""
+
+    @abstractmethod
+    def unregister_host(self, array: np.ndarray) -> None:
+        """Undo ``register_host(array)`` (the same array: its address and size)."""
+
+
+class Events(_Capability):
+    """Events, to order streams against each other and to wait for one point of a stream."""
+
+    @abstractmethod
+    def create_event(self) -> int: ...
+
+    @abstractmethod
+    def record_event(self, event: int, stream: int = 0) -> None: ...
+
+    @abstractmethod
+    def wait_event(self, stream: int, event: int) -> None:
+        """Work queued on ``stream`` after this waits for ``event`` (on the GPU; the host goes on)."""
+
+    @abstractmethod
+    def event_synchronize(self, event: int) -> None: ...
+
+    @abstractmethod
+    def destroy_event(self, event: int) -> None: ...
+
+
+class Graphs(_Capability):
+    """CUDA graphs, to replay a captured sequence of launches with one call."""
+
+    @abstractmethod
+    def begin_capture(self, stream: int) -> None:
+        """Record the work queued on ``stream`` (not the default stream) instead of running it."""
+
+    @abstractmethod
+    def end_capture(self, stream: int) -> int:
+        """Stop recording; returns an executable graph handle for ``launch_graph``."""
+
+    @abstractmethod
+    def abort_capture(self, stream: int) -> None:
+        """Stop recording and discard it (after an error during capture)."""
+
+    @abstractmethod
+    def launch_graph(self, graph: int, stream: int) -> None: ...
+
+    @abstractmethod
+    def destroy_graph(self, graph: int) -> None: ...
+
+
+class PitchedCopies(_Capability):
+    @abstractmethod
+    def copy_2d_async(self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int,
+                      height: int, stream: int = 0) -> None:
+        """Device to device: ``height`` rows of ``width`` bytes, rows ``*_pitch`` bytes apart."""
+
+
+class DeviceCopies(_Capability):
+    @abstractmethod
+    def copy_d2d_async(self, dst: int, src: int, nbytes: int, stream: int = 0) -> None:
+        """Device to device, ``nbytes`` from ``src`` to ``dst``, in stream order."""

@@ -1,0 +1,73 @@
+"""``CudaBackend``: the ``GpuBackend`` interface and every capability, on cuda.bindings' driver
+API, composed from one class per area (context, memory, host memory, streams and events, graphs,
+kernels and launches). Each area keeps its own state and releases it on ``close``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+from ..backend import (DeviceCopies, Events, GpuBackend, Graphs, MappedHostMemory, PinnedHostMemory,
+                       PitchedCopies)
+from . import context, graphs, host, kernels, launch, memory, streams
+from .graphs import CudaGraphs
+from .host import CudaHostMemory
+from .launch import CudaLaunch
+from .memory import CudaMemory
+from .streams import CudaStreams
+
+# The modules that call the driver, each through its own ``cu`` (and ``call``, where it checks a
+# status): a test that replaces the driver sets both in each (``gpu_runtime.gpu`` does it).
+DRIVER_MODULES = (context, memory, host, streams, graphs, kernels, launch)
+
+
+class CudaBackend(CudaLaunch, CudaMemory, CudaHostMemory, CudaStreams, CudaGraphs, GpuBackend,
+                  PinnedHostMemory, MappedHostMemory, Events, Graphs, PitchedCopies, DeviceCopies):
+    """``GpuBackend`` on the CUDA driver API, on one device's primary context.
+
+    Owns what it hands out: allocations, streams, events, graphs, pinned and registered host
+    memory, loaded modules and the pinned staging pool are released by ``close()`` (or leaving
+    a ``with`` block). Safe to use from several threads, each with its own streams: the context
+    is made current on each thread at its first call.
+    """
+
+    def __init__(self, device: int = 0, *, target: str | None = None,
+                 kernel_dir: str | Path | None = None, options: Sequence[str] = ()) -> None:
+        super().__init__(device, target=target, kernel_dir=kernel_dir, options=options)
+        self._init_kernels()
+        self._init_memory()
+        self._init_host_memory()
+        self._init_streams()
+        self._init_graphs()
+
+    @property
+    def pinned_buffers(self) -> int:
+        """Page-locked host buffers held: the staging pool's, ``alloc_host``'s and the
+        ``register_host`` ranges (for leak tests)."""
+        return self._staging.buffers + len(self._host) + len(self._registered)
+
+    def close(self) -> None:
+        """Wait for the device, then free everything this backend handed out; idempotent."""
+        if self._closed:
+            return
+        self._bind()
+        with self._lock:
+            self._closed = True
+            self._synchronize_context()
+            self._release_memory()
+            self._release_streams()
+            self._release_graphs()
+            self._release_host_memory()
+            self._release_kernels()
+            self._staging.close()
+            self._release_context()
+
+    def __enter__(self) -> "CudaBackend":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = ["CudaBackend", "DRIVER_MODULES"]

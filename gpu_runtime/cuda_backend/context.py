@@ -1,0 +1,90 @@
+"""The device and its primary context: what every area of ``CudaBackend`` stands on.
+
+The context is made current on each thread at that thread's first call (``_bind``), which also
+gives the thread its own packed-argument plans and tables of the launches it has checked;
+``_live`` is the check every public call starts with: the backend is open, and bound on this
+thread.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any, Sequence
+
+from cuda.bindings import driver as cu
+
+from .. import compiler, driver, validate
+from ..driver import call
+from ..errors import NoDeviceError
+from ..packing import ArgPlan
+
+
+class CudaContext:
+    """One device's primary context (the one the CUDA runtime, CuPy and torch share)."""
+
+    def __init__(self, device: int = 0, *, target: str | None = None,
+                 kernel_dir: str | Path | None = None, options: Sequence[str] = ()) -> None:
+        driver.init()
+        count = driver.device_count()
+        if not 0 <= device < count:
+            raise NoDeviceError(f"CUDA device {device} requested, {count} present")
+        self.device = device
+        self._dev = call(cu.cuDeviceGet, device)
+        self._ctx = call(cu.cuDevicePrimaryCtxRetain, self._dev)
+        call(cu.cuCtxSetCurrent, self._ctx)
+        self.compute_capability = driver.compute_capability(device)
+        self.target = target or compiler.target_for(*self.compute_capability)
+        self.kernel_dir = Path(kernel_dir) if kernel_dir else compiler.kernel_dir()
+        self.options = tuple(options)
+        self.sm_count = self._attribute(cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        self.l2_bytes = self._attribute(cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)
+        self.max_shared_optin = self._attribute(
+            cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+        self.name = call(cu.cuDeviceGetName, 256, self._dev).split(b"\0")[0].decode()
+        self._lock = threading.RLock()
+        self._tls = threading.local()
+        self._thread_tables: list[dict[Any, Any]] = []  # each thread's checked launches
+        self._bind_thread()
+        # GPU_RUNTIME_OVERLAP=0 runs overlap=True launches as plain ones (a tool that cannot
+        # follow programmatic dependent launches, or to rule them out when hunting a race).
+        self.overlap = os.environ.get("GPU_RUNTIME_OVERLAP", "1") != "0"
+        self._closed = False
+
+    def _attribute(self, attr: Any) -> int:
+        return int(call(cu.cuDeviceGetAttribute, attr, self._dev))
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _bind(self) -> None:
+        """Make the context current on this thread, once per thread."""
+        if not hasattr(self._tls, "shapes"):
+            validate.require_open(self._closed, "CudaBackend")
+            call(cu.cuCtxSetCurrent, self._ctx)
+            self._bind_thread()
+
+    def _bind_thread(self) -> None:
+        """This thread's tables: argument plans by kinds; the (kernel, kinds) launch shapes and
+        the kernel -> ``KernelSpec`` pairs it has checked (cleared on close, so that a launch on
+        a closed backend meets the checks again, and their refusal)."""
+        shapes: dict[tuple[int, str], ArgPlan] = {}
+        specs: dict[int, Any] = {}
+        with self._lock:
+            self._thread_tables += [shapes, specs]
+        self._tls.plans = {}
+        self._tls.shapes = shapes
+        self._tls.specs = specs
+
+    def _live(self) -> None:
+        """Every public call's first check: the backend is open and bound on this thread."""
+        validate.require_open(self._closed, "CudaBackend")
+        self._bind()
+
+    def _synchronize_context(self) -> None:
+        call(cu.cuCtxSynchronize)
+
+    def _release_context(self) -> None:
+        call(cu.cuDevicePrimaryCtxRelease, self._dev)

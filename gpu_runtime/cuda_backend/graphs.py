@@ -1,0 +1,62 @@
+"""CUDA graphs: a stream's work captured once, replayed with one call."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cuda.bindings import driver as cu
+
+from ..driver import call
+from .context import CudaContext
+
+
+class CudaGraphs(CudaContext):
+    _graphs: dict[int, Any]  # executable graphs by handle
+
+    def _init_graphs(self) -> None:
+        self._graphs = {}
+
+    def _release_graphs(self) -> None:
+        for graph in self._graphs.values():
+            call(cu.cuGraphExecDestroy, graph)
+        self._graphs.clear()
+
+    def begin_capture(self, stream: int) -> None:
+        if not stream:
+            raise ValueError("begin_capture: the default stream cannot be captured; use create_stream()")
+        self._live()
+        mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+        call(cu.cuStreamBeginCapture, stream, mode)
+
+    def end_capture(self, stream: int) -> int:
+        self._live()
+        graph = call(cu.cuStreamEndCapture, stream)
+        try:
+            exe = call(cu.cuGraphInstantiate, graph, 0)
+        finally:
+            call(cu.cuGraphDestroy, graph)  # the executable graph keeps what it needs
+        with self._lock:
+            self._graphs[int(exe)] = exe
+        return int(exe)
+
+    def abort_capture(self, stream: int) -> None:
+        self._live()
+        # The status is not checked on purpose: after an error the capture may be invalidated,
+        # and ending it then fails; what matters is that the stream stops capturing.
+        (err, graph) = cu.cuStreamEndCapture(stream)
+        if not err and graph is not None and int(graph):
+            call(cu.cuGraphDestroy, graph)
+
+    def launch_graph(self, graph: int, stream: int) -> None:
+        exe = self._graphs.get(int(graph))
+        if exe is None:
+            raise ValueError(f"launch_graph: 0x{int(graph):x} is not a live graph of this backend")
+        call(cu.cuGraphLaunch, exe, stream)
+
+    def destroy_graph(self, graph: int) -> None:
+        self._live()
+        with self._lock:
+            exe = self._graphs.pop(int(graph), None)
+        if exe is None:
+            raise ValueError(f"destroy_graph: 0x{int(graph):x} is not a live graph of this backend")
+        call(cu.cuGraphExecDestroy, exe)

@@ -1,0 +1,193 @@
+"""Kernels: NVRTC modules loaded from ``.cu`` sources, and the checks a launch passes once.
+
+Every new (kernel, argument kinds) pair, or (kernel, ``KernelSpec``) pair, is checked once
+against the kernel's signature, read from its source, and against the parameter layout the
+driver reports; ``launch.py`` then only packs values and calls the driver.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from cuda.bindings import driver as cu
+
+from .. import compiler
+from ..driver import call
+from ..errors import ClosedError, CudaError, GpuError, KernelNotFoundError
+from ..launch_spec import KernelSpec
+from ..packing import ArgPlan, kinds_mismatch
+from ..pointers import KernelHandle
+from ..signatures import Signature, module_signatures
+from ..sources import source_path
+from .context import CudaContext
+
+class _Loaded(NamedTuple):
+    module: str  # the source file's stem, for messages
+    name: str
+    path: Path
+
+
+class CudaKernels(CudaContext):
+    _modules: dict[Path, Any]
+    _signatures: dict[Path, dict[str, Signature]]
+    _kernels: dict[tuple[Any, str], KernelHandle]  # (source as given, name) -> handle
+    _loaded: dict[int, _Loaded]
+    _checked: set[tuple[int, Any]]  # (kernel, kinds or KernelSpec) pairs that passed the checks
+    _shared_set: dict[int, int]  # kernel -> dynamic shared memory opted in to
+
+    def _init_kernels(self) -> None:
+        self._modules = {}
+        self._signatures = {}
+        self._kernels = {}
+        self._loaded = {}
+        self._checked = set()
+        self._shared_set = {}
+
+    def _release_kernels(self) -> None:
+        for module in self._modules.values():
+            call(cu.cuModuleUnload, module)
+        self._modules.clear()
+        self._kernels.clear()
+        self._loaded.clear()
+        self._checked.clear()
+        for table in self._thread_tables:  # every thread's: its next launch meets the checks again
+            table.clear()
+
+    # -- loading ----------------------------------------------------------------------------
+    def kernel(self, source: str | os.PathLike, name: str) -> KernelHandle:
+        handle = self._kernels.get((source, name))
+        if handle is not None:
+            return handle
+        self._live()
+        with self._lock:
+            path = source_path(source, self.kernel_dir)
+            mod = self._module(path)
+            try:
+                fn = call(cu.cuModuleGetFunction, mod, name.encode())
+            except CudaError as exc:
+                raise KernelNotFoundError(f"kernel {name!r} not in module {path.stem!r} ({exc.name})") from exc
+            handle = KernelHandle(int(fn))
+            self._kernels[(source, name)] = handle
+            self._loaded[int(handle)] = _Loaded(path.stem, name, path.resolve())
+            return handle
+
+    def _module(self, path: Path) -> Any:
+        if not path.is_file():
+            raise KernelNotFoundError(f"no kernel module {path.stem!r} ({path} does not exist)")
+        key = path.resolve()
+        loaded = self._modules.get(key)
+        if loaded is not None:
+            return loaded
+        compiled = compiler.compile_module(path, self.target, self.options)
+        try:
+            loaded = call(cu.cuModuleLoadData, compiled.image)
+        except CudaError:
+            if not compiled.cached:
+                raise
+            compiler.evict(path, self.target)  # a stale or damaged entry: rebuild it once
+            compiled = compiler.compile_module(path, self.target, self.options)
+            loaded = call(cu.cuModuleLoadData, compiled.image)
+        self._modules[key] = loaded
+        self._signatures[key] = module_signatures(path)
+        return loaded
+
+    def kernel_name(self, kernel: int) -> str:
+        loaded = self._loaded.get(int(kernel))
+        if loaded is None:
+            return f"?.<unknown kernel 0x{int(kernel):x}>"
+        return f"{loaded.module}.{loaded.name}"
+
+    # -- checks, once per kernel and argument shape -----------------------------------------
+    def _loaded_kernel(self, kernel: int) -> _Loaded:
+        loaded = self._loaded.get(int(kernel))
+        if loaded is None:
+            if self._closed:
+                raise ClosedError(f"kernel handle 0x{int(kernel):x}: backend is closed")
+            raise GpuError(f"kernel handle 0x{int(kernel):x}: not loaded by this backend")
+        return loaded
+
+    def _launch_shape(self, kernel: int, kinds: str) -> ArgPlan:
+        """A (kernel, kinds) pair new to this thread: bind the thread, check the pair (once per
+        backend), and return the thread's plan for ``kinds``."""
+        self._bind()
+        plan = self._tls.plans.get(kinds)
+        if plan is None:
+            plan = self._tls.plans[kinds] = ArgPlan(kinds)
+        if (int(kernel), kinds) not in self._checked:
+            self._check_launch(kernel, kinds, plan)
+        self._tls.shapes[(int(kernel), kinds)] = plan
+        return plan
+
+    def _check_launch(self, kernel: int, kinds: str, plan: ArgPlan) -> None:
+        """The kernel is ours, and the arguments match its signature (kinds read from the
+        source, offsets and sizes from ``cuFuncGetParamInfo``)."""
+        loaded = self._loaded_kernel(kernel)
+        expected = self._signatures[loaded.path].get(loaded.name)
+        where = f"{loaded.module}.{loaded.name}"
+        if expected is not None and expected.kinds != kinds:
+            raise TypeError(kinds_mismatch(where, expected.kinds, kinds))
+        self._check_layout(kernel, where, plan.offsets, plan.sizes)
+        self._checked.add((int(kernel), kinds))
+
+    def _check_spec(self, kernel: int, spec: KernelSpec) -> None:
+        """As ``_check_launch``, for a spec (the source's parameter names count too); then
+        this thread launches ``kernel`` with ``spec`` without asking again."""
+        if not kernel:
+            raise ValueError(f"{spec.name}: null kernel handle (the kernel was not loaded)")
+        self._bind()
+        if (int(kernel), spec) not in self._checked:
+            loaded = self._loaded_kernel(kernel)
+            expected = self._signatures[loaded.path].get(loaded.name)
+            where = f"{loaded.module}.{loaded.name}"
+            if expected is not None:
+                spec.check_signature(expected, where)
+            self._check_layout(kernel, where, spec.offsets, spec.sizes)
+            self._checked.add((int(kernel), spec))
+        self._tls.specs[int(kernel)] = spec
+
+    def _check_layout(self, kernel: int, where: str, offsets: list[int], sizes: list[int]) -> None:
+        layout = self._param_layout(kernel)
+        if layout is None:  # this driver cannot report layouts
+            return
+        if len(layout) != len(sizes):
+            raise TypeError(f"{where}: takes {len(layout)} arguments, {len(sizes)} given")
+        for i, (offset, size) in enumerate(layout):
+            if (offset, size) != (offsets[i], sizes[i]):
+                raise TypeError(
+                    f"{where}: argument {i} is {size} bytes at offset {offset}, "
+                    f"launch packs {sizes[i]} bytes at offset {offsets[i]}"
+                )
+
+    @staticmethod
+    def _param_layout(kernel: int) -> list[tuple[int, int]] | None:
+        """(offset, size) of each parameter from the driver (CUDA 12.4+), None where the driver
+        cannot say. Where the driver has ``cuFuncGetParamCount`` no call goes past the last one;
+        elsewhere the end is found by probing (one CUDA_ERROR_INVALID_VALUE, once per kernel)."""
+        info = getattr(cu, "cuFuncGetParamInfo", None)
+        if info is None:
+            return None
+        count = None
+        try:  # the bindings may know it while the driver (13.0) does not: RuntimeError
+            err, value = cu.cuFuncGetParamCount(kernel)
+            count = None if err else int(value)
+        except (AttributeError, RuntimeError):
+            pass
+        layout: list[tuple[int, int]] = []
+        while count is None or len(layout) < count:
+            err, offset, size = info(kernel, len(layout))
+            if err == cu.CUresult.CUDA_ERROR_INVALID_VALUE and count is None:
+                return layout  # probed past the last parameter
+            if err:
+                return None
+            layout.append((int(offset), int(size)))
+        return layout
+
+    def _raise_shared_limit(self, kernel: int, shared_mem: int) -> None:
+        if shared_mem > self.max_shared_optin:
+            raise ValueError(f"{self.kernel_name(kernel)}: {shared_mem} bytes of shared memory, "
+                             f"device allows {self.max_shared_optin}")
+        attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        call(cu.cuFuncSetAttribute, kernel, attr, shared_mem)
+        self._shared_set[kernel] = shared_mem

@@ -1,0 +1,78 @@
+"""Streams and events the backend creates (and destroys on ``close``)."""
+
+from __future__ import annotations
+
+from cuda.bindings import driver as cu
+
+from ..driver import call
+from .context import CudaContext
+
+
+class CudaStreams(CudaContext):
+    _streams: set[int]
+    _events: set[int]
+
+    def _init_streams(self) -> None:
+        self._streams = set()
+        self._events = set()
+
+    def _release_streams(self) -> None:
+        for stream in list(self._streams):
+            call(cu.cuStreamDestroy, stream)
+        for event in list(self._events):
+            call(cu.cuEventDestroy, event)
+        self._streams.clear()
+        self._events.clear()
+
+    def _own(self, handles: set[int], handle: int) -> int:
+        with self._lock:
+            handles.add(handle)
+        return handle
+
+    def _disown(self, handles: set[int], handle: int, refusal: str) -> None:
+        """Take ``handle`` out of ``handles`` before destroying it; ``ValueError(refusal)`` if it
+        is not there (not ours, or destroyed already)."""
+        with self._lock:
+            if handle not in handles:
+                raise ValueError(refusal)
+            handles.discard(handle)
+
+    # -- streams ----------------------------------------------------------------------------
+    def create_stream(self) -> int:
+        self._live()
+        stream = call(cu.cuStreamCreate, cu.CUstream_flags.CU_STREAM_NON_BLOCKING)
+        return self._own(self._streams, int(stream))
+
+    def destroy_stream(self, stream: int) -> None:
+        self._live()
+        self._disown(self._streams, stream, f"stream 0x{stream:x} was not created by this backend")
+        call(cu.cuStreamSynchronize, stream)
+        call(cu.cuStreamDestroy, stream)
+
+    def synchronize(self, stream: int = 0) -> None:
+        self._live()
+        call(cu.cuStreamSynchronize, stream)
+
+    # -- events -----------------------------------------------------------------------------
+    def create_event(self) -> int:
+        self._live()
+        event = call(cu.cuEventCreate, cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+        return self._own(self._events, int(event))
+
+    def record_event(self, event: int, stream: int = 0) -> None:
+        self._live()
+        call(cu.cuEventRecord, event, stream)
+
+    def wait_event(self, stream: int, event: int) -> None:
+        self._live()
+        call(cu.cuStreamWaitEvent, stream, event, 0)
+
+    def event_synchronize(self, event: int) -> None:
+        self._live()
+        call(cu.cuEventSynchronize, event)
+
+    def destroy_event(self, event: int) -> None:
+        self._live()
+        self._disown(self._events, event,
+                     f"event 0x{event:x} was not created by this backend (or destroyed twice)")
+        call(cu.cuEventDestroy, event)

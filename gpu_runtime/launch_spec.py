@@ -1,0 +1,164 @@
+"""``KernelSpec``: a kernel's parameters by name, so that a launch binds its arguments by name.
+
+``SCALED_ADD = KernelSpec("bf16_scaled_add", out="P", x="P", scale="F", n="U")`` names the
+kernel's parameters in their C order with their kinds (``P`` pointer, ``P?`` pointer that may be
+null, ``U`` u32, ``I`` i32, ``F`` f32, ``L`` u64). ``SCALED_ADD.launch(gpu, kernel, grid, block,
+stream, out=o, x=x, scale=0.5, n=n)`` takes every argument by keyword, so two swapped
+``uint32_t`` cannot pass: a missing or unknown name is Python's own ``TypeError``, before
+anything runs.
+
+A spec is checked against the kernel's source (names and kinds, in order) by a CPU test for
+every kernel, and by ``CudaBackend`` at the first launch of each kernel with it. It lays out its
+packed argument buffer and pointer array once per thread: a launch writes the values into it and
+hands it to the backend. The values are checked on the way, by the one policy
+(``validate``): a non-integer where an integer belongs (a bool too, for ``U``, ``I``, ``L``),
+or a non-number for an f32, is a ``TypeError``; a null pointer (unless ``P?``), a value out of
+its kind's range or an f32 overflow is a ``ValueError``; each names the kernel and the
+parameter. An f32 may be infinite or NaN, as with ``KernelLaunch.arg_f32``: a launcher that
+needs it finite says so.
+"""
+
+from __future__ import annotations
+
+import keyword
+import math
+import numbers
+import struct
+import threading
+from typing import Any, Callable, Sequence
+
+from . import validate
+from .packing import KIND_NAMES, ArgPlan, layout, struct_format
+from .signatures import Param, Signature
+
+F32_MAX = 3.4028234663852886e38
+NULLABLE = "P?"
+_RESERVED = {"shared_mem", "overlap"}  # the launch's own keyword options
+
+
+class KernelSpec:
+    """A kernel's name and parameters (``params``, a ``Signature``; ``nullable``, the pointers
+    that may be null), and ``launch``, which binds them by name. ``offsets`` / ``sizes``: where
+    each argument lies in the packed buffer."""
+
+    __slots__ = ("name", "params", "nullable", "kinds", "offsets", "sizes", "packer", "launch")
+
+    name: str
+    params: Signature
+    nullable: frozenset[str]
+    kinds: str
+    offsets: list[int]
+    sizes: list[int]
+    packer: struct.Struct
+    launch: Callable[..., None]
+
+    def __init__(self, kernel: str, /, **params: str) -> None:
+        for pname, kind in params.items():
+            if kind not in KIND_NAMES and kind != NULLABLE:
+                raise ValueError(f"KernelSpec {kernel}: {pname}={kind!r} is not a kind "
+                                 f"({', '.join(KIND_NAMES)} or {NULLABLE})")
+            if pname in _RESERVED or pname.startswith("_") or keyword.iskeyword(pname):
+                raise ValueError(f"KernelSpec {kernel}: {pname!r} cannot name a parameter")
+        self.name = kernel
+        self.params = Signature(Param(n, k[0]) for n, k in params.items())
+        self.nullable = frozenset(n for n, k in params.items() if k == NULLABLE)
+        self.kinds = self.params.kinds
+        self.offsets, self.sizes = layout(self.kinds)
+        self.packer = struct.Struct(struct_format(self.kinds))
+        self.launch = _launch_by_name(self)
+
+    def __repr__(self) -> str:
+        args = "".join(f", {p.name}={self._kind(p)!r}" for p in self.params)
+        return f"KernelSpec({self.name!r}{args})"
+
+    def _kind(self, param: Param) -> str:
+        return NULLABLE if param.name in self.nullable else param.kind
+
+    def check_signature(self, signature: Sequence[Param], where: str) -> None:
+        """``TypeError`` unless ``signature`` (read from the source) has this spec's parameter
+        names and kinds, in this order."""
+        source = tuple(Param(*p) for p in signature)
+        if source == tuple(self.params):
+            return
+        if len(source) != len(self.params):
+            raise TypeError(f"{where}: the source has {len(source)} parameters ({_show(source)}), "
+                            f"spec {self.name} names {len(self.params)} ({_show(self.params)})")
+        i = next(i for i, (a, b) in enumerate(zip(source, self.params)) if a != b)
+        raise TypeError(f"{where}: parameter {i} is {_show([source[i]])} in the source, "
+                        f"{_show([self.params[i]])} in spec {self.name}")
+
+    def values(self, values: Sequence[Any]) -> list[int | float]:
+        """``values`` (checked already) as the kernel receives them: ints, and floats for f32.
+        What a backend that records launches records."""
+        return [float(v) if p.kind == "F" else int(v) for p, v in zip(self.params, values)]
+
+    def refusal(self, values: Sequence[Any]) -> Exception:
+        """The error for values that failed the launch's checks: the first parameter at fault,
+        by the one policy."""
+        try:
+            for param, value in zip(self.params, values):
+                self._check(param, value)
+        except (TypeError, ValueError) as exc:
+            return exc
+        return TypeError(f"{self.name}: arguments {list(values)!r} do not pack as {self.kinds}")
+
+    def _check(self, param: Param, value: Any) -> None:
+        what = f"{self.name} {param.name}"
+        kind = param.kind
+        if kind == "P":
+            validate.pointer(value, what, nullable=param.name in self.nullable)
+        elif kind == "U":
+            validate.u32(value, what)
+        elif kind == "L":
+            validate.count(value, what, limit=1 << 64)
+        elif kind == "I":
+            if not -(1 << 31) <= validate.integer(value, what) < 1 << 31:
+                raise ValueError(f"{what} must be in -2**31..2**31-1, got {value}")
+        elif isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{what} must be a real number, got {value!r}")
+        elif math.isfinite(value) and abs(value) > F32_MAX:
+            raise ValueError(f"{what}: {value!r} overflows f32")
+
+
+def _show(params: Sequence[Param]) -> str:
+    return ", ".join(f"{p.name}: {KIND_NAMES[p.kind]}" for p in params)
+
+
+def _launch_by_name(spec: KernelSpec) -> Callable[..., None]:
+    """``launch(gpu, kernel, grid, block, stream, /, *, <each parameter>, shared_mem=0,
+    overlap=False)``, written out for this spec: Python itself binds the keywords, the checks
+    are one expression, and the values go to ``pack_into`` as plain positional arguments (a
+    ``**kwargs`` version, or one that unpacks a tuple into ``pack_into``, costs several times as
+    much per launch). What ``pack_into`` checks itself (types, ranges, f32 overflow) it is left
+    to; the expression adds what it lets pass: null pointers, and bools for integers (one test
+    per parameter, a few ns each: bools for pointers and floats are not looked for)."""
+    names = "".join(f"{p.name}, " for p in spec.params)
+    guards = [f"not {p.name}" for p in spec.params if p.kind == "P" and p.name not in spec.nullable]
+    guards += [f"type({p.name}) is bool" for p in spec.params if p.kind in "UIL"]
+    source = (
+        f"def launch(gpu, kernel, grid, block, stream, /, *, {names}shared_mem=0, overlap=False):\n"
+        f"    try:\n"
+        f"        plan = local.plan\n"
+        f"    except AttributeError:\n"
+        f"        plan = local.plan = ArgPlan(spec.kinds)\n"
+        f"    try:\n"
+        f"        bad = {' or '.join(guards) or 'False'}\n"
+        f"        if not bad:\n"
+        f"            pack_into(plan.buffer, 0, {names})\n"
+        f"    except (TypeError, ValueError, OverflowError, struct_error):\n"
+        f"        bad = True\n"
+        f"    if bad:\n"
+        f"        raise spec.refusal(({names}))\n"
+        f"    gpu.launch_spec(spec, kernel, grid, block, shared_mem, stream, plan.params, ({names}),\n"
+        f"                    overlap)\n"
+    )
+    namespace: dict[str, Any] = {
+        "spec": spec, "local": threading.local(), "ArgPlan": ArgPlan,
+        "pack_into": spec.packer.pack_into, "struct_error": struct.error,
+    }
+    exec(compile(source, f"<KernelSpec {spec.name}>", "exec"), namespace)
+    launch = namespace["launch"]
+    launch.__qualname__ = f"KernelSpec({spec.name!r}).launch"
+    launch.__doc__ = (f"Launch {spec.name}({_show(spec.params)}), every argument by name. "
+                      "``overlap=True``: a programmatic dependent launch (see ``KernelLaunch``).")
+    return launch

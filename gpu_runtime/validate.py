@@ -1,0 +1,107 @@
+"""The one validation policy: ``TypeError`` for a wrong type, ``ValueError`` for a wrong value,
+``ClosedError`` for a closed object.
+
+Each check returns the normalised value (an ``int``, ``float`` or ``bool``; an int subclass such
+as ``DevicePtr`` is returned as it is); ``what`` names the argument in the message
+(``"alloc size"``, ``"scaled_add n"``). Launchers call these on every launch, so each starts
+with a fast path for the common case (a plain in-range value) before the general checks.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import operator
+
+import numpy as np
+
+from .errors import ClosedError
+from .pointers import DevicePtr
+
+F32_MAX = 3.4028234663852886e38
+
+
+def integer(value: object, what: str) -> int:
+    """An int or numpy integer (anything with ``__index__``), not a bool."""
+    if type(value) is int:
+        return value
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{what} must be an int, got bool {value!r}")
+    if isinstance(value, int):
+        return value
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r}") from None
+
+
+def _bound(limit: int) -> str:
+    """``limit - 1`` as the messages write it: ``2**32-1`` for large powers of two."""
+    if limit > 1 << 16 and limit & (limit - 1) == 0:
+        return f"2**{limit.bit_length() - 1}-1"
+    return str(limit - 1)
+
+
+def count(value: object, what: str, *, limit: int | None = None) -> int:
+    """An integer >= 0 (and < ``limit``)."""
+    if type(value) is int and value >= 0 and (limit is None or value < limit):
+        return value
+    return _at_least(0, value, what, limit)
+
+
+def positive(value: object, what: str, *, limit: int | None = None) -> int:
+    """An integer >= 1 (and < ``limit``)."""
+    return _at_least(1, value, what, limit)
+
+
+def _at_least(low: int, value: object, what: str, limit: int | None) -> int:
+    n = integer(value, what)
+    if limit is not None and not low <= n < limit:
+        raise ValueError(f"{what} must be in {low}..{_bound(limit)}, got {n}")
+    if n < low:
+        raise ValueError(f"{what} must be {'a non-negative int' if low == 0 else 'an int >= 1'}, got {n}")
+    return n
+
+
+def u32(value: object, what: str) -> int:
+    """What a ``uint32_t`` kernel parameter takes."""
+    if type(value) is int and 0 <= value <= 0xFFFFFFFF:
+        return value
+    return count(value, what, limit=1 << 32)
+
+
+def pointer(value: object, what: str, *, nullable: bool = False) -> int:
+    """A device address: an integer below 2**64; 0 (null) only where ``nullable``."""
+    if (type(value) is DevicePtr or type(value) is int) and 0 < value < 0x10000000000000000:
+        return value
+    ptr = integer(value, what)
+    if not ptr and not nullable:
+        raise ValueError(f"{what}: null device pointer")
+    if not 0 <= ptr < 1 << 64:
+        raise ValueError(f"{what}: device pointer out of range: {ptr}")
+    return ptr
+
+
+def real32(value: object, what: str) -> float:
+    """A real number that is finite and fits an f32 (the kernels compute in fp32)."""
+    if type(value) is float and -F32_MAX <= value <= F32_MAX:  # NaN and infinities fail this
+        return value
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{what} must be a real number, got {value!r}")
+    x = float(value)
+    if not math.isfinite(x) or abs(x) > F32_MAX:
+        raise ValueError(f"{what} must be finite and fit an f32, got {value!r}")
+    return x
+
+
+def boolean(value: object, what: str) -> bool:
+    """Exactly a bool (an int is not taken for one)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{what} must be a bool, got {value!r}")
+    return value
+
+
+def require_open(closed: bool, what: str) -> None:
+    """``ClosedError("<what> is closed")`` where ``closed``."""
+    if closed:
+        raise ClosedError(f"{what} is closed")

@@ -13,7 +13,7 @@ SANITIZE_SHARDS ?= 2
 .PHONY: kernels test bench gpu-check sanitize
 
 kernels:
-	$(PYTHON) -m gpu_runtime.precompile $(if $(ARCH),--arch $(ARCH))
+	$(PYTHON) -m layers.precompile $(if $(ARCH),--arch $(ARCH))
 
 test:
 	$(PYTHON) -m pytest

@@ -54,6 +54,7 @@ from layers.ngram_embed.tables import Bf16Table
 from layers.ops.embed import batched_embed
 from layers.ops.residual import scaled_add
 from layers.weight_map import BF16
+from layers.kernel_files import load_kernel
 
 BATCHES = (1, 64)
 PROMPT = 32          # prefill tokens per sequence
@@ -187,7 +188,7 @@ def reference_check(ctx: Ctx, layer: NgramEmbedding, b: int, first: np.ndarray) 
 def bare_graph_row(ctx: Ctx) -> Row:
     """A graph of one 1-element bf16_scaled_add: the floor of a graph replay from Python."""
     gpu, s = ctx.gpu, ctx.stream
-    kernel = gpu.kernel("residual_add", "bf16_scaled_add")
+    kernel = load_kernel(gpu, "residual_add", "bf16_scaled_add")
     buf = gpu.alloc(4)  # out, x: one bf16 each
     exe = 0
     try:
@@ -399,7 +400,7 @@ def zero_copy_probe(ctx: Ctx, layer: NgramEmbedding) -> float:
     table in place, one launch per table (the same rows, tables and footprint as the prefill's
     gather): the zero-copy rate the host-table prefill is compared with."""
     gpu, tables = ctx.gpu, [tb.weight for tb in layer.tables]
-    k = gpu.kernel("embed_from_argmax", "batched_embed")
+    k = load_kernel(gpu, "embed_from_argmax", "batched_embed")
     ids = [DeviceArray.from_numpy(gpu, ctx.rng.integers(0, w.rows, PREFILL).astype(np.uint32))
            for w in tables]
     cols = tables[0].cols

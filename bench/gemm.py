@@ -22,6 +22,7 @@ from gpu_runtime import CudaBackend, DevicePtr
 from layers.ops import gemm
 from layers.ops.gemm import dense_gemm_bf16_pipelined
 from layers.weight_map import BF16, DenseWeight
+from layers.kernel_files import load_kernel
 
 SHAPES = [(1, 4096, 256), (16, 4096, 256), (128, 4096, 256), (4096, 4096, 256),
           (1, 4096, 4096), (64, 4096, 4096), (4096, 4096, 4096), (8192, 8192, 8192)]
@@ -43,7 +44,7 @@ def _fill(gpu: CudaBackend, ptr: int, nbytes: int, pool: np.ndarray) -> None:
 
 def _ours_ms(gpu: CudaBackend, m: int, n: int, k: int, sets: int, pool: np.ndarray,
              path: str | None) -> float:
-    kern = gpu.kernel("gemm", gemm.KERNEL)
+    kern = load_kernel(gpu, "gemm", gemm.KERNEL)
     bufs = []
     try:
         for _ in range(sets):

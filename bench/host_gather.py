@@ -11,6 +11,7 @@ the host's launch rate is not in them.
 
 Columns: rows per call; host us / device us; host/device; GB/s of row bytes gathered per second
 from each; the pinned host-to-device copy rate (one 256 MiB DMA) is printed as PCIe's ceiling.
+from layers.kernel_files import load_kernel
 Expected (the issue's numbers): 16 rows about 1.2x the device gather (latency-bound: one PCIe
 round trip), 1024 rows about 2.5x; a prefill-sized gather (65536 rows) runs at a fraction of the
 PCIe copy rate (random 512-byte reads, not one DMA stream).
@@ -59,7 +60,7 @@ def main() -> None:
     gib = float(os.environ.get("HOST_GATHER_GIB", "1"))
     rng = np.random.default_rng(0)
     with CudaBackend() as gpu:
-        k = gpu.kernel("embed_from_argmax", "batched_embed")
+        k = load_kernel(gpu, "embed_from_argmax", "batched_embed")
         rows = int(gib * (1 << 30)) // ROW_BYTES
         nbytes = rows * ROW_BYTES
         print(f"device {gpu.name}: table [{rows}, {DIM}] bf16, {nbytes / 2**30:.2f} GiB, in mapped "

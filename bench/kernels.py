@@ -14,6 +14,7 @@ from bench.common import copy_bandwidth, gated_gpu_us, print_table, torch_or_non
 from gpu_runtime import CudaBackend
 from layers.ops.embed import batched_embed, batched_embed_fp8, embed_from_argmax
 from layers.ops.residual import scaled_add
+from layers.kernel_files import load_kernel
 
 BF16 = ml_dtypes.bfloat16
 
@@ -37,8 +38,8 @@ def gather_rows(gpu: CudaBackend, bw: float) -> list[tuple]:
     torch = torch_or_none()
     rows = []
     n, dim, table_rows = 65536, 4096, 131072
-    k_bf16 = gpu.kernel("embed_from_argmax", "batched_embed")
-    k_fp8 = gpu.kernel("embed_from_argmax", "batched_embed_fp8")
+    k_bf16 = load_kernel(gpu, "embed_from_argmax", "batched_embed")
+    k_fp8 = load_kernel(gpu, "embed_from_argmax", "batched_embed_fp8")
     table = _device_random(gpu, rng, table_rows * dim * 2)
     table8 = _device_random(gpu, rng, table_rows * dim)
     scales = gpu.alloc(table_rows * 4)
@@ -74,7 +75,7 @@ def gather_rows(gpu: CudaBackend, bw: float) -> list[tuple]:
     rows.append((f"batched_embed n={small_n} dim={small_dim}", ms * 1e3, moved / ms / 1e6,
                  moved / (ms * 1e-3) / bw, None, None))
 
-    k_add = gpu.kernel("residual_add", "bf16_scaled_add")
+    k_add = load_kernel(gpu, "residual_add", "bf16_scaled_add")
     n_add = 1 << 28
     a = _device_random(gpu, rng, n_add * 2)
     ms = _ms(lambda i: scaled_add(gpu, k_add, a, table, 0.5, n_add, 0))
@@ -88,7 +89,7 @@ def gather_rows(gpu: CudaBackend, bw: float) -> list[tuple]:
     rows.append(("bf16_scaled_add n=2^28", ms * 1e3, moved / ms / 1e6, moved / (ms * 1e-3) / bw,
                  t_ms * 1e3 if t_ms else None, t_ms / ms if t_ms else None))
 
-    k_arg = gpu.kernel("embed_from_argmax", "embed_from_argmax_bf16")
+    k_arg = load_kernel(gpu, "embed_from_argmax", "embed_from_argmax_bf16")
     vocab, m = 131072, 64
     ids_out = gpu.alloc(m * 4)
     ms = _ms(lambda i: embed_from_argmax(gpu, k_arg, a, vocab, table, out, ids_out, m, dim, 0))

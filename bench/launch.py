@@ -18,6 +18,7 @@ from bench.common import host_time_us, print_table
 from gpu_runtime import CudaBackend, KernelLaunch, compiler, validate
 from layers.ops.residual import scaled_add
 from layers.ops.specs import SCALED_ADD
+from layers.kernel_files import kernel_dir, load_kernel
 
 N = 1024
 
@@ -56,9 +57,9 @@ def cuda_core_launcher(gpu: CudaBackend, out: int, x: int):
         return None
     dev = Device(gpu.device)
     dev.set_current()
-    source = (compiler.kernel_dir() / "residual_add.cu").read_text()
+    source = (kernel_dir() / "residual_add.cu").read_text()
     opts = ProgramOptions(arch=f"sm_{dev.arch}", std="c++17",
-                          include_path=[str(compiler.kernel_dir()), compiler.cuda_include_dir()])
+                          include_path=[str(kernel_dir()), compiler.cuda_include_dir()])
     kernel = Program(source, code_type="c++", options=opts).compile("cubin").get_kernel("bf16_scaled_add")
     stream = dev.create_stream()
     config = LaunchConfig(grid=1, block=256)
@@ -76,9 +77,9 @@ def cupy_launcher():
         import cupy
     except Exception:
         return None
-    source = (compiler.kernel_dir() / "residual_add.cu").read_text()
+    source = (kernel_dir() / "residual_add.cu").read_text()
     kernel = cupy.RawKernel(source, "bf16_scaled_add",
-                            options=("-std=c++17", f"-I{compiler.kernel_dir()}",
+                            options=("-std=c++17", f"-I{kernel_dir()}",
                                      f"-I{compiler.cuda_include_dir()}"))
     out = cupy.zeros(N, dtype=cupy.uint16)
     x = cupy.zeros(N, dtype=cupy.uint16)
@@ -93,7 +94,7 @@ def cupy_launcher():
 
 def main() -> None:
     with CudaBackend() as gpu:
-        kernel = gpu.kernel("residual_add", "bf16_scaled_add")
+        kernel = load_kernel(gpu, "residual_add", "bf16_scaled_add")
         stream = gpu.create_stream()
         out, x = gpu.alloc(2 * N), gpu.alloc(2 * N)
         gpu.memset(out, 0, 2 * N)

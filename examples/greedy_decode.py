@@ -14,6 +14,7 @@ copy at the end; the first CHECK steps are compared with a numpy re-run of the l
 
 import sys
 from pathlib import Path
+from layers.kernel_files import load_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
@@ -61,8 +62,8 @@ def main():
         s = gpu.create_stream()
         layer = NgramEmbedding.from_numpy(DIMS, word, tables, projs, B * PROMPT, gpu, s)
         dec = NgramDecoder(layer, max_seqs=B, max_rows=B * PROMPT, gpu=gpu, stream=s)
-        argmax_k = gpu.kernel("embed_from_argmax", "embed_from_argmax_bf16")
-        gemm_k = gpu.kernel("gemm", "dense_gemm_bf16_pipelined")
+        argmax_k = load_kernel(gpu, "embed_from_argmax", "embed_from_argmax_bf16")
+        gemm_k = load_kernel(gpu, "gemm", "dense_gemm_bf16_pipelined")
         empty = lambda shape, dtype: DeviceArray.empty(gpu, shape, dtype, s)  # noqa: E731
         prompt_d = DeviceArray.from_numpy(gpu, prompts.reshape(-1), s)
         cu_seqlens = DeviceArray.from_numpy(gpu, np.arange(B + 1, dtype=np.uint32) * PROMPT, s)

@@ -1,4 +1,4 @@
-"""NVRTC compilation of ``kernels/*.cu`` with an on-disk cache.
+"""NVRTC compilation of ``.cu`` files with an on-disk cache.
 
 Targets: ``sm_XX[a]`` gives a cubin for that exact chip (what the backend loads: a cubin from an
 NVRTC newer than the driver still loads, PTX does not); ``compute_XX`` gives PTX (what
@@ -33,19 +33,6 @@ _INCLUDE = re.compile(r'^\s*#\s*include\s*([<"])([^>"]+)[>"]', re.M)
 # -default-device: NVRTC 13.0 treats an unannotated (generic) lambda inside a kernel as host code
 # and refuses it; nvcc and newer NVRTC infer __device__. Every function in kernels/ is device code.
 BASE_OPTIONS: tuple[str, ...] = ("-std=c++17", "-lineinfo", "-default-device")
-
-
-def kernel_dir() -> Path:
-    """Where the ``.cu`` files live: ``$GPU_RUNTIME_KERNEL_DIR``, else the copy shipped inside an
-    installed ``gpu_runtime``, else the source tree's ``kernels/``."""
-    env = os.environ.get("GPU_RUNTIME_KERNEL_DIR")
-    if env:
-        return Path(env)
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "kernels", here.parent / "kernels"):
-        if candidate.is_dir():
-            return candidate
-    raise FileNotFoundError("no kernels/ directory next to gpu_runtime; set GPU_RUNTIME_KERNEL_DIR")
 
 
 def cache_dir() -> Path:

@@ -1,10 +1,11 @@
-"""``make kernels``: compile every ``kernels/*.cu`` ahead of time with NVRTC.
+"""Compile ``.cu`` files ahead of time with NVRTC (``make kernels`` runs ``layers.precompile``,
+which gives it the layers' files).
 
 With a GPU present the default target is that device's cubin (so the cache the backend reads
 is warm); without one it is PTX for ``compute_90``, which checks every module compiles. Any
 NVRTC error *or warning* fails the build, with the log.
 
-    python3 -m gpu_runtime.precompile [--arch sm_90a|compute_90|...] [files...]
+    python3 -m gpu_runtime.precompile [--arch sm_90a|compute_90|...] files...
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Callable
 
 from . import compiler, driver
 from .errors import NvrtcError
@@ -24,13 +26,16 @@ def default_arch() -> str:
     return "compute_90"
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, default_files: Callable[[], list[Path]] | None = None) -> int:
+    """Compile ``files`` (or ``default_files()`` when none are named); 1 if any failed."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", default="", help="sm_XX[a] (cubin) or compute_XX (PTX)")
     parser.add_argument("files", nargs="*", type=Path)
     args = parser.parse_args(argv)
     arch = args.arch or default_arch()
-    files = args.files or sorted(compiler.kernel_dir().glob("*.cu"))
+    files = args.files or (default_files() if default_files else [])
+    if not files:
+        parser.error("no .cu files given")
     failed = 0
     for path in files:
         kernels = ", ".join(module_signatures(path))

@@ -9,6 +9,7 @@ import pytest
 from layers import reference as ref
 from layers.ops.embed import batched_embed, batched_embed_fp8, embed_from_argmax
 from tests.helpers import Guarded, bits, random_bf16, random_fp8
+from layers.kernel_files import load_kernel
 
 pytestmark = pytest.mark.gpu
 BF16 = ml_dtypes.bfloat16
@@ -16,7 +17,7 @@ BF16 = ml_dtypes.bfloat16
 
 @pytest.fixture(scope="module")
 def kernels(gpu):
-    return {name: gpu.kernel("embed_from_argmax", name)
+    return {name: load_kernel(gpu, "embed_from_argmax", name)
             for name in ("batched_embed", "batched_embed_fp8", "embed_from_argmax_bf16")}
 
 

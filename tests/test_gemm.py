@@ -28,6 +28,7 @@ from layers.weight_map import BF16, FP8, DenseWeight
 from tests.fakes import RecordingBackend
 from tests.helpers import Guarded, bf16_ulp, bits, random_bf16
 from tests.helpers.gemm import MAX_SHARED_OPTIN, Sm90aBackend
+from layers.kernel_files import kernel_dir, load_kernel
 
 
 def _p(i: int) -> DevicePtr:
@@ -41,7 +42,7 @@ def _weight(n: int, k: int, dtype=BF16, ptr: int = 0x200000) -> DenseWeight:
 # -- CPU: launch plans -------------------------------------------------------------------------
 def test_small_m_launches_the_given_kernel_with_its_plan():
     gpu = RecordingBackend()
-    kern = gpu.kernel("gemm", gemm.KERNEL)
+    kern = load_kernel(gpu, "gemm", gemm.KERNEL)
     dense_gemm_bf16_pipelined(gpu, kern, _p(0), _weight(4096, 256), _p(2), 16, 4096, 256, 7)
     (launch,) = gpu.launches
     assert launch.kernel == kern
@@ -65,7 +66,7 @@ def test_small_plan_sizes_by_m(m, nt):
 ])
 def test_large_m_without_wgmma_runs_tiled_on_the_given_kernel(m, n, expected):
     gpu = RecordingBackend()
-    kern = gpu.kernel("gemm", gemm.KERNEL)
+    kern = load_kernel(gpu, "gemm", gemm.KERNEL)
     dense_gemm_bf16_pipelined(gpu, kern, _p(0), _weight(n, 64), _p(2), m, n, 64, 0)
     (launch,) = gpu.launches
     bm, bn = expected
@@ -76,7 +77,7 @@ def test_large_m_without_wgmma_runs_tiled_on_the_given_kernel(m, n, expected):
 
 def test_large_m_on_sm90a_runs_wgmma():
     gpu = Sm90aBackend()
-    kern = gpu.kernel("gemm", gemm.KERNEL)
+    kern = load_kernel(gpu, "gemm", gemm.KERNEL)
     dense_gemm_bf16_pipelined(gpu, kern, _p(0), _weight(4096, 4096), _p(2), 4096, 4096, 4096, 3)
     (launch,) = gpu.launches
     assert gpu.kernel_of(launch) == ("gemm", "dense_gemm_bf16_wgmma")
@@ -99,7 +100,7 @@ def test_large_m_on_sm90a_runs_wgmma():
 ])
 def test_forced_paths_launch_their_kernel(path, name, smem):
     gpu = RecordingBackend()
-    kern = gpu.kernel("gemm", gemm.KERNEL)
+    kern = load_kernel(gpu, "gemm", gemm.KERNEL)
     dense_gemm_bf16_pipelined(gpu, kern, _p(0), _weight(300, 72), _p(2), 200, 300, 72, 5, path=path)
     (launch,) = gpu.launches
     assert gpu.kernel_of(launch) == ("gemm", name)
@@ -109,7 +110,7 @@ def test_forced_paths_launch_their_kernel(path, name, smem):
 
 def _cu_constants() -> dict[str, int]:
     """Every ``constexpr uint32_t kName = <integer expression>;`` in gemm.cu, evaluated."""
-    text = re.sub(r"//[^\n]*", "", (compiler.kernel_dir() / "gemm.cu").read_text())
+    text = re.sub(r"//[^\n]*", "", (kernel_dir() / "gemm.cu").read_text())
     values: dict[str, int] = {}
     for name, expr in re.findall(r"^constexpr\s+uint32_t\s+(k\w+)\s*=\s*([^;]+);", text, re.M):
         values[name] = int(eval(expr.replace("/", "//"), {"__builtins__": {}}, dict(values)))
@@ -127,7 +128,7 @@ def test_launcher_constants_mirror_the_kernel():
     assert (cu["kWgBM"], cu["kWgBN"], cu["kWgBK"], cu["kWgStages"], cu["kWgSmem"]) == (
         gemm.WG_BM, gemm.WG_BN, gemm.WG_BK, gemm.WG_STAGES, gemm.WG_SMEM)
     # run_tiled takes the largest config the shared memory holds, largest first, as TILE_CONFIGS
-    source = (compiler.kernel_dir() / "gemm.cu").read_text()
+    source = (kernel_dir() / "gemm.cu").read_text()
     tried = [tuple(map(int, t)) for t in re.findall(r"dyn >= tile_smem_bytes<(\d+), (\d+)>", source)]
     assert tried == list(gemm.TILE_CONFIGS)
     called = {tuple(map(int, t)) for t in re.findall(r"tiled_gemm<(\d+), (\d+)>\(", source)}
@@ -139,7 +140,7 @@ def test_launcher_constants_mirror_the_kernel():
 # -- CPU: bad input, refused before any launch ---------------------------------------------------
 def _refused(exc: type[Exception], match: str, *args, **kwargs) -> None:
     gpu = RecordingBackend()
-    kern = gpu.kernel("gemm", gemm.KERNEL)
+    kern = load_kernel(gpu, "gemm", gemm.KERNEL)
     with pytest.raises(exc, match=match):
         dense_gemm_bf16_pipelined(gpu, kern, *args, **kwargs)
     assert gpu.launches == [] and gpu.ops == []
@@ -185,7 +186,7 @@ def test_null_kernel_and_unknown_path_refused():
 @pytest.mark.parametrize("m, n, k", [(0, 8, 8), (4, 0, 8), (4, 8, 0), (0, 0, 0)])
 def test_zero_sizes_launch_nothing(m, n, k):
     gpu = RecordingBackend()
-    kern = gpu.kernel("gemm", gemm.KERNEL)
+    kern = load_kernel(gpu, "gemm", gemm.KERNEL)
     dense_gemm_bf16_pipelined(gpu, kern, _p(0), _weight(n, k), _p(2), m, n, k, 0)
     assert gpu.launches == [] and gpu.ops == []
 
@@ -214,7 +215,7 @@ def run_gemm(gpu, rng, a: np.ndarray, w: np.ndarray, *, path: str | None = None,
              ab_misalign: int = 0, c_misalign: int = 0) -> np.ndarray:
     """c = a @ w^T through the launcher with guarded, poisoned buffers; checks the guards."""
     (m, k), n = a.shape, w.shape[0]
-    kern = gpu.kernel("gemm", gemm.KERNEL)
+    kern = load_kernel(gpu, "gemm", gemm.KERNEL)
     with Guarded(gpu, (m, k), BF16, rng, ab_misalign) as ga, \
          Guarded(gpu, (n, k), BF16, rng, ab_misalign) as gw, \
          Guarded(gpu, (m, n), BF16, rng, c_misalign) as gc:
@@ -293,7 +294,7 @@ def test_bf16_rounding_is_nearest_even(gpu, rng):
 ])
 def test_pipelined_kernel_correct_for_any_launch(gpu, rng, m, n, k, grid, block, smem):
     a, w = random_bf16(rng, (m, k)), random_bf16(rng, (n, k))
-    kern = gpu.kernel("gemm", gemm.KERNEL)
+    kern = load_kernel(gpu, "gemm", gemm.KERNEL)
     shared = gemm.plan(m, n, k).shared_mem if smem == "plan" else smem
     with Guarded(gpu, (m, k), BF16, rng) as ga, Guarded(gpu, (n, k), BF16, rng) as gw, \
          Guarded(gpu, (m, n), BF16, rng) as gc:
@@ -311,7 +312,7 @@ def test_pipelined_kernel_correct_for_any_launch(gpu, rng, m, n, k, grid, block,
 @pytest.mark.gpu
 @pytest.mark.parametrize("m, n, k", [(0, 8, 16), (4, 0, 16), (4, 8, 0)])
 def test_zero_sizes_leave_c_untouched(gpu, rng, m, n, k):
-    kern = gpu.kernel("gemm", gemm.KERNEL)
+    kern = load_kernel(gpu, "gemm", gemm.KERNEL)
     before = random_bf16(rng, (4, 8))
     with Guarded(gpu, (4, 16), BF16, rng) as ga, Guarded(gpu, (8, 16), BF16, rng) as gw, \
          Guarded(gpu, (4, 8), BF16, rng) as gc:

@@ -27,6 +27,7 @@ from layers.weight_map import BF16, FP8, DenseWeight
 from tests.fakes import RecordingBackend
 from tests.helpers import Guarded, bf16_ulp, bits, random_bf16
 from tests.helpers.gemm import MAX_SHARED_OPTIN, Sm90aBackend
+from layers.kernel_files import kernel_dir, load_kernel
 
 KINDS = "PPPUUUPPF"
 VOCAB = 1000
@@ -42,14 +43,14 @@ def _weight(n: int, k: int, dtype=BF16, ptr: int = 0x200000) -> DenseWeight:
 
 
 def _launch(gpu, m: int, n: int, k: int, *, kernel=None, scale=0.25, stream: int = 7, **kwargs) -> None:
-    kern = gpu.kernel("gemm", gemm.WORD_KERNEL) if kernel is None else kernel
+    kern = load_kernel(gpu, "gemm", gemm.WORD_KERNEL) if kernel is None else kernel
     dense_gemm_bf16_word(gpu, kern, _p(0), _weight(n, k), _p(2), m, n, k, _p(3), _p(4), scale,
                          stream, **kwargs)
 
 
 # -- CPU: signatures and plans -------------------------------------------------------------------
 def test_word_kernels_take_the_plain_signature_plus_ids_word_scale():
-    sigs = parse_signatures((compiler.kernel_dir() / "gemm.cu").read_text())
+    sigs = parse_signatures((kernel_dir() / "gemm.cu").read_text())
     assert sigs[gemm.WORD_KERNEL] == sigs[gemm.WORD_WGMMA_KERNEL] == KINDS
     assert sigs[gemm.KERNEL] + "PPF" == KINDS
 
@@ -57,7 +58,7 @@ def test_word_kernels_take_the_plain_signature_plus_ids_word_scale():
 @pytest.mark.parametrize("m", [1, 8, 9, 33, 64])
 def test_small_m_launches_the_given_kernel_with_the_plain_plan(m):
     gpu = RecordingBackend()
-    kern = gpu.kernel("gemm", gemm.WORD_KERNEL)
+    kern = load_kernel(gpu, "gemm", gemm.WORD_KERNEL)
     _launch(gpu, m, 4096, 256, kernel=kern, scale=0.125)
     (launch,) = gpu.launches
     p = gemm.plan(m, 4096, 256)
@@ -71,7 +72,7 @@ def test_small_m_launches_the_given_kernel_with_the_plain_plan(m):
 @pytest.mark.parametrize("m, n", [(65, 4096), (1000, 2048), (4096, 4096), (300, 72)])
 def test_large_m_without_wgmma_runs_tiled_on_the_given_kernel(m, n):
     gpu = RecordingBackend()
-    kern = gpu.kernel("gemm", gemm.WORD_KERNEL)
+    kern = load_kernel(gpu, "gemm", gemm.WORD_KERNEL)
     _launch(gpu, m, n, 64, kernel=kern)
     (launch,) = gpu.launches
     p = gemm.plan(m, n, 64)
@@ -82,7 +83,7 @@ def test_large_m_without_wgmma_runs_tiled_on_the_given_kernel(m, n):
 
 def test_large_m_on_sm90a_runs_the_wgmma_twin():
     gpu = Sm90aBackend()
-    kern = gpu.kernel("gemm", gemm.WORD_KERNEL)
+    kern = load_kernel(gpu, "gemm", gemm.WORD_KERNEL)
     _launch(gpu, 4096, 4096, 4096, kernel=kern, stream=3)
     (launch,) = gpu.launches
     assert gpu.kernel_of(launch) == ("gemm", "dense_gemm_bf16_word_wgmma")
@@ -101,7 +102,7 @@ def test_default_plan_matches_the_plain_launcher_per_shape():
         for m, n, k in [(1, 4096, 4096), (64, 300, 72), (65, 300, 72), (300, 4096, 4096),
                         (4096, 4096, 512), (100000, 100, 8)]:
             plain, word = backend(), backend()
-            gemm.dense_gemm_bf16_pipelined(plain, plain.kernel("gemm", gemm.KERNEL), _p(0),
+            gemm.dense_gemm_bf16_pipelined(plain, load_kernel(plain, "gemm", gemm.KERNEL), _p(0),
                                            _weight(n, k), _p(2), m, n, k, 0)
             _launch(word, m, n, k)
             (lp,), (lw,) = plain.launches, word.launches
@@ -141,7 +142,7 @@ def test_scale_is_passed_as_given():
 # -- CPU: bad input, refused before any launch ---------------------------------------------------
 def _refused(exc: type[Exception], match: str, *args, **kwargs) -> None:
     gpu = RecordingBackend()
-    kern = gpu.kernel("gemm", gemm.WORD_KERNEL)
+    kern = load_kernel(gpu, "gemm", gemm.WORD_KERNEL)
     with pytest.raises(exc, match=match):
         dense_gemm_bf16_word(gpu, kern, *args, **kwargs)
     assert gpu.launches == [] and gpu.ops == []
@@ -202,7 +203,7 @@ def test_path_the_word_kernel_cannot_run_is_refused(m, path):
 @pytest.mark.parametrize("m, n, k", [(0, 8, 8), (4, 0, 8), (4, 8, 0)])
 def test_zero_sizes_launch_nothing(m, n, k):
     gpu = RecordingBackend()
-    dense_gemm_bf16_word(gpu, gpu.kernel("gemm", gemm.WORD_KERNEL), *_args(m, n, k))
+    dense_gemm_bf16_word(gpu, load_kernel(gpu, "gemm", gemm.WORD_KERNEL), *_args(m, n, k))
     assert gpu.launches == [] and gpu.ops == []
 
 
@@ -274,7 +275,7 @@ def run_word(gpu, rng, a: np.ndarray, w: np.ndarray, word: np.ndarray, ids: np.n
              word_misalign: int = 0) -> np.ndarray:
     """The launcher on guarded buffers (c poisoned); checks every guard and that inputs are intact."""
     (m, k), n = a.shape, w.shape[0]
-    kern = gpu.kernel("gemm", gemm.WORD_KERNEL)
+    kern = load_kernel(gpu, "gemm", gemm.WORD_KERNEL)
     with Guarded(gpu, (m, k), BF16, rng, ab_misalign) as ga, \
          Guarded(gpu, (n, k), BF16, rng, ab_misalign) as gw, \
          Guarded(gpu, (m, n), BF16, rng, c_misalign) as gc, \
@@ -381,7 +382,7 @@ def test_word_kernel_correct_for_any_launch(gpu, rng, m, n, k, grid, block, smem
     a = rng.integers(-8, 9, (m, k)).astype(np.float32).astype(BF16)
     w = rng.integers(-8, 9, (n, k)).astype(np.float32).astype(BF16)
     word, ids = random_bf16(rng, (VOCAB, n)), rng.integers(0, VOCAB, m).astype(np.uint32)
-    kern = gpu.kernel("gemm", gemm.WORD_KERNEL)
+    kern = load_kernel(gpu, "gemm", gemm.WORD_KERNEL)
     shared = gemm.word_plan(m, n, k).shared_mem if smem == "plan" else smem
     with Guarded(gpu, (m, k), BF16, rng) as ga, Guarded(gpu, (n, k), BF16, rng) as gw, \
          Guarded(gpu, (m, n), BF16, rng) as gc, Guarded(gpu, (m,), np.uint32, rng) as gi, \

@@ -22,6 +22,7 @@ from tests.helpers import PAGE, Guarded, bits, page_aligned, random_bf16, random
 from tests.helpers.logging_backend import LoggingBackend
 from tests.helpers.ngram import IdentityCache, device_layer, free_layer, random_layer, small_dims
 from tests.helpers.row_cache import table_file
+from layers.kernel_files import load_kernel
 
 OUT = DevicePtr(0x900000)
 
@@ -321,7 +322,7 @@ def test_mapped_gather_equals_device_gather(gpu, rng, fp8, td):
     ids = rng.integers(0, rows, n).astype(np.uint32)
     ids[:3] = [0, rows - 1, rows - 1]
     name = "batched_embed_fp8" if fp8 else "batched_embed"
-    k = gpu.kernel("embed_from_argmax", name)
+    k = load_kernel(gpu, "embed_from_argmax", name)
     got = []
     with HostWeight.from_numpy(gpu, table, scale) as hw, DenseWeight.from_numpy(gpu, table, scale) as dw, \
             Guarded(gpu, n, np.uint32, rng) as ids_dev:
@@ -352,7 +353,7 @@ def test_registered_host_memory_is_read_in_place(gpu, rng, tmp_path):
     path = tmp_path / "rows.bin"
     table.tofile(path)
     mapped_file = np.memmap(path, np.uint8, mode="r", shape=(table.nbytes,))
-    k = gpu.kernel("embed_from_argmax", "batched_embed")
+    k = load_kernel(gpu, "embed_from_argmax", "batched_embed")
     ids = rng.integers(0, rows, 333).astype(np.uint32)
     before = (gpu.host_registrations, _pinned_held(gpu))
     with Guarded(gpu, ids.size, np.uint32, rng) as ids_dev:

@@ -23,6 +23,7 @@ from layers.ops import embed, gemm, ngram_decode, ngram_fused, residual, row_cac
 from layers.ops.specs import BATCHED_EMBED, SPECS
 from layers.weight_map import BF16, DenseWeight
 from tests.fakes import RecordingBackend
+from layers.kernel_files import kernel_dir, load_kernel
 
 SEEDS = Path(__file__).parent / "seeds"
 
@@ -75,7 +76,7 @@ LAUNCHERS = {
 
 def _all_kernels() -> set[tuple[str, str]]:
     found = set()
-    for path in compiler.kernel_dir().glob("*.cu"):
+    for path in kernel_dir().glob("*.cu"):
         found |= {(path.stem, name) for name in parse_signatures(path.read_text())}
     return found
 
@@ -88,9 +89,9 @@ def test_every_kernel_has_a_launcher_here():
 @pytest.mark.parametrize("module, name", sorted(LAUNCHERS))
 def test_launcher_kinds_match_c_signature(module, name):
     gpu = RecordingBackend()
-    LAUNCHERS[(module, name)](gpu, gpu.kernel(module, name))
+    LAUNCHERS[(module, name)](gpu, load_kernel(gpu, module, name))
     assert gpu.launches, "the launcher launched nothing"
-    signatures = parse_signatures((compiler.kernel_dir() / f"{module}.cu").read_text())
+    signatures = parse_signatures((kernel_dir() / f"{module}.cu").read_text())
     for launch in gpu.launches:
         launched_module, launched_name = gpu.kernel_of(launch)
         assert launched_module == module
@@ -121,7 +122,7 @@ def test_overlay_launchers_follow_the_seed_position_for_position():
         assert params[:2] == ["gpu", "kernel"] and params[-1] == "stream"
         values = {p: (i + 1) * 16 for i, p in enumerate(params[2:-1])}  # distinct per parameter
         gpu = RecordingBackend()
-        kernel = gpu.kernel("token_overlay", "x")
+        kernel = load_kernel(gpu, "token_overlay", "x")
         fn(gpu, kernel, *values.values(), 5)
         (launch,) = gpu.launches
         assert launch.kinds == "".join(_KIND[k] for k, _ in chain), fn_name
@@ -131,7 +132,7 @@ def test_overlay_launchers_follow_the_seed_position_for_position():
 
 # -- KernelSpec: named arguments ---------------------------------------------------------------
 def _sources() -> dict[str, dict]:
-    return {path.stem: parse_signatures(path.read_text()) for path in compiler.kernel_dir().glob("*.cu")}
+    return {path.stem: parse_signatures(path.read_text()) for path in kernel_dir().glob("*.cu")}
 
 
 def test_every_kernel_has_one_spec_and_every_spec_a_kernel():
@@ -164,7 +165,7 @@ def test_arguments_bound_by_name_land_in_their_positions():
     """Keywords in any order launch the kernel's order; a missing or unknown name is refused
     before anything is launched."""
     gpu = RecordingBackend()
-    k = gpu.kernel("embed_from_argmax", "batched_embed")
+    k = load_kernel(gpu, "embed_from_argmax", "batched_embed")
     BATCHED_EMBED.launch(gpu, k, (2, 1, 1), (256, 1, 1), 3, dim=7, n=5, out=_p(2), table=_p(1), ids=_p(0))
     (launch,) = gpu.launches
     assert launch.kinds == "PPPUU" and launch.args == [int(_p(0)), int(_p(1)), int(_p(2)), 5, 7]

@@ -23,6 +23,7 @@ from layers.ops.ngram_fused import NO_EOS, NO_TOKEN, ngram_gather
 from tests.fakes import RecordingBackend
 from tests.helpers import Guarded, bits
 from tests.helpers.ngram_gather import Tables, context, make_tables, pows_for, windows_for
+from layers.kernel_files import kernel_dir, load_kernel
 
 BF16 = ml_dtypes.bfloat16
 MODULE, KERNEL = "ngram_fused", "ngram_gather"
@@ -60,7 +61,7 @@ def _launch(gpu, **over):
     args = dict(windows=_p(0), tables=_p(1), pows=_p(2), slots=_p(3), out=_p(4), ids_out=_p(5),
                 rows=37, num_tables=6, max_ngram=4, splits=2, table_dim=33, eos=17, stream=9)
     args.update(over)
-    ngram_gather(gpu, gpu.kernel(MODULE, KERNEL), **args)
+    ngram_gather(gpu, load_kernel(gpu, MODULE, KERNEL), **args)
 
 
 def test_launch_matches_the_c_signature_position_for_position(rng):
@@ -69,7 +70,7 @@ def test_launch_matches_the_c_signature_position_for_position(rng):
     gpu = RecordingBackend()
     _launch(gpu, rows=rows, num_tables=k * (n - 1), max_ngram=n, splits=k, table_dim=td, eos=eos)
     (launch,) = gpu.launches
-    signature = parse_signatures((compiler.kernel_dir() / f"{MODULE}.cu").read_text())[KERNEL]
+    signature = parse_signatures((kernel_dir() / f"{MODULE}.cu").read_text())[KERNEL]
     assert launch.kinds == signature == "PPPPPPUUUUUU"
     assert launch.args == [int(_p(i)) for i in range(6)] + [rows, k * (n - 1), n, k, td, eos]
     assert launch.block == (256, 1, 1) and launch.stream == 9
@@ -155,7 +156,7 @@ def test_windows_for_marks_the_context_start():
 # -- GPU ----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def kernel(gpu):
-    return gpu.kernel(MODULE, KERNEL)
+    return load_kernel(gpu, MODULE, KERNEL)
 
 
 def run_and_check(gpu, kernel, rng, dims: NgramDims, tokens: np.ndarray, positions: np.ndarray,

@@ -9,6 +9,7 @@ import pytest
 from layers import reference as ref
 from layers.ops.residual import residual_add, scaled_add
 from tests.helpers import Guarded, bits, random_bf16
+from layers.kernel_files import load_kernel
 
 pytestmark = pytest.mark.gpu
 BF16 = ml_dtypes.bfloat16
@@ -18,7 +19,7 @@ BF16 = ml_dtypes.bfloat16
 @pytest.mark.parametrize("scale", [1 / 17, -0.37, 1e-30, 0.0, 3.0])
 @pytest.mark.parametrize("misalign", [0, 2])
 def test_scaled_add_bit_exact(gpu, rng, n, scale, misalign):
-    kernel = gpu.kernel("residual_add", "bf16_scaled_add")
+    kernel = load_kernel(gpu, "residual_add", "bf16_scaled_add")
     out0, x = random_bf16(rng, n, 4.0), random_bf16(rng, n)
     with Guarded(gpu, n, BF16, rng, misalign) as o, Guarded(gpu, n, BF16, rng) as g:
         o.upload(out0), g.upload(x)
@@ -31,7 +32,7 @@ def test_scaled_add_bit_exact(gpu, rng, n, scale, misalign):
 @pytest.mark.parametrize("n", [1, 15, 4096, 100003])
 @pytest.mark.parametrize("misalign", [0, 6])
 def test_residual_add_bit_exact(gpu, rng, n, misalign):
-    kernel = gpu.kernel("residual_add", "bf16_residual_add")
+    kernel = load_kernel(gpu, "residual_add", "bf16_residual_add")
     out0, x = random_bf16(rng, n, 3.0), random_bf16(rng, n)
     with Guarded(gpu, n, BF16, rng, misalign) as o, Guarded(gpu, n, BF16, rng, misalign) as g:
         o.upload(out0), g.upload(x)

@@ -17,6 +17,7 @@ from layers.weight_map import BF16, DenseWeight
 from tests.helpers import Guarded, bits
 from tests.helpers.ngram import device_layer, free_layer, random_layer
 from tests.helpers.row_cache import assert_consistent, assert_resident, assign_random_absent, mem_gpu, table_file
+from layers.kernel_files import load_kernel
 
 
 def resolve(cache: RowCache, ids) -> np.ndarray:
@@ -287,7 +288,7 @@ def test_scatter_rows_writes_only_its_slots(gpu, rng, row_bytes, scaled):
     slots = rng.choice(capacity, n, replace=False).astype(np.uint32)
     rows = rng.integers(0, 256, (n, row_bytes), dtype=np.uint8)
     scales = rng.standard_normal(n).astype(np.float32)
-    kernel = gpu.kernel("row_cache", "scatter_rows")
+    kernel = load_kernel(gpu, "row_cache", "scatter_rows")
     with Guarded(gpu, (capacity, row_bytes), np.uint8, rng) as arena, \
             Guarded(gpu, capacity, np.float32, rng) as arena_scales, \
             Guarded(gpu, n, np.uint32, rng) as s_dev, Guarded(gpu, (n, row_bytes), np.uint8, rng) as r_dev, \

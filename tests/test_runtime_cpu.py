@@ -18,11 +18,12 @@ from gpu_runtime import (ClosedError, CudaBackend, CudaError, DeviceBuffer, Devi
                          device_count, validate)
 from gpu_runtime.packing import ArgPlan
 from gpu_runtime.signatures import Param, Signature, parse_signatures
-from gpu_runtime.sources import module_of, source_path
+from gpu_runtime.sources import module_of
 from layers.ops.loading import try_kernel
 from tests.fakes import MemoryBackend, RecordingBackend
+from layers.kernel_files import kernel_dir, kernel_files, kernel_path, load_kernel
 
-KERNEL_FILES = sorted(compiler.kernel_dir().glob("*.cu"))
+KERNEL_FILES = sorted(kernel_dir().glob("*.cu"))
 
 
 # -- KernelLaunch ---------------------------------------------------------------------------
@@ -252,13 +253,12 @@ def test_capabilities_by_inheritance_or_by_methods():
     assert not recording.closed
 
 
-def test_kernel_source_is_a_path_or_a_bare_module_name(tmp_path):
-    assert source_path("residual_add", tmp_path) == tmp_path / "residual_add.cu"
-    assert source_path(tmp_path / "x.cu", Path("/elsewhere")) == tmp_path / "x.cu"
-    assert source_path("kernels/residual_add.cu", tmp_path) == Path("kernels/residual_add.cu")
-    assert module_of("residual_add") == module_of(Path("kernels/residual_add.cu")) == "residual_add"
+def test_kernel_source_is_a_path_and_the_layers_find_theirs():
+    assert module_of("kernels/residual_add.cu") == module_of(Path("/x/residual_add.cu")) == "residual_add"
+    assert kernel_path("gemm") == kernel_dir() / "gemm.cu" and kernel_path("gemm").is_file()
+    assert kernel_files() == sorted(kernel_dir().glob("*.cu")) and kernel_path("gemm") in kernel_files()
     gpu = RecordingBackend()
-    assert gpu.kernel(compiler.kernel_dir() / "gemm.cu", "k") == gpu.kernel("gemm", "k")
+    assert gpu.kernel(kernel_dir() / "gemm.cu", "k") == load_kernel(gpu, "gemm", "k")
 
 
 def test_try_kernel_gives_zero_for_missing_kernels_only():
@@ -430,12 +430,20 @@ def test_nvrtc_error_carries_log_with_file_and_line(tmp_path, cache):
 
 
 def test_precompile_reports_each_module(capsys, cache):
-    from gpu_runtime import precompile
+    from layers import precompile  # what make kernels runs: the runtime's, given the layers' files
 
     assert precompile.main(["--arch", "compute_90"]) == 0
     out = capsys.readouterr().out
     for path in KERNEL_FILES:
         assert f"ok   {path.stem}" in out
+
+
+def test_runtime_precompile_needs_files(capsys):
+    from gpu_runtime import precompile
+
+    with pytest.raises(SystemExit):
+        precompile.main(["--arch", "compute_90"])
+    assert "no .cu files given" in capsys.readouterr().err
 
 
 def test_precompile_fails_on_error(tmp_path, cache, capsys):
@@ -453,10 +461,10 @@ def test_target_for_device():
 
 def test_kernel_dir_env_override(monkeypatch, tmp_path):
     monkeypatch.setenv("GPU_RUNTIME_KERNEL_DIR", str(tmp_path))
-    assert compiler.kernel_dir() == tmp_path
+    assert kernel_dir() == tmp_path
     monkeypatch.delenv("GPU_RUNTIME_KERNEL_DIR")
-    assert (compiler.kernel_dir() / "common.cuh").is_file()
-    assert os.path.isdir(compiler.kernel_dir())
+    assert (kernel_dir() / "common.cuh").is_file()
+    assert os.path.isdir(kernel_dir())
 
 
 def test_param_layout_without_driver_param_count(monkeypatch):

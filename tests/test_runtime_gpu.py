@@ -13,6 +13,7 @@ from gpu_runtime import (ClosedError, CudaBackend, CudaError, DeviceArray, Devic
                          KernelLaunch, KernelNotFoundError)
 from gpu_runtime.launch_spec import KernelSpec
 from tests.helpers import DEVICE_MEMORY_MEASURABLE
+from layers.kernel_files import load_kernel
 
 pytestmark = pytest.mark.gpu
 TEST_KERNELS = Path(__file__).parent / "kernels"
@@ -21,7 +22,7 @@ TEST_KERNELS = Path(__file__).parent / "kernels"
 @pytest.fixture(scope="module")
 def tgpu(gpu):
     """A second backend on the same device whose kernel directory holds the test kernels."""
-    backend = CudaBackend(kernel_dir=TEST_KERNELS)
+    backend = CudaBackend()
     yield backend
     backend.close()
 
@@ -58,7 +59,7 @@ def test_bytes_and_memoryview_uploads(gpu, rng):
 
 
 def test_every_argument_kind_reaches_the_kernel(tgpu, rng):
-    k = tgpu.kernel("runtime_test", "arg_echo")
+    k = tgpu.kernel(TEST_KERNELS / "runtime_test.cu", "arg_echo")
     out = tgpu.alloc(5 * 8)
     try:
         u = int(rng.integers(0, 2**32))
@@ -78,7 +79,7 @@ def test_every_argument_kind_reaches_the_kernel(tgpu, rng):
 
 
 def test_argument_mismatches_refused_before_launch(tgpu):
-    k = tgpu.kernel("runtime_test", "arg_echo")
+    k = tgpu.kernel(TEST_KERNELS / "runtime_test.cu", "arg_echo")
     out = tgpu.alloc(40)
     try:
         with pytest.raises(TypeError, match=r"runtime_test.arg_echo: takes 6 arguments"):
@@ -99,7 +100,7 @@ def test_spec_launch_binds_by_name_and_refuses_a_swapped_spec(tgpu, rng):
     order, DeviceBuffers as pointers, from a second thread too); a spec naming two u32 the other
     way round is refused at its first launch, before the driver."""
     n = 5000
-    add = tgpu.kernel("runtime_test", "add_u32")
+    add = tgpu.kernel(TEST_KERNELS / "runtime_test.cu", "add_u32")
     host = rng.integers(0, 2**31, n, dtype=np.uint32)
     with DeviceBuffer.upload(tgpu, host) as src, DeviceBuffer(tgpu, 4 * n) as dst:
         ADD_U32.launch(tgpu, add, (8, 1, 1), (256, 1, 1), 0, n=n, add=11, dst=dst, src=src)
@@ -128,7 +129,7 @@ def test_layer_spec_launch_equals_the_launcher(gpu, rng):
     from layers.ops.specs import SCALED_ADD
 
     n = 3001
-    kernel = gpu.kernel("residual_add", "bf16_scaled_add")
+    kernel = load_kernel(gpu, "residual_add", "bf16_scaled_add")
     x = rng.standard_normal(n).astype(ml_dtypes.bfloat16)
     base = rng.standard_normal(n).astype(ml_dtypes.bfloat16)
     outs = []
@@ -145,7 +146,7 @@ def test_layer_spec_launch_equals_the_launcher(gpu, rng):
 
 def test_param_info_check_without_source_signature(tgpu):
     """Where the source signature is unknown, the driver's parameter layout still refuses."""
-    k = tgpu.kernel("runtime_test", "add_u32")
+    k = tgpu.kernel(TEST_KERNELS / "runtime_test.cu", "add_u32")
     signatures = tgpu._signatures[(TEST_KERNELS / "runtime_test.cu").resolve()]
     saved = signatures.pop("add_u32")
     try:
@@ -162,8 +163,8 @@ def test_stream_ordering_and_async_upload_from_reused_buffer(tgpu, rng):
     stream reads the caller's data as it was at the call, though the caller overwrites it."""
     n = 1 << 16
     stream = tgpu.create_stream()
-    spin = tgpu.kernel("runtime_test", "spin")
-    add = tgpu.kernel("runtime_test", "add_u32")
+    spin = tgpu.kernel(TEST_KERNELS / "runtime_test.cu", "spin")
+    add = tgpu.kernel(TEST_KERNELS / "runtime_test.cu", "add_u32")
     a, b = tgpu.alloc(4 * n), tgpu.alloc(4 * n)
     try:
         host = rng.integers(0, 2**31, n, dtype=np.uint32)
@@ -231,11 +232,11 @@ def test_refusals_name_the_problem(gpu):
     with pytest.raises(KernelNotFoundError, match="no kernel module"):
         gpu.kernel("no_such_module", "k")
     with pytest.raises(KernelNotFoundError, match="not in module"):
-        gpu.kernel("residual_add", "no_such_kernel")
+        load_kernel(gpu, "residual_add", "no_such_kernel")
 
 
 def test_kernel_lookup_is_cached(gpu):
-    assert gpu.kernel("residual_add", "bf16_scaled_add") is gpu.kernel("residual_add", "bf16_scaled_add")
+    assert load_kernel(gpu, "residual_add", "bf16_scaled_add") is load_kernel(gpu, "residual_add", "bf16_scaled_add")
 
 
 def test_device_array_round_trip_and_interface(gpu, rng):
@@ -254,7 +255,7 @@ def test_device_buffer_round_trip_launch_and_free_on_a_stream(tgpu, rng):
     gives the memory back; a closed buffer refuses to be a pointer."""
     n = 1 << 16
     stream = tgpu.create_stream()
-    add = tgpu.kernel("runtime_test", "add_u32")
+    add = tgpu.kernel(TEST_KERNELS / "runtime_test.cu", "add_u32")
     host = rng.integers(0, 2**31, n, dtype=np.uint32)
     try:
         with DeviceBuffer.upload(tgpu, host, stream) as src, DeviceBuffer(tgpu, 4 * n) as dst:
@@ -285,7 +286,7 @@ def test_two_threads_with_their_own_streams(tgpu, rng):
     def work(tag: int) -> None:
         try:
             stream = tgpu.create_stream()
-            add = tgpu.kernel("runtime_test", "add_u32")
+            add = tgpu.kernel(TEST_KERNELS / "runtime_test.cu", "add_u32")
             a, b = tgpu.alloc(4 * n), tgpu.alloc(4 * n)
             tgpu.copy_h2d_async(np.arange(n, dtype=np.uint32), a, stream)
             for _ in range(200):
@@ -313,9 +314,9 @@ def test_two_threads_with_their_own_streams(tgpu, rng):
 
 
 def test_closed_backend_refuses_and_close_is_idempotent(gpu):
-    backend = CudaBackend(kernel_dir=TEST_KERNELS)
+    backend = CudaBackend()
     ptr = backend.alloc(1024)
-    k = backend.kernel("runtime_test", "add_u32")
+    k = backend.kernel(TEST_KERNELS / "runtime_test.cu", "add_u32")
     ADD_U32.launch(backend, k, (1, 1, 1), (32, 1, 1), 0, dst=ptr, src=ptr, add=1, n=1)
     backend.close()
     backend.close()
@@ -324,7 +325,7 @@ def test_closed_backend_refuses_and_close_is_idempotent(gpu):
     with pytest.raises(ClosedError, match="CudaBackend is closed"):
         backend.memset(ptr, 0, 16)
     with pytest.raises(ClosedError):
-        KernelLaunch(backend, backend.kernel("runtime_test", "add_u32"))
+        KernelLaunch(backend, backend.kernel(TEST_KERNELS / "runtime_test.cu", "add_u32"))
     with pytest.raises(ClosedError, match="backend is closed"):
         ADD_U32.launch(backend, k, (1, 1, 1), (32, 1, 1), 0, dst=ptr, src=ptr, add=1, n=1)
 
@@ -364,7 +365,7 @@ def test_graph_replays_with_new_pinned_input(gpu, rng):
     import ml_dtypes
 
     n = 4099
-    kernel = gpu.kernel("residual_add", "bf16_scaled_add")
+    kernel = load_kernel(gpu, "residual_add", "bf16_scaled_add")
     stream = gpu.create_stream()
     host = gpu.alloc_host(n * 2)
     x, out = gpu.alloc(n * 2), gpu.alloc(n * 2)

@@ -18,6 +18,7 @@ from layers.ops.token_overlay import (OverlayKernels, embed_overlay_routed, embe
                                       lmhead_overlay_routed)
 from tests.fakes import RecordingBackend
 from tests.helpers import bf16_ulp, bits, random_bf16
+from layers.kernel_files import load_kernel
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 KERNEL_FILE = Path(__file__).resolve().parent.parent / "kernels" / "token_overlay.cu"
@@ -76,9 +77,9 @@ def test_overlay_kernels_new_and_default():
     gpu = RecordingBackend()
     k = OverlayKernels.new(gpu)
     assert (k.rowdiff, k.embed_overlay, k.lmhead_overlay_bf16, k.lmhead_overlay_f32) == tuple(
-        gpu.kernel("token_overlay", n) for n in SIGNATURES)
+        load_kernel(gpu, "token_overlay", n) for n in SIGNATURES)
     missing = OverlayKernels.new(_only_rowdiff())
-    assert missing.rowdiff == gpu.kernel("token_overlay", "embed_rowdiff_bf16")
+    assert missing.rowdiff == load_kernel(gpu, "token_overlay", "embed_rowdiff_bf16")
     assert missing.embed_overlay == missing.lmhead_overlay_bf16 == missing.lmhead_overlay_f32 == 0
     d = OverlayKernels.default()
     assert d.rowdiff == d.embed_overlay == d.lmhead_overlay_bf16 == d.lmhead_overlay_f32 == 0

@@ -33,8 +33,8 @@ class CudaBackend(CudaLaunch, CudaMemory, CudaHostMemory, CudaStreams, CudaGraph
     """
 
     def __init__(self, device: int = 0, *, target: str | None = None,
-                 kernel_dir: str | Path | None = None, options: Sequence[str] = ()) -> None:
-        super().__init__(device, target=target, kernel_dir=kernel_dir, options=options)
+                 options: Sequence[str] = ()) -> None:
+        super().__init__(device, target=target, options=options)
         self._init_kernels()
         self._init_memory()
         self._init_host_memory()

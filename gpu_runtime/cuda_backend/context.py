@@ -25,7 +25,7 @@ class CudaContext:
     """One device's primary context (the one the CUDA runtime, CuPy and torch share)."""
 
     def __init__(self, device: int = 0, *, target: str | None = None,
-                 kernel_dir: str | Path | None = None, options: Sequence[str] = ()) -> None:
+                 options: Sequence[str] = ()) -> None:
         driver.init()
         count = driver.device_count()
         if not 0 <= device < count:
@@ -36,7 +36,6 @@ class CudaContext:
         call(cu.cuCtxSetCurrent, self._ctx)
         self.compute_capability = driver.compute_capability(device)
         self.target = target or compiler.target_for(*self.compute_capability)
-        self.kernel_dir = Path(kernel_dir) if kernel_dir else compiler.kernel_dir()
         self.options = tuple(options)
         self.sm_count = self._attribute(cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
         self.l2_bytes = self._attribute(cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)

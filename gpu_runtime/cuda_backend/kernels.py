@@ -20,7 +20,6 @@ from ..launch_spec import KernelSpec
 from ..packing import ArgPlan, kinds_mismatch
 from ..pointers import KernelHandle
 from ..signatures import Signature, module_signatures
-from ..sources import source_path
 from .context import CudaContext
 
 class _Loaded(NamedTuple):
@@ -62,7 +61,7 @@ class CudaKernels(CudaContext):
             return handle
         self._live()
         with self._lock:
-            path = source_path(source, self.kernel_dir)
+            path = Path(source)
             mod = self._module(path)
             try:
                 fn = call(cu.cuModuleGetFunction, mod, name.encode())

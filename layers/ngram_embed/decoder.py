@@ -39,6 +39,7 @@ from .embedding import NgramEmbedding
 from .front import require_open, require_out
 from .fused import FusedNgramEmbedding
 from .tables import CachedTable
+from ..kernel_files import load_kernel
 
 
 class DecodeError(enum.IntFlag):
@@ -76,8 +77,8 @@ class NgramDecoder:
         self.dims, self.gpu, self.stream = dims, gpu, stream
         self.max_seqs, self.max_rows, self.max_draft = max_seqs, max_rows, max_draft
         self.hist_len = max(dims.max_ngram - 1 + max_draft, 1)
-        self.gather_k = gpu.kernel(decode_ops.MODULE, decode_ops.GATHER)
-        self.rollback_k = gpu.kernel(decode_ops.MODULE, decode_ops.ROLLBACK)
+        self.gather_k = load_kernel(gpu, decode_ops.MODULE, decode_ops.GATHER)
+        self.rollback_k = load_kernel(gpu, decode_ops.MODULE, decode_ops.ROLLBACK)
         self.hist = self.state = self.ctrl = self.word_ids = DevicePtr(0)
         self.fused: FusedNgramEmbedding | None = None
         try:

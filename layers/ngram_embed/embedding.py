@@ -32,6 +32,7 @@ from .front import check_seq_len, require_backend, require_open, require_out, ta
 from .host_table import HostWeight
 from .ids import tail_ids
 from .tables import AnyTable, Bf16Table, CachedTable, Fp8Table, HostTable, check_table, gather_entry
+from ..kernel_files import load_kernel
 
 U32_LIMIT = 1 << 32
 _WHAT = "ngram embed"
@@ -86,10 +87,10 @@ class NgramEmbedding:
         self.projs = list(projs)
         self.gpu = gpu
         self._cached = CachedRows(self.tables)  # resolved table by table, as the seed does
-        self.batched_embed_k = gpu.kernel("embed_from_argmax", "batched_embed")
-        self.batched_embed_fp8_k = gpu.kernel("embed_from_argmax", "batched_embed_fp8")
-        self.gemm_k = gpu.kernel("gemm", "dense_gemm_bf16_pipelined")
-        self.scaled_add_k = gpu.kernel("residual_add", "bf16_scaled_add")
+        self.batched_embed_k = load_kernel(gpu, "embed_from_argmax", "batched_embed")
+        self.batched_embed_fp8_k = load_kernel(gpu, "embed_from_argmax", "batched_embed_fp8")
+        self.gemm_k = load_kernel(gpu, "gemm", "dense_gemm_bf16_pipelined")
+        self.scaled_add_k = load_kernel(gpu, "residual_add", "bf16_scaled_add")
         self.max_tokens = max_tokens
         self._owned: list = []  # weights (and caches) built by from_numpy / from_safetensors / from_pretrained
         self.ids_dev = DevicePtr(0)

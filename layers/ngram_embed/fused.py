@@ -37,6 +37,7 @@ from .embedding import NgramEmbedding
 from .front import check_tokens, context_tail, require_backend, require_open, require_out, window_index, windows
 from .ids import ids_from_windows, window_plan
 from .tables import gather_entry
+from ..kernel_files import load_kernel
 
 _U32 = 1 << 32
 _WHAT = "fused ngram embed"
@@ -62,8 +63,8 @@ class FusedNgramEmbedding:
         self._owned_layer: NgramEmbedding | None = None  # set by from_pretrained: closed with this
         self.layer, self.dims, self.gpu, self.max_rows = layer, dims, gpu, max_rows
         self.inv_scale = float(np.float32(1.0) / np.float32(1 + t))
-        self.gather_k = gpu.kernel("ngram_fused", "ngram_gather")
-        self.gemm_k = gpu.kernel("gemm", gemm_ops.WORD_KERNEL)
+        self.gather_k = load_kernel(gpu, "ngram_fused", "ngram_gather")
+        self.gemm_k = load_kernel(gpu, "gemm", gemm_ops.WORD_KERNEL)
         # Cached tables: ids hashed on the host from the windows in one pass (_ids_plan), the
         # RowCache ones resolved together by one CacheGroup, other RowSources one by one.
         self._rows = CachedRows(layer.tables, grouped=True)

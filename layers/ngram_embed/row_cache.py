@@ -43,6 +43,7 @@ from gpu_runtime import DevicePtr, GpuBackend, KernelHandle
 from ..ops.row_cache import scatter_rows
 from .slot_index import SlotIndex
 from .table_file import TableFile
+from ..kernel_files import load_kernel
 
 _PARALLEL_READ_ROWS = 1024  # below this a thread pool costs more than it saves
 _SMALL_LOAD_ROWS = 64  # loads up to this many rows go through the backend's staging
@@ -176,7 +177,7 @@ class RowCache:
         self._loader: _Loader | None = None
         self.closed = False
         try:
-            self.kernel = gpu.kernel("row_cache", "scatter_rows")
+            self.kernel = load_kernel(gpu, "row_cache", "scatter_rows")
             # Zeroed once: a slot never loaded then reads as zeros, not as whatever was there.
             self._arena = gpu.alloc(self.capacity * self.file.row_bytes)
             gpu.memset(self._arena, 0, self.capacity * self.file.row_bytes, stream)

@@ -27,6 +27,7 @@ from gpu_runtime import GpuBackend, KernelHandle, KernelLaunch
 
 from ..weight_map import BF16, DenseWeight
 from .checks import F32_MAX, require_count, require_ptr, require_scale
+from ..kernel_files import load_kernel
 
 MODULE = "gemm"
 KERNEL = "dense_gemm_bf16_pipelined"
@@ -227,7 +228,7 @@ def dense_gemm_bf16_pipelined(gpu: GpuBackend, kernel: KernelHandle, a: int, w: 
                               path: str | None = None) -> None:
     """``c[m,n] = bf16(a[m,k] @ w[n,k]^T)``: bf16 row-major a, c; w a (n, k) bf16 ``DenseWeight``.
 
-    ``kernel`` is ``gpu.kernel("gemm", "dense_gemm_bf16_pipelined")``; other paths of the module
+    ``kernel`` is ``load_kernel(gpu, "gemm", "dense_gemm_bf16_pipelined")``; other paths of the module
     are looked up here (the backend caches them). ``path`` forces one (tests, benchmarks).
     Every check runs before any launch; m, n or k == 0 is a no-op.
     """
@@ -235,7 +236,7 @@ def dense_gemm_bf16_pipelined(gpu: GpuBackend, kernel: KernelHandle, a: int, w: 
     if m == 0 or n == 0 or k == 0:
         return
     p = plan(m, n, k, path, wgmma=wgmma_available(gpu))
-    handle = kernel if p.kernel == KERNEL else gpu.kernel(MODULE, p.kernel)
+    handle = kernel if p.kernel == KERNEL else load_kernel(gpu, MODULE, p.kernel)
     (KernelLaunch(gpu, handle).grid([p.grid, 1, 1]).block([THREADS, 1, 1]).shared_mem(p.shared_mem)
      .arg_ptr(a).arg_ptr(w.weight).arg_ptr(c).arg_u32(m).arg_u32(n).arg_u32(k).launch(stream))
 
@@ -247,7 +248,7 @@ def dense_gemm_bf16_word(gpu: GpuBackend, kernel: KernelHandle, a: int, w: Dense
     fused n-gram embedding (a the gathered rows [S, T*td], w the T projections concatenated
     [D, T*td], word the bf16 [vocab, n] table, word_ids u32 [m], scale 1/(1+T)), one rounding.
 
-    ``kernel`` is ``gpu.kernel("gemm", "dense_gemm_bf16_word")``; the wgmma twin is looked up here.
+    ``kernel`` is ``load_kernel(gpu, "gemm", "dense_gemm_bf16_word")``; the wgmma twin is looked up here.
     ``path`` forces one as in ``dense_gemm_bf16_pipelined`` (``word_plan`` says which are allowed).
     Every check runs before any launch; m, n or k == 0 is a no-op. word_ids must be < vocab, or
     0xFFFFFFFF for a row written as zeros: the kernel cannot check them. ``overlap=True`` launches
@@ -261,7 +262,7 @@ def dense_gemm_bf16_word(gpu: GpuBackend, kernel: KernelHandle, a: int, w: Dense
     if m == 0 or n == 0 or k == 0:
         return
     p = word_plan(m, n, k, path, wgmma=wgmma_available(gpu))
-    handle = kernel if p.kernel == WORD_KERNEL else gpu.kernel(MODULE, p.kernel)
+    handle = kernel if p.kernel == WORD_KERNEL else load_kernel(gpu, MODULE, p.kernel)
     (KernelLaunch(gpu, handle).grid([p.grid, 1, 1]).block([THREADS, 1, 1]).shared_mem(p.shared_mem)
      .arg_ptr(a).arg_ptr(w.weight).arg_ptr(c).arg_u32(m).arg_u32(n).arg_u32(k)
      .arg_ptr(word_ids).arg_ptr(word).arg_f32(scale).launch(stream, overlap=overlap))

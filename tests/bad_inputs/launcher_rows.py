@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from gpu_runtime import GpuBackend, KernelHandle
 from layers.ops import embed, gemm, ngram_fused, residual, row_cache, token_overlay
+from layers.kernel_files import load_kernel
 
 LAUNCH_KERNEL = {
     "batched_embed": "batched_embed", "batched_embed_fp8": "batched_embed_fp8",
@@ -28,4 +29,4 @@ LAUNCH_FN = {
 
 def scaled_add_kernel(gpu: GpuBackend) -> KernelHandle:
     """``bf16_scaled_add``: a kernel every backend check can launch for a known answer."""
-    return gpu.kernel("residual_add", "bf16_scaled_add")
+    return load_kernel(gpu, "residual_add", "bf16_scaled_add")

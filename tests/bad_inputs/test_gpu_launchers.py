@@ -10,6 +10,7 @@ from layers.weight_map import BF16, DenseWeight
 from tests.bad_inputs.cases import GPU_LAUNCH_CASES
 from tests.bad_inputs.cases.launchers import CLOSED_BACKEND
 from tests.bad_inputs.device import GemmRig, assert_backend_usable
+from layers.kernel_files import load_kernel
 
 
 @pytest.mark.gpu
@@ -17,7 +18,7 @@ from tests.bad_inputs.device import GemmRig, assert_backend_usable
 def test_gpu_launcher_refusal(gpu, closed_backend, rng, rig_type, over, exc, match):
     rig = rig_type(gpu, rng)
     try:
-        kernel = gpu.kernel(rig.module, rig.kernel)
+        kernel = load_kernel(gpu, rig.module, rig.kernel)
         before = rig.raw()
         if over == CLOSED_BACKEND:
             backend, over = closed_backend, {}

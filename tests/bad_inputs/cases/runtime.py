@@ -14,10 +14,11 @@ from tests.bad_inputs.launcher_rows import scaled_add_kernel
 from tests.bad_inputs.matrix import NULL, case, cuda
 from tests.bad_inputs.offline import Target
 from tests.bad_inputs.world import World
+from layers.kernel_files import load_kernel
 
 
 def _kl(w: World, name: str = "bf16_scaled_add") -> KernelLaunch:
-    return KernelLaunch(w.gpu, w.gpu.kernel("residual_add", name))
+    return KernelLaunch(w.gpu, load_kernel(w.gpu, "residual_add", name))
 
 
 CPU_CASES = [  # the backend's own checks are in CUDA_CASES
@@ -108,7 +109,7 @@ CUDA_CASES = [
          detail="event"),
     cuda("CudaBackend.kernel", "range", lambda b, t: b.kernel("no_such_module", "k"), KernelNotFoundError,
          "no kernel module"),
-    cuda("CudaBackend.kernel", "range", lambda b, t: b.kernel("residual_add", "no_such_kernel"),
+    cuda("CudaBackend.kernel", "range", lambda b, t: load_kernel(b, "residual_add", "no_such_kernel"),
          KernelNotFoundError, "not in module", detail="kernel", gpu_only=True),
     cuda("CudaBackend.kernel", "closed", lambda b, t: scaled_add_kernel(t.closed), GpuError, "closed"),
     cuda("KernelLaunch", "dtype", lambda b, t: KernelLaunch(b, scaled_add_kernel(b)).arg_ptr(t.ptr).arg_ptr(t.ptr)

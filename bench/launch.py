@@ -4,20 +4,30 @@ driver call, cuda.core and CuPy.
 Kernel: ``bf16_scaled_add`` (4 arguments: two pointers, an f32, a u32) on 1024 elements, so
 the GPU keeps up and the loop measures the host. "bare" is ``cuLaunchKernel`` with an argument
 array built once outside the loop: the floor for any Python launcher on cuda-python.
+
+``python -m bench.launch --stub`` runs the same rows (and a few more launchers) on a
+``CudaBackend`` over a stubbed driver, without a GPU: every driver call answers at once, so the
+table is the Python each path costs on top of the driver call (NVRTC still compiles the kernels).
 """
 
 from __future__ import annotations
 
+import argparse
 import ctypes
+import itertools
 import struct
+import sys
 
 import numpy as np
 from cuda.bindings import driver as cu
 
 from bench.common import host_time_us, print_table
-from gpu_runtime import CudaBackend, KernelLaunch, compiler, validate
+from gpu_runtime import CudaBackend, KernelLaunch, compiler, driver, validate
+from gpu_runtime.cuda_backend import DRIVER_MODULES
+from layers.ops.embed import batched_embed
 from layers.ops.residual import scaled_add
 from layers.ops.specs import SCALED_ADD
+from layers.ops.token_overlay import embed_overlay_routed
 from layers.kernel_files import kernel_dir, load_kernel
 
 N = 1024
@@ -92,7 +102,55 @@ def cupy_launcher():
     return go
 
 
-def main() -> None:
+def stub_driver() -> None:
+    """Make ``CudaBackend()`` run on a driver that answers every call at once (this process only):
+    handles from a counter, no parameter layouts to report, launches that do nothing."""
+    handles = itertools.count(0x7F00_0000_0000, 1 << 20)
+
+    def call(fn, *args, detail=""):
+        name = fn.__name__
+        if name == "cuDeviceGetName":
+            return b"stub\0"
+        if name in ("cuModuleLoadData", "cuModuleGetFunction", "cuStreamCreate", "cuMemAlloc"):
+            return next(handles)
+        return 0
+
+    driver.init = lambda: None
+    driver.device_count = lambda: 1
+    driver.compute_capability = lambda device: (9, 0)
+    for module in DRIVER_MODULES:
+        module.call = call
+    cu.cuFuncGetParamInfo = None  # "this driver cannot report layouts": the checks skip them
+    cu.cuLaunchKernel = lambda *args: (0,)
+
+
+def stub_rows(gpu: CudaBackend, out: int, x: int, stream: int) -> list:
+    """Two more launchers, next to their ``KernelLaunch`` chains, for the stubbed table."""
+    embed = load_kernel(gpu, "embed_from_argmax", "batched_embed")
+    overlay = load_kernel(gpu, "token_overlay", "embed_overlay_routed_bf16")
+    ptrs = [gpu.alloc(256) for _ in range(6)]
+
+    def embed_builder(i: int) -> None:
+        (KernelLaunch(gpu, embed).grid([1, 1, 1]).block([256, 1, 1]).arg_ptr(out).arg_ptr(x)
+         .arg_ptr(out).arg_u32(8).arg_u32(64).launch(stream))
+
+    def embed_launcher(i: int) -> None:
+        batched_embed(gpu, embed, out, x, out, 8, 64, stream)
+
+    def overlay_launcher(i: int) -> None:
+        embed_overlay_routed(gpu, overlay, *ptrs[:2], 1, *ptrs[2:], 8, 64, 1000, stream)
+
+    return [("KernelLaunch builder, batched_embed", embed_builder),
+            ("layers.ops.batched_embed launcher", embed_launcher),
+            ("layers.ops.embed_overlay_routed launcher", overlay_launcher)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--stub", action="store_true", help="no GPU: a stubbed driver (Python cost only)")
+    stub = parser.parse_args(argv).stub
+    if stub:
+        stub_driver()
     with CudaBackend() as gpu:
         kernel = load_kernel(gpu, "residual_add", "bf16_scaled_add")
         stream = gpu.create_stream()
@@ -118,13 +176,15 @@ def main() -> None:
                  ("KernelSpec launch (SCALED_ADD)", ours_spec),
                  ("spec-based scaled_add launcher", ours_spec_launcher),
                  ("layers.ops.scaled_add launcher", ours_launcher),
-                 ("cuda.core launch", cuda_core_launcher(gpu, out, x)),
-                 ("CuPy RawKernel", cupy_launcher())]
+                 ("cuda.core launch", None if stub else cuda_core_launcher(gpu, out, x)),
+                 ("CuPy RawKernel", None if stub else cupy_launcher())]
+        if stub:
+            cases += stub_rows(gpu, out, x, stream)
         times = {}
         for name, fn in cases:
             if fn is None:
                 continue
-            sync = getattr(fn, "sync", lambda: gpu.synchronize(stream))
+            sync = getattr(fn, "sync", lambda: None if stub else gpu.synchronize(stream))
             best = []
             for _ in range(3):  # best of three medians-of-loops: host noise only adds
                 best.append(host_time_us(fn))
@@ -133,7 +193,8 @@ def main() -> None:
         bare = times["bare cuLaunchKernel, prebuilt args"]
         rows = [(name, times.get(name), times[name] / bare if name in times else None)
                 for name, _ in cases]
-        print_table("launch cost (host us per launch, 4-argument kernel)",
+        what = "stubbed driver: Python us per launch" if stub else "host us per launch"
+        print_table(f"launch cost ({what}, 4-argument kernel unless named)",
                     ["path", "us/launch", "x bare"], rows)
 
 

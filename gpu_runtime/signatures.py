@@ -42,12 +42,7 @@ class Param(NamedTuple):
 
 
 class Signature(tuple):
-    """A kernel's parameters in order (a tuple of ``Param``); ``kinds`` is their kind letters.
-
-    Transitional: a signature also compares equal to its kinds string and concatenates with a
-    string, as the kinds strings it replaces did, so that callers comparing ``sig == "PPU"``
-    keep working until they compare ``sig.kinds``.
-    """
+    """A kernel's parameters in order (a tuple of ``Param``); ``kinds`` is their kind letters."""
 
     __slots__ = ()
 
@@ -61,26 +56,6 @@ class Signature(tuple):
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(p.name for p in self)
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, str):
-            return self.kinds == other
-        return tuple.__eq__(self, other)
-
-    def __ne__(self, other: object) -> bool:
-        return not self == other
-
-    __hash__ = tuple.__hash__
-
-    def __add__(self, other: object):  # type: ignore[override]
-        if isinstance(other, str):
-            return self.kinds + other
-        return Signature(tuple.__add__(self, other))  # type: ignore[arg-type]
-
-    def __radd__(self, other: object) -> str:
-        if isinstance(other, str):
-            return other + self.kinds
-        return NotImplemented
 
     def __repr__(self) -> str:
         return f"Signature({', '.join(f'{p.name}:{p.kind}' for p in self)})"

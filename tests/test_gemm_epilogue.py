@@ -51,8 +51,8 @@ def _launch(gpu, m: int, n: int, k: int, *, kernel=None, scale=0.25, stream: int
 # -- CPU: signatures and plans -------------------------------------------------------------------
 def test_word_kernels_take_the_plain_signature_plus_ids_word_scale():
     sigs = parse_signatures((kernel_dir() / "gemm.cu").read_text())
-    assert sigs[gemm.WORD_KERNEL] == sigs[gemm.WORD_WGMMA_KERNEL] == KINDS
-    assert sigs[gemm.KERNEL] + "PPF" == KINDS
+    assert sigs[gemm.WORD_KERNEL].kinds == sigs[gemm.WORD_WGMMA_KERNEL].kinds == KINDS
+    assert sigs[gemm.KERNEL].kinds + "PPF" == KINDS
 
 
 @pytest.mark.parametrize("m", [1, 8, 9, 33, 64])

@@ -71,7 +71,7 @@ def test_launch_matches_the_c_signature_position_for_position(rng):
     _launch(gpu, rows=rows, num_tables=k * (n - 1), max_ngram=n, splits=k, table_dim=td, eos=eos)
     (launch,) = gpu.launches
     signature = parse_signatures((kernel_dir() / f"{MODULE}.cu").read_text())[KERNEL]
-    assert launch.kinds == signature == "PPPPPPUUUUUU"
+    assert launch.kinds == signature.kinds == "PPPPPPUUUUUU"
     assert launch.args == [int(_p(i)) for i in range(6)] + [rows, k * (n - 1), n, k, td, eos]
     assert launch.block == (256, 1, 1) and launch.stream == 9
     assert launch.grid == (min(-(-rows * k * (n - 1) // 8), 4 * 132 * 8), 1, 1)

@@ -20,7 +20,8 @@ from gpu_runtime import (ClosedError, CudaBackend, CudaError, DevicePtr, GpuErro
                          KernelLaunch, KernelSpec, compiler, packing)
 from gpu_runtime.signatures import parse_signatures
 from layers.ops import embed, gemm, ngram_decode, ngram_fused, residual, row_cache, token_overlay
-from layers.ops.specs import BATCHED_EMBED, SPECS
+from layers.ops.specs import (BATCHED_EMBED, EMBED_OVERLAY_ROUTED, EMBED_ROWDIFF,
+                              LMHEAD_OVERLAY_ROUTED, SPECS)
 from layers.weight_map import BF16, DenseWeight
 from tests.fakes import RecordingBackend
 from layers.kernel_files import kernel_dir, load_kernel
@@ -114,9 +115,14 @@ _KIND = {"ptr": "P", "u32": "U", "i32": "I", "f32": "F", "u64": "L"}
 
 
 def test_overlay_launchers_follow_the_seed_position_for_position():
+    """Each launcher's spec names the seed chain's arguments in the seed's order, and the launcher
+    puts its positional arguments there."""
     seed = _seed_launches(SEEDS / "ops_token_overlay.rs")
     assert set(seed) == {"embed_rowdiff", "embed_overlay_routed", "lmhead_overlay_routed"}
     for fn_name, chain in seed.items():
+        spec = {"embed_rowdiff": EMBED_ROWDIFF, "embed_overlay_routed": EMBED_OVERLAY_ROUTED,
+                "lmhead_overlay_routed": LMHEAD_OVERLAY_ROUTED}[fn_name]
+        assert spec.params.names == tuple(expr.strip() for _, expr in chain), fn_name
         fn = getattr(token_overlay, fn_name)
         params = list(fn.__code__.co_varnames[: fn.__code__.co_argcount])
         assert params[:2] == ["gpu", "kernel"] and params[-1] == "stream"
@@ -135,20 +141,22 @@ def _sources() -> dict[str, dict]:
     return {path.stem: parse_signatures(path.read_text()) for path in kernel_dir().glob("*.cu")}
 
 
-def test_every_kernel_has_one_spec_and_every_spec_a_kernel():
+def test_every_kernel_has_a_spec_and_every_spec_a_kernel():
     sources = _sources()
     assert set(SPECS) == set(sources)
     for module, specs in SPECS.items():
-        names = [spec.name for spec in specs]
-        assert sorted(names) == sorted(sources[module]), module
-        assert len(set(names)) == len(names), module
+        assert set(specs) == set(sources[module]), module
 
 
-@pytest.mark.parametrize("spec", [s for specs in SPECS.values() for s in specs], ids=lambda s: s.name)
-def test_spec_matches_its_kernel_source_names_and_kinds(spec):
-    (signature,) = [sigs[spec.name] for sigs in _sources().values() if spec.name in sigs]
-    spec.check_signature(signature, spec.name)  # raises on any difference
+_KERNEL_SPECS = [(module, kernel, spec) for module, specs in SPECS.items() for kernel, spec in specs.items()]
+
+
+@pytest.mark.parametrize("module, kernel, spec", _KERNEL_SPECS, ids=[k for _, k, _ in _KERNEL_SPECS])
+def test_spec_matches_its_kernel_source_names_and_kinds(module, kernel, spec):
+    signature = _sources()[module][kernel]
+    spec.check_signature(signature, kernel)  # raises on any difference
     assert spec.params == signature and spec.params.names == signature.names
+    assert spec.name == kernel or spec is LMHEAD_OVERLAY_ROUTED  # the one spec of two kernels
 
 
 def test_spec_with_two_same_kind_parameters_swapped_is_refused():

@@ -1,4 +1,11 @@
-"""One Python launcher per kernel, arguments in the kernel's positional order."""
+"""One Python launcher per kernel, its arguments in the kernel's positional order.
+
+A launcher checks what only it knows (a finite scale, sizes >= 1, shapes that must agree, pairs
+of pointers given together), returns without a launch when a count is zero, computes the launch
+shape, and launches through its kernel's ``KernelSpec`` (``specs``), arguments bound by name:
+the spec refuses a value of the wrong type or range and a null pointer where the kernel needs
+one, naming the kernel and the parameter (``gpu_runtime.validate``'s policy).
+"""
 
 from .embed import batched_embed, batched_embed_fp8, embed_from_argmax
 from .gemm import dense_gemm_bf16_pipelined, dense_gemm_bf16_word

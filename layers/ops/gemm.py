@@ -23,11 +23,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from gpu_runtime import GpuBackend, KernelHandle, KernelLaunch
+from gpu_runtime import GpuBackend, KernelHandle, validate
 
-from ..weight_map import BF16, DenseWeight
-from .checks import F32_MAX, require_count, require_ptr, require_scale
 from ..kernel_files import load_kernel
+from ..weight_map import BF16, DenseWeight
+from .specs import SPECS
 
 MODULE = "gemm"
 KERNEL = "dense_gemm_bf16_pipelined"
@@ -46,6 +46,8 @@ WORD_WGMMA_KERNEL = "dense_gemm_bf16_word_wgmma"
 
 THREADS = 256
 WARPS = THREADS // 32
+_BLOCK = (THREADS, 1, 1)
+_SPECS = SPECS[MODULE]  # every kernel of gemm.cu by name
 MAX_DIM = (1 << 31) - 1  # the kernels index k with 32-bit arithmetic
 
 # small path (gemm.cu: kSmall*)
@@ -196,28 +198,20 @@ def _grid(items: int) -> int:
     return min(items, _GRID_MAX)  # the kernels loop grid-stride over the rest
 
 
-def _check_weight(w: DenseWeight, n: int, k: int, name: str) -> None:
+def _check_gemm(name: str, kernel: KernelHandle, w: DenseWeight, m: int, n: int, k: int,
+                path: str | None) -> tuple[int, int, int]:
+    """The checks every GEMM launcher runs before launching (its spec checks the pointers);
+    returns (m, n, k) as ints."""
+    if not kernel:
+        raise ValueError(f"{name}: kernel not loaded (KernelHandle(0))")
+    m, n, k = (validate.count(v, f"{name} {what}", limit=MAX_DIM + 1)
+               for v, what in ((m, "m"), (n, "n"), (k, "k")))
     if not isinstance(w, DenseWeight):
         raise TypeError(f"{name}: w must be a DenseWeight, got {type(w).__name__}")
     if w.dtype != BF16:
         raise TypeError(f"{name}: w dtype {w.dtype}, expected {BF16} (bfloat16)")
     if tuple(w.shape) != (n, k):
         raise ValueError(f"{name}: w shape {tuple(w.shape)}, expected (n, k) = {(n, k)}")
-    require_ptr(w.weight, f"{name} w")
-
-
-def _check_gemm(name: str, kernel: KernelHandle, a: int, w: DenseWeight, c: int, m: int, n: int,
-                k: int, path: str | None) -> tuple[int, int, int]:
-    """The checks every GEMM launcher runs before launching; returns (m, n, k) as ints."""
-    if not kernel:
-        raise ValueError(f"{name}: kernel not loaded (KernelHandle(0))")
-    m, n, k = require_count(m, "m"), require_count(n, "n"), require_count(k, "k")
-    for size, what in ((m, "m"), (n, "n"), (k, "k")):
-        if size > MAX_DIM:
-            raise ValueError(f"{name}: {what} = {size} exceeds {MAX_DIM}")
-    _check_weight(w, n, k, name)
-    require_ptr(a, f"{name} a")
-    require_ptr(c, f"{name} c")
     if path is not None and path not in PATHS:
         raise ValueError(f"unknown GEMM path {path!r}; one of {PATHS} or None")
     return m, n, k
@@ -232,13 +226,13 @@ def dense_gemm_bf16_pipelined(gpu: GpuBackend, kernel: KernelHandle, a: int, w: 
     are looked up here (the backend caches them). ``path`` forces one (tests, benchmarks).
     Every check runs before any launch; m, n or k == 0 is a no-op.
     """
-    m, n, k = _check_gemm(KERNEL, kernel, a, w, c, m, n, k, path)
+    m, n, k = _check_gemm(KERNEL, kernel, w, m, n, k, path)
     if m == 0 or n == 0 or k == 0:
         return
     p = plan(m, n, k, path, wgmma=wgmma_available(gpu))
     handle = kernel if p.kernel == KERNEL else load_kernel(gpu, MODULE, p.kernel)
-    (KernelLaunch(gpu, handle).grid([p.grid, 1, 1]).block([THREADS, 1, 1]).shared_mem(p.shared_mem)
-     .arg_ptr(a).arg_ptr(w.weight).arg_ptr(c).arg_u32(m).arg_u32(n).arg_u32(k).launch(stream))
+    _SPECS[p.kernel].launch(gpu, handle, (p.grid, 1, 1), _BLOCK, stream, a=a, w=w.weight, c=c,
+                            m=m, n=n, k=k, shared_mem=p.shared_mem)
 
 
 def dense_gemm_bf16_word(gpu: GpuBackend, kernel: KernelHandle, a: int, w: DenseWeight, c: int,
@@ -255,14 +249,12 @@ def dense_gemm_bf16_word(gpu: GpuBackend, kernel: KernelHandle, a: int, w: Dense
     it as a programmatic dependent of the kernel before it on the stream (the gather that writes
     ``a`` and ``word_ids``): it streams its weights while that kernel runs.
     """
-    m, n, k = _check_gemm(WORD_KERNEL, kernel, a, w, c, m, n, k, path)
-    require_ptr(word_ids, f"{WORD_KERNEL} word_ids")
-    require_ptr(word, f"{WORD_KERNEL} word")
-    scale = require_scale(scale, WORD_KERNEL)
+    m, n, k = _check_gemm(WORD_KERNEL, kernel, w, m, n, k, path)
+    scale = validate.real32(scale, f"{WORD_KERNEL} scale")
     if m == 0 or n == 0 or k == 0:
         return
     p = word_plan(m, n, k, path, wgmma=wgmma_available(gpu))
     handle = kernel if p.kernel == WORD_KERNEL else load_kernel(gpu, MODULE, p.kernel)
-    (KernelLaunch(gpu, handle).grid([p.grid, 1, 1]).block([THREADS, 1, 1]).shared_mem(p.shared_mem)
-     .arg_ptr(a).arg_ptr(w.weight).arg_ptr(c).arg_u32(m).arg_u32(n).arg_u32(k)
-     .arg_ptr(word_ids).arg_ptr(word).arg_f32(scale).launch(stream, overlap=overlap))
+    _SPECS[p.kernel].launch(gpu, handle, (p.grid, 1, 1), _BLOCK, stream, a=a, w=w.weight, c=c,
+                            m=m, n=n, k=k, word_ids=word_ids, word=word, scale=scale,
+                            shared_mem=p.shared_mem, overlap=overlap)

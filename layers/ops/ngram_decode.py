@@ -10,17 +10,17 @@ or writing out of bounds.
 
 from __future__ import annotations
 
-from gpu_runtime import GpuBackend, KernelHandle, KernelLaunch
+from gpu_runtime import GpuBackend, KernelHandle, validate
 
-from .checks import require_count, require_ptr
 from .ngram_fused import NO_TOKEN, eos_arg
+from .specs import NGRAM_DECODE_GATHER, NGRAM_DECODE_ROLLBACK
 
 MODULE = "ngram_decode"
 GATHER = "ngram_decode_gather"
 ROLLBACK = "ngram_decode_rollback"
 
-_BLOCK = 256  # 8 warps, one (row, table) pair each
-_PAIRS_PER_BLOCK = _BLOCK // 32
+_BLOCK = (256, 1, 1)  # 8 warps, one (row, table) pair each
+_PAIRS_PER_BLOCK = 256 // 32
 _MAX_BLOCKS = 4 * 132 * 8  # pairs are grid-strided past this
 
 
@@ -31,12 +31,13 @@ def ngram_decode_gather(gpu: GpuBackend, kernel: KernelHandle, tokens: int, cu_s
                         splits: int, table_dim: int, eos: int | None, stream: int) -> None:
     """Gather every table's row of ``rows`` tokens (ragged by ``cu_seqlens [num_seqs + 1]``, or
     ``per_seq`` each when ``cu_seqlens`` is 0) into ``out [rows, T*td]``, their word ids into
-    ``word_ids [rows]``, then append each sequence's tokens to the history of ``slots[s]``."""
-    rows, num_seqs = require_count(rows, "rows"), require_count(num_seqs, "num_seqs")
-    per_seq, max_seqs = require_count(per_seq, "per_seq"), require_count(max_seqs, "max_seqs")
-    hist_len, vocab = require_count(hist_len, "hist_len"), require_count(vocab, "vocab")
-    num_tables, max_ngram = require_count(num_tables, "num_tables"), require_count(max_ngram, "max_ngram")
-    splits, table_dim = require_count(splits, "splits"), require_count(table_dim, "table_dim")
+    ``word_ids [rows]``, then append each sequence's tokens to the history of ``slots[s]``.
+    ``rows == 0`` launches nothing."""
+    rows, num_seqs, per_seq, max_seqs, hist_len, vocab, num_tables, max_ngram, splits, table_dim = (
+        validate.u32(v, f"{GATHER} {what}") for v, what in (
+            (rows, "rows"), (num_seqs, "num_seqs"), (per_seq, "per_seq"), (max_seqs, "max_seqs"),
+            (hist_len, "hist_len"), (vocab, "vocab"), (num_tables, "num_tables"),
+            (max_ngram, "max_ngram"), (splits, "splits"), (table_dim, "table_dim")))
     eos_word = eos_arg(eos)
     if max_ngram < 2 or splits < 1 or num_tables != splits * (max_ngram - 1):
         raise ValueError(f"{GATHER}: num_tables {num_tables} != splits {splits} * (max_ngram "
@@ -50,36 +51,31 @@ def ngram_decode_gather(gpu: GpuBackend, kernel: KernelHandle, tokens: int, cu_s
         raise ValueError(f"{GATHER}: num_seqs {num_seqs} over max_seqs {max_seqs}")
     if not cu_seqlens and rows != num_seqs * per_seq:
         raise ValueError(f"{GATHER}: rows {rows} != num_seqs {num_seqs} * per_seq {per_seq}")
-    for ptr, what in ((tokens, "tokens"), (slots, "slots"), (hist, "hist"), (state, "state"),
-                      (tables, "tables"), (pows, "pows"), (out, "out"), (word_ids, "word_ids"),
-                      (ctrl, "ctrl")):
-        require_ptr(ptr, f"{GATHER} {what}")
     if rows == 0:
         return
     if num_seqs == 0:
         raise ValueError(f"{GATHER}: {rows} rows in no sequence")
     blocks = min(-(-rows * num_tables // _PAIRS_PER_BLOCK), _MAX_BLOCKS)
-    (KernelLaunch(gpu, kernel).grid([blocks, 1, 1]).block([_BLOCK, 1, 1])
-     .arg_ptr(tokens).arg_ptr(cu_seqlens).arg_ptr(slots).arg_ptr(hist).arg_ptr(state)
-     .arg_ptr(tables).arg_ptr(pows).arg_ptr(out).arg_ptr(word_ids).arg_ptr(ctrl)
-     .arg_u32(rows).arg_u32(num_seqs).arg_u32(per_seq).arg_u32(max_seqs).arg_u32(hist_len)
-     .arg_u32(vocab).arg_u32(num_tables).arg_u32(max_ngram).arg_u32(splits).arg_u32(table_dim)
-     .arg_u32(eos_word).launch(stream))
+    NGRAM_DECODE_GATHER.launch(
+        gpu, kernel, (blocks, 1, 1), _BLOCK, stream, tokens=tokens, cu_seqlens=cu_seqlens,
+        slots=slots, hist=hist, state=state, tables=tables, pows=pows, out=out, word_ids=word_ids,
+        ctrl=ctrl, rows=rows, num_seqs=num_seqs, per_seq=per_seq, max_seqs=max_seqs,
+        hist_len=hist_len, vocab=vocab, num_tables=num_tables, max_ngram=max_ngram, splits=splits,
+        td=table_dim, eos=eos_word)
 
 
 def ngram_decode_rollback(gpu: GpuBackend, kernel: KernelHandle, slots: int, counts: int,
                           state: int, ctrl: int, num_seqs: int, max_seqs: int, max_draft: int,
                           stream: int) -> None:
     """Drop the last ``counts[s]`` tokens of slot ``slots[s]``'s history, ``s < num_seqs``; a
-    count deeper than ``max_draft`` allows flags ``ctrl[0]`` and leaves that slot as it was."""
-    num_seqs, max_seqs = require_count(num_seqs, "num_seqs"), require_count(max_seqs, "max_seqs")
-    max_draft = require_count(max_draft, "max_draft")
+    count deeper than ``max_draft`` allows flags ``ctrl[0]`` and leaves that slot as it was.
+    ``num_seqs == 0`` launches nothing."""
+    num_seqs = validate.u32(num_seqs, f"{ROLLBACK} num_seqs")
+    max_seqs = validate.u32(max_seqs, f"{ROLLBACK} max_seqs")
     if num_seqs > max_seqs:
         raise ValueError(f"{ROLLBACK}: num_seqs {num_seqs} over max_seqs {max_seqs}")
-    for ptr, what in ((slots, "slots"), (counts, "counts"), (state, "state"), (ctrl, "ctrl")):
-        require_ptr(ptr, f"{ROLLBACK} {what}")
     if num_seqs == 0:
         return
-    (KernelLaunch(gpu, kernel).grid([-(-num_seqs // _BLOCK), 1, 1]).block([_BLOCK, 1, 1])
-     .arg_ptr(slots).arg_ptr(counts).arg_ptr(state).arg_ptr(ctrl).arg_u32(num_seqs)
-     .arg_u32(max_seqs).arg_u32(max_draft).launch(stream))
+    NGRAM_DECODE_ROLLBACK.launch(gpu, kernel, (-(-num_seqs // 256), 1, 1), _BLOCK, stream,
+                                 slots=slots, counts=counts, state=state, ctrl=ctrl,
+                                 num_seqs=num_seqs, max_seqs=max_seqs, max_draft=max_draft)

@@ -2,38 +2,35 @@
 
 from __future__ import annotations
 
-from gpu_runtime import GpuBackend, KernelHandle, KernelLaunch
+from gpu_runtime import GpuBackend, KernelHandle, validate
 
-from .checks import require_count, require_ptr, require_scale
+from .specs import RESIDUAL_ADD, SCALED_ADD
 
-_BLOCK = 256
+_BLOCK = (256, 1, 1)
+_ELEMS_PER_BLOCK = 8 * 256  # each thread adds 8 elements
 _MAX_BLOCKS = 4096  # grid-stride beyond this: 1M threads cover any H200-sized tensor
 
 
-def _grid(n: int) -> list[int]:
-    return [min(-(-n // (8 * _BLOCK)), _MAX_BLOCKS), 1, 1]
+def _grid(n: int) -> tuple[int, int, int]:
+    return (min(-(-n // _ELEMS_PER_BLOCK), _MAX_BLOCKS), 1, 1)
 
 
 def scaled_add(gpu: GpuBackend, kernel: KernelHandle, out: int, x: int, scale: float, n: int,
                stream: int) -> None:
-    """``out[i] = bf16(float(out[i]) + scale * float(x[i]))`` for ``i < n``, in place."""
-    n = require_count(n, "n")
-    require_ptr(out, "scaled_add out")
-    require_ptr(x, "scaled_add x")
-    scale = require_scale(scale, "scaled_add")
+    """``out[i] = bf16(float(out[i]) + scale * float(x[i]))`` for ``i < n``, in place; ``scale``
+    finite. ``n == 0`` launches nothing."""
+    scale = validate.real32(scale, "scaled_add scale")
+    n = validate.u32(n, "scaled_add n")
     if n == 0:
         return
-    (KernelLaunch(gpu, kernel).grid(_grid(n)).block([_BLOCK, 1, 1])
-     .arg_ptr(out).arg_ptr(x).arg_f32(scale).arg_u32(n).launch(stream))
+    SCALED_ADD.launch(gpu, kernel, _grid(n), _BLOCK, stream, out=out, x=x, scale=scale, n=n)
 
 
 def residual_add(gpu: GpuBackend, kernel: KernelHandle, out: int, x: int, n: int,
                  stream: int) -> None:
-    """``out[i] = bf16(float(out[i]) + float(x[i]))`` for ``i < n``, in place."""
-    n = require_count(n, "n")
-    require_ptr(out, "residual_add out")
-    require_ptr(x, "residual_add x")
+    """``out[i] = bf16(float(out[i]) + float(x[i]))`` for ``i < n``, in place. ``n == 0``
+    launches nothing."""
+    n = validate.u32(n, "residual_add n")
     if n == 0:
         return
-    (KernelLaunch(gpu, kernel).grid(_grid(n)).block([_BLOCK, 1, 1])
-     .arg_ptr(out).arg_ptr(x).arg_u32(n).launch(stream))
+    RESIDUAL_ADD.launch(gpu, kernel, _grid(n), _BLOCK, stream, out=out, x=x, n=n)

@@ -1,10 +1,11 @@
 """Every kernel's ``KernelSpec``: its parameters by C name and kind, in the kernel's order.
 
 One place for the launchers to bind arguments by name (``SCALED_ADD.launch(gpu, kernel, grid,
-block, stream, out=..., x=..., scale=..., n=...)``); ``SPECS`` lists them by kernel module, and
-a CPU test checks each against its ``kernels/<module>.cu``. The order is the kernel's, which the
-seed-faithful launchers also keep for their own positional arguments. ``P?``: a pointer the
-kernel accepts null (the launchers let it be 0 today); every other pointer must not be null.
+block, stream, out=..., x=..., scale=..., n=...)``); ``SPECS`` gives each kernel's spec by kernel
+module and kernel name, and a CPU test checks each against its ``kernels/<module>.cu``. The order
+is the kernel's, which the seed-faithful launchers also keep for their own positional arguments.
+``P?``: a pointer the kernel accepts null (its launcher documents what null means there); every
+other pointer must not be null.
 """
 
 from __future__ import annotations
@@ -56,19 +57,26 @@ EMBED_ROWDIFF = KernelSpec("embed_rowdiff_bf16", base="P", served="P", flags="P"
 EMBED_OVERLAY_ROUTED = KernelSpec(
     "embed_overlay_routed_bf16", ids="P", seq_slot="P?", active="I", slot_map_tab="P", rows_tab="P",
     n_tab="P", out="P", h="U", vocab="U")
-_LMHEAD = dict(hidden="P", seq_slot="P?", active="I", rows_tab="P", ids_tab="P", n_tab="P",
-               logits="P", h="U", vocab="U")
-LMHEAD_OVERLAY_ROUTED_BF16 = KernelSpec("lmhead_overlay_routed_bf16", **_LMHEAD)
-LMHEAD_OVERLAY_ROUTED_F32 = KernelSpec("lmhead_overlay_routed_f32", **_LMHEAD)
+# lmhead_overlay_routed_bf16 and _f32 (bf16 or f32 logits) take the same parameters, and their
+# launcher cannot tell the two handles apart: one spec, named for the launcher, launches both.
+LMHEAD_OVERLAY_ROUTED = KernelSpec(
+    "lmhead_overlay_routed", hidden="P", seq_slot="P?", active="I", rows_tab="P", ids_tab="P",
+    n_tab="P", logits="P", h="U", vocab="U")
 
-SPECS: dict[str, tuple[KernelSpec, ...]] = {
-    "embed_from_argmax": (BATCHED_EMBED, BATCHED_EMBED_FP8, EMBED_FROM_ARGMAX),
-    "gemm": (GEMM_PIPELINED, GEMM_SMALL_M, GEMM_TILED, GEMM_WGMMA, GEMM_SIMT, GEMM_WORD,
-             GEMM_WORD_WGMMA),
-    "ngram_decode": (NGRAM_DECODE_GATHER, NGRAM_DECODE_ROLLBACK),
-    "ngram_fused": (NGRAM_GATHER,),
-    "residual_add": (SCALED_ADD, RESIDUAL_ADD),
-    "row_cache": (SCATTER_ROWS,),
-    "token_overlay": (EMBED_ROWDIFF, EMBED_OVERLAY_ROUTED, LMHEAD_OVERLAY_ROUTED_BF16,
-                      LMHEAD_OVERLAY_ROUTED_F32),
+
+def _by_name(*specs: KernelSpec) -> dict[str, KernelSpec]:
+    return {spec.name: spec for spec in specs}
+
+
+SPECS: dict[str, dict[str, KernelSpec]] = {  # kernel module -> kernel name -> its spec
+    "embed_from_argmax": _by_name(BATCHED_EMBED, BATCHED_EMBED_FP8, EMBED_FROM_ARGMAX),
+    "gemm": _by_name(GEMM_PIPELINED, GEMM_SMALL_M, GEMM_TILED, GEMM_WGMMA, GEMM_SIMT, GEMM_WORD,
+                     GEMM_WORD_WGMMA),
+    "ngram_decode": _by_name(NGRAM_DECODE_GATHER, NGRAM_DECODE_ROLLBACK),
+    "ngram_fused": _by_name(NGRAM_GATHER),
+    "residual_add": _by_name(SCALED_ADD, RESIDUAL_ADD),
+    "row_cache": _by_name(SCATTER_ROWS),
+    "token_overlay": {**_by_name(EMBED_ROWDIFF, EMBED_OVERLAY_ROUTED),
+                      "lmhead_overlay_routed_bf16": LMHEAD_OVERLAY_ROUTED,
+                      "lmhead_overlay_routed_f32": LMHEAD_OVERLAY_ROUTED},
 }

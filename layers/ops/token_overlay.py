@@ -4,24 +4,26 @@
 - ``embed_overlay_routed``: in the forward, replace overridden vocab rows after the embed gather;
 - ``lmhead_overlay_routed``: in the forward, recompute overridden logit columns.
 
-Arguments are passed by position, so each launcher's argument order matches its ``.cu``
-signature (and the seed's ``KernelLaunch`` chain, position for position). Every check runs
-before the launch; a zero count is a no-op without a launch.
+Each launcher's positional arguments, and its spec's parameters (``specs.py``), are the seed's
+``KernelLaunch`` chain position for position (a CPU test reads the seed). The launchers check
+widths and counts and return without a launch on a zero count; the spec checks the rest.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
-from gpu_runtime import GpuBackend, KernelHandle, KernelLaunch, KernelNotFoundError
+from gpu_runtime import GpuBackend, KernelHandle, KernelNotFoundError, validate
 
-from .checks import require_count, require_ptr
-from .loading import try_kernel
+from ..kernel_files import try_kernel
+from .specs import EMBED_OVERLAY_ROUTED, EMBED_ROWDIFF, LMHEAD_OVERLAY_ROUTED
 
 MODULE = "token_overlay"
-_I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
 _GRID_Y_MAX = 65535
+_BLOCK = (256, 1, 1)
+_WARP = (32, 1, 1)
 
 
 @dataclass(frozen=True)
@@ -62,22 +64,6 @@ class OverlayKernels:
                 "(kernels/token_overlay.cu missing or without them)")
 
 
-def _require_i32(value: int, what: str) -> int:
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise TypeError(f"{what} must be an int, got {value!r}")
-    value = int(value)
-    if not _I32_MIN <= value <= _I32_MAX:
-        raise ValueError(f"{what} must fit i32, got {value}")
-    return value
-
-
-def _require_positive(n: int, what: str) -> int:
-    n = require_count(n, what)
-    if n == 0:
-        raise ValueError(f"{what} must be >= 1 (a zero-width table is a caller bug)")
-    return n
-
-
 def embed_rowdiff(gpu: GpuBackend, kernel: KernelHandle, base: int, served: int, flags: int,
                   rows: int, h: int, thresh: float, stream: int = 0) -> None:
     """``flags[r] = (max_i |base[r,i] - served[r,i]| > thresh)``, one thread per row.
@@ -88,27 +74,19 @@ def embed_rowdiff(gpu: GpuBackend, kernel: KernelHandle, base: int, served: int,
     """
     if not kernel:
         raise ValueError("embed_rowdiff: kernel not loaded (KernelHandle(0))")
-    rows = require_count(rows, "embed_rowdiff rows")
-    h = _require_positive(h, "embed_rowdiff h")
-    if isinstance(thresh, bool) or not isinstance(thresh, (int, float)) and not hasattr(thresh, "__float__"):
-        raise TypeError(f"embed_rowdiff thresh must be a real number, got {thresh!r}")
-    if math.isnan(float(thresh)):
+    rows = validate.u32(rows, "embed_rowdiff rows")
+    h = validate.positive(h, "embed_rowdiff h")
+    if isinstance(thresh, numbers.Real) and math.isnan(thresh):  # a non-number: the spec's
         raise ValueError("embed_rowdiff thresh is NaN: it would flag every row")
     if rows == 0:
         return
-    require_ptr(base, "embed_rowdiff base")
-    require_ptr(served, "embed_rowdiff served")
-    require_ptr(flags, "embed_rowdiff flags")
-    (KernelLaunch.new(gpu, kernel)
-        .grid([(rows + 255) // 256, 1, 1])
-        .block([256, 1, 1])
-        .arg_ptr(base)
-        .arg_ptr(served)
-        .arg_ptr(flags)
-        .arg_u32(rows)
-        .arg_u32(h)
-        .arg_f32(thresh)
-        .launch(stream))
+    EMBED_ROWDIFF.launch(gpu, kernel, (-(-rows // 256), 1, 1), _BLOCK, stream,
+                         base=base,
+                         served=served,
+                         flags=flags,
+                         rows=rows,
+                         h=h,
+                         thresh=thresh)
 
 
 def embed_overlay_routed(gpu: GpuBackend, kernel: KernelHandle, ids: int, seq_slot: int,
@@ -126,30 +104,21 @@ def embed_overlay_routed(gpu: GpuBackend, kernel: KernelHandle, ids: int, seq_sl
     """
     if not kernel:
         return
-    num_tokens = require_count(num_tokens, "embed_overlay_routed num_tokens")
-    h = _require_positive(h, "embed_overlay_routed h")
-    vocab = _require_positive(vocab, "embed_overlay_routed vocab")
-    active = _require_i32(active, "embed_overlay_routed active")
+    num_tokens = validate.u32(num_tokens, "embed_overlay_routed num_tokens")
+    h = validate.positive(h, "embed_overlay_routed h")
+    vocab = validate.positive(vocab, "embed_overlay_routed vocab")
     if num_tokens == 0:
         return
-    require_ptr(ids, "embed_overlay_routed ids")
-    require_ptr(slot_map_tab, "embed_overlay_routed slot_map_tab")
-    require_ptr(rows_tab, "embed_overlay_routed rows_tab")
-    require_ptr(n_tab, "embed_overlay_routed n_tab")
-    require_ptr(out, "embed_overlay_routed out")
-    (KernelLaunch.new(gpu, kernel)
-        .grid([num_tokens, 1, 1])
-        .block([256, 1, 1])
-        .arg_ptr(ids)
-        .arg_ptr(seq_slot)
-        .arg_i32(active)
-        .arg_ptr(slot_map_tab)
-        .arg_ptr(rows_tab)
-        .arg_ptr(n_tab)
-        .arg_ptr(out)
-        .arg_u32(h)
-        .arg_u32(vocab)
-        .launch(stream))
+    EMBED_OVERLAY_ROUTED.launch(gpu, kernel, (num_tokens, 1, 1), _BLOCK, stream,
+                                ids=ids,
+                                seq_slot=seq_slot,
+                                active=active,
+                                slot_map_tab=slot_map_tab,
+                                rows_tab=rows_tab,
+                                n_tab=n_tab,
+                                out=out,
+                                h=h,
+                                vocab=vocab)
 
 
 def lmhead_overlay_routed(gpu: GpuBackend, kernel: KernelHandle, hidden: int, seq_slot: int,
@@ -165,34 +134,25 @@ def lmhead_overlay_routed(gpu: GpuBackend, kernel: KernelHandle, hidden: int, se
     """
     if not kernel:
         return
-    m = require_count(m, "lmhead_overlay_routed m")
-    max_n_override = require_count(max_n_override, "lmhead_overlay_routed max_n_override")
-    h = _require_positive(h, "lmhead_overlay_routed h")
-    vocab = _require_positive(vocab, "lmhead_overlay_routed vocab")
-    active = _require_i32(active, "lmhead_overlay_routed active")
+    m = validate.u32(m, "lmhead_overlay_routed m")
+    max_n_override = validate.u32(max_n_override, "lmhead_overlay_routed max_n_override")
+    h = validate.positive(h, "lmhead_overlay_routed h")
+    vocab = validate.positive(vocab, "lmhead_overlay_routed vocab")
     if max_n_override > _GRID_Y_MAX:
         raise ValueError(f"lmhead_overlay_routed max_n_override {max_n_override} > {_GRID_Y_MAX} "
                          "(grid y limit)")
     if m == 0 or max_n_override == 0:
         return
-    require_ptr(hidden, "lmhead_overlay_routed hidden")
-    require_ptr(rows_tab, "lmhead_overlay_routed rows_tab")
-    require_ptr(ids_tab, "lmhead_overlay_routed ids_tab")
-    require_ptr(n_tab, "lmhead_overlay_routed n_tab")
-    require_ptr(logits, "lmhead_overlay_routed logits")
-    (KernelLaunch.new(gpu, kernel)
-        .grid([m, max_n_override, 1])
-        .block([32, 1, 1])
-        .arg_ptr(hidden)
-        .arg_ptr(seq_slot)
-        .arg_i32(active)
-        .arg_ptr(rows_tab)
-        .arg_ptr(ids_tab)
-        .arg_ptr(n_tab)
-        .arg_ptr(logits)
-        .arg_u32(h)
-        .arg_u32(vocab)
-        .launch(stream))
+    LMHEAD_OVERLAY_ROUTED.launch(gpu, kernel, (m, max_n_override, 1), _WARP, stream,
+                                 hidden=hidden,
+                                 seq_slot=seq_slot,
+                                 active=active,
+                                 rows_tab=rows_tab,
+                                 ids_tab=ids_tab,
+                                 n_tab=n_tab,
+                                 logits=logits,
+                                 h=h,
+                                 vocab=vocab)
 
 
 __all__ = ["OverlayKernels", "embed_overlay_routed", "embed_rowdiff", "lmhead_overlay_routed"]

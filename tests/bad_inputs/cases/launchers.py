@@ -17,6 +17,8 @@ from tests.bad_inputs.launcher_rows import LAUNCH_FN, LAUNCH_KERNEL
 from tests.bad_inputs.matrix import COUNT, NULL, case, param
 from tests.bad_inputs.world import World
 
+GEMM_DIM = r"must be in 0\.\.2\*\*31-1"  # the GEMM kernels index with 32-bit signed arithmetic
+
 
 def _launch_args(w: World, name: str) -> dict[str, Any]:
     """Good arguments of each launcher (pointers to random device buffers of 8 KiB)."""
@@ -107,7 +109,7 @@ CPU_CASES = [
     L("dense_gemm_bf16_pipelined", "dtype", TypeError, "must be a DenseWeight", detail="host-array",
       w=np.zeros((6, 8), BF16)),
     L("dense_gemm_bf16_pipelined", "shape", ValueError, "w shape", w=lambda w: DenseWeight(w.p[1], (6, 9), BF16)),
-    L("dense_gemm_bf16_pipelined", "length", ValueError, "exceeds", m=2**31),
+    L("dense_gemm_bf16_pipelined", "length", ValueError, GEMM_DIM, m=2**31),
     L("dense_gemm_bf16_pipelined", "range", ValueError, "unknown GEMM path", path="bogus"),
     L("dense_gemm_bf16_pipelined", "null", ValueError, NULL, c=0),
     L("dense_gemm_bf16_pipelined", "null", ValueError, "kernel not loaded", detail="kernel",
@@ -129,7 +131,7 @@ CPU_CASES = [
     L("embed_rowdiff", "empty", None, rows=0),
     L("embed_overlay_routed", "dtype", TypeError, "must be an int", active=1.5),
     L("embed_overlay_routed", "length", ValueError, ">= 1", vocab=0),
-    L("embed_overlay_routed", "range", ValueError, "fit i32", active=2**31),
+    L("embed_overlay_routed", "range", ValueError, r"active must be in -2\*\*31\.\.", active=2**31),
     L("embed_overlay_routed", "null", ValueError, NULL, out=0),
     L("embed_overlay_routed", "null", None, detail="kernel", kernel=KernelHandle(0)),  # a hook: no-op
     L("embed_overlay_routed", "closed", GpuError, "closed", **CLOSED),
@@ -195,11 +197,12 @@ def gpu_case(rig: type[Rig], column: str, over: Any, exc: type[BaseException] | 
 
 
 GPU_LAUNCH_CASES = []
-for _rig, _count in ((BatchedEmbedRig, "n"), (ScaledAddRig, "n"), (GemmRig, "m"), (RowdiffRig, "rows"),
-                     (ScatterRig, "n"), (NgramGatherRig, "rows")):
+for _rig, _count, _too_long in ((BatchedEmbedRig, "n", COUNT), (ScaledAddRig, "n", COUNT),
+                                (GemmRig, "m", GEMM_DIM), (RowdiffRig, "rows", COUNT),
+                                (ScatterRig, "n", COUNT), (NgramGatherRig, "rows", COUNT)):
     GPU_LAUNCH_CASES += [
         gpu_case(_rig, "dtype", {_count: 1.5}, TypeError, "must be an int"),
-        gpu_case(_rig, "length", {_count: 2**32}, ValueError, COUNT),
+        gpu_case(_rig, "length", {_count: 2**32}, ValueError, _too_long),
         gpu_case(_rig, "closed", CLOSED_BACKEND, GpuError, "closed"),
         gpu_case(_rig, "empty", {_count: 0}, None),
     ]

@@ -16,13 +16,12 @@ import argparse
 import ctypes
 import itertools
 import struct
-import sys
 
 import numpy as np
 from cuda.bindings import driver as cu
 
 from bench.common import host_time_us, print_table
-from gpu_runtime import CudaBackend, KernelLaunch, compiler, driver, validate
+from gpu_runtime import CudaBackend, KernelLaunch, compiler, driver
 from gpu_runtime.cuda_backend import DRIVER_MODULES
 from layers.ops.embed import batched_embed
 from layers.ops.residual import scaled_add
@@ -47,17 +46,6 @@ def bare_launcher(gpu: CudaBackend, kernel: int, out: int, x: int, stream: int):
 
     launch.keep = (buf, ptrs)  # type: ignore[attr-defined]
     return launch
-
-
-def spec_scaled_add(gpu: CudaBackend, kernel: int, out: int, x: int, scale: float, n: int,
-                    stream: int) -> None:
-    """``layers.ops.scaled_add`` as a launcher on its spec: its own check (a finite scale), a
-    zero count as a no-op, the spec for the rest (types, ranges, null pointers)."""
-    scale = validate.real32(scale, "scaled_add scale")
-    if n == 0:
-        return
-    SCALED_ADD.launch(gpu, kernel, (min(-(-n // 2048), 4096), 1, 1), (256, 1, 1), stream,
-                      out=out, x=x, scale=scale, n=n)
 
 
 def cuda_core_launcher(gpu: CudaBackend, out: int, x: int):
@@ -168,13 +156,9 @@ def main(argv: list[str] | None = None) -> None:
         def ours_spec(i: int) -> None:
             SCALED_ADD.launch(gpu, kernel, (1, 1, 1), (256, 1, 1), stream, out=out, x=x, scale=0.5, n=N)
 
-        def ours_spec_launcher(i: int) -> None:
-            spec_scaled_add(gpu, kernel, out, x, 0.5, N, stream)
-
         cases = [("bare cuLaunchKernel, prebuilt args", bare_launcher(gpu, kernel, out, x, stream)),
                  ("KernelLaunch builder", ours),
                  ("KernelSpec launch (SCALED_ADD)", ours_spec),
-                 ("spec-based scaled_add launcher", ours_spec_launcher),
                  ("layers.ops.scaled_add launcher", ours_launcher),
                  ("cuda.core launch", None if stub else cuda_core_launcher(gpu, out, x)),
                  ("CuPy RawKernel", None if stub else cupy_launcher())]

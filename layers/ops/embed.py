@@ -12,7 +12,7 @@ _ARGMAX_BLOCK = (512, 1, 1)  # one block per logits row: enough loads in flight 
 
 
 def _gather_grid(n: int) -> tuple[int, int, int]:
-    return (-(-n // _ROWS_PER_BLOCK), 1, 1)
+    return ((n + _ROWS_PER_BLOCK - 1) // _ROWS_PER_BLOCK, 1, 1)
 
 
 def batched_embed(gpu: GpuBackend, kernel: KernelHandle, ids: int, table: int, out: int,

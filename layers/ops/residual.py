@@ -12,7 +12,8 @@ _MAX_BLOCKS = 4096  # grid-stride beyond this: 1M threads cover any H200-sized t
 
 
 def _grid(n: int) -> tuple[int, int, int]:
-    return (min(-(-n // _ELEMS_PER_BLOCK), _MAX_BLOCKS), 1, 1)
+    blocks = (n + _ELEMS_PER_BLOCK - 1) // _ELEMS_PER_BLOCK  # not min(): this runs every launch
+    return (blocks if blocks < _MAX_BLOCKS else _MAX_BLOCKS, 1, 1)
 
 
 def scaled_add(gpu: GpuBackend, kernel: KernelHandle, out: int, x: int, scale: float, n: int,

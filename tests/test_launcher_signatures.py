@@ -24,6 +24,7 @@ from layers.ops.specs import (BATCHED_EMBED, EMBED_OVERLAY_ROUTED, EMBED_ROWDIFF
                               LMHEAD_OVERLAY_ROUTED, SPECS)
 from layers.weight_map import BF16, DenseWeight
 from tests.fakes import RecordingBackend
+from tests.helpers.scripted_driver import scripted_device
 from layers.kernel_files import kernel_dir, load_kernel
 
 SEEDS = Path(__file__).parent / "seeds"
@@ -262,23 +263,19 @@ def test_spec_launch_refusals_name_kernel_and_parameter(over, error, message):
 
 
 class _ScriptedDriver:
-    """A driver for ``CudaBackend`` without a GPU (set as ``gpu_runtime.gpu.call``): handles
-    from a counter, a parameter layout per kernel, and launches recorded with the bytes their
-    arguments point at."""
+    """A driver for ``CudaBackend`` without a GPU (its ``call``, and the bindings' parameter
+    layout and launch functions): handles from a counter, a parameter layout per kernel, and
+    launches recorded with the bytes their arguments point at."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, sizes: list[int]) -> None:
         from cuda.bindings import driver as cu
 
-        import gpu_runtime.gpu as seam
         self.cu, self.sizes = cu, sizes
         self.handles = itertools.count(0x7F00_0000_0000, 1 << 20)
         self.launches: list[tuple] = []
         self.layout_queries = 0
         self.fail_with = None
-        monkeypatch.setattr(seam, "call", self.call)
-        monkeypatch.setattr(seam.driver, "init", lambda: None)
-        monkeypatch.setattr(seam.driver, "device_count", lambda: 1)
-        monkeypatch.setattr(seam.driver, "compute_capability", lambda device: (9, 0))
+        scripted_device(monkeypatch, self.call)
         monkeypatch.setattr(cu, "cuFuncGetParamCount", lambda k: (cu.CUresult.CUDA_SUCCESS, len(sizes)),
                             raising=False)
         monkeypatch.setattr(cu, "cuFuncGetParamInfo", self.param_info)

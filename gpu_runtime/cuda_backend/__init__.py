@@ -18,7 +18,7 @@ from .memory import CudaMemory
 from .streams import CudaStreams
 
 # The modules that call the driver, each through its own ``cu`` (and ``call``, where it checks a
-# status): a test that replaces the driver sets both in each (``gpu_runtime.gpu`` does it).
+# status): a test that replaces the driver sets both in each (tests/helpers/scripted_driver.py).
 DRIVER_MODULES = (context, memory, host, streams, graphs, kernels, launch)
 
 

@@ -1,7 +1,7 @@
 """An offline ``CudaBackend``: built by its own ``__init__`` on the scripted driver, then every
 driver call made to raise ``DriverReached``, so a case that passes on it refused (or did nothing)
 before reaching the driver. Besides ``tests.helpers.scripted_driver``, this knows
-``gpu_runtime.gpu``'s ``cu`` and ``gpu_runtime.staging``'s ``call``."""
+``gpu_runtime.staging``'s ``call``."""
 
 from __future__ import annotations
 
@@ -12,21 +12,21 @@ import numpy as np
 import pytest
 from cuda.bindings import driver as cu
 
-import gpu_runtime.gpu as gpu_module
 import gpu_runtime.staging as staging_module
 from gpu_runtime import CudaBackend, DevicePtr
-from tests.helpers.scripted_driver import DriverReached, install_scripted_driver
+from tests.helpers.scripted_driver import DriverReached, install_scripted_driver, replace_driver
 
 
 class _OfflineDriver:
-    """Stands in for ``cuda.bindings.driver`` in gpu.py: enums and structs are the real ones, every
-    ``cu*`` function raises ``DriverReached``."""
+    """Stands in for ``cuda.bindings.driver`` in ``CudaBackend``'s modules: enums and structs are
+    the real ones, every ``cu*`` function raises ``DriverReached``."""
 
     def __getattr__(self, name: str) -> Any:
         real = getattr(cu, name)
         if name.startswith("cu") and callable(real):
             def reached(*args: Any, **kwargs: Any) -> None:
                 raise DriverReached(name)
+            reached.__name__ = name  # what ``call`` names in its message
             return reached
         return real
 
@@ -59,8 +59,10 @@ def offline_backends(monkeypatch: pytest.MonkeyPatch, rng: np.random.Generator
     target = Target(base.offset(256), pinned, rng.integers(0, 256, 64, dtype=np.uint8),
                     backend.create_stream(), backend.create_event(), closed)
     driver.strict = True
+    offline = _OfflineDriver()
     monkeypatch.setattr(staging_module, "call", driver)
-    monkeypatch.setattr(gpu_module, "cu", _OfflineDriver())
+    monkeypatch.setattr(staging_module, "cu", offline)
+    replace_driver(monkeypatch, "cu", offline)
     backend._keep = driver.keep  # the pinned buffers' memory lives as long as the backend
     return backend, target
 

@@ -1,7 +1,9 @@
 """A scripted CUDA driver: ``CudaBackend`` built by its own ``__init__`` on a machine without a
 GPU, every driver call logged and answered from Python, or (``strict``) refused with
 ``DriverReached`` so a check can be shown to come before the driver. This is the one place that
-knows ``gpu_runtime.gpu``'s internals (``call``, ``driver``)."""
+knows how the runtime reaches the driver: ``gpu_runtime.driver`` (``init``, ``device_count``,
+``compute_capability``) and, in each module of ``cuda_backend.DRIVER_MODULES``, ``call`` (the
+status-checking wrapper) and ``cu`` (the bindings)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ from typing import Any
 import pytest
 from cuda.bindings import driver as cu
 
-import gpu_runtime.gpu as gpu_module
+from gpu_runtime import driver as driver_module
+from gpu_runtime.cuda_backend import DRIVER_MODULES
 
 
 class DriverReached(AssertionError):
@@ -19,7 +22,7 @@ class DriverReached(AssertionError):
 
 
 class ScriptedDriver:
-    """Stands in for ``gpu_runtime.driver.call`` in gpu.py: logs every call and answers with
+    """Stands in for ``gpu_runtime.driver.call`` in ``CudaBackend``: logs every call and answers with
     plausible values (real host memory for ``cuMemHostAlloc``, a fixed offset for mapped
     device pointers); with ``strict`` set, every call raises ``DriverReached``."""
 
@@ -58,12 +61,26 @@ class ScriptedDriver:
         return [args for n, args in self.calls if n == name]
 
 
+def replace_driver(monkeypatch: pytest.MonkeyPatch, name: str, value: Any) -> None:
+    """Set ``name`` (``"call"`` or ``"cu"``) to ``value`` in every ``CudaBackend`` module that
+    uses it, until the test ends."""
+    for module in DRIVER_MODULES:
+        if hasattr(module, name):
+            monkeypatch.setattr(module, name, value)
+
+
+def scripted_device(monkeypatch: pytest.MonkeyPatch, call: Any) -> None:
+    """``CudaBackend()`` finds one sm_90 device and calls the driver through ``call`` (a
+    ``ScriptedDriver`` or a test's own), until the test ends."""
+    replace_driver(monkeypatch, "call", call)
+    monkeypatch.setattr(driver_module, "init", lambda: None)
+    monkeypatch.setattr(driver_module, "device_count", lambda: 1)
+    monkeypatch.setattr(driver_module, "compute_capability", lambda device: (9, 0))
+
+
 def install_scripted_driver(monkeypatch: pytest.MonkeyPatch) -> ScriptedDriver:
     """Make ``CudaBackend()`` run on a new ``ScriptedDriver`` (one device, sm_90) until the test
     ends; returns the driver."""
     driver = ScriptedDriver()
-    monkeypatch.setattr(gpu_module, "call", driver)
-    monkeypatch.setattr(gpu_module.driver, "init", lambda: None)
-    monkeypatch.setattr(gpu_module.driver, "device_count", lambda: 1)
-    monkeypatch.setattr(gpu_module.driver, "compute_capability", lambda device: (9, 0))
+    scripted_device(monkeypatch, driver)
     return driver

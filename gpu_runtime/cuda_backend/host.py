@@ -14,7 +14,6 @@ from ..driver import call
 from ..host_memory import HOST_PAGE, host_view
 from ..pointers import DevicePtr
 from .context import CudaContext
-from .memory import _size
 
 
 class CudaHostMemory(CudaContext):
@@ -44,7 +43,7 @@ class CudaHostMemory(CudaContext):
         return len(self._registered)
 
     def alloc_host(self, nbytes: int, *, mapped: bool = False) -> np.ndarray:
-        nbytes = _size(nbytes, "alloc_host size")
+        nbytes = validate.count(nbytes, "alloc_host size")
         if nbytes == 0:
             raise ValueError("alloc_host of 0 bytes")
         mapped = validate.boolean(mapped, "alloc_host: mapped")

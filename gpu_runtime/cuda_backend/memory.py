@@ -30,7 +30,7 @@ class CudaMemory(CudaContext):
         self._allocs.clear()
 
     def alloc(self, nbytes: int) -> DevicePtr:
-        nbytes = _size(nbytes, "alloc size")
+        nbytes = validate.count(nbytes, "alloc size")
         if nbytes == 0:
             raise ValueError("alloc of 0 bytes")
         self._live()
@@ -49,16 +49,10 @@ class CudaMemory(CudaContext):
             del self._allocs[int(ptr)]
         call(cu.cuMemFree, int(ptr))
 
-    def allocation_size(self, ptr: int) -> int | None:
-        """Size of the allocation that starts at ``ptr``, None if it is not one of ours.
-
-        To be removed: its one caller left is a check in tests/test_host_tables.py."""
-        return self._allocs.get(int(ptr))
-
     def memset(self, ptr: int, byte: int, nbytes: int, stream: int = 0) -> None:
         ptr = validate.pointer(ptr, "memset")
-        byte = _size(byte, "memset byte", limit=256)
-        nbytes = _size(nbytes, "memset size")
+        byte = validate.count(byte, "memset byte", limit=256)
+        nbytes = validate.count(nbytes, "memset size")
         if nbytes:
             self._live()
             call(cu.cuMemsetD8Async, ptr, byte, nbytes, stream)
@@ -83,7 +77,7 @@ class CudaMemory(CudaContext):
     def copy_d2d_async(self, dst: int, src: int, nbytes: int, stream: int = 0) -> None:
         dst = validate.pointer(dst, "copy_d2d_async destination")
         src = validate.pointer(src, "copy_d2d_async source")
-        nbytes = _size(nbytes, "copy size")
+        nbytes = validate.count(nbytes, "copy size")
         if nbytes:
             self._live()
             call(cu.cuMemcpyDtoDAsync, dst, src, nbytes, stream)
@@ -92,8 +86,9 @@ class CudaMemory(CudaContext):
                       height: int, stream: int = 0) -> None:
         dst = validate.pointer(dst, "copy_2d_async destination")
         src = validate.pointer(src, "copy_2d_async source")
-        width, height = _size(width, "copy width"), _size(height, "copy height")
-        dst_pitch, src_pitch = _size(dst_pitch, "dst_pitch"), _size(src_pitch, "src_pitch")
+        width, height = validate.count(width, "copy width"), validate.count(height, "copy height")
+        dst_pitch = validate.count(dst_pitch, "dst_pitch")
+        src_pitch = validate.count(src_pitch, "src_pitch")
         if dst_pitch < width or src_pitch < width:
             raise ValueError(f"copy_2d_async: pitches ({dst_pitch}, {src_pitch}) below the width {width}")
         if width and height:
@@ -110,13 +105,3 @@ class CudaMemory(CudaContext):
         self._live()
         free, total = call(cu.cuMemGetInfo)
         return int(free), int(total)
-
-
-def _size(value: object, what: str, *, limit: int | None = None) -> int:
-    """``validate.count``, except that a non-integer stays the ``ValueError`` (and message) it
-    was before the one policy, which the bad-input matrix expects; to become ``validate.count``
-    itself once the matrix moves to ``TypeError``."""
-    try:
-        return validate.count(value, what, limit=limit)
-    except TypeError:
-        raise ValueError(f"{what} must be a non-negative int, got {value!r}") from None

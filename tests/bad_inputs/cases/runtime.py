@@ -35,8 +35,7 @@ AFTER: dict[str, Callable[[World], None]] = {
 }
 
 CUDA_CASES = [
-    cuda("CudaBackend.alloc", "dtype", lambda b, t: b.alloc(1.5), ValueError,
-         "alloc size must be a non-negative int"),
+    cuda("CudaBackend.alloc", "dtype", lambda b, t: b.alloc(1.5), TypeError, "alloc size must be an int"),
     cuda("CudaBackend.alloc", "length", lambda b, t: b.alloc(1 << 50), CudaError, "CUDA_ERROR_OUT_OF_MEMORY",
          gpu_only=True),
     cuda("CudaBackend.alloc", "range", lambda b, t: b.alloc(-1), ValueError, "non-negative int"),
@@ -46,9 +45,10 @@ CUDA_CASES = [
     cuda("CudaBackend.alloc", "closed", lambda b, t: t.closed.alloc(16), GpuError, "closed"),
     cuda("CudaBackend.alloc", "closed", lambda b, t: t.closed.free(t.ptr), GpuError, "closed", detail="free"),
     cuda("CudaBackend.alloc", "empty", lambda b, t: b.alloc(0), ValueError, "alloc of 0 bytes"),
-    cuda("CudaBackend.memset", "dtype", lambda b, t: b.memset(t.ptr, 0, "16"), ValueError, "memset size"),
-    cuda("CudaBackend.memset", "dtype", lambda b, t: b.memset(t.ptr, 1.5, 16), ValueError, "byte",
-         detail="float-byte"),
+    cuda("CudaBackend.memset", "dtype", lambda b, t: b.memset(t.ptr, 0, "16"), TypeError,
+         "memset size must be an int"),
+    cuda("CudaBackend.memset", "dtype", lambda b, t: b.memset(t.ptr, 1.5, 16), TypeError,
+         "memset byte must be an int", detail="float-byte"),
     cuda("CudaBackend.memset", "length", lambda b, t: b.memset(t.ptr, 0, -1), ValueError, "memset size"),
     cuda("CudaBackend.memset", "range", lambda b, t: b.memset(t.ptr, 256, 16), ValueError, "0..255"),
     cuda("CudaBackend.memset", "null", lambda b, t: b.memset(0, 0, 16), ValueError, NULL),
@@ -69,7 +69,7 @@ CUDA_CASES = [
     cuda("CudaBackend.copy", "empty", lambda b, t: b.copy_h2d_async(b"", t.ptr)),
     cuda("CudaBackend.copy", "empty", lambda b, t: b.copy_d2h(t.host[:0], t.ptr), detail="d2h"),
     cuda("CudaBackend.copy_d2d", "dtype", lambda b, t: b.copy_d2d_async(t.ptr, t.ptr.offset(64), 1.5),
-         ValueError, "copy size"),
+         TypeError, "copy size must be an int"),
     cuda("CudaBackend.copy_d2d", "shape", lambda b, t: b.copy_2d_async(t.ptr, 32, t.ptr.offset(1024), 64, 64, 2),
          ValueError, "pitches"),
     cuda("CudaBackend.copy_d2d", "length", lambda b, t: b.copy_d2d_async(t.ptr, t.ptr.offset(64), -1),

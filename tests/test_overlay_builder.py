@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from gpu_runtime import DeviceArray, DevicePtr, KernelHandle, KernelNotFoundError
+from gpu_runtime import ClosedError, DeviceArray, DevicePtr, KernelHandle, KernelNotFoundError
 from layers.reference import gather_then_overlay_ref, logits_then_overlay_ref, rowdiff_ref
 from layers.overlay import (AdapterOverlay, OverlaySlots, TableOverlay, build_overlay,
                             overlay_from_trainable_tokens)
@@ -176,7 +176,7 @@ def test_slots_load_evict_reuse(rng):
     slots.close()
     assert set(gpu.mem) == baseline
     slots.close()                                              # idempotent
-    with pytest.raises(ValueError, match="closed"):
+    with pytest.raises(ClosedError, match="OverlaySlots is closed"):
         slots.load(0, a)
 
 

@@ -4,11 +4,12 @@ trainable-tokens form (``overlay_from_trainable_tokens``: ids plus their rows, h
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from typing import Any
 
 import numpy as np
 
-from gpu_runtime import DevicePtr, GpuBackend
+from gpu_runtime import DeviceBuffer, DevicePtr, GpuBackend
 
 from ..ops.token_overlay import OverlayKernels, embed_rowdiff
 from ..weight_map import DenseWeight
@@ -36,28 +37,21 @@ def _table_diff(gpu: GpuBackend, rowdiff: Any, served: DenseWeight | None, adapt
     if tuple(shape) != (rows, h):
         raise ValueError(f"adapter {which} shape {tuple(shape)} != served {which} shape {(rows, h)}")
 
-    owned: list[DevicePtr] = []  # the temporaries, freed once the flags are back
-    try:
+    with ExitStack() as temporaries:  # freed once the flags are back
         if host is None:
             base = adapter.weight
         else:
-            base = gpu.alloc(host.nbytes)
-            owned.append(base)
-            gpu.copy_h2d_async(host, base, stream)
-        flags_dev = gpu.alloc(rows)
-        owned.append(flags_dev)
+            base = temporaries.enter_context(DeviceBuffer.upload(gpu, host, stream))
+        flags_dev = temporaries.enter_context(DeviceBuffer(gpu, rows))
         embed_rowdiff(gpu, rowdiff, base, served.weight, flags_dev, rows, h, thresh, stream)
         flags = np.empty(rows, np.uint8)
         gpu.copy_d2h(flags, flags_dev, stream)  # waits for the stream: temporaries are free after
-        ids = np.flatnonzero(flags).astype(np.int32)
-        if host is not None:
-            out = host[ids]
-        else:
-            out = np.empty((ids.size, h), BF16)
-            _gather_runs(gpu, adapter.weight, ids, h, out, stream)
-    finally:
-        for ptr in owned:
-            gpu.free(ptr)
+    ids = np.flatnonzero(flags).astype(np.int32)
+    if host is not None:
+        out = host[ids]
+    else:
+        out = np.empty((ids.size, h), BF16)
+        _gather_runs(gpu, adapter.weight, ids, h, out, stream)
     return TableOverlay(ids, np.ascontiguousarray(out))
 
 

@@ -9,24 +9,21 @@ from typing import Any
 
 import numpy as np
 
-from gpu_runtime import DevicePtr, GpuBackend
+from gpu_runtime import DeviceBuffer, DevicePtr, GpuBackend, validate
 
-from ..ops.checks import require_count, require_ptr
 from ..ops.token_overlay import OverlayKernels, embed_overlay_routed, lmhead_overlay_routed
 from .model import BF16, F32, AdapterOverlay
 
 
 @dataclass
 class _SlotBuffers:
-    """Device buffers of one loaded slot (0 where a table has no overlay)."""
+    """Device buffers of one loaded slot (None where a table has no overlay)."""
 
     overlay: AdapterOverlay
-    embed_map: DevicePtr = DevicePtr(0)
-    embed_rows: DevicePtr = DevicePtr(0)
-    embed_n: int = 0
-    lm_rows: DevicePtr = DevicePtr(0)
-    lm_ids: DevicePtr = DevicePtr(0)
-    lm_n: int = 0
+    embed_map: DeviceBuffer | None = None
+    embed_rows: DeviceBuffer | None = None
+    lm_rows: DeviceBuffer | None = None
+    lm_ids: DeviceBuffer | None = None
 
     @classmethod
     def upload(cls, gpu: GpuBackend, overlay: AdapterOverlay, vocab: int, stream: int) -> "_SlotBuffers":
@@ -38,32 +35,40 @@ class _SlotBuffers:
             if emb is not None and emb.n:
                 slot_map = np.full(vocab, -1, np.int32)
                 slot_map[emb.ids] = np.arange(emb.n, dtype=np.int32)
-                buf._put(gpu, "embed_map", slot_map, stream)
-                buf._put(gpu, "embed_rows", emb.rows, stream)
-                buf.embed_n = emb.n
+                buf.embed_map = DeviceBuffer.upload(gpu, slot_map, stream)
+                buf.embed_rows = DeviceBuffer.upload(gpu, emb.rows, stream)
             lm = overlay.lm_head
             if lm is not None and lm.n:
-                buf._put(gpu, "lm_rows", lm.rows, stream)
-                buf._put(gpu, "lm_ids", lm.ids, stream)
-                buf.lm_n = lm.n
+                buf.lm_rows = DeviceBuffer.upload(gpu, lm.rows, stream)
+                buf.lm_ids = DeviceBuffer.upload(gpu, lm.ids, stream)
         except BaseException:
-            gpu.synchronize(stream)
-            buf.free(gpu)
+            buf.close(gpu, stream)
             raise
         return buf
 
-    def _put(self, gpu: GpuBackend, name: str, host: np.ndarray, stream: int) -> None:
-        """Allocate buffer ``name`` (owned from then on) and queue the copy of ``host`` into it."""
-        setattr(self, name, gpu.alloc(host.nbytes))
-        gpu.copy_h2d_async(host, getattr(self, name), stream)
+    @property
+    def embed_n(self) -> int:
+        return self.overlay.embed.n if self.embed_rows is not None else 0
 
-    def free(self, gpu: GpuBackend) -> None:
-        """Free the buffers (the caller has drained every stream that reads them)."""
-        for name in ("embed_map", "embed_rows", "lm_rows", "lm_ids"):
-            ptr = getattr(self, name)
-            if ptr:
-                gpu.free(ptr)
-            setattr(self, name, DevicePtr(0))
+    @property
+    def lm_n(self) -> int:
+        return self.overlay.lm_head.n if self.lm_rows is not None else 0
+
+    def entries(self) -> tuple[int, int, int, int, int, int]:
+        """This slot's entry in each of ``OverlaySlots``' six tables (``_host_tables`` order)."""
+        def address(buf: DeviceBuffer | None) -> int:
+            return 0 if buf is None else int(buf)
+        return (address(self.embed_map), address(self.embed_rows), self.embed_n,
+                address(self.lm_rows), address(self.lm_ids), self.lm_n)
+
+    def close(self, gpu: GpuBackend, stream: int | None = None) -> None:
+        """Free the buffers, newest first; with ``stream``, once the work queued on it (which may
+        read them) is done. Without, the caller has drained every stream that reads them."""
+        if stream is not None and not gpu.closed:
+            gpu.synchronize(stream)
+        for buf in (self.lm_ids, self.lm_rows, self.embed_rows, self.embed_map):
+            if buf is not None:
+                buf.close()
 
 
 def _device_table(index: int) -> property:
@@ -73,6 +78,9 @@ def _device_table(index: int) -> property:
         return self._table(index)
 
     return property(table)
+
+
+_NO_ENTRIES = (0, 0, 0, 0, 0, 0)  # an empty slot's entries: null tables, n = 0
 
 
 class OverlaySlots:
@@ -89,14 +97,11 @@ class OverlaySlots:
     def __init__(self, gpu: GpuBackend, num_slots: int, vocab: int, h: int, *,
                  kernels: OverlayKernels | None = None, stream: int = 0) -> None:
         self.gpu = gpu
-        self.num_slots = require_count(num_slots, "num_slots")
-        self.vocab = require_count(vocab, "vocab")
-        self.h = require_count(h, "h")
-        if self.num_slots == 0 or self.vocab == 0 or self.h == 0:
-            raise ValueError(f"OverlaySlots needs num_slots, vocab and h >= 1, got "
-                             f"{num_slots}, {vocab}, {h}")
+        self.num_slots = validate.positive(num_slots, "OverlaySlots num_slots")
+        self.vocab = validate.positive(vocab, "OverlaySlots vocab")
+        self.h = validate.positive(h, "OverlaySlots h")
         if self.vocab > 1 << 31:
-            raise ValueError(f"vocab {vocab} too large for int32 slot maps")
+            raise ValueError(f"OverlaySlots vocab {vocab} too large for int32 slot maps")
         self.kernels = OverlayKernels.new(gpu) if kernels is None else kernels
         ns = self.num_slots
         self._host_embed_map = np.zeros(ns, np.uint64)
@@ -106,18 +111,15 @@ class OverlaySlots:
         self._host_lm_ids = np.zeros(ns, np.uint64)
         self._host_lm_n = np.zeros(ns, np.int32)
         self._slots: list[_SlotBuffers | None] = [None] * ns
-        self._seq_scratch = DevicePtr(0)
-        self._seq_capacity = 0
-        self._tables: list[DevicePtr] = []
-        self.closed = False
+        self._seq_scratch: DeviceBuffer | None = None  # host seq_slot arrays go here
+        self._tables: list[DeviceBuffer] = []
+        self._closed = False
         try:
             for host in self._host_tables():
-                ptr = gpu.alloc(host.nbytes)
-                self._tables.append(ptr)
-                gpu.copy_h2d_async(host, ptr, stream)
+                self._tables.append(DeviceBuffer.upload(gpu, host, stream))
         except BaseException:
-            for ptr in self._tables:
-                gpu.free(ptr)
+            for table in reversed(self._tables):
+                table.close()
             raise
 
     def _host_tables(self) -> tuple[np.ndarray, ...]:
@@ -134,7 +136,11 @@ class OverlaySlots:
 
     def _table(self, i: int) -> DevicePtr:
         self._live()
-        return self._tables[i]
+        return self._tables[i].ptr
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     @property
     def max_n_override(self) -> int:
@@ -152,13 +158,10 @@ class OverlaySlots:
 
     # -- loading and eviction ----------------------------------------------------------------
     def _live(self) -> None:
-        if self.closed:
-            raise ValueError("OverlaySlots is closed")
+        validate.require_open(self._closed, "OverlaySlots")
 
     def _check_slot(self, slot: int) -> int:
-        if isinstance(slot, bool) or not hasattr(slot, "__index__"):
-            raise TypeError(f"slot index must be an int, got {slot!r}")
-        slot = int(slot)
+        slot = validate.integer(slot, "slot index")
         if not 0 <= slot < self.num_slots:
             raise ValueError(f"slot index {slot} outside 0..{self.num_slots - 1}")
         return slot
@@ -200,44 +203,36 @@ class OverlaySlots:
         entry = self._slots[slot]
         if entry is None:
             return
-        self._set_entries(slot, _SlotBuffers(entry.overlay), stream)
+        self._set_entries(slot, _NO_ENTRIES, stream)
         self._slots[slot] = None
-        self.gpu.synchronize(stream)
-        entry.free(self.gpu)
+        entry.close(self.gpu, stream)
 
     def _upload(self, slot: int, overlay: AdapterOverlay, stream: int) -> None:
         buf = _SlotBuffers.upload(self.gpu, overlay, self.vocab, stream)
-        self._set_entries(slot, buf, stream)
+        self._set_entries(slot, buf.entries(), stream)
         self._slots[slot] = buf
 
-    def _set_entries(self, slot: int, buf: _SlotBuffers, stream: int) -> None:
-        self._host_embed_map[slot] = int(buf.embed_map)
-        self._host_embed_rows[slot] = int(buf.embed_rows)
-        self._host_embed_n[slot] = buf.embed_n
-        self._host_lm_rows[slot] = int(buf.lm_rows)
-        self._host_lm_ids[slot] = int(buf.lm_ids)
-        self._host_lm_n[slot] = buf.lm_n
-        for host, ptr in zip(self._host_tables(), self._tables):
-            self.gpu.copy_h2d_async(host, ptr, stream)
+    def _set_entries(self, slot: int, entries: tuple[int, ...], stream: int) -> None:
+        for host, value, table in zip(self._host_tables(), entries, self._tables):
+            host[slot] = value
+            self.gpu.copy_h2d_async(host, table, stream)
 
     def close(self, stream: int = 0) -> None:
-        """Free every slot's buffers, the tables and the scratch once ``stream`` drained (once;
+        """Free every slot's buffers, the scratch and the tables once ``stream`` drained (once;
         later calls do nothing). Work on other streams must be finished by the caller."""
-        if self.closed or getattr(self.gpu, "closed", False):
-            self.closed = True
+        if self._closed:
             return
-        self.gpu.synchronize(stream)
-        for entry in self._slots:
+        self._closed = True
+        if not self.gpu.closed:  # a closed backend freed every allocation already
+            self.gpu.synchronize(stream)
+        if self._seq_scratch is not None:
+            self._seq_scratch.close()
+        for entry in reversed(self._slots):
             if entry is not None:
-                entry.free(self.gpu)
-        for ptr in self._tables:
-            self.gpu.free(ptr)
-        if self._seq_scratch:
-            self.gpu.free(self._seq_scratch)
+                entry.close(self.gpu)
+        for table in reversed(self._tables):
+            table.close()
         self._slots = [None] * self.num_slots
-        self._tables = []
-        self._seq_scratch = DevicePtr(0)
-        self.closed = True
 
     def __enter__(self) -> "OverlaySlots":
         return self
@@ -247,24 +242,23 @@ class OverlaySlots:
 
     # -- forward hooks -----------------------------------------------------------------------
     def _check_active(self, active: int) -> int:
-        if isinstance(active, bool) or not hasattr(active, "__index__"):
-            raise TypeError(f"active slot must be an int, got {active!r}")
-        active = int(active)
+        active = validate.integer(active, "active slot")
         if active >= self.num_slots:
             raise ValueError(f"active slot {active} outside 0..{self.num_slots - 1} "
                              "(negative: no adapter)")
         return max(active, -1)
 
-    def _seq_slot_host(self, seq_slot: Any, count: int) -> np.ndarray | DevicePtr:
+    def _seq_slot_host(self, seq_slot: Any, count: int) -> np.ndarray | int:
         """Check ``seq_slot``: a host int array (or list) must have ``count`` entries, each
         < num_slots (negative = no adapter), and comes back as int32; a device pointer (or
-        ``DeviceArray``) is the caller's promise; None or 0 means the uniform ``active`` slot."""
+        ``DeviceArray`` / ``DeviceBuffer``) is the caller's promise; None or 0 means the uniform
+        ``active`` slot."""
         if seq_slot is None:
-            return DevicePtr(0)
+            return 0
         if isinstance(seq_slot, (list, tuple)):
             seq_slot = np.asarray(seq_slot, dtype=np.int64)
         if not isinstance(seq_slot, np.ndarray):
-            return DevicePtr(getattr(seq_slot, "ptr", seq_slot))
+            return validate.pointer(getattr(seq_slot, "ptr", seq_slot), "seq_slot", nullable=True)
         if seq_slot.shape != (count,):
             raise ValueError(f"seq_slot shape {seq_slot.shape} != ({count},)")
         if seq_slot.size and seq_slot.dtype.kind not in "iu":
@@ -274,23 +268,20 @@ class OverlaySlots:
                              f"0..{self.num_slots - 1}")
         return np.maximum(seq_slot.astype(np.int64), -1).astype(np.int32)
 
-    def _seq_slot_ptr(self, seq_slot: np.ndarray | DevicePtr, stream: int) -> DevicePtr:
+    def _seq_slot_ptr(self, seq_slot: np.ndarray | int, stream: int) -> int:
         """The device pointer for a checked ``seq_slot``: host arrays go to one scratch buffer
         on ``stream`` (so host-array calls must stay on one stream at a time)."""
         if not isinstance(seq_slot, np.ndarray):
             return seq_slot
-        count = int(seq_slot.size)
-        if count == 0:
-            return DevicePtr(0)
-        if count > self._seq_capacity:
-            if self._seq_scratch:
-                self.gpu.synchronize(stream)  # a queued kernel may still read the old scratch
-                self.gpu.free(self._seq_scratch)
-                self._seq_scratch, self._seq_capacity = DevicePtr(0), 0
-            self._seq_scratch = self.gpu.alloc(4 * count)
-            self._seq_capacity = count
+        if seq_slot.size == 0:
+            return 0
+        if self._seq_scratch is None or seq_slot.nbytes > self._seq_scratch.nbytes:
+            old, self._seq_scratch = self._seq_scratch, None  # none held if the alloc fails
+            if old is not None:
+                old.close(stream)  # a queued kernel may still read the old scratch
+            self._seq_scratch = DeviceBuffer(self.gpu, seq_slot.nbytes)
         self.gpu.copy_h2d_async(seq_slot, self._seq_scratch, stream)
-        return self._seq_scratch
+        return self._seq_scratch.ptr
 
     def embed_overlay(self, ids: int, seq_slot: Any, active: int, out: int, num_tokens: int,
                       stream: int = 0) -> None:
@@ -299,12 +290,12 @@ class OverlaySlots:
         uploaded; one scratch buffer, so use one stream at a time), or None / 0 for ``active``."""
         self._live()
         active = self._check_active(active)
-        num_tokens = require_count(num_tokens, "num_tokens")
+        num_tokens = validate.u32(num_tokens, "num_tokens")
         seq = self._seq_slot_host(seq_slot, num_tokens)
         if num_tokens == 0 or not self.has_embed_overlay or not self.kernels.embed_overlay:
             return  # nothing to launch: no rows, every slot's tables null, or no kernel (hook)
-        require_ptr(ids, "embed_overlay_routed ids")  # before a host seq_slot is uploaded
-        require_ptr(out, "embed_overlay_routed out")
+        validate.pointer(ids, "embed_overlay_routed ids")  # before a host seq_slot is uploaded
+        validate.pointer(out, "embed_overlay_routed out")
         embed_overlay_routed(self.gpu, self.kernels.embed_overlay, ids,
                              self._seq_slot_ptr(seq, stream), active,
                              self.embed_slot_map_tab, self.embed_rows_tab, self.embed_n_tab, out,
@@ -323,13 +314,12 @@ class OverlaySlots:
         else:
             raise TypeError(f"logits dtype must be bfloat16 or float32, got {dtype}")
         active = self._check_active(active)
-        m = require_count(m, "m")
+        m = validate.u32(m, "m")
         seq = self._seq_slot_host(seq_slot, m)
         if m == 0 or self.max_n_override == 0 or not kernel:
             return  # nothing to launch: no rows, no LM-head overrides loaded, or no kernel (hook)
-        require_ptr(hidden, "lmhead_overlay_routed hidden")  # before a host seq_slot is uploaded
-        require_ptr(logits, "lmhead_overlay_routed logits")
+        validate.pointer(hidden, "lmhead_overlay_routed hidden")  # before a host seq_slot is uploaded
+        validate.pointer(logits, "lmhead_overlay_routed logits")
         lmhead_overlay_routed(self.gpu, kernel, hidden, self._seq_slot_ptr(seq, stream), active,
-                              self.lm_head_rows_tab,
-                              self.lm_head_ids_tab, self.lm_head_n_tab, logits, m,
-                              self.max_n_override, self.h, self.vocab, stream)
+                              self.lm_head_rows_tab, self.lm_head_ids_tab, self.lm_head_n_tab,
+                              logits, m, self.max_n_override, self.h, self.vocab, stream)

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from gpu_runtime import KernelNotFoundError
+from gpu_runtime import ClosedError, KernelNotFoundError
 from layers.ops.token_overlay import OverlayKernels
 from layers.overlay import (AdapterOverlay, OverlaySlots, TableOverlay, build_overlay,
                             overlay_from_trainable_tokens)
@@ -78,7 +78,8 @@ CPU_CASES = [
          detail="in-use"),
     case("OverlaySlots", "null", lambda w: w.slots_without_kernels.load(1, _overlay(w, [1])),
          KernelNotFoundError, "not loaded", needs=("slots_without_kernels",)),
-    case("OverlaySlots", "closed", lambda w: w.closed_slots.load(0, _overlay(w, [1])), ValueError, "closed"),
+    case("OverlaySlots", "closed", lambda w: w.closed_slots.load(0, _overlay(w, [1])), ClosedError,
+         "OverlaySlots is closed"),
     case("OverlaySlots", "id", lambda w: w.slots.load(1, _overlay(w, [3, 30])), ValueError, "id 30 >= vocab 30"),
     case("OverlaySlots", "empty", lambda w: OverlaySlots(w.gpu, 0, 30, 5, kernels=w.kernels), ValueError,
          "num_slots"),
@@ -103,7 +104,7 @@ CPU_CASES = [
     case("OverlaySlots.hooks", "null", lambda w: w.slots.embed_overlay(0, np.array([0, 1, 0]), 0, w.p[1], 3),
          ValueError, NULL, detail="host-seq-slot"),
     case("OverlaySlots.hooks", "closed", lambda w: w.closed_slots.embed_overlay(w.p[0], None, 0, w.p[1], 3),
-         ValueError, "closed"),
+         ClosedError, "OverlaySlots is closed"),
     case("OverlaySlots.hooks", "empty",
          lambda w: w.slots.embed_overlay(w.p[0], np.zeros(0, np.int32), 0, w.p[1], 0)),
 ]

@@ -480,8 +480,12 @@ def test_served_table_refusals_before_any_upload(tmp_path, rng):
         overlay_from_peft(d, vocab=VOCAB, served_embed=se, served_lm_head=se, thresh=float("nan"))
     with pytest.raises(TypeError, match="tied"):
         overlay_from_peft(d, vocab=VOCAB, served_embed=se, served_lm_head=se, tied="yes")
-    with pytest.raises(ValueError, match="vocab"):
+    with pytest.raises(ValueError, match="vocab must be an int >= 1"):
         overlay_from_peft(d, vocab=0)
+    with pytest.raises(TypeError, match="vocab must be an int"):
+        overlay_from_peft(d, vocab=64.0)
+    with pytest.raises(TypeError, match="hidden_size must be an int"):
+        overlay_from_peft(d, vocab=VOCAB, hidden_size="16")
     assert gpu.launches == [] and set(gpu.mem) == live
     # a token adapter: a served table of the wrong width is refused too
     t = save_adapter(tmp_path / "tt", tt_config([1]), {f"{EMBED}.trainable_tokens_delta": token_rows(rng, 1)})

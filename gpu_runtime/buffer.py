@@ -60,6 +60,11 @@ class DeviceBuffer:
     def closed(self) -> bool:
         return self._ptr is None
 
+    @property
+    def gpu(self) -> GpuBackend:
+        """The backend the buffer was allocated on (what an owner of buffers computes on)."""
+        return self._gpu
+
     def close(self, stream: int | None = None) -> None:
         """Free the allocation (once; later calls do nothing). With ``stream``: only after the
         work queued on it so far is done (this waits for it). A closed backend has freed every

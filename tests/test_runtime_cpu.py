@@ -164,7 +164,7 @@ def test_require_open_raises_closed_error_a_gpu_error():
 def test_device_buffer_is_a_pointer_until_closed_then_refuses():
     gpu = MemoryBackend("m", ["k"])
     buf = DeviceBuffer(gpu, 100)
-    assert isinstance(buf.ptr, DevicePtr) and buf.nbytes == 100 and not buf.closed
+    assert isinstance(buf.ptr, DevicePtr) and buf.nbytes == 100 and not buf.closed and buf.gpu is gpu
     assert int(buf) == buf.ptr == operator.index(buf) and int(buf.ptr) in gpu.mem
     gpu.memset(buf, 7, 100)  # taken wherever a pointer int is
     assert (gpu.read(buf.ptr, 100) == 7).all()

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from gpu_runtime import CudaBackend, CudaError, GpuError, KernelHandle, KernelLaunch, KernelNotFoundError
+from gpu_runtime import ClosedError, CudaBackend, CudaError, GpuError, KernelHandle, KernelLaunch, KernelNotFoundError
 from tests.bad_inputs.cases.launchers import after_launcher
 from tests.bad_inputs.launcher_rows import scaled_add_kernel
 from tests.bad_inputs.matrix import NULL, case, cuda
@@ -42,8 +42,8 @@ CUDA_CASES = [
     cuda("CudaBackend.alloc", "range", lambda b, t: b.free(t.ptr), ValueError, "not allocated by this backend",
          detail="free-interior"),
     cuda("CudaBackend.alloc", "null", lambda b, t: b.free(0)),
-    cuda("CudaBackend.alloc", "closed", lambda b, t: t.closed.alloc(16), GpuError, "closed"),
-    cuda("CudaBackend.alloc", "closed", lambda b, t: t.closed.free(t.ptr), GpuError, "closed", detail="free"),
+    cuda("CudaBackend.alloc", "closed", lambda b, t: t.closed.alloc(16), ClosedError, "closed"),
+    cuda("CudaBackend.alloc", "closed", lambda b, t: t.closed.free(t.ptr), ClosedError, "closed", detail="free"),
     cuda("CudaBackend.alloc", "empty", lambda b, t: b.alloc(0), ValueError, "alloc of 0 bytes"),
     cuda("CudaBackend.memset", "dtype", lambda b, t: b.memset(t.ptr, 0, "16"), TypeError,
          "memset size must be an int"),
@@ -52,7 +52,7 @@ CUDA_CASES = [
     cuda("CudaBackend.memset", "length", lambda b, t: b.memset(t.ptr, 0, -1), ValueError, "memset size"),
     cuda("CudaBackend.memset", "range", lambda b, t: b.memset(t.ptr, 256, 16), ValueError, "0..255"),
     cuda("CudaBackend.memset", "null", lambda b, t: b.memset(0, 0, 16), ValueError, NULL),
-    cuda("CudaBackend.memset", "closed", lambda b, t: t.closed.memset(t.ptr, 0, 16), GpuError, "closed"),
+    cuda("CudaBackend.memset", "closed", lambda b, t: t.closed.memset(t.ptr, 0, 16), ClosedError, "closed"),
     cuda("CudaBackend.memset", "empty", lambda b, t: b.memset(t.ptr, 7, 0)),
     cuda("CudaBackend.copy", "dtype", lambda b, t: b.copy_h2d_async("abcd", t.ptr), TypeError, "bytes-like"),
     cuda("CudaBackend.copy", "dtype", lambda b, t: b.copy_d2h(b"four", t.ptr), ValueError, "read-only",
@@ -63,8 +63,8 @@ CUDA_CASES = [
          detail="d2h"),
     cuda("CudaBackend.copy", "null", lambda b, t: b.copy_h2d_async(b"abcd", 0), ValueError, NULL),
     cuda("CudaBackend.copy", "null", lambda b, t: b.copy_d2h(t.host, 0), ValueError, NULL, detail="d2h"),
-    cuda("CudaBackend.copy", "closed", lambda b, t: t.closed.copy_h2d_async(b"abcd", t.ptr), GpuError, "closed"),
-    cuda("CudaBackend.copy", "closed", lambda b, t: t.closed.copy_d2h(t.host, t.ptr), GpuError, "closed",
+    cuda("CudaBackend.copy", "closed", lambda b, t: t.closed.copy_h2d_async(b"abcd", t.ptr), ClosedError, "closed"),
+    cuda("CudaBackend.copy", "closed", lambda b, t: t.closed.copy_d2h(t.host, t.ptr), ClosedError, "closed",
          detail="d2h"),
     cuda("CudaBackend.copy", "empty", lambda b, t: b.copy_h2d_async(b"", t.ptr)),
     cuda("CudaBackend.copy", "empty", lambda b, t: b.copy_d2h(t.host[:0], t.ptr), detail="d2h"),
@@ -80,7 +80,7 @@ CUDA_CASES = [
     cuda("CudaBackend.copy_d2d", "null", lambda b, t: b.copy_2d_async(0, 64, t.ptr, 64, 64, 1), ValueError, NULL,
          detail="2d"),
     cuda("CudaBackend.copy_d2d", "closed", lambda b, t: t.closed.copy_d2d_async(t.ptr, t.ptr.offset(64), 16),
-         GpuError, "closed"),
+         ClosedError, "closed"),
     cuda("CudaBackend.copy_d2d", "empty", lambda b, t: b.copy_d2d_async(t.ptr, t.ptr.offset(64), 0)),
     cuda("CudaBackend.copy_d2d", "empty", lambda b, t: b.copy_2d_async(t.ptr, 64, t.ptr.offset(1024), 64, 64, 0),
          detail="2d"),
@@ -92,7 +92,7 @@ CUDA_CASES = [
     cuda("CudaBackend.pinned", "range", lambda b, t: b.alloc_host(-1), ValueError, "alloc_host size",
          detail="alloc_host"),
     cuda("CudaBackend.pinned", "null", lambda b, t: b.upload_pinned_async(t.pinned, 0), ValueError, NULL),
-    cuda("CudaBackend.pinned", "closed", lambda b, t: t.closed.alloc_host(16), GpuError, "closed"),
+    cuda("CudaBackend.pinned", "closed", lambda b, t: t.closed.alloc_host(16), ClosedError, "closed"),
     cuda("CudaBackend.pinned", "empty", lambda b, t: b.alloc_host(0), ValueError, "alloc_host of 0 bytes"),
     cuda("CudaBackend.pinned", "empty", lambda b, t: b.upload_pinned_async(t.pinned[:0], t.ptr), detail="upload"),
     cuda("CudaBackend.handles", "range", lambda b, t: b.destroy_stream(0x1234), ValueError,
@@ -104,14 +104,14 @@ CUDA_CASES = [
     cuda("CudaBackend.handles", "range", lambda b, t: b.destroy_graph(0x1234), ValueError, "not a live graph",
          detail="destroy-graph"),
     cuda("CudaBackend.handles", "null", lambda b, t: b.begin_capture(0), ValueError, "default stream"),
-    cuda("CudaBackend.handles", "closed", lambda b, t: t.closed.create_stream(), GpuError, "closed"),
-    cuda("CudaBackend.handles", "closed", lambda b, t: t.closed.create_event(), GpuError, "closed",
+    cuda("CudaBackend.handles", "closed", lambda b, t: t.closed.create_stream(), ClosedError, "closed"),
+    cuda("CudaBackend.handles", "closed", lambda b, t: t.closed.create_event(), ClosedError, "closed",
          detail="event"),
     cuda("CudaBackend.kernel", "range", lambda b, t: b.kernel("no_such_module", "k"), KernelNotFoundError,
          "no kernel module"),
     cuda("CudaBackend.kernel", "range", lambda b, t: load_kernel(b, "residual_add", "no_such_kernel"),
          KernelNotFoundError, "not in module", detail="kernel", gpu_only=True),
-    cuda("CudaBackend.kernel", "closed", lambda b, t: scaled_add_kernel(t.closed), GpuError, "closed"),
+    cuda("CudaBackend.kernel", "closed", lambda b, t: scaled_add_kernel(t.closed), ClosedError, "closed"),
     cuda("KernelLaunch", "dtype", lambda b, t: KernelLaunch(b, scaled_add_kernel(b)).arg_ptr(t.ptr).arg_ptr(t.ptr)
          .arg_u32(1).arg_u32(8).launch(), TypeError, "argument 2 must be f32", detail="kinds", gpu_only=True),
     cuda("KernelLaunch", "length", lambda b, t: KernelLaunch(b, scaled_add_kernel(b)).arg_ptr(t.ptr).arg_ptr(t.ptr)
@@ -120,7 +120,7 @@ CUDA_CASES = [
     cuda("KernelLaunch", "range", lambda b, t: KernelLaunch(b, KernelHandle(0xDEAD)).launch(), GpuError,
          "not loaded by this backend", detail="foreign-kernel"),
     cuda("KernelLaunch", "closed", lambda b, t: KernelLaunch(t.closed, KernelHandle(0xDEAD)).arg_u32(1).launch(),
-         GpuError, "backend is closed"),
+         ClosedError, "backend is closed"),
     cuda("KernelLaunch", "empty", lambda b, t: KernelLaunch(b, scaled_add_kernel(b)).launch(), TypeError,
          "takes 4 arguments", gpu_only=True),
 ]

@@ -185,6 +185,13 @@ def test_bad_sizes_refused_before_launch(launcher, kw):
         call[0](gpu, call[1], **kw)
     assert gpu.launches == []
 
+@pytest.mark.parametrize("thresh", ["0.5", None, True])
+def test_rowdiff_threshold_must_be_a_real_number(thresh):
+    gpu = RecordingBackend()
+    with pytest.raises(TypeError, match="thresh must be a real number"):
+        _rowdiff(gpu, OverlayKernels.new(gpu).rowdiff, thresh=thresh)
+    assert gpu.launches == []
+
 
 # -- GPU helpers -------------------------------------------------------------------------------
 

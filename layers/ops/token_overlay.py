@@ -76,6 +76,8 @@ def embed_rowdiff(gpu: GpuBackend, kernel: KernelHandle, base: int, served: int,
         raise ValueError("embed_rowdiff: kernel not loaded (KernelHandle(0))")
     rows = validate.u32(rows, "embed_rowdiff rows")
     h = validate.positive(h, "embed_rowdiff h")
+    if isinstance(thresh, bool):  # a spec's f32 takes any real, a bool too
+        raise TypeError(f"embed_rowdiff thresh must be a real number, got {thresh!r}")
     if isinstance(thresh, numbers.Real) and math.isnan(thresh):  # a non-number: the spec's
         raise ValueError("embed_rowdiff thresh is NaN: it would flag every row")
     if rows == 0:

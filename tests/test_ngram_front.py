@@ -90,7 +90,7 @@ class FakeGpu(MemoryBackend):
 
 def _layer(gpu, rng, tmp_path, cached: str = "") -> NgramEmbedding:
     """A layer on ``gpu``: table c a RowCache (capacity 8) where ``cached[c] == "c"``, else
-    bf16; ``_close`` frees it with its weights and caches (``layer._test_owned``)."""
+    bf16; the layer owns its weights and caches (``own``): closing it frees them."""
     h, td = DIMS.hidden_size, DIMS.table_dim()
     owned: list = []
 
@@ -110,15 +110,13 @@ def _layer(gpu, rng, tmp_path, cached: str = "") -> NgramEmbedding:
     word = upload(rng.standard_normal((DIMS.vocab_size, h)).astype(BF16))
     projs = [upload(rng.standard_normal((h, td)).astype(BF16)) for _ in tables]
     layer = NgramEmbedding(DIMS, word, tables, projs, 16, gpu)
-    layer._test_owned = owned
+    layer.own(*owned)
     return layer
 
 
 def _close(*objs) -> None:
     for obj in objs:
         obj.close()
-        for owned in getattr(obj, "_test_owned", ()):
-            owned.close()
 
 
 CTX = [3, 9, 14, 27, 5, 40]

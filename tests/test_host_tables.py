@@ -99,6 +99,15 @@ def test_host_weight_refusals_pin_nothing(array, scale, exc, match):
     assert gpu.ops == [] and gpu.launches == []
 
 
+def test_host_weights_need_a_backend_that_maps_host_memory(tmp_path, rng):
+    path, _, _ = table_file(tmp_path, rng, 10, 8, False)
+    no_host_memory = object()  # isinstance finds neither alloc_host nor host_device_ptr on it
+    with pytest.raises(TypeError, match="needs MappedHostMemory, PinnedHostMemory"):
+        HostWeight.from_numpy(no_host_memory, random_bf16(rng, (4, 4)))
+    with pytest.raises(TypeError, match="needs MappedHostMemory"):
+        HostWeight.from_table_file(no_host_memory, path)
+
+
 @pytest.mark.parametrize("fp8", [False, True])
 def test_host_weight_from_table_file_registers_the_map(tmp_path, rng, fp8):
     gpu = HostMem()

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from gpu_runtime import DeviceBuffer, DevicePtr, GpuBackend
+from gpu_runtime import DeviceBuffer, DevicePtr, GpuBackend, MappedHostMemory, PinnedHostMemory
 
 from ..weight_map import WeightShape, checked_weight_arrays
 from .table_file import TableFile
@@ -56,6 +56,7 @@ class HostWeight(WeightShape):
         """Copy a 2-D bf16 array (or fp8 with its per-row f32 scales) into a mapped pinned host
         buffer; the scales are uploaded to the device on ``stream``."""
         array, scale = checked_weight_arrays(array, row_scale)
+        _require_mapping(gpu, "HostWeight.from_numpy", PinnedHostMemory)
         rows, cols = int(array.shape[0]), int(array.shape[1])
         buf = gpu.alloc_host(array.nbytes, mapped=True)
         try:
@@ -72,6 +73,7 @@ class HostWeight(WeightShape):
         """Map a table file read-only and register its rows (page-aligned, from byte 4096) with
         the device where they are; an fp8 table's scales are uploaded to the device on
         ``stream``. The file stays mapped (and its rows locked in RAM) until ``close()``."""
+        _require_mapping(gpu, "HostWeight.from_table_file")
         file = TableFile(path)  # validates the header and the size
         rows, registered = file.rows_bytes, False
         try:
@@ -117,6 +119,14 @@ class HostWeight(WeightShape):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _require_mapping(gpu: GpuBackend, what: str, *more: type) -> None:
+    """``TypeError`` unless ``gpu`` maps host memory for the device (and has ``more``)."""
+    needed = (MappedHostMemory, *more)
+    if not all(isinstance(gpu, capability) for capability in needed):
+        names = ", ".join(c.__name__ for c in needed)
+        raise TypeError(f"{what}: the backend needs {names} (gpu_runtime); {type(gpu).__name__} lacks them")
 
 
 def _upload_scales(gpu: GpuBackend, scales: np.ndarray | None, stream: int) -> tuple[DeviceBuffer, ...]:

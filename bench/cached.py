@@ -103,7 +103,7 @@ def upload_table(gpu: CudaBackend, path: str) -> DenseWeight:
         for a in range(0, f.rows, BLOCK_ROWS):
             gpu.copy_h2d_async(f.rows_bytes[a:a + BLOCK_ROWS], buf.ptr + a * f.row_bytes)
         gpu.synchronize()
-        return DenseWeight.owning(buf, (f.rows, f.dim), BF16)
+        return DenseWeight.owning(gpu, buf, (f.rows, f.dim), BF16)
 
 
 def drop_page_cache(paths: list[str]) -> None:

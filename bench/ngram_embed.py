@@ -38,7 +38,7 @@ def device_weight(gpu: CudaBackend, rng: np.random.Generator, rows: int, cols: i
     total = rows * cols
     for off in range(0, total, block.size):
         gpu.copy_h2d_async(block[: min(block.size, total - off)], buf.ptr + 2 * off)
-    return DenseWeight.owning(buf, (rows, cols), BF16)
+    return DenseWeight.owning(gpu, buf, (rows, cols), BF16)
 
 
 def torch_view(gpu: CudaBackend, w: DenseWeight):

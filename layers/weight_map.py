@@ -63,23 +63,25 @@ class WeightShape:
 
 @dataclass
 class DenseWeight(WeightShape):
-    """``weight`` (and, fp8 only, ``row_scale``): device addresses. ``buffers``: the device memory
-    the weight owns (``from_numpy``'s uploads, or buffers handed over with ``owning``), freed by
-    ``close``; a weight made over bare addresses owns nothing and ``close`` leaves them alone."""
+    """``weight`` (and, fp8 only, ``row_scale``): device addresses; ``gpu``: the backend they are
+    on (None where not given, and once closed). ``buffers``: the device memory the weight owns
+    (``from_numpy``'s uploads, or buffers handed over with ``owning``), freed by ``close``; a
+    weight made over bare addresses owns nothing and ``close`` leaves them alone."""
 
     weight: DevicePtr
     shape: tuple[int, int]
     dtype: np.dtype
     row_scale: DevicePtr = DevicePtr(0)
+    gpu: GpuBackend | None = field(default=None, repr=False)
     buffers: tuple[DeviceBuffer, ...] = field(default=(), repr=False)
 
     @classmethod
-    def owning(cls, weight: DeviceBuffer, shape: tuple[int, int], dtype: Any,
+    def owning(cls, gpu: GpuBackend, weight: DeviceBuffer, shape: tuple[int, int], dtype: Any,
                row_scale: DeviceBuffer | None = None) -> "DenseWeight":
-        """A weight over ``weight`` (and ``row_scale``), which it owns from now on."""
+        """A weight over ``weight`` (and ``row_scale``), buffers on ``gpu`` that it owns from now on."""
         buffers = (weight,) if row_scale is None else (weight, row_scale)
         scale = row_scale.ptr if row_scale is not None else DevicePtr(0)
-        return cls(weight.ptr, (int(shape[0]), int(shape[1])), np.dtype(dtype), scale, buffers)
+        return cls(weight.ptr, (int(shape[0]), int(shape[1])), np.dtype(dtype), scale, gpu, buffers)
 
     @classmethod
     def from_numpy(cls, gpu: GpuBackend, array: Any, row_scale: Any = None,
@@ -91,7 +93,7 @@ class DenseWeight(WeightShape):
             weight = undo.enter_context(DeviceBuffer.upload(gpu, array, stream))
             scales = None if scale is None else undo.enter_context(DeviceBuffer.upload(gpu, scale, stream))
             undo.pop_all()
-        return cls.owning(weight, array.shape, array.dtype, scales)
+        return cls.owning(gpu, weight, array.shape, array.dtype, scales)
 
     @property
     def closed(self) -> bool:
@@ -99,7 +101,9 @@ class DenseWeight(WeightShape):
         return any(buf.closed for buf in self.buffers)
 
     def close(self) -> None:
-        """Free the device memory the weight owns (once; later calls do nothing)."""
+        """Free the device memory the weight owns (once; later calls do nothing); ``gpu``
+        becomes None."""
+        self.gpu = None
         for buf in reversed(self.buffers):
             buf.close()
 

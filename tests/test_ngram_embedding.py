@@ -325,3 +325,17 @@ def test_a_layer_closes_what_it_owns_after_its_staging():
     assert layer.word.closed and all(p.closed for p in layer.projs)
     with pytest.raises(ClosedError, match="NgramEmbedding is closed"):
         layer.own(layer.word)
+
+
+def test_a_dense_weight_frees_only_the_buffers_it_owns():
+    gpu = LoggingBackend()
+    w = DenseWeight.from_numpy(gpu, random_fp8(np.random.default_rng(12), (4, 8)), np.ones(4, np.float32))
+    assert w.gpu is gpu and not w.closed and set(gpu.mem) == {w.weight, w.row_scale}
+    view = DenseWeight(w.weight, w.shape, w.dtype, w.row_scale, gpu)  # over the same addresses: owns nothing
+    view.close()
+    assert set(gpu.mem) == {w.weight, w.row_scale} and view.gpu is None and not view.closed
+    w.close()
+    assert w.closed and w.gpu is None and gpu.mem == {}
+    mark = len(gpu.log)
+    w.close()  # once
+    assert gpu.log[mark:] == []

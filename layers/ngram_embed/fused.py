@@ -105,7 +105,7 @@ class FusedNgramEmbedding:
         except BaseException:
             own.close()
             raise
-        self.projs_weight = DenseWeight(self.projs_cat, (h, t * td), np.dtype(BF16))  # a view: owns nothing
+        self.projs_weight = DenseWeight(self.projs_cat, (h, t * td), np.dtype(BF16), gpu=gpu)  # owns nothing
 
     @classmethod
     def from_pretrained(cls, model_dir: str, gpu: GpuBackend, *, max_rows: int = 8192, stream: int = 0,

@@ -355,7 +355,7 @@ def placement_layer(ctx: Ctx, base: NgramEmbedding,
             tables.append(NgramTable.Host(HostWeight(gpu.host_device_ptr(buf), w.shape, w.dtype,
                                                      DevicePtr(0), gpu, buf)))
         layer = NgramEmbedding(ctx.dims, base.word, tables, base.projs, MAX_ROWS, gpu)
-        layer._owned = [tb.weight for tb in tables]  # freed with the layer
+        layer.own(*(tb.weight for tb in tables))  # freed with the layer
         return layer, None
     return None
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from bench.common import (copy_bandwidth, gated_gpu_us, gpu_time_ms, interleaved_times_us, matmul_rate, print_table,
                           torch_or_none, torch_time_ms, wall_time_us)
-from gpu_runtime import CudaBackend, DeviceArray, DevicePtr
+from gpu_runtime import CudaBackend, DeviceArray, DeviceBuffer
 from layers.ngram_embed import NgramDims, NgramEmbedding, NgramTable, ngram_ids_tail
 from layers.ngram_embed.fused import FusedNgramEmbedding
 from layers.weight_map import BF16, DenseWeight
@@ -34,11 +34,11 @@ def device_weight(gpu: CudaBackend, rng: np.random.Generator, rows: int, cols: i
                   scale: float) -> DenseWeight:
     """A bf16 weight filled by tiling one random 32 MiB block (cheap to make at 8 GiB)."""
     block = (rng.standard_normal(min(rows * cols, 1 << 24)) * scale).astype(np.float32).astype(BF16)
-    ptr = gpu.alloc(rows * cols * 2)
+    buf = DeviceBuffer(gpu, rows * cols * 2)
     total = rows * cols
     for off in range(0, total, block.size):
-        gpu.copy_h2d_async(block[: min(block.size, total - off)], ptr + 2 * off)
-    return DenseWeight(ptr, (rows, cols), np.dtype(BF16), DevicePtr(0), gpu)
+        gpu.copy_h2d_async(block[: min(block.size, total - off)], buf.ptr + 2 * off)
+    return DenseWeight.owning(gpu, buf, (rows, cols), BF16)
 
 
 def torch_view(gpu: CudaBackend, w: DenseWeight):
@@ -137,7 +137,7 @@ def fused_table(gpu: CudaBackend, rng: np.random.Generator, dims: NgramDims, lay
         eager_us, late = gated_gpu_us(eager, stream=stream)
         eager_wall = wall_time_us(eager, sync, warmup=3, iters=30)
         ((graph_wall, graph_host),) = interleaved_times_us([graph], sync, warmup=5, iters=60)
-        exe = fused._graphs[(s, int(out), stream)]
+        exe = fused.captured_graph(s, out, stream)
         graph_us, late2 = gated_gpu_us(lambda i: gpu.launch_graph(exe, stream), stream=stream)
         torch_us = None
         if torch is not None:

@@ -2,18 +2,20 @@
 
 bf16 weights are ``[rows, cols]`` ``ml_dtypes.bfloat16``; fp8 weights are
 ``ml_dtypes.float8_e4m3fn`` with one f32 scale per row (``row_scale``), without which an fp8
-weight is refused. The owner frees it with ``close()`` (or a ``with`` block).
+weight is refused. The owner frees it with ``close()`` (or a ``with`` block): a weight owns the
+``DeviceBuffer`` s it was built on (``from_numpy``, ``owning``).
 """
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 
-from gpu_runtime import DevicePtr, GpuBackend
+from gpu_runtime import DeviceBuffer, DevicePtr, GpuBackend
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -61,11 +63,25 @@ class WeightShape:
 
 @dataclass
 class DenseWeight(WeightShape):
+    """``weight`` (and, fp8 only, ``row_scale``): device addresses; ``gpu``: the backend they are
+    on (None where not given, and once closed). ``buffers``: the device memory the weight owns
+    (``from_numpy``'s uploads, or buffers handed over with ``owning``), freed by ``close``; a
+    weight made over bare addresses owns nothing and ``close`` leaves them alone."""
+
     weight: DevicePtr
     shape: tuple[int, int]
     dtype: np.dtype
     row_scale: DevicePtr = DevicePtr(0)
     gpu: GpuBackend | None = field(default=None, repr=False)
+    buffers: tuple[DeviceBuffer, ...] = field(default=(), repr=False)
+
+    @classmethod
+    def owning(cls, gpu: GpuBackend, weight: DeviceBuffer, shape: tuple[int, int], dtype: Any,
+               row_scale: DeviceBuffer | None = None) -> "DenseWeight":
+        """A weight over ``weight`` (and ``row_scale``), buffers on ``gpu`` that it owns from now on."""
+        buffers = (weight,) if row_scale is None else (weight, row_scale)
+        scale = row_scale.ptr if row_scale is not None else DevicePtr(0)
+        return cls(weight.ptr, (int(shape[0]), int(shape[1])), np.dtype(dtype), scale, gpu, buffers)
 
     @classmethod
     def from_numpy(cls, gpu: GpuBackend, array: Any, row_scale: Any = None,
@@ -73,28 +89,23 @@ class DenseWeight(WeightShape):
         """Upload a 2-D bf16 array, or an fp8 array with its per-row f32 scales."""
         array, scale = checked_weight_arrays(array, row_scale)
         array = np.ascontiguousarray(array)
-        weight = gpu.alloc(array.nbytes)
-        scale_ptr = DevicePtr(0)
-        try:
-            gpu.copy_h2d_async(array, weight, stream)
-            if scale is not None:
-                scale_ptr = gpu.alloc(scale.nbytes)
-                gpu.copy_h2d_async(scale, scale_ptr, stream)
-        except BaseException:  # nothing is left allocated when the upload fails part-way
-            if scale_ptr:
-                gpu.free(scale_ptr)
-            gpu.free(weight)
-            raise
-        return cls(weight, (int(array.shape[0]), int(array.shape[1])), array.dtype, scale_ptr, gpu)
+        with ExitStack() as undo:  # nothing is left allocated when the upload fails part-way
+            weight = undo.enter_context(DeviceBuffer.upload(gpu, array, stream))
+            scales = None if scale is None else undo.enter_context(DeviceBuffer.upload(gpu, scale, stream))
+            undo.pop_all()
+        return cls.owning(gpu, weight, array.shape, array.dtype, scales)
+
+    @property
+    def closed(self) -> bool:
+        """True once ``close`` freed the memory it owned (never for a weight that owns none)."""
+        return any(buf.closed for buf in self.buffers)
 
     def close(self) -> None:
-        """Free the device memory (once; later calls do nothing)."""
-        gpu, self.gpu = self.gpu, None
-        if gpu is None or getattr(gpu, "closed", False):
-            return
-        gpu.free(self.weight)
-        if self.row_scale:
-            gpu.free(self.row_scale)
+        """Free the device memory the weight owns (once; later calls do nothing); ``gpu``
+        becomes None."""
+        self.gpu = None
+        for buf in reversed(self.buffers):
+            buf.close()
 
     def __enter__(self) -> "DenseWeight":
         return self

@@ -15,7 +15,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from gpu_runtime import KernelHandle
+from gpu_runtime import ClosedError, KernelHandle
 from layers.ngram_embed import NgramDims, NgramEmbedding, NgramTable
 from layers.ngram_embed.cache_group import CacheGroup, cache_group
 from layers.ngram_embed.fused import FusedNgramEmbedding
@@ -32,7 +32,7 @@ from tests.helpers.row_cache import (assert_consistent, assert_resident, assign_
 
 
 def reference_windows(contexts, seq_lens, n: int) -> np.ndarray:
-    """``[R, N]`` windows, written out the slow way (what ``FusedNgramEmbedding._windows`` makes)."""
+    """``[R, N]`` windows, written out the slow way (what ``FusedNgramEmbedding.windows`` makes)."""
     rows = [[int(c[p - d]) if p - d >= 0 else NO_TOKEN for d in range(n)]
             for c, s in zip(contexts, seq_lens) for p in range(len(c) - s, len(c))]
     return np.array(rows, np.uint32).reshape(-1, n)
@@ -92,12 +92,17 @@ def test_ids_from_windows_decode_batches(rng):
 def test_ids_from_windows_refusals():
     dims = small_dims(max_ngram=3, splits=2, vocab_size=500)
     good = np.array([[1, 2, NO_TOKEN]], np.uint32)
-    for windows, match in [(good.astype(np.int64), "uint32"), (good[:, :2], "uint32"), (good[0], "uint32"),
-                           (np.array([[500, 1, 2]], np.uint32), "windows\\[0, 0\\] = 500"),
-                           (np.array([[NO_TOKEN, 1, 2]], np.uint32), "windows\\[0, 0\\]"),
-                           (np.array([[1, 2, 3], [1, 777, 3]], np.uint32), "windows\\[1, 1\\] = 777")]:
-        with pytest.raises(ValueError, match=match):
+    for windows, error, match in [
+            (good.astype(np.int64), TypeError, "must be a uint32 array, got int64"),
+            (good[:, :2], ValueError, r"must be \[R, 3\], got \(1, 2\)"),
+            (good[0], ValueError, r"must be \[R, 3\], got \(3,\)"),
+            (np.array([[500, 1, 2]], np.uint32), ValueError, "windows\\[0, 0\\] = 500"),
+            (np.array([[NO_TOKEN, 1, 2]], np.uint32), ValueError, "windows\\[0, 0\\]"),
+            (np.array([[1, 2, 3], [1, 777, 3]], np.uint32), ValueError, "windows\\[1, 1\\] = 777")]:
+        with pytest.raises(error, match=match):
             ngram_ids_windows(dims, windows)
+    with pytest.raises(TypeError, match="table must be an int"):
+        ngram_ids_windows(dims, good, [1.0])
     with pytest.raises(IndexError):
         ngram_ids_windows(dims, good, [dims.num_tables()])
     with pytest.raises(ValueError, match="fused path's limits"):
@@ -252,24 +257,25 @@ def test_refusals_come_before_any_load(tmp_path, rng):
 
     before = state()
     misses = np.array([[0, 1], [2, 3], [4, 5]])  # cache 0 and 2 would load rows
-    bad = {
-        "cache 1: id 50 out of range": np.array([[0, 1], [2, 50], [4, 5]]),
-        "cache 2: id -1 out of range": np.array([[0, 1], [2, 3], [4, -1]]),
-        "needs 5 rows resident at once, the arena holds 4": np.array([[0, 1, 2, 3, 4], [0, 1, 2, 3, 4],
-                                                                     [0, 1, 2, 3, 4]]),
-        "\\[3, R\\] integer array": np.array([[0.0], [1.0], [2.0]]),
-        "\\[3, R\\] integer array ": misses[:2],
-        "\\[3, R\\] integer array  ": misses[0],
-    }
-    for match, ids in bad.items():
+    bad = [
+        (ValueError, "cache 1: id 50 out of range", np.array([[0, 1], [2, 50], [4, 5]])),
+        (ValueError, "cache 2: id -1 out of range", np.array([[0, 1], [2, 3], [4, -1]])),
+        (ValueError, "needs 5 rows resident at once, the arena holds 4",
+         np.array([[0, 1, 2, 3, 4], [0, 1, 2, 3, 4], [0, 1, 2, 3, 4]])),
+        (TypeError, "ids must be a numpy integer array, got float64", np.array([[0.0], [1.0], [2.0]])),
+        (ValueError, r"ids must be \[3, R\], got shape \(2, 2\)", misses[:2]),
+        (ValueError, r"ids must be \[3, R\], got shape \(2,\)", misses[0]),
+    ]
+    for error, match, ids in bad:
         for call in (lambda: group.validate(ids), lambda: group.resolve(ids, np.empty(ids.shape[::-1], np.uint32))):
-            with pytest.raises(ValueError, match=match.strip()):
+            with pytest.raises(error, match=match):
                 call()
         assert state() == before, match
     read_only = np.empty((2, 3), np.uint32)
     read_only.flags.writeable = False
-    for slots_out in (np.empty((2, 3), np.int32), np.empty((3, 2), np.uint32), read_only, [[0] * 3] * 2):
-        with pytest.raises(ValueError, match="slots_out"):
+    for slots_out, error in ((np.empty((2, 3), np.int32), TypeError), (np.empty((3, 2), np.uint32), ValueError),
+                             (read_only, ValueError), ([[0] * 3] * 2, TypeError)):
+        with pytest.raises(error, match="slots_out"):
             group.resolve(misses, slots_out)
     assert state() == before
     # A batch that fits with what is pinned already, then one that does not with it.
@@ -283,11 +289,11 @@ def test_refusals_come_before_any_load(tmp_path, rng):
     caches[1].close()
     for call in (lambda: group.resolve(misses, slots), lambda: group.validate(misses), group.end_batch,
                  caches[1].end_batch):
-        with pytest.raises(ValueError, match="closed"):
+        with pytest.raises(ClosedError, match="RowCache is closed"):
             call()
     for c in caches:
         c.close()
-    with pytest.raises(ValueError, match="closed"):
+    with pytest.raises(ClosedError, match="CacheGroup: cache 0: RowCache is closed"):
         CacheGroup(caches)
     with pytest.raises(TypeError, match="not a RowCache"):
         CacheGroup([object()])
@@ -341,7 +347,7 @@ def test_groups_take_members_over_and_keep_their_rows(tmp_path, rng):
     second.end_batch()
     again = np.empty_like(slots)
     first.resolve(ids, again)  # takes them back
-    assert np.array_equal(again, slots) and all(c._group is first for c in caches)
+    assert np.array_equal(again, slots) and cache_group(caches) is first  # the group they form again
     first.end_batch()
     alone = np.empty(2, np.uint32)
     caches[2].resolve(np.array([5, 6]), alone)  # a member still works on its own
@@ -401,7 +407,8 @@ def test_fused_pack_carries_the_slots_of_every_cached_table(tmp_path, rng, layou
             tables[c] = NgramTable.Cached(IdentityCache(base.tables[c].weight))
     layer = NgramEmbedding(dims, base.word, tables, base.projs, 64, gpu)
     fused = FusedNgramEmbedding(layer, 64, gpu)
-    assert (fused._cache_group is not None) and fused._group_all == (layout == "all")
+    grouped = [cache.index for cache in caches.values()]  # one CacheGroup: one store for them all
+    assert all(isinstance(i, SharedSlotIndex) for i in grouped) and len({id(i.store) for i in grouped}) == 1
     try:
         contexts = [rng.integers(0, dims.vocab_size, int(rng.integers(1, 40))) for _ in range(64)]
         for step in range(30):
@@ -414,7 +421,7 @@ def test_fused_pack_carries_the_slots_of_every_cached_table(tmp_path, rng, layou
             if rows == 0:
                 continue
             fused.embed_batch(picked, lens, 0x1000, gpu, 0)
-            words = gpu.read_as(fused.staging, rows * fused._row_words, np.uint32)
+            words = gpu.read_as(fused.staging, rows * (n + 1 + t), np.uint32)  # windows, words, slots
             slots = words[rows * (n + 1):].reshape(rows, t)
             want = tail_ids(dims, picked, lens)
             for c, cache in caches.items():
@@ -492,7 +499,7 @@ def test_fused_cached_tables_equal_resident_with_graphs(gpu, rng, tmp_path, layo
             contexts = [np.append(c, rng.integers(0, dims.vocab_size)) for c in contexts]
         assert hits_steps == 24
         assert all(c.stats.evictions > 0 and c.index.n_pinned == 0 for c in caches)
-        assert len(fused_cached._graphs) == 2  # one per batch shape, replayed
+        assert fused_cached.captured_graphs == 2  # one per batch shape, replayed
     finally:
         for pair in outs.values():
             for g in pair:

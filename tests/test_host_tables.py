@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpu_runtime import CudaBackend, DevicePtr
+from gpu_runtime import ClosedError, CudaBackend, DevicePtr
 from layers import reference as ref
 from layers.ngram_embed import (HostTable, HostWeight, NgramEmbedding, NgramTable, TableFile,
                                 TableFormatError, gather_entry, ngram_ids_tail, write_table)
@@ -99,6 +99,15 @@ def test_host_weight_refusals_pin_nothing(array, scale, exc, match):
     assert gpu.ops == [] and gpu.launches == []
 
 
+def test_host_weights_need_a_backend_that_maps_host_memory(tmp_path, rng):
+    path, _, _ = table_file(tmp_path, rng, 10, 8, False)
+    no_host_memory = object()  # isinstance finds neither alloc_host nor host_device_ptr on it
+    with pytest.raises(TypeError, match="needs MappedHostMemory, PinnedHostMemory"):
+        HostWeight.from_numpy(no_host_memory, random_bf16(rng, (4, 4)))
+    with pytest.raises(TypeError, match="needs MappedHostMemory"):
+        HostWeight.from_table_file(no_host_memory, path)
+
+
 @pytest.mark.parametrize("fp8", [False, True])
 def test_host_weight_from_table_file_registers_the_map(tmp_path, rng, fp8):
     gpu = HostMem()
@@ -173,7 +182,7 @@ def test_check_table_accepts_host_tables_and_refuses_mixups(rng):
     with pytest.raises(ValueError, match=r"table 2: shape \(11, 6\)"):
         check_table(NgramTable.Host(w["host_bf"]), 2, 12, 6)
     w["host_bf"].close()
-    with pytest.raises(ValueError, match="closed"):
+    with pytest.raises(ClosedError, match="table 0: NgramTable.Host's HostWeight is closed"):
         check_table(NgramTable.Host(w["host_bf"]), 0, 11, 6)
 
 
@@ -192,8 +201,9 @@ def test_gather_entry_of_every_variant(rng):
     np.array(entries, np.uint64)  # what the fused layer uploads
     with pytest.raises(TypeError, match="Bf16/Fp8/Host/Cached"):
         gather_entry(db, 11)
-    for rows in (0, -1, True, 1.5, None):
-        with pytest.raises(ValueError, match="rows"):
+    for rows, error in ((0, ValueError), (-1, ValueError), (1 << 64, ValueError), (True, TypeError),
+                        (1.5, TypeError), (None, TypeError)):
+        with pytest.raises(error, match="gather_entry: rows must be"):
             gather_entry(NgramTable.Host(hb), rows)
 
 
@@ -207,7 +217,7 @@ def _tables_arg(host) -> list:
     ("gpu", ValueError, "'device' or 'host'"),
     (["host"], ValueError, "1 entries for 4 tables"),
     (["host", "device", "hosts", "device"], ValueError, r"placement\[2\]"),
-    (["host", "device", 1, "device"], ValueError, r"placement\[2\]"),
+    (["host", "device", 1, "device"], TypeError, r"placement\[2\] must be 'device' or 'host', got int 1"),
     (5, TypeError, "sequence"),
     ({"host"}, TypeError, "sequence"),
 ])
@@ -232,7 +242,7 @@ def test_host_placement_builds_host_tables_and_gathers_through_them(placement):
     for table, where, (_, scale) in zip(layer.tables, places, host.tables):
         want = HostTable if where == "host" else (NgramTable.Fp8 if scale is not None else NgramTable.Bf16)
         assert type(table) is want
-    assert sum(isinstance(w, HostWeight) for w in layer._owned) == places.count("host")
+    assert sum(isinstance(tb.weight, HostWeight) for tb in layer.tables) == places.count("host")
     assert [op[2] for op in gpu.ops if op[0] == "alloc_host"] == [True] * places.count("host")
     gpu.launches.clear()
     layer.embed(np.arange(10) % dims.vocab_size, 4, OUT, gpu, stream=3)
@@ -291,7 +301,7 @@ def test_a_layer_refuses_a_closed_host_table():
     w = HostWeight.from_numpy(gpu, host.tables[1][0])
     w.close()
     tables[1] = NgramTable.Host(w)
-    with pytest.raises(ValueError, match="table 1: NgramTable.Host's HostWeight is closed"):
+    with pytest.raises(ClosedError, match="table 1: NgramTable.Host's HostWeight is closed"):
         NgramEmbedding(dims, layer.word, tables, layer.projs, 8, gpu)
 
 
@@ -326,8 +336,10 @@ def test_mapped_gather_equals_device_gather(gpu, rng, fp8, td):
     got = []
     with HostWeight.from_numpy(gpu, table, scale) as hw, DenseWeight.from_numpy(gpu, table, scale) as dw, \
             Guarded(gpu, n, np.uint32, rng) as ids_dev:
-        if fp8:
-            assert gpu.allocation_size(hw.row_scale) == rows * 4  # scales in device memory
+        if fp8:  # the scales are in device memory
+            back = np.empty(rows, np.float32)
+            gpu.copy_d2h(back, hw.row_scale)
+            np.testing.assert_array_equal(back, scale)
         ids_dev.upload(ids)
         for w in (hw, dw):
             with Guarded(gpu, (n, td), BF16, rng) as out:
@@ -411,7 +423,7 @@ def _layers_equal(gpu, rng, a: NgramEmbedding, b: NgramEmbedding, ctx: np.ndarra
                 gpu.synchronize(stream)
                 np.testing.assert_array_equal(bits(out.read()), bits(x), err_msg=f"fused batch, graph, {step}")
                 out.assert_guards_intact()
-        assert len(fb._graphs) == 1
+        assert fb.captured_graphs == 1
     finally:
         gpu.synchronize(stream)
         fa.close()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpu_runtime import DeviceArray, DevicePtr
+from gpu_runtime import ClosedError, DeviceArray, DevicePtr
 from layers import reference as ref
 from layers.ngram_embed.decoder import DecodeError, NgramDecoder
 from layers.ngram_embed.fused import FusedNgramEmbedding
@@ -58,7 +58,7 @@ def test_reset_is_one_memset_of_the_slot_state():
 @pytest.mark.parametrize("call, error, match", [
     (lambda d: d.step(P[0], P[1], 5, P[2]), ValueError, "over max_seqs 4"),
     (lambda d: d.step(P[0], P[1], 4, P[2], k=9), ValueError, "36 rows over max_rows 32"),
-    (lambda d: d.step(P[0], P[1], 2, P[2], k=0), ValueError, "k must be >= 1"),
+    (lambda d: d.step(P[0], P[1], 2, P[2], k=0), ValueError, "k must be in 1..2\\*\\*32-1, got 0"),
     (lambda d: d.step(0, P[1], 2, P[2]), ValueError, "tokens: null"),
     (lambda d: d.step(P[0], P[1], 2, 0), ValueError, "out: null"),
     (lambda d: d.step(P[0], 1.5, 2, P[2]), TypeError, "slots"),
@@ -67,7 +67,7 @@ def test_reset_is_one_memset_of_the_slot_state():
     (lambda d: d.prefill(P[0], 0, P[2], 2, 5, P[3]), ValueError, "cu_seqlens: null"),
     (lambda d: d.prefill(P[0], P[1], P[2], 2, 33, P[3]), ValueError, "over max_rows"),
     (lambda d: d.rollback(P[0], 0, 2), ValueError, "counts: null"),
-    (lambda d: d.reset(4), ValueError, "slot 4 outside 0..3"),
+    (lambda d: d.reset(4), ValueError, r"slot must be in 0\.\.3, got 4"),
     (lambda d: d.reset(-1), ValueError, "slot"),
 ])
 def test_refusals_launch_nothing(call, error, match):
@@ -86,7 +86,7 @@ def test_device_arrays_are_checked_for_dtype_and_size():
     gpu.launches.clear()
     with pytest.raises(ValueError, match="3 entries, the call needs 4"):
         dec.step(small, P[1], 4, P[2])
-    with pytest.raises(ValueError, match="dtype int64"):
+    with pytest.raises(TypeError, match="dtype int64, expected uint32"):
         dec.step(P[0], wrong, 2, P[2])
     assert gpu.launches == []
     dec.step(DeviceArray(gpu, P[0], (4,), np.uint32), P[1], 4, P[2])
@@ -99,16 +99,23 @@ def test_cached_tables_and_closed_objects_are_refused():
     cached = device_layer(gpu, random_layer(np.random.default_rng(2), dims, "b"), 8, cached=True)
     with pytest.raises(ValueError, match="RowCache tables"):
         NgramDecoder(cached, max_seqs=2, max_rows=4, gpu=gpu)
-    for bad in (0, -1, 2**31, True, 1.0):
-        with pytest.raises(ValueError, match="max_seqs"):
-            NgramDecoder(device_layer(gpu, random_layer(np.random.default_rng(3), dims, "b"), 8),
-                         max_seqs=bad, max_rows=4, gpu=gpu)
+    layer = device_layer(gpu, random_layer(np.random.default_rng(3), dims, "b"), 8)
+    for bad, error in ((0, ValueError), (-1, ValueError), (2**31, ValueError), (True, TypeError),
+                       (1.0, TypeError)):
+        with pytest.raises(error, match="max_seqs"):
+            NgramDecoder(layer, max_seqs=bad, max_rows=4, gpu=gpu)
+    with pytest.raises(ValueError, match="gpu is not the backend this layer was built with"):
+        NgramDecoder(layer, max_seqs=2, max_rows=4, gpu=RecordingBackend())
+    layer.close()
+    with pytest.raises(ClosedError, match=r"NgramDecoder: the layer it serves \(NgramEmbedding\) is closed"):
+        NgramDecoder(layer, max_seqs=2, max_rows=4, gpu=gpu)
     gpu, dec = recording_decoder()
     dec.fused.layer.close()
-    with pytest.raises(ValueError, match="NgramEmbedding is closed"):
+    with pytest.raises(ClosedError, match=r"the layer it serves \(NgramEmbedding\) is closed"):
         dec.step(P[0], P[1], 1, P[2])
     dec.close()
-    with pytest.raises(ValueError, match="closed"):
+    dec.close()  # idempotent
+    with pytest.raises(ClosedError, match="NgramDecoder is closed"):
         dec.reset(0)
 
 

@@ -6,12 +6,15 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from gpu_runtime import DevicePtr
+from gpu_runtime import ClosedError, DevicePtr
 from layers import reference as ref
 from layers.ngram_embed import NgramDims, NgramEmbedding, NgramTable, ngram_ids_tail
+from layers.ngram_embed.decoder import NgramDecoder
+from layers.ngram_embed.fused import FusedNgramEmbedding
 from layers.weight_map import DenseWeight
 from tests.fakes import MemoryBackend, RecordingBackend
 from tests.helpers import Guarded, bits, random_fp8
+from tests.helpers.logging_backend import LoggingBackend
 from tests.helpers.ngram import HostLayer, device_layer, free_layer, random_layer, small_dims
 
 BF16 = ml_dtypes.bfloat16
@@ -85,11 +88,12 @@ def test_constructor_refusals(case, error, match):
 @pytest.mark.parametrize("call, error, match", [
     (lambda L, g: L.embed([1, 2, 500], 1, 0x1000, g), ValueError, "500"),
     (lambda L, g: L.embed([1, 2, 3], 9, 0x1000, g), ValueError, "over staging"),
-    (lambda L, g: L.embed([1, 2, 3], 4, 0x1000, g), ValueError, "over ctx"),
+    (lambda L, g: L.embed([1, 2, 3], 4, 0x1000, g), ValueError, "seq_len 4 exceeds the context's 3 tokens"),
     (lambda L, g: L.embed([1, 2, 3], -1, 0x1000, g), ValueError, "non-negative"),
     (lambda L, g: L.embed([1, 2, 3], 2, 0, g), ValueError, "null device pointer"),
     (lambda L, g: L.embed([[1, 2, 3]], 1, 0x1000, g), ValueError, "1-D"),
-    (lambda L, g: L.embed([1.5, 2, 3], 1, 0x1000, g), (TypeError, ValueError), None),
+    (lambda L, g: L.embed([1.5, 2, 3], 1, 0x1000, g), TypeError, "tokens must be integers, got dtype float64"),
+    (lambda L, g: L.embed([1, 2, 3], 1.0, 0x1000, g), TypeError, "seq_len must be an int"),
 ])
 def test_embed_refusals_launch_and_write_nothing(call, error, match):
     gpu = RecordingBackend()
@@ -243,3 +247,95 @@ def test_dense_weight_frees_what_it_allocated_when_the_upload_fails():
     with pytest.raises(MemoryError, match="scales"):
         DenseWeight.from_numpy(gpu, random_fp8(rng, (4, 8)), np.ones(4, np.float32))
     assert gpu.mem == {}
+
+
+# -- CPU: ownership: every build frees what it made, close is idempotent -------------------
+def _held(gpu: LoggingBackend) -> tuple:
+    return set(gpu.mem), set(gpu.host), set(gpu.events)
+
+
+_BUILDS = {
+    "layer": lambda gpu, layer: NgramEmbedding(layer.dims, layer.word, layer.tables, layer.projs, 8, gpu),
+    "fused": lambda gpu, layer: FusedNgramEmbedding(layer, 8, gpu),
+    "decoder": lambda gpu, layer: NgramDecoder(layer, max_seqs=2, max_rows=8, gpu=gpu, max_draft=1),
+}
+
+
+@pytest.mark.parametrize("build", list(_BUILDS))
+def test_a_construction_failing_part_way_frees_what_it_built(build):
+    """Every device allocation of the build fails in turn: each failure leaves exactly what was
+    held before (buffers, pinned buffers, events); the build that succeeds frees it all again
+    in ``close``, which a second time does nothing."""
+    gpu = LoggingBackend()
+    layer = device_layer(gpu, random_layer(np.random.default_rng(9), small_dims(), "bf"), max_tokens=8)
+    before = _held(gpu)
+    for k in range(20):
+        gpu.fail_alloc_after = gpu.count("alloc") + k
+        try:
+            built = _BUILDS[build](gpu, layer)
+        except MemoryError:
+            assert _held(gpu) == before, k
+            continue
+        gpu.fail_alloc_after = None
+        assert k > 0 and _held(gpu) != before
+        built.close()
+        assert built.closed and _held(gpu) == before
+        mark = len(gpu.log)
+        built.close()
+        assert gpu.log[mark:] == []
+        break
+    else:
+        pytest.fail("the build never succeeded")
+
+
+def test_closing_after_the_backend_frees_nothing_twice():
+    """A closed backend has freed everything: closing a layer, its fused twin and a decoder after
+    it touches the backend no more, and every later call is a ``ClosedError``."""
+    gpu = LoggingBackend()
+    host = random_layer(np.random.default_rng(10), small_dims(), "bf")
+    tables = [t if s is None else (t, s) for t, s in host.tables]
+    layer = NgramEmbedding.from_numpy(host.dims, host.word, tables, host.projs, 8, gpu)
+    fused = FusedNgramEmbedding(layer, 8, gpu)
+    dec = NgramDecoder(layer, max_seqs=2, max_rows=8, gpu=gpu)
+    gpu.closed = True
+    mark = len(gpu.log)
+    for obj in (dec, fused, layer):
+        obj.close()
+        assert obj.closed
+    assert [op for op, _ in gpu.log[mark:] if op in ("free", "free_host")] == []
+    with pytest.raises(ClosedError, match="NgramEmbedding is closed"):
+        layer.embed([1, 2, 3], 1, DevicePtr(0x900000), gpu)
+    with pytest.raises(ClosedError, match="FusedNgramEmbedding is closed"):
+        fused.embed([1, 2, 3], 1, DevicePtr(0x900000), gpu)
+    with pytest.raises(ClosedError, match="NgramDecoder is closed"):
+        dec.reset_all()
+
+
+def test_a_layer_closes_what_it_owns_after_its_staging():
+    """``own`` hands weights over: ``close`` frees the staging, then them, the last handed over
+    first; a closed layer takes nothing more."""
+    gpu = LoggingBackend()
+    layer = device_layer(gpu, random_layer(np.random.default_rng(11), small_dims(), "b"), max_tokens=8)
+    staging = [layer.ids_dev, layer.gather_buf, layer.proj_buf]
+    layer.own(layer.word, *layer.projs)
+    mark = len(gpu.log)
+    layer.close()
+    freed = [ptr for op, ptr in gpu.log[mark:] if op == "free"]
+    assert freed == staging[::-1] + [p.weight for p in layer.projs[::-1]] + [layer.word.weight]
+    assert layer.word.closed and all(p.closed for p in layer.projs)
+    with pytest.raises(ClosedError, match="NgramEmbedding is closed"):
+        layer.own(layer.word)
+
+
+def test_a_dense_weight_frees_only_the_buffers_it_owns():
+    gpu = LoggingBackend()
+    w = DenseWeight.from_numpy(gpu, random_fp8(np.random.default_rng(12), (4, 8)), np.ones(4, np.float32))
+    assert w.gpu is gpu and not w.closed and set(gpu.mem) == {w.weight, w.row_scale}
+    view = DenseWeight(w.weight, w.shape, w.dtype, w.row_scale, gpu)  # over the same addresses: owns nothing
+    view.close()
+    assert set(gpu.mem) == {w.weight, w.row_scale} and view.gpu is None and not view.closed
+    w.close()
+    assert w.closed and w.gpu is None and gpu.mem == {}
+    mark = len(gpu.log)
+    w.close()  # once
+    assert gpu.log[mark:] == []

@@ -1,9 +1,10 @@
 """The n-gram front end (``layers/ngram_embed/front.py``, ``cached_rows.py``) on the CPU.
 
 The faithful and fused paths refuse the same bad context the same way; the ``gpu`` of the call
-must be the layer's own backend; a failure between a cached table's ``resolve`` and its
-``end_batch`` leaves no row pinned, on both paths; the fused path's short replay of a decode
-step uploads what the general path uploads, and refuses what it refuses.
+(and of the fused path's construction) must be the layer's own backend; a failure between a
+cached table's ``resolve`` and its ``end_batch`` leaves no row pinned, on both paths; the fused
+path's short replay of a decode step uploads what the general path uploads, and refuses what it
+refuses.
 """
 
 from __future__ import annotations
@@ -31,12 +32,16 @@ class Injected(RuntimeError):
 class FakeGpu(MemoryBackend):
     """Device memory in host arrays; every kernel is known and its launches are recorded, none
     runs; ``fail_at = (name, k)`` makes the k-th launch of kernel ``name`` (from now) raise.
-    Pitched copies and graphs do nothing (a graph is a handle; a replay is recorded)."""
+    Pitched copies do nothing. A graph records the pinned uploads captured into it (and runs
+    nothing while capturing); a replay, counted, repeats them: what the staging then holds is
+    what the captured launches would read."""
 
     def __init__(self) -> None:
         super().__init__("row_cache", ["scatter_rows"])
         self.fail_at: tuple[str, int] | None = None
         self.replays = 0
+        self.capturing: list | None = None
+        self.graphs: dict[int, list] = {}
         self.out = self.alloc(16 * DIMS.hidden_size * 2)  # every call's output
 
     def kernel(self, module, name):
@@ -57,17 +62,27 @@ class FakeGpu(MemoryBackend):
     def copy_2d_async(self, *args, **kw) -> None:
         pass
 
+    def upload_pinned_async(self, host, dst, stream=0) -> None:
+        if self.capturing is not None:
+            self.capturing.append((host, dst))
+        else:
+            super().upload_pinned_async(host, dst, stream)
+
     def begin_capture(self, stream: int) -> None:
-        pass
+        self.capturing = []
 
     def end_capture(self, stream: int) -> int:
-        return 0x6000
+        graph = 0x6000 + len(self.graphs)
+        self.graphs[graph], self.capturing = self.capturing, None
+        return graph
 
     def abort_capture(self, stream: int) -> None:
-        pass
+        self.capturing = None
 
     def launch_graph(self, graph: int, stream: int) -> None:
         self.replays += 1
+        for host, dst in self.graphs[graph]:
+            super().upload_pinned_async(host, dst, stream)
 
     def destroy_graph(self, graph: int) -> None:
         pass
@@ -75,7 +90,7 @@ class FakeGpu(MemoryBackend):
 
 def _layer(gpu, rng, tmp_path, cached: str = "") -> NgramEmbedding:
     """A layer on ``gpu``: table c a RowCache (capacity 8) where ``cached[c] == "c"``, else
-    bf16; ``_close`` frees it with its weights and caches (``layer._test_owned``)."""
+    bf16; the layer owns its weights and caches (``own``): closing it frees them."""
     h, td = DIMS.hidden_size, DIMS.table_dim()
     owned: list = []
 
@@ -95,31 +110,30 @@ def _layer(gpu, rng, tmp_path, cached: str = "") -> NgramEmbedding:
     word = upload(rng.standard_normal((DIMS.vocab_size, h)).astype(BF16))
     projs = [upload(rng.standard_normal((h, td)).astype(BF16)) for _ in tables]
     layer = NgramEmbedding(DIMS, word, tables, projs, 16, gpu)
-    layer._test_owned = owned
+    layer.own(*owned)
     return layer
 
 
 def _close(*objs) -> None:
     for obj in objs:
         obj.close()
-        for owned in getattr(obj, "_test_owned", ()):
-            owned.close()
 
 
 CTX = [3, 9, 14, 27, 5, 40]
 
 
 # -- the same refusals on both paths ------------------------------------------------------------------
-@pytest.mark.parametrize("ctx, seq_len, says", [
-    ([1.5, 2.0, 3.0], 1, "tokens must be integers"),
-    ([[1, 2, 3]], 1, "1-D"),
-    ([1, 2, 50], 1, "token 50"),
-    ([1, 2, -1], 2, "token -1"),
-    ([1, 2, 3], 4, "= 4 over ctx"),
-    ([1, 2, 3], -1, "non-negative"),
-    ([1, 2, 3], True, "non-negative"),
+@pytest.mark.parametrize("ctx, seq_len, error, says", [
+    ([1.5, 2.0, 3.0], 1, TypeError, "tokens must be integers, got dtype float64"),
+    ([[1, 2, 3]], 1, ValueError, "1-D"),
+    ([1, 2, 50], 1, ValueError, "token 50"),
+    ([1, 2, -1], 2, ValueError, "token -1"),
+    ([1, 2, 3], 4, ValueError, "4 exceeds the context's 3 tokens"),
+    ([1, 2, 3], -1, ValueError, "must be a non-negative int, got -1"),
+    ([1, 2, 3], True, TypeError, "must be an int, got bool True"),
+    ([1, 2, 3], 1.0, TypeError, "must be an int, got float 1.0"),
 ])
-def test_both_host_paths_refuse_a_bad_context_alike(rng, tmp_path, ctx, seq_len, says):
+def test_both_host_paths_refuse_a_bad_context_alike(rng, tmp_path, ctx, seq_len, error, says):
     gpu = FakeGpu()
     layer = _layer(gpu, rng, tmp_path)
     fused = FusedNgramEmbedding(layer, 16, gpu)
@@ -128,7 +142,7 @@ def test_both_host_paths_refuse_a_bad_context_alike(rng, tmp_path, ctx, seq_len,
         messages = []
         for call in (lambda: layer.embed(ctx, seq_len, gpu.out, gpu),
                      lambda: fused.embed(ctx, seq_len, gpu.out, gpu)):
-            with pytest.raises(ValueError, match=says) as err:
+            with pytest.raises(error, match=says) as err:
                 call()
             messages.append(str(err.value).split(": ", 1)[1].replace("seq_lens[0]", "seq_len")
                             .replace("context 0", "ctx_tokens"))
@@ -142,6 +156,9 @@ def test_both_host_paths_refuse_a_bad_context_alike(rng, tmp_path, ctx, seq_len,
 def test_the_gpu_of_a_call_must_be_the_layers_own(rng, tmp_path):
     gpu, other = FakeGpu(), FakeGpu()
     layer = _layer(gpu, rng, tmp_path)
+    with pytest.raises(ValueError, match="FusedNgramEmbedding: gpu is not the backend this layer was built"):
+        FusedNgramEmbedding(layer, 16, other)  # the fused path serves the layer's weights: its backend only
+    assert other.mem == {other.out: other.mem[other.out]} and not other.events
     fused = FusedNgramEmbedding(layer, 16, gpu)
     stream = gpu.create_stream()
     fused.embed(CTX, 1, gpu.out, gpu, stream, graph=True)  # captured: the replay path is armed
@@ -259,19 +276,24 @@ def test_replayed_decode_step_uploads_what_the_general_path_packs(rng, tmp_path)
     fused = FusedNgramEmbedding(layer, 16, gpu)
     stream = gpu.create_stream()
     n = DIMS.max_ngram
+    words = 2 * (n + 1)  # what one call of 2 rows uploads: windows [2, N], word ids [2]
     try:
         fused.embed(CTX[:3], 2, gpu.out, gpu, stream, graph=True)  # captures the (2, gpu.out, stream) shape
         for ctx in (CTX, np.array(CTX, np.int32), CTX[:3], CTX[:2]):
+            fused.embed(ctx, 2, gpu.out, gpu, stream)  # the general path, eager
+            want = gpu.read_as(fused.staging, words, np.uint32)
+            gpu.memset(fused.staging, 0xAB, words * 4)
             replays = gpu.replays
             fused.embed(ctx, 2, gpu.out, gpu, stream, graph=True)
             assert gpu.replays == replays + 1
-            want = fused._pack(fused._windows([ctx], [2]))
-            assert np.array_equal(fused._host.view(np.uint32)[:want.size], want), ctx
+            assert np.array_equal(gpu.read_as(fused.staging, words, np.uint32), want), ctx
             assert want[:2 * n].reshape(2, n)[:, 0].tolist() == list(ctx[-2:])
-        for ctx, says in (([1, 2, 3, 50], "token 50 outside"), ([1.0, 2.0, 3.0, 4.0], "integers"),
-                          ([[1, 2], [3, 4]], "1-D"), ([1], "over ctx")):
+        for ctx, error, says in (([1, 2, 3, 50], ValueError, "token 50 outside"),
+                                 ([1.0, 2.0, 3.0, 4.0], TypeError, "integers"),
+                                 ([[1, 2], [3, 4]], ValueError, "1-D"),
+                                 ([1], ValueError, "exceeds the context's 1 tokens")):
             replays = gpu.replays
-            with pytest.raises(ValueError, match=says):
+            with pytest.raises(error, match=says):
                 fused.embed(ctx, 2, gpu.out, gpu, stream, graph=True)
             assert gpu.replays == replays
     finally:

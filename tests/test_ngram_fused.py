@@ -54,7 +54,7 @@ def test_windows_pad_before_the_start_and_read_only_tails():
     gpu = RecordingBackend()
     dims = small_dims(max_ngram=4, splits=1)
     _, fused = fused_of(gpu, dims, np.random.default_rng(2))
-    win = fused._windows([[3, 4], np.arange(100) % 50, [], [7, 8, 9, 10, 11]], [2, 2, 0, 1])
+    win = fused.windows([[3, 4], np.arange(100) % 50, [], [7, 8, 9, 10, 11]], [2, 2, 0, 1])
     assert win.tolist() == [[3, NO_TOKEN, NO_TOKEN, NO_TOKEN], [4, 3, NO_TOKEN, NO_TOKEN],
                             [48, 47, 46, 45], [49, 48, 47, 46], [11, 10, 9, 8]]
     rng = np.random.default_rng(5)
@@ -62,27 +62,30 @@ def test_windows_pad_before_the_start_and_read_only_tails():
     lens = [int(rng.integers(0, len(c) + 1)) for c in contexts]
     want = [[c[p - d] if p - d >= 0 else NO_TOKEN for d in range(4)]
             for c, s in zip(contexts, lens) for p in range(len(c) - s, len(c))]
-    assert fused._windows(contexts, lens).tolist() == want
+    assert fused.windows(contexts, lens).tolist() == want
 
 
-@pytest.mark.parametrize("call, match", [
-    (lambda f, g: f.embed([1, 2, 500], 1, OUT, g), "token 500 outside"),
-    (lambda f, g: f.embed([1, 2, 3], 4, OUT, g), "over its 3 tokens"),
-    (lambda f, g: f.embed([1, 2, 3], -1, OUT, g), "non-negative"),
-    (lambda f, g: f.embed(list(range(70)), 65, OUT, g), "over max_rows 64"),
-    (lambda f, g: f.embed_batch([[1]] * 40 + [[2, 3]] * 20, [1] * 40 + [2] * 20, OUT, g), "over max_rows"),
-    (lambda f, g: f.embed_batch([[1, 2]], [1, 1], OUT, g), "1 contexts, 2 seq_lens"),
-    (lambda f, g: f.embed([1, 2, 3], 1, 0, g), "null device pointer"),
-    (lambda f, g: f.embed([1, 2, 3], 1, OUT, g, 0, graph=True), "created stream"),
-    (lambda f, g: f.embed([[1, 2]], 1, OUT, g), "1-D"),
-    (lambda f, g: f.embed([1.5, 2.5], 1, OUT, g), "integer token ids"),
+@pytest.mark.parametrize("call, error, match", [
+    (lambda f, g: f.embed([1, 2, 500], 1, OUT, g), ValueError, "token 500 outside"),
+    (lambda f, g: f.embed([1, 2, 3], 4, OUT, g), ValueError, r"seq_lens\[0\] 4 exceeds the context's 3"),
+    (lambda f, g: f.embed([1, 2, 3], -1, OUT, g), ValueError, "non-negative"),
+    (lambda f, g: f.embed([1, 2, 3], 1.0, OUT, g), TypeError, r"seq_lens\[0\] must be an int"),
+    (lambda f, g: f.embed(list(range(70)), 65, OUT, g), ValueError, "over max_rows 64"),
+    (lambda f, g: f.embed_batch([[1]] * 40 + [[2, 3]] * 20, [1] * 40 + [2] * 20, OUT, g), ValueError,
+     "over max_rows"),
+    (lambda f, g: f.embed_batch([[1, 2]], [1, 1], OUT, g), ValueError, "1 contexts, 2 seq_lens"),
+    (lambda f, g: f.embed([1, 2, 3], 1, 0, g), ValueError, "null device pointer"),
+    (lambda f, g: f.embed([1, 2, 3], 1, OUT, g, 0, graph=True), ValueError, "created stream"),
+    (lambda f, g: f.embed([1, 2, 3], 1, OUT, g, 4, graph=True), TypeError, "needs a backend with CUDA graphs"),
+    (lambda f, g: f.embed([[1, 2]], 1, OUT, g), ValueError, "1-D"),
+    (lambda f, g: f.embed([1.5, 2.5], 1, OUT, g), TypeError, "tokens must be integers, got dtype float64"),
 ])
-def test_refusals_upload_and_launch_nothing(call, match):
-    gpu = RecordingBackend()
+def test_refusals_upload_and_launch_nothing(call, error, match):
+    gpu = RecordingBackend()  # no graphs
     _, fused = fused_of(gpu, small_dims(), np.random.default_rng(3))
     gpu.launches.clear()
     gpu.ops.clear()
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(error, match=match):
         call(fused, gpu)
     assert gpu.launches == [] and gpu.ops == []
 
@@ -163,7 +166,7 @@ def test_graph_replay_equals_eager_and_batches_equal_single_calls(gpu, rng):
                              stream)
                 assert np.array_equal(bits(got), bits(eager)), step
                 out.assert_guards_intact()
-        assert len(fused._graphs) == 1
+        assert fused.captured_graphs == 1
     finally:
         fused.close()
         free_layer(layer)
@@ -225,7 +228,7 @@ def test_single_context_graph_replays_equal_eager(gpu, rng):
                     want = run_on_poisoned(gpu, rng, lambda o: fused.embed(c, s, o, gpu, stream), s, h, stream)
                     assert np.array_equal(bits(got), bits(want)), (step, s)
             out.assert_guards_intact()
-            assert len(fused._graphs) == 2
+            assert fused.captured_graphs == 2
             with pytest.raises(ValueError, match="outside"):
                 fused.embed(ctx[:-1] + [dims.vocab_size], 1, out.ptr, gpu, stream, graph=True)
     finally:

@@ -115,15 +115,15 @@ def test_dims_published_settings() -> None:
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(vocab_size=0), "vocab_size V must be >= 1"),
-    (dict(hidden_size=0), "hidden_size D must be >= 1"),
+    (dict(vocab_size=0), "vocab_size V must be an int >= 1, got 0"),
+    (dict(hidden_size=0), "hidden_size D must be an int >= 1"),
     (dict(max_ngram=1), "max_ngram N must be >= 2"),
-    (dict(splits=0), "splits K must be >= 1"),
-    (dict(base_rows=0), "base_rows m must be >= 1"),
+    (dict(splits=0), "splits K must be an int >= 1"),
+    (dict(base_rows=0), "base_rows m must be an int >= 1"),
     (dict(row_bias=2), "row_bias b must be 0 or 1"),
     (dict(row_bias=-1), "row_bias b must be 0 or 1"),
     (dict(hidden_size=5, max_ngram=3, splits=3), "hidden_size D=5 too small for K*(N-1)=6 tables"),
-    (dict(table_dim=0), "table_dim must be >= 1"),
+    (dict(table_dim=0), "table_dim must be an int >= 1"),
     (dict(eos_id=100), "eos_id must be in 0..V-1"),
     (dict(eos_id=-1), "eos_id must be in 0..V-1"),
     (dict(base_rows=MAX_TABLE_ROWS), "at most 2**63 rows"),
@@ -136,10 +136,12 @@ def test_dims_validation(kwargs: dict, message: str) -> None:
 
 
 def test_dims_validation_types_and_limits() -> None:
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="NgramDims: vocab_size V must be an int, got float 100.0"):
         NgramDims(100.0, 64, 3, 2, 10)  # type: ignore[arg-type]
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="hidden_size D must be an int, got bool"):
         NgramDims(100, True, 3, 2, 10)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="eos_id must be an int"):
+        NgramDims(100, 64, 3, 2, 10, eos_id=1.0)  # type: ignore[arg-type]
     # numpy integers are fine; the largest legal table has exactly 2**63 rows.
     dims = NgramDims(np.int64(100), 64, 3, 2, MAX_TABLE_ROWS - 2 * 3 - 1, row_bias=1)
     assert dims.table_rows(3) == MAX_TABLE_ROWS
@@ -329,12 +331,12 @@ def test_token_validation() -> None:
         ngram_ids(dims, np.array([1, -1, 3], dtype=np.int8))
     with pytest.raises(ValueError, match="token 255 at position 0"):
         ngram_ids(dims, np.array([255], dtype=np.uint8))
-    with pytest.raises(ValueError, match="integers"):
+    with pytest.raises(TypeError, match="tokens must be integers, got dtype float64"):
         ngram_ids(dims, np.array([1.0, 2.0]))
-    with pytest.raises(ValueError, match="integers"):
+    with pytest.raises(TypeError, match="tokens must be integers, got dtype bool"):
         ngram_ids(dims, np.array([True, False]))
-    with pytest.raises(ValueError, match="integers"):
-        ngram_ids(dims, [1, 1 << 70])  # object dtype
+    with pytest.raises(TypeError, match="tokens must be integers, got dtype object"):
+        ngram_ids(dims, [1, 1 << 70])
     with pytest.raises(ValueError, match="1-D"):
         ngram_ids(dims, np.array([[1, 2], [3, 4]]))
     with pytest.raises(ValueError, match="1-D"):
@@ -345,18 +347,20 @@ def test_token_validation() -> None:
         ngram_ids_tail(dims, [[1, 2], [3, 4]], 1)
     with pytest.raises(ValueError, match="token 12 at position 4"):
         ngram_ids_tail(dims, [1, 2, 3, 4, 12], 1)
-    with pytest.raises(ValueError, match="integers"):
+    with pytest.raises(TypeError, match="tokens must be integers"):
         ngram_ids_tail(dims, [1.5, 2.5], 1)
 
 
 def test_seq_len_validation() -> None:
     dims = NgramDims.over_encoding(10, 64, 3, 2, 7)
     tokens = np.array([1, 2, 3])
-    for bad in (-1, 4, 100):
-        with pytest.raises(ValueError, match="seq_len must be in 0..len"):
+    with pytest.raises(ValueError, match="seq_len must be a non-negative int, got -1"):
+        ngram_ids_tail(dims, tokens, -1)
+    for bad in (4, 100):
+        with pytest.raises(ValueError, match=f"seq_len {bad} exceeds the context's 3 tokens"):
             ngram_ids_tail(dims, tokens, bad)
     for bad in (1.0, True, None):
-        with pytest.raises(ValueError, match="seq_len must be an int"):
+        with pytest.raises(TypeError, match="seq_len must be an int"):
             ngram_ids_tail(dims, tokens, bad)  # type: ignore[arg-type]
     assert [a.tolist() for a in ngram_ids_tail(dims, tokens, np.int64(3))] == \
         ngram_ids_array(dims, tokens).tolist()

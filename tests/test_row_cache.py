@@ -9,6 +9,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from gpu_runtime import ClosedError
 from layers.ngram_embed import NgramDims, NgramEmbedding, NgramTable
 from layers.ngram_embed.row_cache import RowCache
 from layers.ngram_embed.slot_index import SlotIndex
@@ -126,18 +127,21 @@ def test_refusals_change_nothing(tmp_path, rng):
     gpu = mem_gpu()
     cache = RowCache(gpu, path, 10)
     arena = gpu.read(cache.table_dev_va(), 10 * 8)
-    bad_calls = {
-        "out of range": lambda: resolve(cache, [3, 100]),
-        "out of range ": lambda: resolve(cache, [-1]),
-        "1-D integer": lambda: resolve(cache, np.array([1.0, 2.0])),
-        "1-D integer ": lambda: cache.resolve(np.zeros((2, 2), np.int64), np.empty(4, np.uint32)),
-        "slots_out": lambda: cache.resolve(np.array([1, 2]), np.empty(2, np.int32)),
-        "slots_out ": lambda: cache.resolve(np.array([1, 2]), np.empty(3, np.uint32)),
-        "arena holds 10": lambda: resolve(cache, np.arange(11)),
-        "out of range  ": lambda: cache.prefetch(np.array([100])),
-    }
-    for match, call in bad_calls.items():
-        with pytest.raises(ValueError, match=match.strip()):
+    bad_calls = [
+        (ValueError, "out of range", lambda: resolve(cache, [3, 100])),
+        (ValueError, "out of range", lambda: resolve(cache, [-1])),
+        (TypeError, "ids must be integers, got dtype float64", lambda: resolve(cache, np.array([1.0, 2.0]))),
+        (ValueError, r"ids must be 1-D, got shape \(2, 2\)",
+         lambda: cache.resolve(np.zeros((2, 2), np.int64), np.empty(4, np.uint32))),
+        (TypeError, "slots_out must be a uint32 array, got int32",
+         lambda: cache.resolve(np.array([1, 2]), np.empty(2, np.int32))),
+        (ValueError, r"slots_out must be writable and of shape \(2,\), got shape \(3,\)",
+         lambda: cache.resolve(np.array([1, 2]), np.empty(3, np.uint32))),
+        (ValueError, "arena holds 10", lambda: resolve(cache, np.arange(11))),
+        (ValueError, "out of range", lambda: cache.prefetch(np.array([100]))),
+    ]
+    for error, match, call in bad_calls:
+        with pytest.raises(error, match=match):
             call()
     assert gpu.launches == [] and np.array_equal(gpu.read(cache.table_dev_va(), 80), arena)
     assert cache.stats.hits == cache.stats.misses == 0
@@ -145,10 +149,10 @@ def test_refusals_change_nothing(tmp_path, rng):
     cache.close()  # idempotent
     for call in (lambda: resolve(cache, [1]), cache.end_batch, cache.table_dev_va,
                  lambda: cache.prefetch(np.array([1]))):
-        with pytest.raises(ValueError, match="closed"):
+        with pytest.raises(ClosedError, match="RowCache is closed"):
             call()
-    for value in (0, -3, True, 2.0):
-        with pytest.raises(ValueError, match="capacity"):
+    for value, error in ((0, ValueError), (-3, ValueError), (True, TypeError), (2.0, TypeError)):
+        with pytest.raises(error, match="RowCache: capacity must be an int"):
             RowCache(gpu, path, value)
 
 

@@ -11,6 +11,7 @@ import zlib
 import numpy as np
 import pytest
 
+from gpu_runtime import ClosedError
 from layers import safetensors_io
 from layers.ngram_embed.table_file import (TableFile, TableFormatError, TableHeader, TableWriter,
                                            write_table, write_table_from_safetensors)
@@ -164,14 +165,17 @@ def test_writer_refusals(tmp_path, rng):
     table, scales = _table(rng, FP8, 10, 4)
     with pytest.raises(TypeError):
         TableWriter(path, np.float32, 10, 4)
-    for rows, dim in [(0, 4), (10, 0), (10.0, 4), (True, 4)]:
-        with pytest.raises(ValueError):
+    for rows, dim, error in [(0, 4, ValueError), (10, 0, ValueError), (10.0, 4, TypeError),
+                             (True, 4, TypeError)]:
+        with pytest.raises(error, match="rows must be an int|dim must be an int"):
             TableWriter(path, FP8, rows, dim)
     with TableWriter(path, FP8, 10, 4) as w:
         with pytest.raises(ValueError, match="scales"):
             w.append(table[:3])
-        with pytest.raises(ValueError, match="scales"):
+        with pytest.raises(ValueError, match=r"scales must be \(3,\)"):
             w.append(table[:3], scales[:2])
+        with pytest.raises(TypeError, match="scales must be float32, got float64"):
+            w.append(table[:3], scales[:3].astype(np.float64))
         with pytest.raises(TypeError):
             w.append(table[:3].astype(np.float32), scales[:3])
         with pytest.raises(ValueError, match=r"\[n, 4\]"):
@@ -212,8 +216,14 @@ def test_read_checks_and_close(tmp_path, rng):
     ids = rng.integers(0, f.rows, n)
     with pytest.raises(ValueError, match="scales_out"):
         f.read_rows(ids, out)
-    with pytest.raises(ValueError, match="out must be"):
+    with pytest.raises(ValueError, match="out must be C-contiguous"):
         f.read_rows(ids, out[:-1], sc)
+    with pytest.raises(TypeError, match="out must be a uint8 array, got int8"):
+        f.read_rows(ids, out.view(np.int8), sc)
+    with pytest.raises(TypeError, match="ids must be integers, got dtype float64"):
+        f.read_rows(ids.astype(np.float64), out, sc)
+    with pytest.raises(ValueError, match="ids must be 1-D"):
+        f.read_rows(ids.reshape(1, n), out, sc)
     with pytest.raises(IndexError):
         f.read_rows(np.array([0, f.rows, 1]), out, sc)
     f.read_rows(ids, out, sc)
@@ -221,7 +231,7 @@ def test_read_checks_and_close(tmp_path, rng):
     f.close()
     f.close()
     assert f.closed
-    with pytest.raises(ValueError, match="closed"):
+    with pytest.raises(ClosedError, match="table file is closed"):
         f.read_rows(ids, out, sc)
 
 

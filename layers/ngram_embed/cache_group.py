@@ -43,7 +43,9 @@ from typing import Sequence
 
 import numpy as np
 
-from .row_cache import RowCache
+from gpu_runtime import validate
+
+from .row_cache import RowCache, _refuse_slots_out
 from .slot_index import SharedSlotIndex, SlotStore
 
 _U32 = np.dtype(np.uint32)
@@ -77,8 +79,7 @@ class CacheGroup:
         for k, cache in enumerate(caches):
             if not isinstance(cache, RowCache):
                 raise TypeError(f"CacheGroup: cache {k} is a {type(cache).__name__}, not a RowCache")
-            if cache.closed:
-                raise ValueError(f"CacheGroup: cache {k}: RowCache is closed")
+            validate.require_open(cache.closed, f"CacheGroup: cache {k}: RowCache")
         if len({id(c) for c in caches}) != len(caches):
             raise ValueError("CacheGroup: a cache appears twice")
         self.caches = caches
@@ -110,8 +111,7 @@ class CacheGroup:
 
     def _refresh(self) -> None:
         for k, cache in enumerate(self.caches):
-            if cache.closed:
-                raise ValueError(f"CacheGroup: cache {k}: RowCache is closed")
+            validate.require_open(cache.closed, f"CacheGroup: cache {k}: RowCache")
         self._adopt()  # another group took members over: take them back
 
     def member_closed(self) -> None:
@@ -129,10 +129,11 @@ class CacheGroup:
     def _checked(self, ids: np.ndarray, what: str) -> np.ndarray:
         if not self._ok:
             self._refresh()
-        if not (type(ids) is np.ndarray and ids.ndim == 2 and ids.shape[0] == len(self.caches)
-                and (ids.dtype.kind in "iu" or ids.size == 0)):
-            raise ValueError(f"CacheGroup.{what}: ids must be a [{len(self.caches)}, R] integer array, got "
-                             f"{getattr(ids, 'dtype', type(ids))} {getattr(ids, 'shape', '')}")
+        if type(ids) is not np.ndarray or (ids.dtype.kind not in "iu" and ids.size):
+            raise TypeError(f"CacheGroup.{what}: ids must be a numpy integer array, got "
+                            f"{getattr(ids, 'dtype', type(ids).__name__)}")
+        if ids.ndim != 2 or ids.shape[0] != len(self.caches):
+            raise ValueError(f"CacheGroup.{what}: ids must be [{len(self.caches)}, R], got shape {ids.shape}")
         return ids
 
     def _check_range(self, ids: np.ndarray, what: str) -> None:
@@ -168,8 +169,7 @@ class CacheGroup:
         if tc != self._tc or not (type(slots_out) is np.ndarray and slots_out.dtype == _U32
                                   and slots_out.shape == (r, tc) and slots_out.flags.writeable):
             self._checked(ids, "resolve")
-            raise ValueError(f"CacheGroup.resolve: slots_out must be a writable uint32 array of shape {(r, tc)}, "
-                             f"got {getattr(slots_out, 'dtype', type(slots_out))} {getattr(slots_out, 'shape', '')}")
+            _refuse_slots_out("CacheGroup.resolve", slots_out, (r, tc))
         if r == 0:
             return
         if not in_range:

@@ -99,6 +99,8 @@ from typing import Any, Sequence
 import ml_dtypes
 import numpy as np
 
+from gpu_runtime import validate
+
 from .. import safetensors_io
 from ..weight_map import BF16, FP8, DenseWeight
 from .dims import NgramDims
@@ -137,9 +139,7 @@ class DeviceBudget:
     nbytes: int
 
     def __post_init__(self) -> None:
-        if isinstance(self.nbytes, bool) or not isinstance(self.nbytes, (int, np.integer)) or self.nbytes < 0:
-            raise ValueError(f"DeviceBudget: nbytes must be an int >= 0, got {self.nbytes!r}")
-        object.__setattr__(self, "nbytes", int(self.nbytes))
+        object.__setattr__(self, "nbytes", validate.count(self.nbytes, "DeviceBudget: nbytes"))
 
 
 # ---- config.json ------------------------------------------------------------------------------
@@ -507,20 +507,14 @@ def resolve_placement(placement: Any, dims: NgramDims, table_dtypes: Sequence[st
 
 
 # ---- building the layer ------------------------------------------------------------------------
-def _positive(value: Any, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{what} must be a positive int, got {value!r}")
-    return value
-
-
 def load_layer(cls: type, model_dir: str | os.PathLike, gpu: Any, *, placement: Any = "device",
                max_tokens: int = 8192, eos_id: int | None = None, table_dir: str | os.PathLike | None = None,
                stream: int = 0, cache_rows: int = 1 << 16, refuse_files: str | None = None) -> Any:
     """``NgramEmbedding.from_pretrained``: everything is read and checked first (config, index,
     headers, manifest, placement), then uploaded; a failure after the first upload frees what
     was built. ``refuse_files``: a message for callers that cannot serve ``RowCache`` tables."""
-    _positive(max_tokens, "max_tokens")
-    _positive(cache_rows, "cache_rows")
+    validate.positive(max_tokens, "max_tokens")
+    validate.positive(cache_rows, "cache_rows")
     if table_dir is None and isinstance(placement, str) and placement == "files":
         raise ValueError("placement 'files' serves table files: pass table_dir= (the converter's "
                          "OUT_DIR, python -m layers.ngram_embed.convert)")
@@ -574,5 +568,5 @@ def load_layer(cls: type, model_dir: str | os.PathLike, gpu: Any, *, placement: 
         for weight in reversed(owned):
             weight.close()
         raise
-    layer._owned = owned
+    layer.own(*owned)
     return layer

@@ -42,6 +42,8 @@ from typing import Any, Callable
 import ml_dtypes
 import numpy as np
 
+from gpu_runtime import validate
+
 from ..weight_map import BF16, FP8
 from .checkpoint import (MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, CheckpointError, NgramCheckpoint,
                          manifest_dims, read_manifest)
@@ -185,8 +187,7 @@ def convert(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, fp8: bo
     """Write (or finish) the table files of ``model_dir``'s n-gram tables into ``out_dir``; returns
     the manifest. ``on_chunk(table, rows_done, rows)`` is called after every chunk written
     (raising from it abandons the table being written: its ``.tmp`` is removed)."""
-    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
-        raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
+    chunk_bytes = validate.positive(chunk_bytes, "chunk_bytes")
     ckpt = NgramCheckpoint.open(model_dir, parts="tables", wide_tables=True)
     dims = ckpt.dims
     out_dir = Path(out_dir)

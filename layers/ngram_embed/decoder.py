@@ -21,6 +21,7 @@ reads (one small copy, outside the hot path), and the affected rows come out as 
 
 Tables: resident bf16 and fp8, and host-memory tables (read in place over PCIe). ``RowCache``
 tables need the host to resolve every step and are refused: serve them with the fused path.
+``gpu`` must be the backend the layer was built with (its weights live there).
 Like the fused path, one decoder must not run on two streams at once (it has one gather buffer).
 """
 
@@ -30,14 +31,14 @@ import enum
 
 import numpy as np
 
-from gpu_runtime import DeviceArray, DevicePtr, GpuBackend
+from gpu_runtime import DeviceArray, GpuBackend, validate
 
 from ..ops import gemm as gemm_ops
 from ..ops import ngram_decode as decode_ops
-from ..ops.checks import require_count, require_ptr
 from .embedding import NgramEmbedding
 from .front import require_open, require_out
-from .fused import FusedNgramEmbedding
+from .fused import FusedNgramEmbedding, check_layer
+from .resources import Resources
 from .tables import CachedTable
 from ..kernel_files import load_kernel
 
@@ -59,11 +60,10 @@ _NO_ROW_CACHE = ("NgramDecoder: RowCache tables need host work every step; serve
                  "FusedNgramEmbedding, or hold the table in host memory (NgramTable.Host)")
 
 
-def _check_sizes(max_seqs: int, max_rows: int, max_draft: int) -> None:
-    for value, name, low in ((max_seqs, "max_seqs", 1), (max_rows, "max_rows", 1),
-                             (max_draft, "max_draft", 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or not low <= value < 1 << 31:
-            raise ValueError(f"NgramDecoder: {name} must be an int in {low}..2**31-1, got {value!r}")
+def _check_sizes(max_seqs: int, max_rows: int, max_draft: int) -> tuple[int, int, int]:
+    return (validate.positive(max_seqs, "NgramDecoder: max_seqs", limit=1 << 31),
+            validate.positive(max_rows, "NgramDecoder: max_rows", limit=1 << 31),
+            validate.count(max_draft, "NgramDecoder: max_draft", limit=1 << 31))
 
 
 class NgramDecoder:
@@ -71,7 +71,8 @@ class NgramDecoder:
                  stream: int = 0, max_draft: int = 0) -> None:
         if any(isinstance(t, CachedTable) for t in layer.tables):
             raise ValueError(_NO_ROW_CACHE)
-        _check_sizes(max_seqs, max_rows, max_draft)
+        max_seqs, max_rows, max_draft = _check_sizes(max_seqs, max_rows, max_draft)
+        check_layer(_WHAT, layer, gpu)
         self._owned_layer: NgramEmbedding | None = None  # set by from_pretrained: closed with this
         dims = layer.dims
         self.dims, self.gpu, self.stream = dims, gpu, stream
@@ -79,19 +80,18 @@ class NgramDecoder:
         self.hist_len = max(dims.max_ngram - 1 + max_draft, 1)
         self.gather_k = load_kernel(gpu, decode_ops.MODULE, decode_ops.GATHER)
         self.rollback_k = load_kernel(gpu, decode_ops.MODULE, decode_ops.ROLLBACK)
-        self.hist = self.state = self.ctrl = self.word_ids = DevicePtr(0)
-        self.fused: FusedNgramEmbedding | None = None
+        self._resources = own = Resources(gpu)  # the fused layer, then the state: closed in reverse
         try:
-            self.fused = FusedNgramEmbedding(layer, max_rows, gpu, stream)  # weights, gather buffer
-            self.hist = gpu.alloc(max_seqs * self.hist_len * 4)
-            self.state = gpu.alloc(max_seqs * 2 * 4)
-            self.ctrl = gpu.alloc(2 * 4)
-            self.word_ids = gpu.alloc(max_rows * 4)
+            self.fused = own.adopt(FusedNgramEmbedding(layer, max_rows, gpu, stream))  # gather buffer
+            self.hist = own.alloc(max_seqs * self.hist_len * 4)
+            self.state = own.alloc(max_seqs * 2 * 4)
+            self.ctrl = own.alloc(2 * 4)
+            self.word_ids = own.alloc(max_rows * 4)
             gpu.memset(self.hist, 0xFF, max_seqs * self.hist_len * 4, stream)
             gpu.memset(self.state, 0, max_seqs * 2 * 4, stream)
             gpu.memset(self.ctrl, 0, 2 * 4, stream)
         except BaseException:
-            self.close()
+            own.close()
             raise
 
     @classmethod
@@ -132,10 +132,8 @@ class NgramDecoder:
         """``k`` new tokens for each of ``num_seqs`` sequences (k > 1: speculative drafts, to be
         verified and the rejected ones dropped with ``rollback``): ``tokens [num_seqs, k]`` u32,
         ``slots [num_seqs]`` u32, ``out [num_seqs * k, D]`` bf16."""
-        k = require_count(k, "step k")
-        if k < 1:
-            raise ValueError(f"NgramDecoder.step: k must be >= 1, got {k}")
-        num_seqs, rows = self._sizes(num_seqs, require_count(num_seqs, "num_seqs") * k)
+        k = validate.positive(k, "NgramDecoder.step: k", limit=1 << 32)
+        num_seqs, rows = self._sizes(num_seqs, validate.u32(num_seqs, "NgramDecoder: num_seqs") * k)
         self._run(self._ptr(tokens, rows, "tokens"), 0, self._ptr(slots, num_seqs, "slots"),
                   num_seqs, rows, k, out, stream)
 
@@ -151,9 +149,7 @@ class NgramDecoder:
     def reset(self, slot: int, stream: int = 0) -> None:
         """Empty slot ``slot``'s history (a new request); a memset, so capturable too."""
         self._open()
-        slot = require_count(slot, "slot")
-        if slot >= self.max_seqs:
-            raise ValueError(f"NgramDecoder.reset: slot {slot} outside 0..{self.max_seqs - 1}")
+        slot = validate.count(slot, "NgramDecoder.reset: slot", limit=self.max_seqs)
         self.gpu.memset(self.state.offset(slot * 8), 0, 8, stream)
 
     def reset_all(self, stream: int = 0) -> None:
@@ -176,9 +172,7 @@ class NgramDecoder:
         """The tokens slot ``slot`` looks back on (its last ``min(pos, N - 1)``, oldest first;
         a bad token is kept as 0xFFFFFFFF); waits for ``stream``. For tests and debugging."""
         self._open()
-        slot = require_count(slot, "slot")
-        if slot >= self.max_seqs:
-            raise ValueError(f"NgramDecoder.history: slot {slot} outside 0..{self.max_seqs - 1}")
+        slot = validate.count(slot, "NgramDecoder.history: slot", limit=self.max_seqs)
         stream = self.stream if stream is None else stream
         state = np.zeros(2, np.uint32)
         ring = np.zeros(self.hist_len, np.uint32)
@@ -189,18 +183,13 @@ class NgramDecoder:
 
     def close(self) -> None:
         """Free the state and the fused weights it built (not the layer's weights, unless
-        ``from_pretrained`` built the layer: then the layer too)."""
-        for name in ("hist", "state", "ctrl", "word_ids"):
-            ptr = getattr(self, name)
-            if ptr and not getattr(self.gpu, "closed", False):
-                self.gpu.free(ptr)
-            setattr(self, name, DevicePtr(0))
-        if self.fused is not None:
-            self.fused.close()
-            self.fused = None
+        ``from_pretrained`` built the layer: then the layer too); once."""
         layer, self._owned_layer = self._owned_layer, None
-        if layer is not None:
-            layer.close()
+        try:
+            self._resources.close()  # the state, then the fused layer
+        finally:
+            if layer is not None:
+                layer.close()
 
     def __enter__(self) -> "NgramDecoder":
         return self
@@ -211,13 +200,14 @@ class NgramDecoder:
     # -- helpers ----------------------------------------------------------------------------------
     @property
     def closed(self) -> bool:
-        return not self.state
+        return self._resources.closed
 
     def _open(self) -> None:
-        require_open(_WHAT, self, None if self.fused is None else self.fused.layer)
+        require_open(_WHAT, self, self.fused.layer)
 
     def _sizes(self, num_seqs: int, rows: int) -> tuple[int, int]:
-        num_seqs, rows = require_count(num_seqs, "num_seqs"), require_count(rows, "num_tokens")
+        num_seqs = validate.u32(num_seqs, "NgramDecoder: num_seqs")
+        rows = validate.u32(rows, "NgramDecoder: num_tokens")
         if num_seqs > self.max_seqs:
             raise ValueError(f"NgramDecoder: num_seqs {num_seqs} over max_seqs {self.max_seqs}")
         if rows > self.max_rows:
@@ -228,17 +218,19 @@ class NgramDecoder:
 
     @staticmethod
     def _ptr(buf: Buffer, count: int, what: str) -> int:
-        """The address of a u32 device buffer of at least ``count`` entries."""
+        """The address of a u32 device buffer of at least ``count`` entries: a ``DeviceArray``
+        (its dtype and size checked) or an address (an int, a ``DevicePtr``, a ``DeviceBuffer``)."""
         if isinstance(buf, DeviceArray):
             if buf.dtype != np.uint32:
-                raise ValueError(f"NgramDecoder {what}: dtype {buf.dtype}, expected uint32")
+                raise TypeError(f"NgramDecoder {what}: dtype {buf.dtype}, expected uint32")
             if buf.size < count:
                 raise ValueError(f"NgramDecoder {what}: {buf.size} entries, the call needs {count}")
             buf = buf.ptr
-        if isinstance(buf, bool) or not isinstance(buf, int):
-            raise TypeError(f"NgramDecoder {what}: expected a device address or DeviceArray, got {buf!r}")
-        require_ptr(buf, f"NgramDecoder {what}")
-        return int(buf)
+        try:
+            return validate.pointer(buf, f"NgramDecoder {what}")
+        except TypeError:
+            raise TypeError(f"NgramDecoder {what}: expected a device address or DeviceArray, "
+                            f"got {buf!r}") from None
 
     def _run(self, tokens: int, cu_seqlens: int, slots: int, num_seqs: int, rows: int,
              per_seq: int, out: int, stream: int) -> None:

@@ -6,7 +6,10 @@ that two splits of one order hash the same n-gram to unrelated rows (``b = 0`` i
 ``b = 1`` in LongCat-Flash), and ``table_dim`` columns (``D // T`` unless given). With ``eos_id``
 set, an n-gram never reaches back across an end-of-sequence token (LongCat-Flash).
 
-Everything is validated at construction, so the layers can trust a ``NgramDims`` they are given.
+Everything is validated at construction, so the layers can trust a ``NgramDims`` they are given
+(``gpu_runtime.validate``'s policy: ``TypeError`` for a non-integer, ``ValueError`` for a value
+out of range; a table order, split or index outside the dims is an ``IndexError``, as for a
+sequence).
 """
 
 from __future__ import annotations
@@ -17,15 +20,18 @@ from typing import Any
 
 import numpy as np
 
+from gpu_runtime import validate
+
 # Ids are returned as int64: every table must have at most 2**63 rows (ids 0..2**63-1).
 MAX_TABLE_ROWS = 1 << 63
 
 
+def _positive(value: Any, name: str) -> int:
+    return validate.positive(value, f"NgramDims: {name}")
+
+
 def _as_int(value: Any, name: str) -> int:
-    """An exact int (Python or numpy integer, not bool), else TypeError."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"NgramDims: {name} must be an int, got {value!r}")
-    return int(value)
+    return validate.integer(value, f"NgramDims: {name}")
 
 
 @dataclass(frozen=True, init=False)
@@ -48,22 +54,14 @@ class NgramDims:
     def __init__(self, vocab_size: int, hidden_size: int, max_ngram: int, splits: int,
                  base_rows: int, row_bias: int = 0, table_dim: int | None = None,
                  eos_id: int | None = None) -> None:
-        v = _as_int(vocab_size, "vocab_size")
-        d = _as_int(hidden_size, "hidden_size")
-        n = _as_int(max_ngram, "max_ngram")
-        k = _as_int(splits, "splits")
-        m = _as_int(base_rows, "base_rows")
-        b = _as_int(row_bias, "row_bias")
-        if v < 1:
-            raise ValueError(f"NgramDims: vocab_size V must be >= 1, got {v}")
-        if d < 1:
-            raise ValueError(f"NgramDims: hidden_size D must be >= 1, got {d}")
+        v = _positive(vocab_size, "vocab_size V")
+        d = _positive(hidden_size, "hidden_size D")
+        n = _as_int(max_ngram, "max_ngram N")
+        k = _positive(splits, "splits K")
+        m = _positive(base_rows, "base_rows m")
+        b = _as_int(row_bias, "row_bias b")
         if n < 2:
             raise ValueError(f"NgramDims: max_ngram N must be >= 2 (2-grams and up), got {n}")
-        if k < 1:
-            raise ValueError(f"NgramDims: splits K must be >= 1, got {k}")
-        if m < 1:
-            raise ValueError(f"NgramDims: base_rows m must be >= 1, got {m}")
         if b not in (0, 1):
             raise ValueError(f"NgramDims: row_bias b must be 0 or 1, got {b}")
         t = k * (n - 1)
@@ -73,9 +71,7 @@ class NgramDims:
                                  f"(default table_dim D // (K*(N-1)) would be 0)")
             td = None
         else:
-            td = _as_int(table_dim, "table_dim")
-            if td < 1:
-                raise ValueError(f"NgramDims: table_dim must be >= 1, got {td}")
+            td = _positive(table_dim, "table_dim")
         if eos_id is not None:
             eos_id = _as_int(eos_id, "eos_id")
             if not 0 <= eos_id < v:
@@ -105,7 +101,7 @@ class NgramDims:
             raise TypeError(f"NgramDims.longcat_flash: ratio must be a number, got {ratio!r}")
         if not math.isfinite(ratio) or ratio <= 0:
             raise ValueError(f"NgramDims.longcat_flash: ratio must be finite and > 0, got {ratio}")
-        v = _as_int(vocab_size, "vocab_size")
+        v = _as_int(vocab_size, "vocab_size V")
         base_rows = int(ratio * v)
         if base_rows < 1:
             raise ValueError(f"NgramDims.longcat_flash: int(ratio * V) = int({ratio} * {v}) = "

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from gpu_runtime import DevicePtr, GpuBackend
+from gpu_runtime import GpuBackend, validate
 
 from ..ops import embed as embed_ops
 from ..ops import gemm as gemm_ops
@@ -31,6 +31,7 @@ from .dims import NgramDims
 from .front import check_seq_len, require_backend, require_open, require_out, tail_tokens
 from .host_table import HostWeight
 from .ids import tail_ids
+from .resources import Resources
 from .tables import AnyTable, Bf16Table, CachedTable, Fp8Table, HostTable, check_table, gather_entry
 from ..kernel_files import load_kernel
 
@@ -55,7 +56,9 @@ def placements(placement: str | Sequence[str], count: int,
     if len(placement) != count:
         raise ValueError(f"placement: {len(placement)} entries for {count} tables")
     for index, where in enumerate(placement):
-        if not isinstance(where, str) or where not in allowed:
+        if not isinstance(where, str):
+            raise TypeError(f"placement[{index}] must be {names}, got {type(where).__name__} {where!r}")
+        if where not in allowed:
             raise ValueError(f"placement[{index}] must be {names}, got {where!r}")
     return placement
 
@@ -79,8 +82,7 @@ class NgramEmbedding:
         for index, proj in enumerate(projs):
             if proj.shape != (h, td) or proj.dtype != BF16:
                 raise ValueError(f"proj {index} must be ({h}, {td}) bfloat16, got {proj.shape} {proj.dtype}")
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+        max_tokens = validate.positive(max_tokens, "max_tokens")
         self.dims = dims
         self.word = word
         self.tables = list(tables)
@@ -92,16 +94,14 @@ class NgramEmbedding:
         self.gemm_k = load_kernel(gpu, "gemm", "dense_gemm_bf16_pipelined")
         self.scaled_add_k = load_kernel(gpu, "residual_add", "bf16_scaled_add")
         self.max_tokens = max_tokens
-        self._owned: list = []  # weights (and caches) built by from_numpy / from_safetensors / from_pretrained
-        self.ids_dev = DevicePtr(0)
-        self.gather_buf = DevicePtr(0)
-        self.proj_buf = DevicePtr(0)
+        self._weights = Resources(gpu)  # what ``own`` hands over: closed after the staging
+        self._staging = Resources(gpu)
         try:
-            self.ids_dev = gpu.alloc(max_tokens * 4)
-            self.gather_buf = gpu.alloc(max_tokens * td * 2)
-            self.proj_buf = gpu.alloc(max_tokens * h * 2)
-        except BaseException:
-            self.close()
+            self.ids_dev = self._staging.alloc(max_tokens * 4)
+            self.gather_buf = self._staging.alloc(max_tokens * td * 2)
+            self.proj_buf = self._staging.alloc(max_tokens * h * 2)
+        except BaseException:  # a failed allocation frees the buffers made before it
+            self._staging.close()
             raise
 
     @classmethod
@@ -139,10 +139,10 @@ class NgramEmbedding:
             dev_projs = [upload(p) for p in projs]
             layer = cls(dims, w, dev_tables, dev_projs, max_tokens, gpu)
         except BaseException:
-            for weight in owned:
+            for weight in reversed(owned):
                 weight.close()
             raise
-        layer._owned = owned
+        layer.own(*owned)
         return layer
 
     @classmethod
@@ -201,7 +201,15 @@ class NgramEmbedding:
 
     @property
     def closed(self) -> bool:
-        return not self.ids_dev
+        return self._staging.closed
+
+    def own(self, *things: Any) -> None:
+        """Hand ``things`` (weights, caches: anything with a ``close()``) over to the layer,
+        which then closes them with itself, after its staging, the last handed over first.
+        ``from_numpy``, ``from_safetensors`` and ``from_pretrained`` hand over all they built."""
+        validate.require_open(self.closed, "NgramEmbedding")
+        for thing in things:
+            self._weights.adopt(thing)
 
     def embed(self, ctx_tokens: Sequence[int] | np.ndarray, seq_len: int, out: int,
               gpu: GpuBackend, stream: int = 0) -> None:
@@ -287,15 +295,12 @@ class NgramEmbedding:
         return sum(cache.prefetch(ids[c]) for c, cache in caches)
 
     def close(self) -> None:
-        """Free the staging buffers, and the weights if this layer uploaded them itself."""
-        for weight in self._owned:
-            weight.close()
-        self._owned = []
-        for name in ("ids_dev", "gather_buf", "proj_buf"):
-            ptr = getattr(self, name)
-            if ptr and not getattr(self.gpu, "closed", False):
-                self.gpu.free(ptr)
-            setattr(self, name, DevicePtr(0))
+        """Free the staging buffers, then what the layer owns (``own``: the weights it uploaded
+        itself); once, later calls do nothing."""
+        try:
+            self._staging.close()
+        finally:
+            self._weights.close()
 
     def __enter__(self) -> "NgramEmbedding":
         return self

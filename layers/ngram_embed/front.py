@@ -11,9 +11,10 @@ contexts and ``seq_len`` here and cut each context to the tail they read:
   context's start, built in one vectorised pass.
 
 Only each context's tail is read and converted, so a decode step costs the same after 10 or
-10**6 context tokens; a ``seq_len`` of 0 reads nothing. Every refusal is a ``ValueError`` whose
-message starts with ``what``, the caller's name (the one policy of ``gpu_runtime.validate``
-replaces the checks' bodies, not their callers).
+10**6 context tokens; a ``seq_len`` of 0 reads nothing. Refusals follow the one policy of
+``gpu_runtime.validate`` (``TypeError`` for a wrong type: a ``seq_len`` that is not an int,
+tokens that are not integers; ``ValueError`` for a wrong value; ``ClosedError`` for a closed
+layer), and each message starts with ``what``, the caller's name.
 
 ``CachedRows`` (``cached_rows.py``) is the other half of the front end: the cached tables'
 refusals, ``resolve`` and ``end_batch``.
@@ -27,22 +28,21 @@ from typing import Any
 
 import numpy as np
 
-from gpu_runtime import GpuBackend
+from gpu_runtime import GpuBackend, validate
 
-from ..ops.checks import require_ptr
 from ..ops.ngram_fused import NO_TOKEN
 from .dims import NgramDims
 
 
 # -- the call's objects ------------------------------------------------------------------------------
 def require_open(what: str, owner: Any, layer: Any) -> None:
-    """Refuse a call on a closed ``owner`` or on a closed ``NgramEmbedding`` under it (None: the
-    owner, closed, has let it go)."""
-    if owner.closed or (layer is not None and layer.closed):
-        obj = owner if owner.closed else layer
-        name = type(obj).__name__
-        under = "" if obj is owner else " (the layer under it)"
-        raise ValueError(f"{name} is closed" if what == name else f"{what}: {name} is closed{under}")
+    """``ClosedError`` for a call on a closed ``owner`` or on a closed ``NgramEmbedding`` under
+    it (None: the owner, closed, has let it go)."""
+    if owner.closed:
+        name = type(owner).__name__
+        validate.require_open(True, name if what == name else f"{what}: {name}")
+    if layer is not None and layer.closed:
+        validate.require_open(True, f"{what}: the layer it serves ({type(layer).__name__})")
 
 
 def require_backend(what: str, gpu: GpuBackend, own: GpuBackend) -> None:
@@ -55,8 +55,7 @@ def require_backend(what: str, gpu: GpuBackend, own: GpuBackend) -> None:
 
 
 def require_out(out: int, what: str) -> None:
-    if not out:
-        require_ptr(out, f"{what} out")
+    validate.pointer(out, f"{what} out")
 
 
 # -- seq_len and contexts ------------------------------------------------------------------------
@@ -70,9 +69,9 @@ def _seq_name(index: int | None) -> str:
 
 def check_seq_len(value: Any, what: str, index: int | None = None) -> int:
     """A non-negative int (a numpy integer too, not a bool); ``index``: the sequence of a batch."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 0:
-        raise ValueError(f"{what}: {_seq_name(index)} must be a non-negative int, got {value!r}")
-    return int(value)
+    if type(value) is int and value >= 0:
+        return value
+    return validate.count(value, f"{what}: {_seq_name(index)}")
 
 
 def sliceable(ctx: Any, what: str, index: int | None = None, name: str = "ctx_tokens") -> Any:
@@ -99,21 +98,22 @@ def context_tail(ctx: Any, seq_len: int, lookback: int, what: str,
     ctx = sliceable(ctx, what, index)
     total = len(ctx)
     if seq_len > total:
-        raise ValueError(f"{what}: {_seq_name(index)} = {seq_len} over ctx, over its {total} tokens")
+        raise ValueError(f"{what}: {_seq_name(index)} {seq_len} exceeds the context's {total} tokens")
     start = max(total - seq_len - lookback, 0)
     return ctx[start:], start
 
 
 def check_tokens(arr: np.ndarray, vocab: int, what: str, offset: int | None = None) -> np.ndarray:
-    """``arr`` if it is a 1-D integer array of ids in ``0..vocab-1``; ``offset`` (where known) is
-    its position in the context, so that an error names the token's context position."""
+    """``arr`` if it is a 1-D integer array of ids in ``0..vocab-1`` (``TypeError`` for another
+    dtype); ``offset`` (where known) is its position in the context, so that an error names the
+    token's context position."""
     if arr.ndim != 1:
         raise ValueError(f"{what}: tokens must be 1-D, got shape {arr.shape}")
     if arr.shape[0] == 0:
         return arr
     kind = arr.dtype.kind
     if kind not in "iu":
-        raise ValueError(f"{what}: tokens must be integers (integer token ids), got dtype {arr.dtype}")
+        raise TypeError(f"{what}: tokens must be integers, got dtype {arr.dtype}")
     if arr.shape[0] <= _SMALL:
         values = arr.tolist()
         bad = min(values) < 0 or max(values) >= vocab

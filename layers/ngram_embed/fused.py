@@ -15,27 +15,33 @@ the arena slots ``[R, T]`` that ``RowCache.resolve`` returned.
 ``embed_batch`` serves many sequences at once (ragged contexts, each with its own new tokens, one
 output ``[sum S_i, D]``); with ``graph=True`` each shape is captured once as a CUDA graph
 (upload, gather, GEMM) and replayed with only the packed host buffer rewritten: a decode step
-is then one ``cuGraphLaunch``. Graphs are keyed by (rows, out, stream) and need a created stream.
+is then one ``cuGraphLaunch``. Graphs are keyed by (rows, out, stream) and need a created stream
+and a backend with graphs (``gpu_runtime.Graphs``).
 
-The layer shares the ``NgramEmbedding``'s weights (no copies but the concatenated projections).
-Like it, one instance must not run on two streams at once (its staging is shared).
+The layer shares the ``NgramEmbedding``'s weights (no copies but the concatenated projections),
+so it is built on the layer's own backend (``FusedNgramEmbedding(layer, max_rows, gpu)`` refuses
+another ``gpu``, and every call's ``gpu`` must be that one too). Like the layer, one instance must
+not run on two streams at once (its staging is shared).
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Sequence
 
 import numpy as np
 
-from gpu_runtime import DevicePtr, GpuBackend
+from gpu_runtime import Events, GpuBackend, Graphs, PitchedCopies, validate
 
 from ..ops import gemm as gemm_ops
 from ..ops import ngram_fused as fused_ops
 from ..weight_map import BF16, DenseWeight
+from .front import (check_tokens, context_tail, require_backend, require_open, require_out, window_index,
+                    windows as front_windows)
 from .cached_rows import CachedRows
 from .embedding import NgramEmbedding
-from .front import check_tokens, context_tail, require_backend, require_open, require_out, window_index, windows
 from .ids import ids_from_windows, window_plan
+from .resources import Resources
 from .tables import gather_entry
 from ..kernel_files import load_kernel
 
@@ -43,22 +49,34 @@ _U32 = 1 << 32
 _WHAT = "fused ngram embed"
 
 
-def check_servable(dims, max_rows: int) -> None:
-    """What the fused path cannot serve, refused before anything is built."""
-    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
-        raise ValueError(f"max_rows must be a positive int, got {max_rows!r}")
+def check_servable(dims, max_rows: int) -> int:
+    """What the fused path cannot serve, refused before anything is built; ``max_rows`` as an int."""
+    max_rows = validate.positive(max_rows, "max_rows")
     if dims.vocab_size >= fused_ops.NO_TOKEN:
         raise ValueError(f"fused n-gram path: vocab_size {dims.vocab_size} must be < 2**32 - 1")
     if dims.eos_id is not None and dims.eos_id >= fused_ops.NO_TOKEN:
         raise ValueError("fused n-gram path: eos_id must be < 2**32 - 1")
     if any(dims.table_rows(c) >= _U32 for c in range(dims.num_tables())):
         raise ValueError("fused n-gram path: every table must have < 2**32 rows")
+    return max_rows
+
+
+def check_layer(what: str, layer: NgramEmbedding, gpu: GpuBackend) -> None:
+    """A layer the fused path (or the decoder over it) can be built on, with ``gpu``: open, on
+    this very backend (every upload and launch goes through the one given at construction: the
+    layer's weights live in its context), which has events and pitched copies."""
+    validate.require_open(layer.closed, f"{what}: the layer it serves ({type(layer).__name__})")
+    require_backend(what, gpu, layer.gpu)
+    if not (isinstance(gpu, Events) and isinstance(gpu, PitchedCopies)):
+        raise TypeError(f"{what}: the backend needs events and pitched copies (gpu_runtime.Events, "
+                        f"PitchedCopies); {type(gpu).__name__} lacks them")
 
 
 class FusedNgramEmbedding:
     def __init__(self, layer: NgramEmbedding, max_rows: int, gpu: GpuBackend, stream: int = 0) -> None:
         dims = layer.dims
-        check_servable(dims, max_rows)
+        max_rows = check_servable(dims, max_rows)
+        check_layer("FusedNgramEmbedding", layer, gpu)
         t, n, h, td = dims.num_tables(), dims.max_ngram, dims.hidden_size, dims.table_dim()
         self._owned_layer: NgramEmbedding | None = None  # set by from_pretrained: closed with this
         self.layer, self.dims, self.gpu, self.max_rows = layer, dims, gpu, max_rows
@@ -69,25 +87,25 @@ class FusedNgramEmbedding:
         # RowCache ones resolved together by one CacheGroup, other RowSources one by one.
         self._rows = CachedRows(layer.tables, grouped=True)
         self.cached = self._rows.columns
-        self._cache_group, self._group_all = self._rows.group, self._rows.group_all  # read by tests
         self._ids_plan = window_plan(dims, tuple(self.cached)) if self.cached else None
         self._row_words = n + 1 + (t if self.cached else 0)  # u32 words uploaded per output row
+        self._can_graph = isinstance(gpu, Graphs)
         self._graphs: dict[tuple[int, int, int], int] = {}
         self._host = None  # pinned packed-upload buffer, made with the first graph
-        self._done = 0  # event recorded after every call: its buffers are free again
-        self.projs_cat = self.desc = self.pows = self.gather_buf = self.staging = DevicePtr(0)
+        self._resources = own = Resources(gpu)  # every buffer, event, graph: released by close()
         try:
-            self._done = gpu.create_event()
+            self._done = done = gpu.create_event()  # recorded after every call: its buffers are free again
+            own.on_close(partial(gpu.destroy_event, done))
             self.projs_cat = self._concat_projections(layer, stream)
-            self.desc = self._upload(self._table_entries(), stream)
-            self.pows = self._upload(np.array([[pow(dims.vocab_size, d, dims.table_rows(c)) for d in range(n)]
-                                               for c in range(t)], np.uint64), stream)
-            self.gather_buf = gpu.alloc(max_rows * t * td * 2)
-            self.staging = gpu.alloc(max_rows * self._row_words * 4)
+            self.desc = own.upload(self._table_entries(), stream)
+            self.pows = own.upload(np.array([[pow(dims.vocab_size, d, dims.table_rows(c)) for d in range(n)]
+                                             for c in range(t)], np.uint64), stream)
+            self.gather_buf = own.alloc(max_rows * t * td * 2)
+            self.staging = own.alloc(max_rows * self._row_words * 4)
         except BaseException:
-            self.close()
+            own.close()
             raise
-        self.projs_weight = DenseWeight(self.projs_cat, (h, t * td), np.dtype(BF16), DevicePtr(0), gpu)
+        self.projs_weight = DenseWeight(self.projs_cat, (h, t * td), np.dtype(BF16), gpu=gpu)  # owns nothing
 
     @classmethod
     def from_pretrained(cls, model_dir: str, gpu: GpuBackend, *, max_rows: int = 8192, stream: int = 0,
@@ -109,10 +127,10 @@ class FusedNgramEmbedding:
         return fused
 
     # -- construction helpers ---------------------------------------------------------------------
-    def _concat_projections(self, layer: NgramEmbedding, stream: int) -> DevicePtr:
+    def _concat_projections(self, layer: NgramEmbedding, stream: int) -> int:
         """``[D, T*td]``: row j is proj_0[j] ++ proj_1[j] ++ ...; one pitched copy per table."""
         t, h, td = self.dims.num_tables(), self.dims.hidden_size, self.dims.table_dim()
-        cat = self.gpu.alloc(h * t * td * 2)
+        cat = self._resources.alloc(h * t * td * 2)
         for c, proj in enumerate(layer.projs):
             self.gpu.copy_2d_async(cat.offset(c * td * 2), t * td * 2, proj.weight, td * 2, td * 2, h, stream)
         return cat
@@ -121,15 +139,20 @@ class FusedNgramEmbedding:
         return np.array([gather_entry(table, self.dims.table_rows(c))
                          for c, table in enumerate(self.layer.tables)], np.uint64).reshape(-1, 4)
 
-    def _upload(self, array: np.ndarray, stream: int) -> DevicePtr:
-        ptr = self.gpu.alloc(array.nbytes)
-        self.gpu.copy_h2d_async(array, ptr, stream)
-        return ptr
-
     # -- calls ------------------------------------------------------------------------------------
     @property
     def closed(self) -> bool:
-        return not self.staging
+        return self._resources.closed
+
+    @property
+    def captured_graphs(self) -> int:
+        """How many call shapes (rows, out, stream) have a captured graph (``graph=True``)."""
+        return len(self._graphs)
+
+    def captured_graph(self, rows: int, out: int, stream: int) -> int | None:
+        """The graph captured for calls of ``rows`` rows into ``out`` on ``stream``, if any (a
+        benchmark replays it alone to time the GPU's work)."""
+        return self._graphs.get((rows, int(out), int(stream)))
 
     def embed(self, ctx_tokens: Sequence[int] | np.ndarray, seq_len: int, out: int, gpu: GpuBackend,
               stream: int = 0, *, graph: bool = False) -> None:
@@ -172,17 +195,22 @@ class FusedNgramEmbedding:
         or after a failure (``CachedRows.batch``)."""
         require_open(_WHAT, self, self.layer)
         require_backend(_WHAT, gpu, self.gpu)
-        windows = self._batch_windows(contexts, seq_lens)
+        windows = self.windows(contexts, seq_lens)
         rows = windows.shape[0]
         if rows == 0:
             return
         if rows > self.max_rows:
             raise ValueError(f"fused ngram embed: {rows} rows over max_rows {self.max_rows}")
         require_out(out, _WHAT)
-        if graph and not stream:
-            raise ValueError("fused ngram embed: graph=True needs a created stream, not the default stream")
+        if graph:
+            if not stream:
+                raise ValueError("fused ngram embed: graph=True needs a created stream, not the default "
+                                 "stream")
+            if not self._can_graph:
+                raise TypeError(f"fused ngram embed: graph=True needs a backend with CUDA graphs "
+                                f"(gpu_runtime.Graphs); {type(self.gpu).__name__} has none")
         with self._rows.batch():
-            packed = self._pack(windows)  # resolves cached tables: the last step before the launches
+            packed = self.pack(windows)  # resolves cached tables: the last step before the launches
             if graph:
                 self._replay(packed, rows, out, stream)
             else:
@@ -196,35 +224,39 @@ class FusedNgramEmbedding:
         Nothing to do without cached tables."""
         if not self.cached:
             return 0
-        ids = ids_from_windows(self._ids_plan, self._batch_windows(contexts, seq_lens))
+        ids = ids_from_windows(self._ids_plan, self.windows(contexts, seq_lens))
         return sum(cache.prefetch(ids[j]) for j, cache in enumerate(self._rows.caches)
                    if hasattr(cache, "prefetch"))
 
-    def _batch_windows(self, contexts: Sequence, seq_lens: Sequence[int]) -> np.ndarray:
+    # -- the host half of a call (public for benchmarks and tests) --------------------------------
+    def windows(self, contexts: Sequence, seq_lens: Sequence[int]) -> np.ndarray:
+        """``[R, N]`` u32 look-back windows of a batch (``front_windows``), refused as
+        ``embed_batch`` refuses a bad batch: what ``pack`` takes."""
         if len(contexts) != len(seq_lens):
             raise ValueError(f"fused ngram embed: {len(contexts)} contexts, {len(seq_lens)} seq_lens")
-        return self._windows(contexts, seq_lens)
+        return front_windows(self.dims, contexts, seq_lens, _WHAT)
 
-    def _windows(self, contexts: Sequence, seq_lens: Sequence[int]) -> np.ndarray:
-        """``[R, N]`` u32 look-back windows of the batch (``front.windows``)."""
-        return windows(self.dims, contexts, seq_lens, _WHAT)
-
-    def _pack(self, windows: np.ndarray, contexts: Sequence | None = None,
-              seq_lens: Sequence[int] | None = None) -> np.ndarray:
-        """One u32 buffer: windows [R, N], word ids [R], then (cached tables) slots [R, T], the
-        cached tables resolved (call it inside ``self._rows.batch()``). ``contexts`` and
-        ``seq_lens`` are unused (the windows hold all it needs), kept for bench.cached."""
+    def pack(self, windows: np.ndarray) -> np.ndarray:
+        """What a call uploads, as one u32 buffer: ``windows`` [R, N], word ids [R], then (cached
+        tables) the arena slots [R, T], resolved here: their rows stay pinned until the
+        ``batch()`` this is called in ends."""
         rows, n, t = windows.shape[0], self.dims.max_ngram, self.dims.num_tables()
         packed = np.empty(rows * self._row_words, np.uint32)
         packed[:rows * n] = windows.reshape(-1)
         packed[rows * n:rows * (n + 1)] = windows[:, 0]
         if self.cached:
             # [len(cached), R] ids of every cached table in one pass over the windows, which
-            # _windows built and checked; each is its hash modulo the table's rows (in range).
+            # ``windows`` built and checked; each is its hash modulo the table's rows (in range).
             ids = ids_from_windows(self._ids_plan, windows)
             self._rows.resolve(ids, packed[rows * (n + 1):].reshape(rows, t), in_range=True)
         return packed
 
+    def batch(self):
+        """A context manager that ends the cached tables' batch on leaving (``CachedRows.batch``),
+        after a failure too; around ``pack``."""
+        return self._rows.batch()
+
+    # -- launches ------------------------------------------------------------------------------
     def _launch(self, rows: int, out: int, stream: int) -> None:
         dims, n, t, td = self.dims, self.dims.max_ngram, self.dims.num_tables(), self.dims.table_dim()
         words = self.staging.offset(rows * n * 4)
@@ -239,6 +271,7 @@ class FusedNgramEmbedding:
         gpu = self.gpu
         if self._host is None:
             self._host = gpu.alloc_host(self.max_rows * self._row_words * 4)
+            self._resources.on_close(partial(gpu.free_host, self._host))
         gpu.event_synchronize(self._done)  # the previous call (and its upload) is done with the buffer
         host = self._host[:packed.nbytes]
         host.view(np.uint32)[:] = packed
@@ -257,41 +290,27 @@ class FusedNgramEmbedding:
             except BaseException:
                 gpu.abort_capture(stream)
                 raise
-            self._graphs[key] = gpu.end_capture(stream)
+            self._graphs[key] = exe = gpu.end_capture(stream)
+            self._resources.on_close(partial(gpu.destroy_graph, exe))
             return
         gpu.launch_graph(exe, stream)
         gpu.record_event(self._done, stream)
 
     def close(self) -> None:
         """Free the graphs, the concatenated projections and the staging (not the layer's weights,
-        unless ``from_pretrained`` built the layer: then the layer too)."""
+        unless ``from_pretrained`` built the layer: then the layer too); once."""
         layer, self._owned_layer = self._owned_layer, None
         try:
-            self._close()
+            if not self._resources.closed and not self.gpu.closed:
+                # The last call's work is done before anything goes (its stream may be gone:
+                # wait on the event).
+                self.gpu.event_synchronize(self._done)
+            self._graphs.clear()
+            self._host = None
+            self._resources.close()  # graphs, pinned buffer, device buffers, event: the last made first
         finally:
             if layer is not None:
                 layer.close()
-
-    def _close(self) -> None:
-        gpu = self.gpu
-        if getattr(gpu, "closed", False):
-            return
-        if self._done:  # the last call's work is done (its stream may be gone: wait on the event)
-            gpu.event_synchronize(self._done)
-        for exe in self._graphs.values():
-            gpu.destroy_graph(exe)
-        self._graphs.clear()
-        if self._host is not None:
-            gpu.free_host(self._host)
-            self._host = None
-        if self._done:
-            gpu.destroy_event(self._done)
-            self._done = 0
-        for name in ("projs_cat", "desc", "pows", "gather_buf", "staging"):
-            ptr = getattr(self, name)
-            if ptr:
-                gpu.free(ptr)
-            setattr(self, name, DevicePtr(0))
 
     def __enter__(self) -> "FusedNgramEmbedding":
         return self

@@ -28,17 +28,18 @@ from typing import Any
 
 import numpy as np
 
-from gpu_runtime import DevicePtr, GpuBackend
+from gpu_runtime import DeviceBuffer, DevicePtr, GpuBackend, MappedHostMemory, PinnedHostMemory
 
-from ..weight_map import FP8, WeightShape, checked_weight_arrays
+from ..weight_map import WeightShape, checked_weight_arrays
 from .table_file import TableFile
 
 
 @dataclass(eq=False)
 class HostWeight(WeightShape):
     """``weight``: the device-visible address of row 0 (mapped host memory); ``row_scale``:
-    device memory (fp8 only). ``host`` is the rows' host view (uint8 ``[rows, row_bytes]`` for a
-    table file, the pinned buffer otherwise); ``file`` the table file it maps, if any."""
+    device memory (fp8 only), owned as ``buffers``. ``host`` is the rows' host view (uint8
+    ``[rows, row_bytes]`` for a table file, the pinned buffer otherwise); ``file`` the table
+    file it maps, if any; ``gpu`` the backend that pinned or registered ``host``."""
 
     weight: DevicePtr
     shape: tuple[int, int]
@@ -47,6 +48,7 @@ class HostWeight(WeightShape):
     gpu: GpuBackend | None = field(default=None, repr=False)
     host: np.ndarray | None = field(default=None, repr=False)
     file: TableFile | None = field(default=None, repr=False)
+    buffers: tuple[DeviceBuffer, ...] = field(default=(), repr=False)
 
     @classmethod
     def from_numpy(cls, gpu: GpuBackend, array: Any, row_scale: Any = None,
@@ -54,68 +56,60 @@ class HostWeight(WeightShape):
         """Copy a 2-D bf16 array (or fp8 with its per-row f32 scales) into a mapped pinned host
         buffer; the scales are uploaded to the device on ``stream``."""
         array, scale = checked_weight_arrays(array, row_scale)
+        _require_mapping(gpu, "HostWeight.from_numpy", PinnedHostMemory)
         rows, cols = int(array.shape[0]), int(array.shape[1])
         buf = gpu.alloc_host(array.nbytes, mapped=True)
-        scale_ptr = DevicePtr(0)
         try:
             buf.view(array.dtype).reshape(rows, cols)[:] = array  # copied now: the GPU reads it later
             ptr = gpu.host_device_ptr(buf)
-            if scale is not None:
-                scale_ptr = gpu.alloc(scale.nbytes)
-                gpu.copy_h2d_async(scale, scale_ptr, stream)
+            scales = _upload_scales(gpu, scale, stream)
         except BaseException:
-            if scale_ptr:
-                gpu.free(scale_ptr)
             gpu.free_host(buf)
             raise
-        return cls(ptr, (rows, cols), np.dtype(array.dtype), scale_ptr, gpu, buf)
+        return cls(ptr, (rows, cols), np.dtype(array.dtype), _address(scales), gpu, buf, buffers=scales)
 
     @classmethod
     def from_table_file(cls, gpu: GpuBackend, path: str | os.PathLike, stream: int = 0) -> "HostWeight":
         """Map a table file read-only and register its rows (page-aligned, from byte 4096) with
         the device where they are; an fp8 table's scales are uploaded to the device on
         ``stream``. The file stays mapped (and its rows locked in RAM) until ``close()``."""
+        _require_mapping(gpu, "HostWeight.from_table_file")
         file = TableFile(path)  # validates the header and the size
-        scale_ptr, rows, registered = DevicePtr(0), file.rows_bytes, False
+        rows, registered = file.rows_bytes, False
         try:
             ptr = gpu.register_host(rows, read_only=True)
             registered = True
-            scales = file.scales
-            if scales is not None:
-                scale_ptr = gpu.alloc(scales.nbytes)
-                gpu.copy_h2d_async(scales, scale_ptr, stream)
+            scales = _upload_scales(gpu, file.scales, stream)
         except BaseException:
-            if scale_ptr:
-                gpu.free(scale_ptr)
             if registered:
                 gpu.unregister_host(rows)
             rows = None  # the last view of the map but the file's own: the map can close
             file.close()
             raise
-        return cls(ptr, (file.rows, file.dim), np.dtype(file.dtype), scale_ptr, gpu, rows, file)
+        return cls(ptr, (file.rows, file.dim), np.dtype(file.dtype), _address(scales), gpu, rows, file,
+                   buffers=scales)
 
     @property
     def closed(self) -> bool:
         return self.gpu is None
 
     def close(self) -> None:
-        """Free the pinned buffer (or unregister the file's rows and unmap the file) and the
-        device scales; once, later calls do nothing. ``weight`` becomes null."""
+        """Free the device scales and the pinned buffer (or unregister the file's rows and unmap
+        the file); once, later calls do nothing. ``weight`` and ``row_scale`` become null."""
         gpu, self.gpu = self.gpu, None
         host, self.host = self.host, None
         file, self.file = self.file, None
-        self.weight = DevicePtr(0)
+        buffers, self.buffers = self.buffers, ()
+        self.weight = self.row_scale = DevicePtr(0)
         try:
-            if gpu is not None and not getattr(gpu, "closed", False):  # a closed backend freed all
-                if self.row_scale:
-                    gpu.free(self.row_scale)
-                if host is not None:
-                    if file is not None:
-                        gpu.unregister_host(host)
-                    else:
-                        gpu.free_host(host)
+            for buf in reversed(buffers):
+                buf.close()
+            if gpu is not None and host is not None and not gpu.closed:  # a closed backend freed all
+                if file is not None:
+                    gpu.unregister_host(host)
+                else:
+                    gpu.free_host(host)
         finally:
-            self.row_scale = DevicePtr(0)
             host = None  # the last view of the map but the file's own: the map can close
             if file is not None:
                 file.close()
@@ -125,3 +119,20 @@ class HostWeight(WeightShape):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _require_mapping(gpu: GpuBackend, what: str, *more: type) -> None:
+    """``TypeError`` unless ``gpu`` maps host memory for the device (and has ``more``)."""
+    needed = (MappedHostMemory, *more)
+    if not all(isinstance(gpu, capability) for capability in needed):
+        names = ", ".join(c.__name__ for c in needed)
+        raise TypeError(f"{what}: the backend needs {names} (gpu_runtime); {type(gpu).__name__} lacks them")
+
+
+def _upload_scales(gpu: GpuBackend, scales: np.ndarray | None, stream: int) -> tuple[DeviceBuffer, ...]:
+    """An fp8 table's per-row scales on the device (nothing for a bf16 table)."""
+    return () if scales is None else (DeviceBuffer.upload(gpu, scales, stream),)
+
+
+def _address(buffers: tuple[DeviceBuffer, ...]) -> DevicePtr:
+    return buffers[0].ptr if buffers else DevicePtr(0)

@@ -34,8 +34,10 @@ from typing import Any
 
 import numpy as np
 
+from gpu_runtime import validate
+
 from .dims import NgramDims
-from .front import check_tokens, sliceable
+from .front import check_seq_len, check_tokens, context_tail, sliceable
 
 _U64_MAX = (1 << 64) - 1
 _WHAT = "ngram ids"
@@ -60,15 +62,9 @@ def ngram_ids_tail(dims: NgramDims, tokens: Any, seq_len: int) -> list[np.ndarra
     A window that reaches the start of the context is zero-padded exactly as the full computation
     pads; one that starts later holds every token the look-back (and its EOS test) can touch.
     """
-    arr = sliceable(tokens, _WHAT, name="tokens")
-    total = len(arr)
-    if isinstance(seq_len, (bool, np.bool_)) or not isinstance(seq_len, (int, np.integer)):
-        raise ValueError(f"ngram ids: seq_len must be an int, got {seq_len!r}")
-    seq_len = int(seq_len)
-    if not 0 <= seq_len <= total:
-        raise ValueError(f"ngram ids: seq_len must be in 0..len(tokens) = 0..{total}, got {seq_len}")
-    start = max(0, total - seq_len - (dims.max_ngram - 1))
-    window = check_tokens(np.asarray(arr[start:]), dims.vocab_size, _WHAT, start)
+    seq_len = check_seq_len(seq_len, _WHAT)
+    window, start = context_tail(sliceable(tokens, _WHAT, name="tokens"), seq_len, dims.max_ngram - 1, _WHAT)
+    window = check_tokens(np.asarray(window), dims.vocab_size, _WHAT, start)
     return list(tail_ids(dims, window, seq_len))
 
 
@@ -250,12 +246,15 @@ def ngram_ids_windows(dims: NgramDims, windows: np.ndarray, tables: Sequence[int
     Limited to the fused path's case: vocab_size < 2**32 - 1 and every table < 2**32 rows
     (ValueError otherwise), so tokens and residues fit 32 bits and a product 64.
     """
-    sel = tuple(range(dims.num_tables())) if tables is None else tuple(int(c) for c in tables)
+    sel = (tuple(range(dims.num_tables())) if tables is None
+           else tuple(validate.integer(c, "ngram ids from windows: table") for c in tables))
     wp = window_plan(dims, sel)
-    if not (isinstance(windows, np.ndarray) and windows.dtype == np.uint32 and windows.ndim == 2
-            and windows.shape[1] == dims.max_ngram):
-        raise ValueError(f"ngram ids from windows: windows must be a uint32 [R, {dims.max_ngram}] "
-                         f"array, got {getattr(windows, 'dtype', type(windows))} {getattr(windows, 'shape', '')}")
+    if not (isinstance(windows, np.ndarray) and windows.dtype == np.uint32):
+        raise TypeError(f"ngram ids from windows: windows must be a uint32 array, got "
+                        f"{getattr(windows, 'dtype', type(windows).__name__)}")
+    if windows.ndim != 2 or windows.shape[1] != dims.max_ngram:
+        raise ValueError(f"ngram ids from windows: windows must be [R, {dims.max_ngram}], got "
+                         f"{windows.shape}")
     if windows.size:
         v = dims.vocab_size
         bad = (windows >= v) & (windows != NO_TOKEN)

@@ -35,12 +35,14 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
-from gpu_runtime import DevicePtr, GpuBackend, KernelHandle
+from gpu_runtime import DevicePtr, Events, GpuBackend, KernelHandle, PinnedHostMemory, validate
 
 from ..ops.row_cache import scatter_rows
+from .resources import Resources
 from .slot_index import SlotIndex
 from .table_file import TableFile
 from ..kernel_files import load_kernel
@@ -68,6 +70,17 @@ class CacheStats:
     evictions: int = 0
 
 
+def _refuse_slots_out(what: str, slots_out: object, shape: tuple[int, ...]) -> None:
+    """The refusal of a ``slots_out`` that is not a writable uint32 array of ``shape``:
+    ``TypeError`` for another type or dtype, ``ValueError`` for another shape."""
+    dtype = getattr(slots_out, "dtype", None)
+    if not isinstance(slots_out, np.ndarray) or dtype != np.uint32:
+        raise TypeError(f"{what}: slots_out must be a uint32 array, got "
+                        f"{type(slots_out).__name__ if dtype is None else dtype}")
+    raise ValueError(f"{what}: slots_out must be writable and of shape {shape}, got shape "
+                     f"{slots_out.shape}" + ("" if slots_out.flags.writeable else ", read-only"))
+
+
 class _Loader:
     """Rows file -> pinned buffer -> device staging -> arena slots, on one stream."""
 
@@ -82,14 +95,16 @@ class _Loader:
         nbytes = self._layout(chunk_rows)[2]
         self.host: list[np.ndarray] = []
         self.events: list[int] = []
-        self.device = DevicePtr(0)
-        try:
+        self._resources = own = Resources(gpu)  # released in reverse: each event waited for
+        try:                                    # before its buffer goes, the device staging last
+            self.device = own.alloc(nbytes)
             for _ in range(2):
                 self.host.append(gpu.alloc_host(nbytes))
+                own.on_close(partial(gpu.free_host, self.host[-1]))
                 self.events.append(gpu.create_event())
-            self.device = gpu.alloc(nbytes)
+                own.on_close(partial(_wait_and_destroy, gpu, self.events[-1]))
         except BaseException:
-            self.close()
+            own.close()
             raise
         self.turn = 0
 
@@ -141,14 +156,14 @@ class _Loader:
             future.result()
 
     def close(self) -> None:
-        for event in self.events:
-            self.gpu.event_synchronize(event)
-            self.gpu.destroy_event(event)
-        for buf in self.host:
-            self.gpu.free_host(buf)
-        if self.device:
-            self.gpu.free(self.device)
-        self.events, self.host, self.device = [], [], DevicePtr(0)
+        self.events, self.host = [], []
+        self._resources.close()
+
+
+def _wait_and_destroy(gpu: Events, event: int) -> None:
+    """Release an event after the work it marks (an upload reading a pinned buffer) is done."""
+    gpu.event_synchronize(event)
+    gpu.destroy_event(event)
 
 
 class RowCache:
@@ -161,9 +176,12 @@ class RowCache:
 
     def __init__(self, gpu: GpuBackend, path: str | os.PathLike, capacity: int, *,
                  stream: int = 0, chunk_rows: int = 8192, io_threads: int = 16) -> None:
-        for value, what in ((capacity, "capacity"), (chunk_rows, "chunk_rows"), (io_threads, "io_threads")):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"RowCache: {what} must be a positive int, got {value!r}")
+        capacity = validate.positive(capacity, "RowCache: capacity")
+        chunk_rows = validate.positive(chunk_rows, "RowCache: chunk_rows")
+        io_threads = validate.positive(io_threads, "RowCache: io_threads")
+        if not (isinstance(gpu, PinnedHostMemory) and isinstance(gpu, Events)):
+            raise TypeError(f"RowCache: the backend needs pinned host memory and events "
+                            f"(gpu_runtime.PinnedHostMemory, Events); {type(gpu).__name__} lacks them")
         self.file = TableFile(path)
         self.gpu, self.stream = gpu, stream
         self.rows, self.dim, self.dtype = self.file.rows, self.file.dim, self.file.dtype
@@ -171,21 +189,23 @@ class RowCache:
         self._stats = CacheStats()
         self.index = SlotIndex(self.rows, self.capacity)
         self._group = None  # the CacheGroup whose index store this cache's index lives in, if any
-        self._arena = DevicePtr(0)
         self._arena_scales = DevicePtr(0)
         self._readers = ThreadPoolExecutor(io_threads, "rowcache-read") if io_threads > 1 else None
-        self._loader: _Loader | None = None
+        self._resources = own = Resources(gpu)  # the arena, then the loader's staging
         self.closed = False
         try:
             self.kernel = load_kernel(gpu, "row_cache", "scatter_rows")
             # Zeroed once: a slot never loaded then reads as zeros, not as whatever was there.
-            self._arena = gpu.alloc(self.capacity * self.file.row_bytes)
+            self._arena = own.alloc(self.capacity * self.file.row_bytes)
             gpu.memset(self._arena, 0, self.capacity * self.file.row_bytes, stream)
             if self.file.scales is not None:
-                self._arena_scales = gpu.alloc(self.capacity * 4)
+                self._arena_scales = own.alloc(self.capacity * 4)
                 gpu.memset(self._arena_scales, 0, self.capacity * 4, stream)
-            self._loader = _Loader(gpu, self.kernel, self.file, self._arena, self._arena_scales, stream,
-                                   min(chunk_rows, self.capacity), self._readers, io_threads)
+            self._loader = own.adopt(_Loader(gpu, self.kernel, self.file, self._arena,
+                                             self._arena_scales, stream, min(chunk_rows, self.capacity),
+                                             self._readers, io_threads))
+            # Released first: the gathers queued on the stream may still read the arena.
+            own.on_close(partial(gpu.synchronize, stream))
         except BaseException:
             self.close()
             raise
@@ -198,9 +218,7 @@ class RowCache:
         ids = self._check_ids(ids, "resolve")
         if not (isinstance(slots_out, np.ndarray) and slots_out.dtype == np.uint32
                 and slots_out.shape == ids.shape and slots_out.flags.writeable):
-            raise ValueError(f"RowCache.resolve: slots_out must be a writable uint32 array of shape "
-                             f"{ids.shape}, got {getattr(slots_out, 'dtype', type(slots_out))} "
-                             f"{getattr(slots_out, 'shape', '')}")
+            _refuse_slots_out("RowCache.resolve", slots_out, ids.shape)
         if ids.size == 1:  # a decode step: scalar operations only
             slot = int(self.index.slot_of[ids[0]])
             if slot >= 0:
@@ -253,11 +271,11 @@ class RowCache:
                              f"the arena holds {self.capacity}")
 
     def table_dev_va(self) -> int:
-        self._require_open()
+        validate.require_open(self.closed, "RowCache")
         return int(self._arena)
 
     def scale_dev_va(self) -> int | None:
-        self._require_open()
+        validate.require_open(self.closed, "RowCache")
         return int(self._arena_scales) if self._arena_scales else None
 
     def end_batch(self) -> None:
@@ -266,7 +284,7 @@ class RowCache:
         batch is the group's: this ends it for every member (at once, so the layer's end_batch
         of each member costs a call after the first)."""
         if self.closed:
-            raise ValueError("RowCache is closed")
+            validate.require_open(True, "RowCache")
         self.index.unpin_all()
 
     @property
@@ -299,10 +317,12 @@ class RowCache:
         with it or widens it first). A decode step's one uint32 id costs a few scalar checks:
         they run twice per cached table and step (``validate``, ``resolve``)."""
         if self.closed:
-            raise ValueError("RowCache is closed")
+            validate.require_open(True, "RowCache")
         arr = ids if type(ids) is np.ndarray else np.asarray(ids)
-        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-            raise ValueError(f"RowCache.{what}: ids must be a 1-D integer array, got {arr.dtype} {arr.shape}")
+        if arr.size and arr.dtype.kind not in "iu":
+            raise TypeError(f"RowCache.{what}: ids must be integers, got dtype {arr.dtype}")
+        if arr.ndim != 1:
+            raise ValueError(f"RowCache.{what}: ids must be 1-D, got shape {arr.shape}")
         if arr.size == 1:
             if not 0 <= int(arr[0]) < self.rows:
                 raise ValueError(f"RowCache.{what}: id {int(arr[0])} out of range for a table of {self.rows} rows")
@@ -311,28 +331,20 @@ class RowCache:
             raise ValueError(f"RowCache.{what}: id {int(bad)} out of range for a table of {self.rows} rows")
         return arr
 
-    def _require_open(self) -> None:
-        if self.closed:
-            raise ValueError("RowCache is closed")
-
     def close(self) -> None:
-        """Wait for queued loads, then free the arena, the staging and the file map."""
+        """Wait for the work queued on the stream, then free the staging, the arena and the file
+        map; once."""
         if self.closed:
             return
         self.closed = True
         if self._group is not None:
             self._group.member_closed()
-        if self._readers is not None:
-            self._readers.shutdown(wait=True)
-        if self._loader is not None:
-            self._loader.close()
-        if self._arena:
-            self.gpu.synchronize(self.stream)  # gathers queued on the stream may still read it
-        for ptr in (self._arena, self._arena_scales):
-            if ptr:
-                self.gpu.free(ptr)
-        self._arena = self._arena_scales = DevicePtr(0)
-        self.file.close()
+        try:
+            if self._readers is not None:
+                self._readers.shutdown(wait=True)
+            self._resources.close()
+        finally:
+            self.file.close()
 
     def __enter__(self) -> "RowCache":
         return self

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from gpu_runtime import validate
+
 _MIN_WINDOW = 256
 
 
 class SlotIndex:
     def __init__(self, rows: int, capacity: int) -> None:
-        if not 1 <= capacity < 2**31:
-            raise ValueError(f"capacity must be in 1..2**31-1, got {capacity}")
+        capacity = validate.positive(capacity, "capacity", limit=1 << 31)
         self.rows, self.capacity = rows, capacity
         self.slot_of = np.full(rows, -1, np.int32)
         self.id_of = np.full(capacity, -1, np.int64)

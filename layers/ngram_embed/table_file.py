@@ -26,6 +26,8 @@ from types import TracebackType
 
 import numpy as np
 
+from gpu_runtime import ClosedError, validate
+
 from ..safetensors_io import load as load_safetensors
 from ..weight_map import BF16, FP8
 
@@ -49,12 +51,6 @@ def _align_up(n: int, to: int = PAGE) -> int:
     return -(-n // to) * to
 
 
-def _positive_int(value: object, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{what} must be an int >= 1, got {value!r}")
-    return int(value)
-
-
 def _table_dtype(dtype: object) -> np.dtype:
     try:
         dt = np.dtype(dtype)  # type: ignore[call-overload]
@@ -75,8 +71,8 @@ class TableHeader:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", _table_dtype(self.dtype))
-        object.__setattr__(self, "rows", _positive_int(self.rows, "rows"))
-        object.__setattr__(self, "dim", _positive_int(self.dim, "dim"))
+        object.__setattr__(self, "rows", validate.positive(self.rows, "rows"))
+        object.__setattr__(self, "dim", validate.positive(self.dim, "dim"))
 
     @property
     def row_bytes(self) -> int:
@@ -134,6 +130,17 @@ class TableHeader:
         return header
 
 
+def _check_out(what: str, out: np.ndarray, dtype: type, shape: tuple[int, ...]) -> None:
+    """An output array of ``read_rows``: ``TypeError`` for another dtype, ``ValueError`` for
+    another shape or a layout that is not C-contiguous."""
+    if not isinstance(out, np.ndarray) or out.dtype != dtype:
+        raise TypeError(f"{what} must be a {np.dtype(dtype).name} array, got "
+                        f"{getattr(out, 'dtype', type(out).__name__)}")
+    if out.shape != shape or not out.flags.c_contiguous:
+        raise ValueError(f"{what} must be C-contiguous {shape}, got {out.shape}"
+                         + ("" if out.flags.c_contiguous else " (not contiguous)"))
+
+
 class TableFile:
     """Read-only memory map of a table file; nothing is read until rows are asked for."""
 
@@ -171,8 +178,7 @@ class TableFile:
         return self._fd < 0
 
     def _check_open(self) -> None:
-        if self.closed:
-            raise ValueError(f"{self.path}: table file is closed")
+        validate.require_open(self.closed, f"{self.path}: table file")
 
     @property
     def rows_bytes(self) -> np.ndarray:
@@ -196,22 +202,19 @@ class TableFile:
         """
         self._check_open()
         ids = np.asarray(ids)
-        if ids.ndim != 1 or ids.dtype.kind not in "iu":
-            raise ValueError(f"ids must be a 1-D integer array, got {ids.dtype} {ids.shape}")
+        if ids.dtype.kind not in "iu":
+            raise TypeError(f"ids must be integers, got dtype {ids.dtype}")
+        if ids.ndim != 1:
+            raise ValueError(f"ids must be 1-D, got shape {ids.shape}")
         n = ids.shape[0]
-        if out.dtype != np.uint8 or out.shape != (n, self.row_bytes) or not out.flags.c_contiguous:
-            raise ValueError(f"out must be C-contiguous uint8 ({n}, {self.row_bytes}), got "
-                             f"{out.dtype} {out.shape}")
+        _check_out("out", out, np.uint8, (n, self.row_bytes))
         if self._scales is None and scales_out is not None:
             raise ValueError(f"{self.path}: a bf16 table has no scales; pass scales_out=None")
         if self._scales is not None:
             if scales_out is None:
                 raise ValueError(f"{self.path}: an fp8 table's rows need their scales: "
                                  "pass scales_out")
-            if (scales_out.dtype != np.float32 or scales_out.shape != (n,)
-                    or not scales_out.flags.c_contiguous):
-                raise ValueError(f"scales_out must be C-contiguous float32 ({n},), got "
-                                 f"{scales_out.dtype} {scales_out.shape}")
+            _check_out("scales_out", scales_out, np.float32, (n,))
         if n == 0:
             return
         lo, hi = int(ids.min()), int(ids.max())
@@ -310,8 +313,7 @@ class TableWriter:
 
     def append(self, rows: np.ndarray, scales: np.ndarray | None = None) -> None:
         """Write the next ``[n, dim]`` rows (and, for fp8, their ``[n]`` float32 scales)."""
-        if self.closed:
-            raise ValueError(f"{self.path}: writer is closed")
+        validate.require_open(self.closed, f"{self.path}: writer")
         h = self.header
         rows = np.asarray(rows)
         if rows.dtype != h.dtype:
@@ -326,9 +328,10 @@ class TableWriter:
             if scales is None:
                 raise ValueError(f"{self.path}: fp8 rows need their float32 scales")
             scales = np.asarray(scales)
-            if scales.dtype != np.float32 or scales.shape != (n,):
-                raise ValueError(f"{self.path}: scales must be float32 ({n},), got "
-                                 f"{scales.dtype} {scales.shape}")
+            if scales.dtype != np.float32:
+                raise TypeError(f"{self.path}: scales must be float32, got {scales.dtype}")
+            if scales.shape != (n,):
+                raise ValueError(f"{self.path}: scales must be ({n},), got {scales.shape}")
         elif scales is not None:
             raise ValueError(f"{self.path}: scales are only for fp8 tables")
         if n == 0:
@@ -344,7 +347,7 @@ class TableWriter:
         if self._committed:
             return self.header
         if self.closed:
-            raise ValueError(f"{self.path}: writer was aborted")
+            raise ClosedError(f"{self.path}: writer was aborted")
         if self.written != self.header.rows:
             self.abort()
             raise ValueError(f"{self.path}: only {self.written} of {self.header.rows} rows "
@@ -401,7 +404,7 @@ def _fsync_dir(directory: str) -> None:
 def write_table(path: str | os.PathLike, table: np.ndarray, scales: np.ndarray | None = None,
                 chunk_rows: int = 1 << 16) -> TableHeader:
     """Write a ``[rows, dim]`` array (an ``np.memmap`` works: it is read chunk by chunk)."""
-    chunk_rows = _positive_int(chunk_rows, "chunk_rows")
+    chunk_rows = validate.positive(chunk_rows, "chunk_rows")
     table = np.asarray(table)  # a view, never a copy, of a memmap
     scales = None if scales is None else np.asarray(scales)
     if table.ndim != 2:

@@ -16,6 +16,8 @@ from typing import Protocol, Union, runtime_checkable
 
 import numpy as np
 
+from gpu_runtime import validate
+
 from ..ops.ngram_fused import CACHED
 from ..weight_map import BF16, FP8, DenseWeight
 from .host_table import HostWeight
@@ -122,8 +124,7 @@ def check_table(table: AnyTable, index: int, rows: int, dim: int) -> None:
 def _check_host(weight: object, where: str) -> None:
     if not isinstance(weight, HostWeight):
         raise TypeError(f"{where}: NgramTable.Host needs a HostWeight, got {type(weight).__name__}")
-    if weight.closed or not weight.weight:
-        raise ValueError(f"{where}: NgramTable.Host's HostWeight is closed")
+    validate.require_open(weight.closed or not weight.weight, f"{where}: NgramTable.Host's HostWeight")
     if weight.dtype not in (BF16, FP8):
         raise TypeError(f"{where}: NgramTable.Host holds {weight.dtype}, not bfloat16 or float8_e4m3fn")
     if weight.dtype == FP8 and not weight.row_scale:
@@ -136,9 +137,7 @@ def gather_entry(table: AnyTable, rows: int) -> tuple[int, int, int, int]:
 
     Resident and host tables are read where they are, by dtype; a cached table's kernel reads
     its arena at the slots ``resolve`` returned (``CACHED``)."""
-    if isinstance(rows, bool) or not isinstance(rows, (int, np.integer)) or not 1 <= rows < 1 << 64:
-        raise ValueError(f"gather_entry: rows must be a positive int, got {rows!r}")
-    rows = int(rows)
+    rows = validate.positive(rows, "gather_entry: rows", limit=1 << 64)
     match table:
         case Bf16Table(w):
             return (int(w.weight), 0, rows, 0)

@@ -19,6 +19,9 @@ CPU_CASES = [
     case("from_pretrained", "dtype", lambda w: NgramEmbedding.from_pretrained(w.model(
         lambda m: rewrite_tensor(m, TABLE.format(0), m.tables[0][0].astype(np.float32))).path, w.gpu),
          CheckpointError, "is F32: tables are served as bf16 or fp8"),
+    case("from_pretrained", "dtype",
+         lambda w: NgramEmbedding.from_pretrained(w.model().path, w.gpu, max_tokens=2.0),
+         TypeError, "max_tokens must be an int", detail="max_tokens"),
     case("from_pretrained", "shape", lambda w: NgramEmbedding.from_pretrained(w.model(
         lambda m: rewrite_tensor(m, PROJ.format(0), np.ascontiguousarray(m.projs[0].T))).path, w.gpu),
          CheckpointError, r"post_projs.0.weight' has shape \[6, 24\]"),

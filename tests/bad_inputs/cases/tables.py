@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from gpu_runtime import ClosedError
 from layers.ngram_embed import RowCache, TableFile, TableFormatError, TableWriter
 from layers.weight_map import BF16
 from tests.bad_inputs.matrix import case
@@ -16,16 +17,18 @@ from tests.helpers.row_cache import assert_resident
 
 CPU_CASES = [
     # -- RowCache --
-    case("RowCache", "dtype", lambda w: RowCache(w.gpu, w.table_path, 2.0), ValueError, "capacity"),
+    case("RowCache", "dtype", lambda w: RowCache(w.gpu, w.table_path, 2.0), TypeError,
+         "capacity must be an int"),
     case("RowCache", "length", lambda w: RowCache(w.gpu, w.bad_path, 10), TableFormatError, "bytes"),
-    case("RowCache", "range", lambda w: RowCache(w.gpu, w.table_path, 0), ValueError, "capacity"),
+    case("RowCache", "range", lambda w: RowCache(w.gpu, w.table_path, 0), ValueError,
+         "capacity must be an int >= 1"),
     case("RowCache", "empty", lambda w: RowCache(w.gpu, w.empty_path, 10), TableFormatError, "shorter than"),
     case("RowCache.resolve", "dtype", lambda w: w.cache.resolve(np.array([1.0, 2.0, 3.0]), w.slots_out),
-         ValueError, "1-D integer"),
+         TypeError, "ids must be integers"),
     case("RowCache.resolve", "dtype", lambda w: w.cache.resolve(np.array([1, 2, 3]), w.slots_out.view(np.int32)),
-         ValueError, "slots_out", detail="slots_out"),
+         TypeError, "slots_out must be a uint32 array", detail="slots_out"),
     case("RowCache.resolve", "shape", lambda w: w.cache.resolve(np.ones((3, 1), np.int64), w.slots_out),
-         ValueError, "1-D integer"),
+         ValueError, "ids must be 1-D"),
     case("RowCache.resolve", "length", lambda w: w.cache.resolve(np.array([1, 2]), w.slots_out),
          ValueError, "slots_out"),
     case("RowCache.resolve", "length", lambda w: w.cache.resolve(np.arange(11), np.empty(11, np.uint32)),
@@ -33,7 +36,7 @@ CPU_CASES = [
     case("RowCache.resolve", "range", lambda w: w.cache.resolve(np.array([3, -1, 4]), w.slots_out),
          ValueError, "id -1 out of range"),
     case("RowCache.resolve", "closed", lambda w: w.closed_cache.resolve(np.array([1, 2, 3]), w.slots_out),
-         ValueError, "closed"),
+         ClosedError, "RowCache is closed"),
     case("RowCache.resolve", "id", lambda w: w.cache.resolve(np.array([3, 100, 4]), w.slots_out),
          ValueError, "id 100 out of range for a table of 100 rows"),
     case("RowCache.resolve", "id", lambda w: w.cache.prefetch(np.array([100])), ValueError,
@@ -42,7 +45,7 @@ CPU_CASES = [
     # -- TableFile / TableWriter --
     case("TableFile", "dtype",
          lambda w: w.file.read_rows(np.array([1, 2]), w.rows_out.view(np.int8), w.scales_out),
-         ValueError, "out must be C-contiguous uint8"),
+         TypeError, "out must be a uint8 array"),
     case("TableFile", "shape", lambda w: w.file.read_rows(np.array([1]), w.rows_out, w.scales_out[:1]),
          ValueError, "out must be"),
     case("TableFile", "length", lambda w: w.file.read_rows(np.array([1, 2]), w.rows_out, w.scales_out[:1]),
@@ -53,7 +56,7 @@ CPU_CASES = [
     case("TableFile", "null", lambda w: w.file.read_rows(np.array([1, 2]), w.rows_out, None),
          ValueError, "need their scales"),
     case("TableFile", "closed", lambda w: w.closed_file.read_rows(np.array([1, 2]), w.rows_out, w.scales_out),
-         ValueError, "closed"),
+         ClosedError, "table file is closed"),
     case("TableFile", "id", lambda w: w.file.read_rows(np.array([1, 100]), w.rows_out, w.scales_out),
          IndexError, "table has 100 rows"),
     case("TableFile", "empty", lambda w: w.file.read_rows(np.zeros(0, np.int64), np.empty((0, 8), np.uint8),
@@ -70,7 +73,8 @@ CPU_CASES = [
          "dim must be an int >= 1"),
     case("TableWriter", "null", lambda w: w.writer.append(w.writer_rows[2:], np.ones(2, np.float32)),
          ValueError, "only for fp8"),
-    case("TableWriter", "closed", lambda w: w.closed_writer.append(w.writer_rows[2:]), ValueError, "closed"),
+    case("TableWriter", "closed", lambda w: w.closed_writer.append(w.writer_rows[2:]), ClosedError,
+         "writer is closed"),
     case("TableWriter", "empty", lambda w: w.writer.append(np.zeros((0, 3), BF16))),
     case("TableWriter", "empty", lambda w: TableWriter(w.tmp / "z.ngt", BF16, 0, 3), ValueError,
          "rows must be an int >= 1", detail="new"),

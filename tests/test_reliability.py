@@ -417,7 +417,7 @@ def test_two_layers_interleaved_on_two_streams_equal_sequential_runs(gpu, rng, f
                 for job, stream, w in zip(jobs, streams, want):
                     np.testing.assert_array_equal(job.read(stream), w)
             if fused:
-                assert [len(job.fused._graphs) for job in jobs] == [STEPS, STEPS]
+                assert [job.fused.captured_graphs for job in jobs] == [STEPS, STEPS]
         finally:
             for stream in streams:
                 gpu.destroy_stream(stream)

@@ -19,9 +19,22 @@ pytestmark = pytest.mark.gpu
 TEST_KERNELS = Path(__file__).parent / "kernels"
 
 
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def test_readme_runtime_example_runs(gpu):
+    """The README's "Embedding the runtime" example, run as written: out = 0.5x + 0.5x = x."""
+    text = README.read_text().split("## Embedding the runtime in an engine", 1)[1]
+    code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    assert scope["y"].tobytes() == scope["x"].tobytes()
+    assert scope["inp"].closed and scope["out"].closed
+
+
 @pytest.fixture(scope="module")
 def tgpu(gpu):
-    """A second backend on the same device whose kernel directory holds the test kernels."""
+    """A second backend on the same device, for the test kernels (tests/kernels/)."""
     backend = CudaBackend()
     yield backend
     backend.close()

@@ -1,7 +1,8 @@
 // LoRA token overlays: an adapter replaces some rows of the token embedding and of the LM head.
 // A multi-adapter server keeps one served table and, per adapter slot, only the rows that
-// differ; every token of a batch is routed to its sequence's slot (SPEC "token_overlay.cu",
-// launchers in layers/ops/token_overlay.py, mirroring seed 001).
+// differ; every token of a batch is routed to its sequence's slot. Launchers:
+// layers/ops/token_overlay.py, which follows the seed tests/seeds/ops_token_overlay.rs argument
+// for argument.
 //
 // - embed_rowdiff_bf16: at adapter build, which rows of the adapter's table differ from the
 //   served one (one thread per row).
@@ -109,7 +110,7 @@ __device__ __forceinline__ float dot_word(uint32_t x, uint32_t w, float acc) {
 
 // logits[r, id] = dot(hidden[r, :], rows_tab[s][j, :]) with id = ids_tab[s][j]; one warp per
 // (r = blockIdx.x, j = blockIdx.y), all skip rules warp-uniform. Summation order (the
-// reference, layers/_ref_overlay.lmhead_dot, reproduces it):
+// reference, lmhead_dot in layers/reference.py, reproduces it):
 //   vector path (h % 8 == 0, both rows 16-byte aligned): lane l takes the 8-element chunks
 //     c = l, l + 32, l + 64, ... in that order, adding the 8 products of a chunk in element
 //     order into one fp32 accumulator;

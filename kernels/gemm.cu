@@ -21,7 +21,8 @@
 // Paths (256 threads = 8 warps each), one header each:
 //   small   gemm_small.cuh: m <= 64 (decode), mma.sync with the K loop split across the warps
 //           and a fixed-order reduction; 120 to 192 KB of shared memory.
-//   tiled   gemm_tiled.cuh: mma.sync, CTA tiles 128x256, 128x128 or 64x64 (96, 64 or 32 KB).
+//   tiled   gemm_tiled.cuh: mma.sync, CTA tiles L = 128x256, M = 128x128, S = 64x64 (96, 64,
+//           32 KB).
 //   wgmma   gemm_wgmma.cuh: sm_90a only, CTA tile 128x256 on two warpgroups (193 KB). Without
 //           sm_90a features its entry points run the tiled path instead.
 //   simt    gemm_simt.cuh: one output per thread, fp32 fma chain: the fallback, and a reference on
@@ -32,7 +33,7 @@
 // This file: every size (layers/ops/gemm.py mirrors them; tests/test_gemm.py reads them here),
 // which path a launch runs, and the entry points.
 //
-// Entry points (same signature; the launcher layers/ops/gemm.py mirrors every size constant here):
+// Entry points (same signature):
 //   dense_gemm_bf16_pipelined  the contract's kernel: small for m <= 64, else tiled (config from
 //                              the dynamic shared memory, as dense_gemm_bf16_tiled);
 //   dense_gemm_bf16_small_m    small path for any m (rows in blocks of 64);

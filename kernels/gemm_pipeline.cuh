@@ -86,12 +86,15 @@ struct OperandRows {
 // hand-written loaders this replaced (held by value, NVVM assigns the registers differently).
 template <uint32_t BM, uint32_t BN, class Layout>
 struct TileLoader {
-    static constexpr uint32_t kRowBytes = Layout::kRowBytes;
-    static constexpr uint32_t kK = kRowBytes / 2;  // k per tile
-    static constexpr uint32_t kChunks = kRowBytes / 16;
-    static constexpr uint32_t kRowsPerPass = kThreads / kChunks;
-    static constexpr uint32_t kABytes = BM * kRowBytes;
-    static constexpr uint32_t kStageBytes = (BM + BN) * kRowBytes;
+    // (enumerators: NVRTC would emit static constexpr members as device globals)
+    enum : uint32_t {
+        kRowBytes = Layout::kRowBytes,
+        kK = kRowBytes / 2,  // k per tile
+        kChunks = kRowBytes / 16,
+        kRowsPerPass = kThreads / kChunks,
+        kABytes = BM * kRowBytes,
+        kStageBytes = (BM + BN) * kRowBytes,
+    };
     static_assert(BM % kRowsPerPass == 0 && BN % kRowsPerPass == 0, "tile rows per pass");
 
     // This thread's place in a stage: the first of its rows, its chunk and that chunk's offset.

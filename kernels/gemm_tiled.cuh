@@ -16,7 +16,7 @@ namespace gemm {
 // A stage of the tiled path: 64-byte rows (k 32), 16-byte chunk ch of row r at ch ^ ((r >> 1) & 3).
 // Rows r and r + 64 share the swizzle.
 struct TiledLayout {
-    static constexpr uint32_t kRowBytes = kTileRowBytes;
+    enum : uint32_t { kRowBytes = kTileRowBytes };
     __device__ __forceinline__ static uint32_t offset(uint32_t r, uint32_t ch) {
         return r * kRowBytes + ((ch ^ ((r >> 1) & 3)) << 4);
     }

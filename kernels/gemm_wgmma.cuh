@@ -64,7 +64,7 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t da, u
 // A stage of the wgmma path: 128-byte rows (k 64), 16-byte chunk ch of row r at ch ^ (r & 7): the
 // 128-byte swizzle wgmma expects. Rows r and r + 32 share the swizzle.
 struct WgmmaLayout {
-    static constexpr uint32_t kRowBytes = kWgBK * 2;
+    enum : uint32_t { kRowBytes = kWgBK * 2 };
     __device__ __forceinline__ static uint32_t offset(uint32_t r, uint32_t ch) {
         return r * kRowBytes + ((ch ^ (r & 7)) << 4);
     }

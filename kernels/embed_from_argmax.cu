@@ -1,8 +1,8 @@
 // Embedding gathers: bf16 rows, fp8 rows with a per-row scale, and greedy argmax-then-embed.
 //
-// Memory-bound: one warp copies one row at a time (rows grid-strided over the warps of the grid),
-// through row_copy.cuh (16-byte chunks when dim and the bases allow it, element-wise otherwise:
-// correct for every size).
+// The gathers are memory-bound: one warp copies one row at a time (rows grid-strided over the
+// warps of the grid) through row_copy.cuh: 16-byte chunks when dim and the bases allow it,
+// element-wise otherwise, correct for every size.
 //
 // Nothing here knows a table's row count: ids are validated on the host before a launch.
 #include "row_copy.cuh"

@@ -67,7 +67,7 @@ struct OperandRows {
     }
 
     // Slot i (at dst + i * pitch) <- elements kk .. kk+7 of row i; zeros for a missing row or
-    // kk >= k.
+    // when !kin (kin = kk < k, which the caller computes once for all the rows of a stage).
     template <class Kind>
     __device__ __forceinline__ void load(Kind, uint32_t dst, uint32_t pitch, uint32_t kk, bool kin,
                                          uint32_t k) const {

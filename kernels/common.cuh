@@ -20,6 +20,12 @@ typedef unsigned long long uintptr_t;
 typedef __nv_bfloat16 bf16;
 typedef __nv_fp8_e4m3 fp8;
 
+// The word id of a row written as zeros: ngram_decode.cu gives it to rows of bad input, and
+// gemm.cu's word epilogue (gemm_epilogue.cuh) writes such a row as zeros. An enumerator, not a
+// constexpr variable: with -default-device NVRTC emits every such variable as a device global
+// into every module that includes this header.
+enum : uint32_t { kNoWord = 0xffffffffu };
+
 // True when every pointer given is 16-byte aligned (the vector paths need it).
 __device__ __forceinline__ bool aligned16(const void* a, const void* b) {
     return ((reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(b)) & 15) == 0;

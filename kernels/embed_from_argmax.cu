@@ -1,17 +1,15 @@
 // Embedding gathers: bf16 rows, fp8 rows with a per-row scale, and greedy argmax-then-embed.
 //
-// Memory-bound: one warp copies one row at a time (rows grid-strided over the warps of the
-// grid), lanes take consecutive 16-byte chunks so each warp instruction moves 512 contiguous
-// bytes, and four chunks per lane are loaded before the first store so enough bytes are in
-// flight. The 16-byte path needs dim % 8 == 0 and 16-byte aligned tables and outputs; anything
-// else takes the element-wise path, which is slower but correct for every size.
+// The gathers are memory-bound: one warp copies one row at a time (rows grid-strided over the
+// warps of the grid) through row_copy.cuh: 16-byte chunks when dim and the bases allow it,
+// element-wise otherwise, correct for every size.
 //
 // Nothing here knows a table's row count: ids are validated on the host before a launch.
 #include "row_copy.cuh"
 
 namespace {
 
-using rows::kWarp;
+using row_copy::kWarp;
 
 __device__ __forceinline__ uint32_t global_warp() {
     return (blockIdx.x * blockDim.x + threadIdx.x) / kWarp;
@@ -24,10 +22,11 @@ __device__ __forceinline__ uint32_t lane() { return threadIdx.x % kWarp; }
 // out[i, :] = table[ids[i], :]
 extern "C" __global__ void batched_embed(const uint32_t* ids, const bf16* table, bf16* out,
                                          uint32_t n, uint32_t dim) {
-    const bool vec = rows::bf16_vec(table, out, dim);
+    const bool vec = row_copy::bf16_vec(table, out, dim);
     for (uint32_t row = global_warp(); row < n; row += warp_count()) {
         const uint64_t id = ids[row];
-        rows::copy_bf16_row(table + id * dim, out + static_cast<uint64_t>(row) * dim, dim, vec, lane());
+        row_copy::copy_bf16_row(table + id * dim, out + static_cast<uint64_t>(row) * dim, dim,
+                                vec, row_copy::Warp{lane()});
     }
 }
 
@@ -35,11 +34,12 @@ extern "C" __global__ void batched_embed(const uint32_t* ids, const bf16* table,
 extern "C" __global__ void batched_embed_fp8(const uint32_t* ids, const fp8* table,
                                              const float* row_scale, bf16* out, uint32_t n,
                                              uint32_t dim) {
-    const bool vec = rows::fp8_vec(table, out, dim);
+    const bool vec = row_copy::fp8_vec(table, out, dim);
     for (uint32_t row = global_warp(); row < n; row += warp_count()) {
         const uint64_t id = ids[row];
-        rows::copy_fp8_row(reinterpret_cast<const uint8_t*>(table) + id * dim, __ldg(row_scale + id),
-                           out + static_cast<uint64_t>(row) * dim, dim, vec, lane());
+        row_copy::copy_fp8_row(reinterpret_cast<const uint8_t*>(table) + id * dim,
+                               __ldg(row_scale + id), out + static_cast<uint64_t>(row) * dim, dim,
+                               vec, row_copy::Warp{lane()});
     }
 }
 
@@ -105,13 +105,6 @@ extern "C" __global__ void embed_from_argmax_bf16(const bf16* logits, uint32_t v
     }
     __syncthreads();
     const uint64_t id = chosen;
-    bf16* dst = out + static_cast<uint64_t>(row) * dim;
-    const bf16* src = table + id * dim;
-    if (dim % 8 == 0 && aligned16(table, out)) {
-        const uint4* s = reinterpret_cast<const uint4*>(src);
-        uint4* d = reinterpret_cast<uint4*>(dst);
-        for (uint32_t c = threadIdx.x; c < dim / 8; c += blockDim.x) d[c] = __ldg(s + c);
-    } else {
-        for (uint32_t i = threadIdx.x; i < dim; i += blockDim.x) dst[i] = src[i];
-    }
+    row_copy::copy_bf16_row(table + id * dim, out + static_cast<uint64_t>(row) * dim, dim,
+                            row_copy::bf16_vec(table, out, dim), row_copy::Block{});
 }

@@ -32,7 +32,6 @@ constexpr uint32_t kErrToken = 1;     // a token >= vocab
 constexpr uint32_t kErrSlot = 2;      // a slot >= max_seqs
 constexpr uint32_t kErrSeqlens = 4;   // cu_seqlens not a partition of 0..rows
 constexpr uint32_t kErrRollback = 8;  // a rollback deeper than the history holds
-constexpr uint32_t kNoWord = 0xffffffffu;  // word id of a zeroed row (gemm.cu WordEpilogue)
 
 // Rows [start, end) of sequence s: uniform `per_seq` rows each when cu_seqlens is null.
 struct Span {

@@ -17,7 +17,7 @@
 
 namespace ngram {
 
-using rows::kWarp;
+using row_copy::kWarp;
 constexpr uint32_t kFull = 0xffffffffu;
 constexpr uint32_t kNoToken = 0xffffffffu;  // window entry before the context start
 constexpr uint64_t kCached = 1;             // table descriptor flags bit 0
@@ -68,13 +68,13 @@ __device__ __forceinline__ void copy_table_row(const Table& t, uint32_t id, bf16
                                                uint32_t td, uint32_t lane) {
     if (t.scale == 0) {
         const bf16* table = reinterpret_cast<const bf16*>(t.data);
-        rows::copy_bf16_row(table + static_cast<uint64_t>(id) * td, dst, td,
-                            rows::bf16_vec(table, dst, td), lane);
+        row_copy::copy_bf16_row(table + static_cast<uint64_t>(id) * td, dst, td,
+                                row_copy::bf16_vec(table, dst, td), row_copy::Warp{lane});
     } else {
         const uint8_t* table = reinterpret_cast<const uint8_t*>(t.data);
-        rows::copy_fp8_row(table + static_cast<uint64_t>(id) * td,
-                           __ldg(reinterpret_cast<const float*>(t.scale) + id), dst, td,
-                           rows::fp8_vec(table, dst, td), lane);
+        row_copy::copy_fp8_row(table + static_cast<uint64_t>(id) * td,
+                               __ldg(reinterpret_cast<const float*>(t.scale) + id), dst, td,
+                               row_copy::fp8_vec(table, dst, td), row_copy::Warp{lane});
     }
 }
 

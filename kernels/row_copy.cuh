@@ -1,17 +1,32 @@
-// One warp copies one table row: the gathers of embed_from_argmax.cu and ngram_fused.cu.
+// Every row copy of kernels/: a row of a table (or of a staging buffer) into an output row.
 //
-// Lanes take consecutive 16-byte chunks, so each warp instruction moves 512 contiguous bytes,
-// and four chunks per lane are loaded before the first store so enough bytes are in flight.
-// The vector paths need dim % 8 == 0 and aligned table and output bases (bf16: 16 bytes both;
-// fp8: 8-byte table, 16-byte output); anything else copies element by element. fp8 rows are
-// dequantised as bf16(f32(e4m3) * scale): one f32 product (no FMA), one rounding to bf16, as
-// layers/reference.py reproduces.
+// A team of threads copies one row: a Warp (the gathers of embed_from_argmax.cu, ngram_fused.cu
+// and ngram_decode.cu, and row_cache.cu's scatter), or a whole Block (embed_from_argmax_bf16 and
+// token_overlay.cu's embed_overlay_routed_bf16). Threads take consecutive 16-byte chunks, so each
+// warp instruction moves 512 contiguous bytes; a warp loads four chunks per lane before the first
+// store so enough bytes are in flight. The vector paths need a row size of a multiple of 16 bytes
+// and aligned table and output bases (bf16: 16 bytes both; fp8: 8-byte table, 16-byte output);
+// anything else copies element by element. fp8 rows are dequantised as bf16(f32(e4m3) * scale):
+// one f32 product (no FMA), one rounding to bf16, as layers/reference.py's dequant_fp8 does.
+// Every load goes through the read-only path (__ldg): no kernel writes the rows it copies from.
 #pragma once
 #include "common.cuh"
 
-namespace rows {
+namespace row_copy {
 
 constexpr uint32_t kWarp = 32;
+
+// The threads that copy one row together, and how: first() is this thread's first item, stride()
+// the team's size.
+struct Warp {
+    uint32_t lane;
+    __device__ __forceinline__ uint32_t first() const { return lane; }
+    __device__ __forceinline__ uint32_t stride() const { return kWarp; }
+};
+struct Block {
+    __device__ __forceinline__ uint32_t first() const { return threadIdx.x; }
+    __device__ __forceinline__ uint32_t stride() const { return blockDim.x; }
+};
 
 __device__ __forceinline__ bool bf16_vec(const void* table, const void* out, uint32_t dim) {
     return dim % 8 == 0 && aligned16(table, out);
@@ -20,12 +35,26 @@ __device__ __forceinline__ bool fp8_vec(const void* table, const void* out, uint
     return dim % 8 == 0 && (reinterpret_cast<uintptr_t>(table) & 7) == 0 &&
            (reinterpret_cast<uintptr_t>(out) & 15) == 0;
 }
+__device__ __forceinline__ bool bytes_vec(const void* table, const void* out, uint32_t bytes) {
+    return bytes % 16 == 0 && aligned16(table, out);
+}
 
-// Copy `count` items of type V from src to dst, one warp, four loads in flight per lane.
+// dst[i] = src[i] for i < count, item i by the team's thread i % stride.
+template <typename V, class Team>
+__device__ __forceinline__ void strided_copy(const V* src, V* dst, uint32_t count, Team team) {
+    for (uint32_t i = team.first(); i < count; i += team.stride()) dst[i] = __ldg(src + i);
+}
+
+// The 16-byte chunks of a row: a block in one strided pass; a warp with four loads in flight
+// per lane.
 template <typename V>
-__device__ __forceinline__ void warp_copy(const V* __restrict__ src, V* __restrict__ dst,
-                                          uint32_t count, uint32_t lane) {
-    uint32_t i = lane;
+__device__ __forceinline__ void vector_copy(const V* src, V* dst, uint32_t count, Block team) {
+    strided_copy(src, dst, count, team);
+}
+template <typename V>
+__device__ __forceinline__ void vector_copy(const V* __restrict__ src, V* __restrict__ dst,
+                                            uint32_t count, Warp team) {
+    uint32_t i = team.lane;
     for (; i + 3 * kWarp < count; i += 4 * kWarp) {
         V a = __ldg(src + i), b = __ldg(src + i + kWarp);
         V c = __ldg(src + i + 2 * kWarp), d = __ldg(src + i + 3 * kWarp);
@@ -35,6 +64,26 @@ __device__ __forceinline__ void warp_copy(const V* __restrict__ src, V* __restri
         dst[i + 3 * kWarp] = d;
     }
     for (; i < count; i += kWarp) dst[i] = __ldg(src + i);
+}
+
+// dst[0:count] = src[0:count], elements E (bf16 bits or bytes): 16-byte chunks when `vec` (from
+// bf16_vec / bytes_vec of the table and output bases), one element per item otherwise.
+template <typename E, class Team>
+__device__ __forceinline__ void copy_row(const void* src, void* dst, uint32_t count, bool vec,
+                                         Team team) {
+    if (vec) {
+        vector_copy(static_cast<const uint4*>(src), static_cast<uint4*>(dst),
+                    count / (16 / sizeof(E)), team);
+    } else {
+        strided_copy(static_cast<const E*>(src), static_cast<E*>(dst), count, team);
+    }
+}
+
+// dst[0:dim] = src[0:dim]; `vec` from bf16_vec of the table and output bases.
+template <class Team>
+__device__ __forceinline__ void copy_bf16_row(const bf16* src, bf16* dst, uint32_t dim, bool vec,
+                                              Team team) {
+    copy_row<uint16_t>(src, dst, dim, vec, team);
 }
 
 __device__ __forceinline__ bf16 dequant(uint8_t bits, float scale) {
@@ -57,21 +106,10 @@ __device__ __forceinline__ uint4 dequant8(uint2 q, float s) {
     return r;
 }
 
-// dst[0:dim] = src[0:dim]; `vec` from bf16_vec of the table and output bases.
-__device__ __forceinline__ void copy_bf16_row(const bf16* src, bf16* dst, uint32_t dim, bool vec,
-                                              uint32_t lane) {
-    if (vec) {
-        warp_copy(reinterpret_cast<const uint4*>(src), reinterpret_cast<uint4*>(dst), dim / 8, lane);
-    } else {
-        const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
-        uint16_t* d = reinterpret_cast<uint16_t*>(dst);
-        for (uint32_t i = lane; i < dim; i += kWarp) d[i] = __ldg(s + i);
-    }
-}
-
-// dst[j] = bf16(f32(src[j]) * scale); `vec` from fp8_vec of the table and output bases.
+// dst[j] = bf16(f32(src[j]) * scale), one warp; `vec` from fp8_vec of the table and output bases.
 __device__ __forceinline__ void copy_fp8_row(const uint8_t* src, float scale, bf16* dst,
-                                             uint32_t dim, bool vec, uint32_t lane) {
+                                             uint32_t dim, bool vec, Warp team) {
+    const uint32_t lane = team.lane;
     if (vec) {
         const uint2* s = reinterpret_cast<const uint2*>(src);
         uint4* d = reinterpret_cast<uint4*>(dst);
@@ -88,4 +126,4 @@ __device__ __forceinline__ void copy_fp8_row(const uint8_t* src, float scale, bf
     }
 }
 
-}  // namespace rows
+}  // namespace row_copy

@@ -1,7 +1,8 @@
 // LoRA token overlays: an adapter replaces some rows of the token embedding and of the LM head.
 // A multi-adapter server keeps one served table and, per adapter slot, only the rows that
-// differ; every token of a batch is routed to its sequence's slot (SPEC "token_overlay.cu",
-// launchers in layers/ops/token_overlay.py, mirroring seed 001).
+// differ; every token of a batch is routed to its sequence's slot. Launchers:
+// layers/ops/token_overlay.py, which follows the seed tests/seeds/ops_token_overlay.rs argument
+// for argument.
 //
 // - embed_rowdiff_bf16: at adapter build, which rows of the adapter's table differ from the
 //   served one (one thread per row).
@@ -14,7 +15,7 @@
 // slot". The kernels have no slot count: the host (OverlaySlots) guarantees every slot index
 // they read is < the number of slots.
 
-#include "common.cuh"
+#include "row_copy.cuh"
 
 namespace {
 
@@ -71,8 +72,8 @@ extern "C" __global__ void embed_rowdiff_bf16(const bf16* base, const bf16* serv
 // One block per token row r (grid [num_tokens]); the block-uniform skip rules, in the seed's
 // order: s = seq_slot ? seq_slot[r] : active; skip s < 0; skip a null slot_map_tab[s] (or a
 // null rows_tab[s]); skip ids[r] >= vocab; slot = slot_map_tab[s][ids[r]]; skip slot < 0 or
-// slot >= n_tab[s]. The copy is bit for bit: 16-byte vectors when h % 8 == 0 and both rows are
-// 16-byte aligned, 2-byte elements otherwise.
+// slot >= n_tab[s]. The copy is bit for bit (row_copy.cuh, the whole block): 16-byte vectors when
+// h % 8 == 0 and both rows are 16-byte aligned, 2-byte elements otherwise.
 extern "C" __global__ void embed_overlay_routed_bf16(const uint32_t* ids, const int32_t* seq_slot,
                                                      int32_t active,
                                                      const int32_t* const* slot_map_tab,
@@ -92,16 +93,7 @@ extern "C" __global__ void embed_overlay_routed_bf16(const uint32_t* ids, const 
 
     const bf16* src = rows + size_t(slot) * h;
     bf16* dst = out + size_t(r) * h;
-    if ((h & 7u) == 0 && aligned16(src, dst)) {
-        const uint4* s4 = reinterpret_cast<const uint4*>(src);
-        uint4* d4 = reinterpret_cast<uint4*>(dst);
-        const uint32_t nvec = h >> 3;
-        for (uint32_t v = threadIdx.x; v < nvec; v += blockDim.x) d4[v] = __ldg(s4 + v);
-    } else {
-        const uint16_t* s2 = reinterpret_cast<const uint16_t*>(src);
-        uint16_t* d2 = reinterpret_cast<uint16_t*>(dst);
-        for (uint32_t i = threadIdx.x; i < h; i += blockDim.x) d2[i] = __ldg(s2 + i);
-    }
+    row_copy::copy_bf16_row(src, dst, h, row_copy::bf16_vec(src, dst, h), row_copy::Block{});
 }
 
 namespace {
@@ -118,7 +110,7 @@ __device__ __forceinline__ float dot_word(uint32_t x, uint32_t w, float acc) {
 
 // logits[r, id] = dot(hidden[r, :], rows_tab[s][j, :]) with id = ids_tab[s][j]; one warp per
 // (r = blockIdx.x, j = blockIdx.y), all skip rules warp-uniform. Summation order (the
-// reference, layers/_ref_overlay.lmhead_dot, reproduces it):
+// reference, lmhead_dot in layers/reference.py, reproduces it):
 //   vector path (h % 8 == 0, both rows 16-byte aligned): lane l takes the 8-element chunks
 //     c = l, l + 32, l + 64, ... in that order, adding the 8 products of a chunk in element
 //     order into one fp32 accumulator;

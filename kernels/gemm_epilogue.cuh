@@ -1,0 +1,92 @@
+// Part of gemm.cu (included after its sizes): the epilogues (the fp32 value each accumulator
+// becomes just before its one bf16 rounding) and the stores of c that apply them.
+//
+// ep.row(row, m) gives the row's epilogue, taken once per output row a thread stores (hoisted out
+// of the column loops); for row >= m it is a harmless dummy that is never applied. Its
+// apply(col, v) maps one element, apply2(col, v0, v1) the pair (col, col + 1) of a vector store
+// (n even, col even, so col + 1 < n). Everything is inlined into every path's store, so a path is
+// written once and instantiated per epilogue; the plain one compiles to the code it replaced.
+#pragma once
+#include "gemm_common.cuh"
+
+namespace gemm {
+
+struct PlainEpilogue {
+    struct Row {
+        __device__ __forceinline__ float apply(uint32_t, float v) const { return v; }
+        __device__ __forceinline__ void apply2(uint32_t, float&, float&) const {}
+    };
+    __device__ __forceinline__ Row row(uint64_t, uint32_t) const { return Row{}; }
+};
+
+// (acc + float(word[word_ids[row] * n + col])) * scale: fp32 add, fp32 multiply, no contraction.
+// A word id of kNoWord writes the row as zeros (ngram_decode.cu's rows of bad input).
+struct WordEpilogue {
+    const uint32_t* ids;
+    const bf16* word;  // [vocab, n] row-major
+    uint32_t n;
+    float scale;
+    bool pairs;  // word 4-byte aligned: with n and col even, a pair is one 4-byte load
+
+    struct Row {
+        const bf16* p;  // word row word_ids[row]; null for kNoWord: the row is written as zeros
+        float scale;
+        bool pairs;
+        __device__ __forceinline__ float add(float v, bf16 x) const {
+            return __fmul_rn(__fadd_rn(v, __bfloat162float(x)), scale);
+        }
+        __device__ __forceinline__ float apply(uint32_t col, float v) const {
+            return p == nullptr ? 0.0f : add(v, __ldg(p + col));
+        }
+        __device__ __forceinline__ void apply2(uint32_t col, float& v0, float& v1) const {
+            if (p == nullptr) {
+                v0 = v1 = 0.0f;
+            } else if (pairs) {
+                const __nv_bfloat162 x = __ldg(reinterpret_cast<const __nv_bfloat162*>(p + col));
+                v0 = add(v0, x.x);
+                v1 = add(v1, x.y);
+            } else {
+                v0 = add(v0, __ldg(p + col));
+                v1 = add(v1, __ldg(p + col + 1));
+            }
+        }
+    };
+    __device__ __forceinline__ Row row(uint64_t r, uint32_t m) const {
+        const uint32_t id = r < m ? __ldg(ids + r) : 0u;  // word_ids has m entries
+        return Row{id == kNoWord ? nullptr : word + static_cast<uint64_t>(id) * n, scale, pairs};
+    }
+};
+
+__device__ __forceinline__ WordEpilogue word_epilogue(const uint32_t* ids, const bf16* word,
+                                                      uint32_t n, float scale) {
+    return WordEpilogue{ids, word, n, scale, (reinterpret_cast<uintptr_t>(word) & 3) == 0};
+}
+
+// c[row, col] and c[row, col + 1] (the second only while < n), through the row's epilogue `er`
+// (ep.row(row, m)), rounded once.
+template <class Row>
+__device__ __forceinline__ void store_pair(bf16* c, uint64_t row, uint32_t col, uint32_t n,
+                                           float v0, float v1, bool vec, const Row& er) {
+    if (col >= n) return;
+    bf16* p = c + row * n + col;
+    if (vec) {  // n even and col even: col + 1 < n, and p is 4-byte aligned
+        er.apply2(col, v0, v1);
+        *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(v0, v1);
+    } else {
+        p[0] = __float2bfloat16_rn(er.apply(col, v0));
+        if (col + 1 < n) p[1] = __float2bfloat16_rn(er.apply(col + 1, v1));
+    }
+}
+
+// The four accumulators of an m16n8 fragment that a thread holds, the layout of mma.sync's and
+// wgmma's fp32 results: v0, v1 at (row, col), (row, col + 1) and v2, v3 at row + 8; e0 and e8
+// are the epilogues of rows row and row + 8. Rows >= m are not stored.
+template <class Row>
+__device__ __forceinline__ void store_fragment(bf16* c, uint32_t row, uint32_t col, uint32_t m,
+                                               uint32_t n, float v0, float v1, float v2, float v3,
+                                               bool vec, const Row& e0, const Row& e8) {
+    if (row < m) store_pair(c, row, col, n, v0, v1, vec, e0);
+    if (row + 8 < m) store_pair(c, row + 8, col, n, v2, v3, vec, e8);
+}
+
+}  // namespace gemm

@@ -11,7 +11,6 @@ the host's launch rate is not in them.
 
 Columns: rows per call; host us / device us; host/device; GB/s of row bytes gathered per second
 from each; the pinned host-to-device copy rate (one 256 MiB DMA) is printed as PCIe's ceiling.
-from layers.kernel_files import load_kernel
 Expected (the issue's numbers): 16 rows about 1.2x the device gather (latency-bound: one PCIe
 round trip), 1024 rows about 2.5x; a prefill-sized gather (65536 rows) runs at a fraction of the
 PCIe copy rate (random 512-byte reads, not one DMA stream).
@@ -25,6 +24,7 @@ import numpy as np
 
 from bench.common import gated_gpu_us, gpu_time_ms, print_table
 from gpu_runtime import CudaBackend
+from layers.kernel_files import load_kernel
 from layers.ops.embed import batched_embed
 
 DIM = 256

@@ -14,7 +14,6 @@ copy at the end; the first CHECK steps are compared with a numpy re-run of the l
 
 import sys
 from pathlib import Path
-from layers.kernel_files import load_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
@@ -23,6 +22,7 @@ import numpy as np  # noqa: E402
 from gpu_runtime import CudaBackend, DeviceArray  # noqa: E402
 from layers import reference as ref  # noqa: E402
 from layers.ngram_embed import NgramDims, NgramEmbedding  # noqa: E402
+from layers.kernel_files import load_kernel  # noqa: E402
 from layers.ngram_embed.decoder import NgramDecoder  # noqa: E402
 from layers.ops.embed import embed_from_argmax  # noqa: E402
 from layers.ops.gemm import dense_gemm_bf16_pipelined  # noqa: E402

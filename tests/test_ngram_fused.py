@@ -119,6 +119,7 @@ def test_fused_rounds_less_than_the_seed_path(gpu, rng, n, k, kinds):
         ctx = rng.integers(0, vocab, int(rng.integers(100, 400)))
         if dims.eos_id is not None:
             ctx[rng.random(ctx.size) < 0.05] = dims.eos_id
+        flips = values = 0  # rounding flips against the fused reference, over all three calls
         for seq_len in (1, 17, 80):
             h = dims.hidden_size
             got = run_on_poisoned(gpu, rng, lambda o: fused.embed(ctx, seq_len, o, gpu, 0), seq_len, h)
@@ -129,10 +130,13 @@ def test_fused_rounds_less_than_the_seed_path(gpu, rng, n, k, kinds):
             # Against the fused reference: the fp32 sum's order may flip the final rounding.
             g, w = got.astype(np.float64), want.astype(np.float64)
             ulp = np.maximum(np.abs(w), np.abs(ideal)) * 2.0**-7 + 1e-6
-            assert (np.abs(g - w) <= ulp).all() and (bits(got) != bits(want)).mean() < 0.02
+            assert (np.abs(g - w) <= ulp).all()
+            flips, values = flips + int((bits(got) != bits(want)).sum()), values + got.size
             # Against the seed-faithful path: within its T + 1 roundings.
             row = np.abs(ideal).max(axis=1, keepdims=True) * 2.0**-8
             assert (np.abs(g - seed.astype(np.float64)) <= (dims.num_tables() + 2) * row).all()
+        # Rare: one output in forty of a 1 x 40 call would be 2.5%, so the rate is over all calls.
+        assert flips < 0.02 * values, (flips, values)
     finally:
         fused.close()
         free_layer(layer)

@@ -329,6 +329,7 @@ def test_two_threads_with_their_own_streams(tgpu, rng):
 def test_closed_backend_refuses_and_close_is_idempotent(gpu):
     backend = CudaBackend()
     ptr = backend.alloc(1024)
+    backend.memset(ptr, 0, 1024)  # the kernel reads it (initcheck)
     k = backend.kernel(TEST_KERNELS / "runtime_test.cu", "add_u32")
     ADD_U32.launch(backend, k, (1, 1, 1), (32, 1, 1), 0, dst=ptr, src=ptr, add=1, n=1)
     backend.close()

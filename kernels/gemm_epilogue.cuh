@@ -79,14 +79,14 @@ __device__ __forceinline__ void store_pair(bf16* c, uint64_t row, uint32_t col, 
 }
 
 // The four accumulators of an m16n8 fragment that a thread holds, the layout of mma.sync's and
-// wgmma's fp32 results: v0, v1 at (row, col), (row, col + 1) and v2, v3 at row + 8; e0 and e8
-// are the epilogues of rows row and row + 8. Rows >= m are not stored.
+// wgmma's fp32 results: v[0], v[1] at (row, col), (row, col + 1) and v[2], v[3] at row + 8; e0
+// and e8 are the epilogues of rows row and row + 8. Rows >= m are not stored.
 template <class Row>
 __device__ __forceinline__ void store_fragment(bf16* c, uint32_t row, uint32_t col, uint32_t m,
-                                               uint32_t n, float v0, float v1, float v2, float v3,
-                                               bool vec, const Row& e0, const Row& e8) {
-    if (row < m) store_pair(c, row, col, n, v0, v1, vec, e0);
-    if (row + 8 < m) store_pair(c, row + 8, col, n, v2, v3, vec, e8);
+                                               uint32_t n, const float* v, bool vec, const Row& e0,
+                                               const Row& e8) {
+    if (row < m) store_pair(c, row, col, n, v[0], v[1], vec, e0);
+    if (row + 8 < m) store_pair(c, row + 8, col, n, v[2], v[3], vec, e8);
 }
 
 }  // namespace gemm

@@ -4,7 +4,8 @@
 //   load_slot      one 16-byte slot <- elements kk .. kk+7 of a K-major row: fast loads are one
 //                  cp.async (zero-filled past the edges), slow loads eight bounds-checked scalar
 //                  loads stored to the same slot, so the compute code is shared;
-//   OperandRows    the rows of one operand a thread copies, each checked once per work item;
+//   row_sources    the rows of one operand a thread copies, each checked once per work item, and
+//   load_rows      a stage's 16-byte slots of them;
 //   TileLoader     the stage loader of the tiled and wgmma paths (a CTA tile's rows of a and w);
 //   CpAsyncRing    the multi-stage pipeline each path's K loop runs: kStages shared-memory stages,
 //                  filled kAhead k-tiles ahead of the one being consumed.
@@ -48,42 +49,39 @@ __device__ __forceinline__ void load_slot(uint32_t dst, const bf16* row, bool ok
     }
 }
 
-// The kRows rows row0, row0 + stride, ... of a K-major [rows, k] operand that one thread copies,
-// and whether each exists (a missing row points at row 0 with a zero-fill predicate, so no load
-// reads past the operand).
+// The kRows rows row0, row0 + stride, ... of a K-major [rows, k] operand that one thread copies:
+// src[i] the row, ok[i] whether it exists (a missing row points at row 0 with a zero-fill
+// predicate, so no load reads past the operand). Arrays of the caller, not members of a struct:
+// NVVM then allocates registers as it did for the hand-written loaders.
 template <uint32_t kRows>
-struct OperandRows {
-    const bf16* src[kRows];
-    bool ok[kRows];
-
-    __device__ __forceinline__ OperandRows(const bf16* base, uint32_t row0, uint32_t stride,
-                                           uint32_t rows, uint32_t k) {
+__device__ __forceinline__ void row_sources(const bf16* base, uint32_t row0, uint32_t stride,
+                                            uint32_t rows, uint32_t k, const bf16* (&src)[kRows],
+                                            bool (&ok)[kRows]) {
 #pragma unroll
-        for (uint32_t i = 0; i < kRows; ++i) {
-            const uint32_t r = row0 + i * stride;
-            ok[i] = r < rows;
-            src[i] = base + static_cast<uint64_t>(ok[i] ? r : 0) * k;
-        }
+    for (uint32_t i = 0; i < kRows; ++i) {
+        const uint32_t r = row0 + i * stride;
+        ok[i] = r < rows;
+        src[i] = base + static_cast<uint64_t>(ok[i] ? r : 0) * k;
     }
+}
 
-    // Slot i (at dst + i * pitch) <- elements kk .. kk+7 of row i; zeros for a missing row or
-    // when !kin (kin = kk < k, which the caller computes once for all the rows of a stage).
-    template <class Kind>
-    __device__ __forceinline__ void load(Kind, uint32_t dst, uint32_t pitch, uint32_t kk, bool kin,
-                                         uint32_t k) const {
+// Slot i (at dst + i * pitch) <- elements kk .. kk+7 of row src[i]; zeros for a missing row or
+// when !kin (kin = kk < k, which the caller computes once for all the rows of a stage).
+template <class Kind, uint32_t kRows>
+__device__ __forceinline__ void load_rows(Kind, const bf16* const (&src)[kRows],
+                                          const bool (&ok)[kRows], uint32_t dst, uint32_t pitch,
+                                          uint32_t kk, bool kin, uint32_t k) {
 #pragma unroll
-        for (uint32_t i = 0; i < kRows; ++i)
-            load_slot<Kind::value>(dst + i * pitch, src[i], ok[i] && kin, kk, k);
-    }
-};
+    for (uint32_t i = 0; i < kRows; ++i)
+        load_slot<Kind::value>(dst + i * pitch, src[i], ok[i] && kin, kk, k);
+}
 
 // The stage loader of the tiled and wgmma paths: k-tile kt of the CTA tile at (m0, n0), BM rows
 // of a and BN rows of w, into one stage (the a rows, then the w rows, Layout::kRowBytes each,
 // 16-byte chunk ch of row r at byte Layout::offset(r, ch)). Thread tid copies chunk
 // tid % kChunks of rows tid / kChunks + kRowsPerPass * i; the layout gives those rows the same
 // swizzle, so one offset (slot(tid), taken once per thread) serves every pass. The tile's rows are
-// the caller's ARows and WRows, made per tile: held by reference, they compile to the code of the
-// hand-written loaders this replaced (held by value, NVVM assigns the registers differently).
+// the caller's arrays (row_sources per tile), held by reference.
 template <uint32_t BM, uint32_t BN, class Layout>
 struct TileLoader {
     // (enumerators: NVRTC would emit static constexpr members as device globals)
@@ -94,6 +92,8 @@ struct TileLoader {
         kRowsPerPass = kThreads / kChunks,
         kABytes = BM * kRowBytes,
         kStageBytes = (BM + BN) * kRowBytes,
+        kALoads = BM / kRowsPerPass,  // rows of a, and of w, per thread
+        kBLoads = BN / kRowsPerPass,
     };
     static_assert(BM % kRowsPerPass == 0 && BN % kRowsPerPass == 0, "tile rows per pass");
 
@@ -106,10 +106,10 @@ struct TileLoader {
         return Slot{row, ch, Layout::offset(row, ch)};
     }
 
-    using ARows = OperandRows<BM / kRowsPerPass>;
-    using WRows = OperandRows<BN / kRowsPerPass>;
-    const ARows& a_rows;
-    const WRows& w_rows;
+    const bf16* const (&a_src)[kALoads];  // this tile's rows (row_sources from slot().row)
+    const bool (&a_ok)[kALoads];
+    const bf16* const (&w_src)[kBLoads];
+    const bool (&w_ok)[kBLoads];
     uint32_t base;  // shared-memory address of stage 0
     Slot me;
     uint32_t k;
@@ -120,8 +120,8 @@ struct TileLoader {
             const uint32_t kk = kt * kK + me.ch * 8;
             const bool kin = kk < k;
             const uint32_t sa = base + stage * kStageBytes + me.off, sb = sa + kABytes;
-            a_rows.load(kind, sa, kRowsPerPass * kRowBytes, kk, kin, k);
-            w_rows.load(kind, sb, kRowsPerPass * kRowBytes, kk, kin, k);
+            load_rows(kind, a_src, a_ok, sa, kRowsPerPass * kRowBytes, kk, kin, k);
+            load_rows(kind, w_src, w_ok, sb, kRowsPerPass * kRowBytes, kk, kin, k);
         });
     }
 };

@@ -44,16 +44,22 @@ __device__ __forceinline__ void small_m_gemm(const bf16* a, const bf16* w, bf16*
     for (uint64_t item = block_rank(); item < items; item += grid_blocks()) {
         const uint32_t col0 = static_cast<uint32_t>(item % slices) * kSmallCols;
         const uint32_t row0 = static_cast<uint32_t>(item / slices) * kSmallMaxRows;
-        const OperandRows<kSmallWPieces> w_rows(w, col0 + g, 8, n, k);
-        const OperandRows<NT> a_rows(a, row0 + g, 8, m, k);
+        const bf16* wsrc[kSmallWPieces];
+        bool wok[kSmallWPieces];
+        row_sources(w, col0 + g, 8, n, k, wsrc, wok);
+        const bf16* asrc[NT];
+        bool aok[NT];
+        row_sources(a, row0 + g, 8, m, k, asrc, aok);
         // parts: 1 = the w pieces of a stage, 2 = its a pieces, 3 = both.
         auto load = [&](uint32_t stage, uint32_t i, uint32_t parts = 3) {
             with_load_kind(fast, [&](auto kind) {
                 const uint32_t kk = (warp + i * kWarps) * kSmallChunk + 8 * t;
                 const bool kin = kk < k;
                 const uint32_t dst = ring + stage * kStageBytes;
-                if (parts & 1) w_rows.load(kind, dst, kPieceBytes, kk, kin, k);
-                if (parts & 2) a_rows.load(kind, dst + kSmallWPieces * kPieceBytes, kPieceBytes, kk, kin, k);
+                if (parts & 1) load_rows(kind, wsrc, wok, dst, kPieceBytes, kk, kin, k);
+                if (parts & 2)
+                    load_rows(kind, asrc, aok, dst + kSmallWPieces * kPieceBytes, kPieceBytes, kk,
+                              kin, k);
             });
         };
 

@@ -29,7 +29,8 @@ __device__ __forceinline__ void tiled_gemm(const bf16* a, const bf16* w, bf16* c
     constexpr uint32_t WM = BM / 2, WN = BN / 4;      // warp tile: warps 2 (M) x 4 (N)
     constexpr uint32_t MT = WM / 16, NT = WN / 8;     // mma tiles per warp
     static_assert(NT % 2 == 0, "tile config");
-    static_assert(Loader::kK == kTileK && kTileStages * Loader::kStageBytes == tile_smem_bytes<BM, BN>(),
+    static_assert(Loader::kK == kTileK, "a stage holds one k-tile");
+    static_assert(kTileStages * Loader::kStageBytes == tile_smem_bytes<BM, BN>(),
                   "the loader's stages are the ones tile_smem_bytes counts");
 
     const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -47,9 +48,13 @@ __device__ __forceinline__ void tiled_gemm(const bf16* a, const bf16* w, bf16* c
         uint64_t tm, tn;
         grouped_tile(tile, tiles_m, tiles_n, tm, tn);
         const uint32_t m0 = static_cast<uint32_t>(tm) * BM, n0 = static_cast<uint32_t>(tn) * BN;
-        const typename Loader::ARows a_rows(a, m0 + slot.row, Loader::kRowsPerPass, m, k);
-        const typename Loader::WRows w_rows(w, n0 + slot.row, Loader::kRowsPerPass, n, k);
-        const Loader load{a_rows, w_rows, base, slot, k, fast};
+        const bf16* asrc[Loader::kALoads];
+        bool aok[Loader::kALoads];
+        row_sources(a, m0 + slot.row, Loader::kRowsPerPass, m, k, asrc, aok);
+        const bf16* wsrc[Loader::kBLoads];
+        bool wok[Loader::kBLoads];
+        row_sources(w, n0 + slot.row, Loader::kRowsPerPass, n, k, wsrc, wok);
+        const Loader load{asrc, aok, wsrc, wok, base, slot, k, fast};
 
         float acc[MT][NT][4];
 #pragma unroll
@@ -102,8 +107,7 @@ __device__ __forceinline__ void tiled_gemm(const bf16* a, const bf16* w, bf16* c
             const auto e0 = ep.row(row, m), e8 = ep.row(row + 8, m);
 #pragma unroll
             for (uint32_t nt = 0; nt < NT; ++nt)
-                store_fragment(c, row, n0 + wn * WN + nt * 8 + 2 * t, m, n, acc[mt][nt][0],
-                               acc[mt][nt][1], acc[mt][nt][2], acc[mt][nt][3], vec, e0, e8);
+                store_fragment(c, row, n0 + wn * WN + nt * 8 + 2 * t, m, n, acc[mt][nt], vec, e0, e8);
         }
     }
 }

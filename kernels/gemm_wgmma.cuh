@@ -95,9 +95,13 @@ __device__ __forceinline__ void wgmma_gemm(const bf16* a, const bf16* w, bf16* c
         uint64_t tm, tn;
         grouped_tile(tile, tiles_m, tiles_n, tm, tn);
         const uint32_t m0 = static_cast<uint32_t>(tm) * kWgBM, n0 = static_cast<uint32_t>(tn) * kWgBN;
-        const typename Loader::ARows a_rows(a, m0 + slot.row, Loader::kRowsPerPass, m, k);
-        const typename Loader::WRows w_rows(w, n0 + slot.row, Loader::kRowsPerPass, n, k);
-        const Loader load{a_rows, w_rows, base, slot, k, fast};
+        const bf16* asrc[Loader::kALoads];
+        bool aok[Loader::kALoads];
+        row_sources(a, m0 + slot.row, Loader::kRowsPerPass, m, k, asrc, aok);
+        const bf16* wsrc[Loader::kBLoads];
+        bool wok[Loader::kBLoads];
+        row_sources(w, n0 + slot.row, Loader::kRowsPerPass, n, k, wsrc, wok);
+        const Loader load{asrc, aok, wsrc, wok, base, slot, k, fast};
 
         float d[128];
 #pragma unroll
@@ -130,8 +134,7 @@ __device__ __forceinline__ void wgmma_gemm(const bf16* a, const bf16* w, bf16* c
         const auto e0 = ep.row(row, m), e8 = ep.row(row + 8, m);
 #pragma unroll
         for (uint32_t j = 0; j < kWgBN / 8; ++j)
-            store_fragment(c, row, n0 + 8 * j + 2 * t, m, n, d[4 * j], d[4 * j + 1], d[4 * j + 2],
-                           d[4 * j + 3], vec, e0, e8);
+            store_fragment(c, row, n0 + 8 * j + 2 * t, m, n, d + 4 * j, vec, e0, e8);
     }
 }
 

@@ -19,7 +19,7 @@ import pytest
 from layers import safetensors_io
 from layers.ngram_embed import (CheckpointError, DeviceBudget, NgramCheckpoint, NgramDims, NgramEmbedding,
                                 NgramTable)
-from layers.ngram_embed.checkpoint import resolve_placement
+from layers.ngram_embed.pretrained import resolve_placement
 from layers.ngram_embed.decoder import NgramDecoder
 from layers.ngram_embed.fused import FusedNgramEmbedding
 from layers.weight_map import BF16

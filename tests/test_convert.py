@@ -24,7 +24,7 @@ import pytest
 
 from layers import reference as ref
 from layers.ngram_embed import CheckpointError, NgramEmbedding, NgramTable, TableFile
-from layers.ngram_embed.checkpoint import MANIFEST
+from layers.ngram_embed.table_manifest import MANIFEST
 from layers.ngram_embed.convert import NonFiniteRow, VerifyError, convert, main, quantize_fp8_rows, verify_tables
 from layers.ngram_embed.decoder import NgramDecoder
 from layers.ngram_embed.row_cache import RowCache

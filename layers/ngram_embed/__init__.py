@@ -4,7 +4,8 @@ the disk-backed tables (``RowCache`` over a table file), the host-memory tables
 (``NgramEmbedding.from_pretrained``, ``checkpoint``; table files from ``python -m
 layers.ngram_embed.convert``)."""
 
-from .checkpoint import CheckpointError, DeviceBudget, NgramCheckpoint
+from .checkpoint import CheckpointError, NgramCheckpoint
+from .pretrained import DeviceBudget
 from .dims import NgramDims
 from .embedding import NgramEmbedding
 from .host_table import HostWeight

@@ -1,5 +1,6 @@
-"""LongCat-Flash-Lite-style Hugging Face model folders: the n-gram embedding's config, tensors and
-table files, validated before anything is uploaded (``NgramEmbedding.from_pretrained``).
+"""LongCat-Flash-Lite-style Hugging Face model folders: the n-gram embedding's config and tensors,
+validated before anything is uploaded (``NgramEmbedding.from_pretrained``; the converter's table
+files are checked in ``table_manifest``, the layer is placed and built in ``pretrained``).
 
 What the published model code does (read through the project's code index)
 ==========================================================================
@@ -99,21 +100,13 @@ from typing import Any, Sequence
 import ml_dtypes
 import numpy as np
 
-from gpu_runtime import validate
-
 from .. import safetensors_io
-from ..weight_map import BF16, FP8, DenseWeight
+from ..weight_map import BF16
 from .dims import NgramDims
-from .embedding import placements
-from .host_table import HostWeight
-from .table_file import TableFile, TableFormatError
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-MANIFEST = "ngram_tables.json"  # written by layers.ngram_embed.convert into its OUT_DIR
-MANIFEST_FORMAT = "metrale-ngram-tables"
-MANIFEST_VERSION = 1
 
 WORD_NAMES = ("model.embed_tokens.weight", "model.ngram_embeddings.word_embeddings.weight")
 TABLE_NAME = "model.ngram_embeddings.embedders.{}.weight"
@@ -121,7 +114,6 @@ SCALE_NAMES = ("model.ngram_embeddings.embedders.{}.weight_scale",
                "model.ngram_embeddings.embedders.{}.row_scale")
 PROJ_NAME = "model.ngram_embeddings.post_projs.{}.weight"
 
-PLACES = ("device", "host", "files")
 _DENSE_DTYPES = ("BF16", "F16", "F32")  # word table and projections: F16/F32 become bf16 on load
 _WIDE_TABLE_DTYPES = ("F16", "F32")  # the converter reads these; from_pretrained refuses them
 _SCALE_DTYPES = ("F32", "BF16", "F16")
@@ -129,17 +121,6 @@ _SCALE_DTYPES = ("F32", "BF16", "F16")
 
 class CheckpointError(ValueError):
     """A model folder, config, index, tensor or table file that cannot be served, named."""
-
-
-@dataclass(frozen=True)
-class DeviceBudget:
-    """``placement=DeviceBudget(nbytes)``: as many tables on the device as fit in ``nbytes``
-    together with everything else the layer puts there, the rest in host memory."""
-
-    nbytes: int
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "nbytes", validate.count(self.nbytes, "DeviceBudget: nbytes"))
 
 
 # ---- config.json ------------------------------------------------------------------------------
@@ -403,170 +384,3 @@ def _as_bf16(array: np.ndarray) -> np.ndarray:
     if array.dtype == BF16:
         return array
     return array.astype(np.float32).astype(ml_dtypes.bfloat16)  # via exact f32; one rounding, nearest even
-
-
-# ---- table files written by the converter ------------------------------------------------------
-@dataclass(frozen=True)
-class TableFiles:
-    """The converter's output for a layer: one table file per table, checked (manifest, headers
-    and sizes) against the dims, still closed."""
-
-    table_dir: Path
-    manifest: dict[str, Any]
-    paths: tuple[Path, ...]
-    dtypes: tuple[str, ...]  # "BF16" or "F8_E4M3" per table
-
-
-def manifest_dims(dims: NgramDims) -> dict[str, int]:
-    return {"vocab_size": dims.vocab_size, "hidden_size": dims.hidden_size, "max_ngram": dims.max_ngram,
-            "splits": dims.splits, "base_rows": dims.base_rows, "row_bias": dims.row_bias,
-            "table_dim": dims.table_dim()}
-
-
-def read_manifest(table_dir: str | os.PathLike) -> dict[str, Any]:
-    path = Path(table_dir) / MANIFEST
-    try:
-        manifest = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: no manifest (write the table files with python -m "
-                              "layers.ngram_embed.convert MODEL_DIR OUT_DIR)") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{path}: not valid JSON ({err})") from None
-    if (not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT
-            or not isinstance(manifest.get("tables"), list)):
-        raise CheckpointError(f"{path}: not a {MANIFEST_FORMAT} manifest")
-    if manifest.get("version") != MANIFEST_VERSION:
-        raise CheckpointError(f"{path}: manifest version {manifest.get('version')!r}, this reader "
-                              f"knows {MANIFEST_VERSION}")
-    return manifest
-
-
-def open_table_files(table_dir: str | os.PathLike, dims: NgramDims) -> TableFiles:
-    """Find every table's file through the manifest and check each header (dtype, rows, dim,
-    size) against ``dims``; the files are closed again (``RowCache`` and ``HostWeight`` reopen)."""
-    table_dir = Path(table_dir)
-    manifest = read_manifest(table_dir)
-    path = table_dir / MANIFEST
-    want = manifest_dims(dims)
-    got = {key: manifest.get(key) for key in want}
-    if got != want:
-        diff = ", ".join(f"{k} {got[k]} (config: {want[k]})" for k in want if got[k] != want[k])
-        raise CheckpointError(f"{path}: tables for other dims: {diff}")
-    entries = {e.get("index"): e for e in manifest["tables"] if isinstance(e, dict)}
-    missing = [c for c in range(dims.num_tables()) if c not in entries]
-    if missing:
-        raise CheckpointError(f"{path}: no table file for tables {missing} (an unfinished "
-                              "conversion: run the converter again to finish it)")
-    paths, dtypes = [], []
-    for c in range(dims.num_tables()):
-        name = entries[c].get("file")
-        if not isinstance(name, str) or Path(name).is_absolute() or ".." in Path(name).parts:
-            raise CheckpointError(f"{path}: table {c} names file {name!r}, not a file inside {table_dir}")
-        file = table_dir / name
-        try:
-            with TableFile(file) as f:
-                header = (f.dtype, f.rows, f.dim)
-        except FileNotFoundError:
-            raise CheckpointError(f"{file}: table {c}'s file (listed in {MANIFEST}) does not exist") from None
-        except TableFormatError as err:
-            raise CheckpointError(str(err)) from None
-        rows, td = dims.table_rows(c), dims.table_dim()
-        if header[1:] != (rows, td):
-            raise CheckpointError(f"{file}: table {c} is [{header[1]}, {header[2]}], the config gives "
-                                  f"[{rows}, {td}]")
-        paths.append(file)
-        dtypes.append("F8_E4M3" if header[0] == FP8 else "BF16")
-    return TableFiles(table_dir, manifest, tuple(paths), tuple(dtypes))
-
-
-# ---- placement ---------------------------------------------------------------------------------
-def resolve_placement(placement: Any, dims: NgramDims, table_dtypes: Sequence[str],
-                      max_tokens: int) -> list[str]:
-    """One of ``PLACES`` per table (see the module docstring); refused before any upload."""
-    t = dims.num_tables()
-    if isinstance(placement, (int, np.integer)) and not isinstance(placement, (bool, np.bool_)):
-        placement = DeviceBudget(int(placement))
-    if isinstance(placement, DeviceBudget):
-        h, td = dims.hidden_size, dims.table_dim()
-        fixed = dims.vocab_size * h * 2 + t * h * td * 2  # word table, projections (bf16)
-        fixed += max_tokens * (4 + 2 * td + 2 * h)  # the layer's staging (ids, gather, projection)
-        fixed += sum(dims.table_rows(c) * 4 for c in range(t) if table_dtypes[c] == "F8_E4M3")
-        if fixed > placement.nbytes:
-            raise ValueError(f"placement DeviceBudget({placement.nbytes}): the word table, projections, "
-                             f"fp8 scales and staging alone take {fixed} bytes of device memory")
-        used, places = fixed, []
-        for c in range(t):
-            rows_bytes = dims.table_rows(c) * td * (1 if table_dtypes[c] == "F8_E4M3" else 2)
-            if used + rows_bytes <= placement.nbytes:
-                used += rows_bytes
-                places.append("device")
-            else:
-                places.append("host")
-        return places
-    return placements(placement, t, PLACES)  # a DeviceBudget is the other form
-
-
-# ---- building the layer ------------------------------------------------------------------------
-def load_layer(cls: type, model_dir: str | os.PathLike, gpu: Any, *, placement: Any = "device",
-               max_tokens: int = 8192, eos_id: int | None = None, table_dir: str | os.PathLike | None = None,
-               stream: int = 0, cache_rows: int = 1 << 16, refuse_files: str | None = None) -> Any:
-    """``NgramEmbedding.from_pretrained``: everything is read and checked first (config, index,
-    headers, manifest, placement), then uploaded; a failure after the first upload frees what
-    was built. ``refuse_files``: a message for callers that cannot serve ``RowCache`` tables."""
-    validate.positive(max_tokens, "max_tokens")
-    validate.positive(cache_rows, "cache_rows")
-    if table_dir is None and isinstance(placement, str) and placement == "files":
-        raise ValueError("placement 'files' serves table files: pass table_dir= (the converter's "
-                         "OUT_DIR, python -m layers.ngram_embed.convert)")
-    ckpt = NgramCheckpoint.open(model_dir, eos_id=eos_id, parts="all" if table_dir is None else "dense")
-    dims = ckpt.dims
-    files = open_table_files(table_dir, dims) if table_dir is not None else None
-    dtypes = files.dtypes if files is not None else tuple(t.dtype for t in ckpt.tables)
-    places = resolve_placement(placement, dims, dtypes, max_tokens)
-    if "files" in places:
-        if files is None:
-            raise ValueError("placement 'files' serves table files: pass table_dir= (the converter's "
-                             "OUT_DIR, python -m layers.ngram_embed.convert)")
-        if refuse_files:
-            raise ValueError(refuse_files)
-
-    from .row_cache import RowCache  # here: row_cache imports the ops, kept off the import path
-    from .tables import Bf16Table, CachedTable, Fp8Table, HostTable
-
-    owned: list[Any] = []
-
-    def keep(weight: Any) -> Any:
-        owned.append(weight)
-        return weight
-
-    try:
-        word = keep(DenseWeight.from_numpy(gpu, ckpt.word_array(), None, stream))
-        projs = [keep(DenseWeight.from_numpy(gpu, ckpt.proj_array(c), None, stream))
-                 for c in range(dims.num_tables())]
-        tables = []
-        for c, where in enumerate(places):
-            if files is None:
-                table, scale = ckpt.table_arrays(c)
-                if where == "host":
-                    tables.append(HostTable(keep(HostWeight.from_numpy(gpu, table, scale, stream))))
-                else:
-                    w = keep(DenseWeight.from_numpy(gpu, table, scale, stream))
-                    tables.append(Fp8Table(w) if scale is not None else Bf16Table(w))
-                del table, scale
-            elif where == "files":
-                tables.append(CachedTable(keep(RowCache(gpu, files.paths[c], cache_rows, stream=stream))))
-            elif where == "host":
-                tables.append(HostTable(keep(HostWeight.from_table_file(gpu, files.paths[c], stream))))
-            else:
-                with TableFile(files.paths[c]) as f:
-                    rows = f.rows_bytes.view(f.dtype).reshape(f.rows, f.dim)
-                    w = keep(DenseWeight.from_numpy(gpu, rows, f.scales, stream))
-                    del rows  # the map can close
-                tables.append(Fp8Table(w) if w.dtype == FP8 else Bf16Table(w))
-        layer = cls(dims, word, tables, projs, max_tokens, gpu)
-    except BaseException:
-        for weight in reversed(owned):
-            weight.close()
-        raise
-    layer.own(*owned)
-    return layer

@@ -45,8 +45,8 @@ import numpy as np
 from gpu_runtime import validate
 
 from ..weight_map import BF16, FP8
-from .checkpoint import (MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, CheckpointError, NgramCheckpoint,
-                         manifest_dims, read_manifest)
+from .checkpoint import CheckpointError, NgramCheckpoint
+from .table_manifest import MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, manifest_dims, read_manifest
 from .table_file import SCALE_DTYPE, TableFile, TableFormatError, TableWriter, _fsync_dir
 
 FP8_MAX = np.float32(448.0)  # largest finite e4m3fn

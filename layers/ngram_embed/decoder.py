@@ -101,7 +101,8 @@ class NgramDecoder:
         (placement, max_tokens, eos_id, table_dir) wrapped in a decoder, which then owns the
         layer: ``close()`` frees both. ``placement`` "files" is refused (``RowCache`` tables need
         the host every step), like every other refusal before any upload."""
-        from .checkpoint import NgramCheckpoint, load_layer
+        from .checkpoint import NgramCheckpoint
+        from .pretrained import load_layer
         from .fused import check_servable
 
         _check_sizes(max_seqs, max_rows, max_draft)

@@ -193,8 +193,8 @@ class NgramEmbedding:
         list of one; ``checkpoint.py`` says where that was checked). A missing tensor or key, a
         shape that disagrees with the config or a dtype that cannot be served raises
         ``CheckpointError`` naming the file and tensor before anything is uploaded. The layer
-        owns what it built. See ``layers.ngram_embed.checkpoint``."""
-        from .checkpoint import load_layer
+        owns what it built. See ``layers.ngram_embed.checkpoint`` and ``.pretrained``."""
+        from .pretrained import load_layer
 
         return load_layer(cls, model_dir, gpu, placement=placement, max_tokens=max_tokens, eos_id=eos_id,
                           table_dir=table_dir, stream=stream, cache_rows=cache_rows)

@@ -69,9 +69,6 @@ PAD_SLACK = 1.1
 WG_BM, WG_BN, WG_BK, WG_STAGES = 128, 256, 64, 4
 WG_SMEM = WG_STAGES * (WG_BM + WG_BN) * WG_BK * 2 + 1024
 
-# Set False to keep large GEMMs on the mma.sync path (e.g. if the wgmma path misbehaves).
-WGMMA_AUTO = True
-
 _GRID_MAX = (1 << 31) - 1
 _SIMT_BLOCKS_MAX = 1 << 16  # grid-stride beyond this
 
@@ -134,7 +131,7 @@ def use_wgmma(m: int, n: int) -> bool:
 
 def wgmma_available(gpu: GpuBackend) -> bool:
     """wgmma exists on sm_90a only; the CUDA backend compiles for ``gpu.target``."""
-    return WGMMA_AUTO and getattr(gpu, "target", None) == "sm_90a"
+    return getattr(gpu, "target", None) == "sm_90a"
 
 
 @lru_cache(maxsize=4096)  # pure in its arguments; a decode loop asks for the same few shapes

@@ -48,13 +48,13 @@ from bench.common import copy_bandwidth, gated_gpu_us, print_table, torch_or_non
 from bench.ngram_embed import DIMS, device_weight, torch_view
 from gpu_runtime import CudaBackend, DeviceArray, DevicePtr
 from layers import reference
+from layers.kernel_files import load_kernel
 from layers.ngram_embed import HostWeight, NgramDims, NgramEmbedding, NgramTable
 from layers.ngram_embed.decoder import NgramDecoder
 from layers.ngram_embed.tables import Bf16Table
 from layers.ops.embed import batched_embed
 from layers.ops.residual import scaled_add
 from layers.weight_map import BF16
-from layers.kernel_files import load_kernel
 
 BATCHES = (1, 64)
 PROMPT = 32          # prefill tokens per sequence

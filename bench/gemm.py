@@ -19,10 +19,10 @@ import numpy as np
 from bench.common import (copy_bandwidth, gated_gpu_us, matmul_rate, print_table, torch_or_none,
                           torch_stream)
 from gpu_runtime import CudaBackend, DevicePtr
+from layers.kernel_files import load_kernel
 from layers.ops import gemm
 from layers.ops.gemm import dense_gemm_bf16_pipelined
 from layers.weight_map import BF16, DenseWeight
-from layers.kernel_files import load_kernel
 
 SHAPES = [(1, 4096, 256), (16, 4096, 256), (128, 4096, 256), (4096, 4096, 256),
           (1, 4096, 4096), (64, 4096, 4096), (4096, 4096, 4096), (8192, 8192, 8192)]

@@ -12,9 +12,9 @@ import numpy as np
 
 from bench.common import copy_bandwidth, gated_gpu_us, print_table, torch_or_none, torch_stream
 from gpu_runtime import CudaBackend
+from layers.kernel_files import load_kernel
 from layers.ops.embed import batched_embed, batched_embed_fp8, embed_from_argmax
 from layers.ops.residual import scaled_add
-from layers.kernel_files import load_kernel
 
 BF16 = ml_dtypes.bfloat16
 

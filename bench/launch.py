@@ -23,11 +23,11 @@ from cuda.bindings import driver as cu
 from bench.common import host_time_us, print_table
 from gpu_runtime import CudaBackend, KernelLaunch, compiler, driver
 from gpu_runtime.cuda_backend import DRIVER_MODULES
+from layers.kernel_files import kernel_dir, load_kernel
 from layers.ops.embed import batched_embed
 from layers.ops.residual import scaled_add
 from layers.ops.specs import SCALED_ADD
 from layers.ops.token_overlay import embed_overlay_routed
-from layers.kernel_files import kernel_dir, load_kernel
 
 N = 1024
 

@@ -21,8 +21,8 @@ import numpy as np  # noqa: E402
 
 from gpu_runtime import CudaBackend, DeviceArray  # noqa: E402
 from layers import reference as ref  # noqa: E402
-from layers.ngram_embed import NgramDims, NgramEmbedding  # noqa: E402
 from layers.kernel_files import load_kernel  # noqa: E402
+from layers.ngram_embed import NgramDims, NgramEmbedding  # noqa: E402
 from layers.ngram_embed.decoder import NgramDecoder  # noqa: E402
 from layers.ops.embed import embed_from_argmax  # noqa: E402
 from layers.ops.gemm import dense_gemm_bf16_pipelined  # noqa: E402

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from layers import reference as ref
+from layers.kernel_files import load_kernel
 from layers.ops.embed import batched_embed, batched_embed_fp8, embed_from_argmax
 from tests.helpers import Guarded, bits, random_bf16, random_fp8
-from layers.kernel_files import load_kernel
 
 pytestmark = pytest.mark.gpu
 BF16 = ml_dtypes.bfloat16

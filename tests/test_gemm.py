@@ -20,7 +20,8 @@ import re
 import numpy as np
 import pytest
 
-from gpu_runtime import DevicePtr, KernelHandle, KernelLaunch, compiler
+from gpu_runtime import DevicePtr, KernelHandle, KernelLaunch
+from layers.kernel_files import kernel_dir, load_kernel
 from layers.reference import gemm_bf16, gemm_fp64
 from layers.ops import gemm
 from layers.ops.gemm import dense_gemm_bf16_pipelined
@@ -28,7 +29,6 @@ from layers.weight_map import BF16, FP8, DenseWeight
 from tests.fakes import RecordingBackend
 from tests.helpers import Guarded, bf16_ulp, bits, random_bf16
 from tests.helpers.gemm import MAX_SHARED_OPTIN, Sm90aBackend
-from layers.kernel_files import kernel_dir, load_kernel
 
 
 def _p(i: int) -> DevicePtr:

@@ -19,15 +19,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpu_runtime import DevicePtr, KernelHandle, KernelLaunch, compiler
+from gpu_runtime import DevicePtr, KernelHandle, KernelLaunch
 from gpu_runtime.signatures import parse_signatures
+from layers.kernel_files import kernel_dir, load_kernel
 from layers.ops import gemm
 from layers.ops.gemm import dense_gemm_bf16_word
 from layers.weight_map import BF16, FP8, DenseWeight
 from tests.fakes import RecordingBackend
 from tests.helpers import Guarded, bf16_ulp, bits, random_bf16
 from tests.helpers.gemm import MAX_SHARED_OPTIN, Sm90aBackend
-from layers.kernel_files import kernel_dir, load_kernel
 
 KINDS = "PPPUUUPPF"
 VOCAB = 1000

@@ -11,6 +11,7 @@ import pytest
 
 from gpu_runtime import ClosedError, CudaBackend, DevicePtr
 from layers import reference as ref
+from layers.kernel_files import load_kernel
 from layers.ngram_embed import (HostTable, HostWeight, NgramEmbedding, NgramTable, TableFile,
                                 TableFormatError, gather_entry, ngram_ids_tail, write_table)
 from layers.ngram_embed.tables import check_table
@@ -22,7 +23,6 @@ from tests.helpers import PAGE, Guarded, bits, page_aligned, random_bf16, random
 from tests.helpers.logging_backend import LoggingBackend
 from tests.helpers.ngram import IdentityCache, device_layer, free_layer, random_layer, small_dims
 from tests.helpers.row_cache import table_file
-from layers.kernel_files import load_kernel
 
 OUT = DevicePtr(0x900000)
 

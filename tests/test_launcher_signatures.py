@@ -17,15 +17,15 @@ import numpy as np
 import pytest
 
 from gpu_runtime import (ClosedError, CudaBackend, CudaError, DevicePtr, GpuError, KernelHandle,
-                         KernelLaunch, KernelSpec, compiler, packing)
+                         KernelLaunch, KernelSpec, packing)
 from gpu_runtime.signatures import parse_signatures
+from layers.kernel_files import kernel_dir, load_kernel
 from layers.ops import embed, gemm, ngram_decode, ngram_fused, residual, row_cache, token_overlay
 from layers.ops.specs import (BATCHED_EMBED, EMBED_OVERLAY_ROUTED, EMBED_ROWDIFF,
                               LMHEAD_OVERLAY_ROUTED, SPECS)
 from layers.weight_map import BF16, DenseWeight
 from tests.fakes import RecordingBackend
 from tests.helpers.scripted_driver import scripted_device
-from layers.kernel_files import kernel_dir, load_kernel
 
 SEEDS = Path(__file__).parent / "seeds"
 

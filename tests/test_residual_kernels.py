@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from layers import reference as ref
+from layers.kernel_files import load_kernel
 from layers.ops.residual import residual_add, scaled_add
 from tests.helpers import Guarded, bits, random_bf16
-from layers.kernel_files import load_kernel
 
 pytestmark = pytest.mark.gpu
 BF16 = ml_dtypes.bfloat16

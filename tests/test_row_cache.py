@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from gpu_runtime import ClosedError
+from layers.kernel_files import load_kernel
 from layers.ngram_embed import NgramDims, NgramEmbedding, NgramTable
 from layers.ngram_embed.row_cache import RowCache
 from layers.ngram_embed.slot_index import SlotIndex
@@ -18,7 +19,6 @@ from layers.weight_map import BF16, DenseWeight
 from tests.helpers import Guarded, bits
 from tests.helpers.ngram import device_layer, free_layer, random_layer
 from tests.helpers.row_cache import assert_consistent, assert_resident, assign_random_absent, mem_gpu, table_file
-from layers.kernel_files import load_kernel
 
 
 def resolve(cache: RowCache, ids) -> np.ndarray:

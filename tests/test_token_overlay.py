@@ -13,12 +13,12 @@ import pytest
 
 from gpu_runtime import DeviceArray, DevicePtr, KernelHandle
 from gpu_runtime.signatures import module_signatures
+from layers.kernel_files import load_kernel
 from layers.reference import embed_overlay_ref, lmhead_dot, lmhead_overlay_ref, rowdiff_ref
 from layers.ops.token_overlay import (OverlayKernels, embed_overlay_routed, embed_rowdiff,
                                       lmhead_overlay_routed)
 from tests.fakes import RecordingBackend
 from tests.helpers import bf16_ulp, bits, random_bf16
-from layers.kernel_files import load_kernel
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 KERNEL_FILE = Path(__file__).resolve().parent.parent / "kernels" / "token_overlay.cu"

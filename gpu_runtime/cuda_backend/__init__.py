@@ -5,7 +5,6 @@ kernels and launches). Each area keeps its own state and releases it on ``close`
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Sequence
 
 from ..backend import (DeviceCopies, Events, GpuBackend, Graphs, MappedHostMemory, PinnedHostMemory,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import threading
-from pathlib import Path
 from typing import Any, Sequence
 
 from cuda.bindings import driver as cu

@@ -33,6 +33,7 @@ import numpy as np
 
 from gpu_runtime import DeviceArray, GpuBackend, validate
 
+from ..kernel_files import load_kernel
 from ..ops import gemm as gemm_ops
 from ..ops import ngram_decode as decode_ops
 from .embedding import NgramEmbedding
@@ -40,7 +41,6 @@ from .front import require_open, require_out
 from .fused import FusedNgramEmbedding, check_layer
 from .resources import Resources
 from .tables import CachedTable
-from ..kernel_files import load_kernel
 
 
 class DecodeError(enum.IntFlag):

@@ -22,6 +22,7 @@ import numpy as np
 
 from gpu_runtime import GpuBackend, validate
 
+from ..kernel_files import load_kernel
 from ..ops import embed as embed_ops
 from ..ops import gemm as gemm_ops
 from ..ops import residual as residual_ops
@@ -31,9 +32,8 @@ from .dims import NgramDims
 from .front import check_seq_len, require_backend, require_open, require_out, tail_tokens
 from .host_table import HostWeight
 from .ids import tail_ids
-from .resources import Resources
+from .resources import Resources, closed_on_failure
 from .tables import AnyTable, Bf16Table, CachedTable, Fp8Table, HostTable, check_table, gather_entry
-from ..kernel_files import load_kernel
 
 U32_LIMIT = 1 << 32
 _WHAT = "ngram embed"
@@ -115,17 +115,16 @@ class NgramEmbedding:
         (``NgramTable.Host``, read in place over PCIe; fp8 scales still on the device). The
         layer owns the weights it built and frees them in ``close()``."""
         places = placements(placement, len(tables))
-        owned: list[DenseWeight | HostWeight] = []
+        with closed_on_failure() as owned:
 
-        def upload(array: np.ndarray, scale: np.ndarray | None = None) -> DenseWeight:
-            owned.append(DenseWeight.from_numpy(gpu, array, scale, stream))
-            return owned[-1]
+            def upload(array: np.ndarray, scale: np.ndarray | None = None) -> DenseWeight:
+                owned.append(DenseWeight.from_numpy(gpu, array, scale, stream))
+                return owned[-1]
 
-        def pin(array: np.ndarray, scale: np.ndarray | None = None) -> HostWeight:
-            owned.append(HostWeight.from_numpy(gpu, array, scale, stream))
-            return owned[-1]
+            def pin(array: np.ndarray, scale: np.ndarray | None = None) -> HostWeight:
+                owned.append(HostWeight.from_numpy(gpu, array, scale, stream))
+                return owned[-1]
 
-        try:
             w = upload(word)
             dev_tables: list[AnyTable] = []
             for table, where in zip(tables, places):
@@ -138,10 +137,6 @@ class NgramEmbedding:
                     dev_tables.append(Bf16Table(upload(*parts)))
             dev_projs = [upload(p) for p in projs]
             layer = cls(dims, w, dev_tables, dev_projs, max_tokens, gpu)
-        except BaseException:
-            for weight in reversed(owned):
-                weight.close()
-            raise
         layer.own(*owned)
         return layer
 

@@ -33,6 +33,7 @@ import numpy as np
 
 from gpu_runtime import Events, GpuBackend, Graphs, PitchedCopies, validate
 
+from ..kernel_files import load_kernel
 from ..ops import gemm as gemm_ops
 from ..ops import ngram_fused as fused_ops
 from ..weight_map import BF16, DenseWeight
@@ -43,7 +44,6 @@ from .embedding import NgramEmbedding
 from .ids import ids_from_windows, window_plan
 from .resources import Resources
 from .tables import gather_entry
-from ..kernel_files import load_kernel
 
 _U32 = 1 << 32
 _WHAT = "fused ngram embed"

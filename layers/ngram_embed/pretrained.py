@@ -17,6 +17,7 @@ from .checkpoint import NgramCheckpoint
 from .dims import NgramDims
 from .embedding import placements
 from .host_table import HostWeight
+from .resources import closed_on_failure
 from .table_file import TableFile
 from .table_manifest import open_table_files
 
@@ -88,13 +89,12 @@ def load_layer(cls: type, model_dir: str | os.PathLike, gpu: Any, *, placement: 
     from .row_cache import RowCache  # here: row_cache imports the ops, kept off the import path
     from .tables import Bf16Table, CachedTable, Fp8Table, HostTable
 
-    owned: list[Any] = []
+    with closed_on_failure() as owned:
 
-    def keep(weight: Any) -> Any:
-        owned.append(weight)
-        return weight
+        def keep(weight: Any) -> Any:
+            owned.append(weight)
+            return weight
 
-    try:
         word = keep(DenseWeight.from_numpy(gpu, ckpt.word_array(), None, stream))
         projs = [keep(DenseWeight.from_numpy(gpu, ckpt.proj_array(c), None, stream))
                  for c in range(dims.num_tables())]
@@ -119,9 +119,5 @@ def load_layer(cls: type, model_dir: str | os.PathLike, gpu: Any, *, placement: 
                     del rows  # the map can close
                 tables.append(Fp8Table(w) if w.dtype == FP8 else Bf16Table(w))
         layer = cls(dims, word, tables, projs, max_tokens, gpu)
-    except BaseException:
-        for weight in reversed(owned):
-            weight.close()
-        raise
     layer.own(*owned)
     return layer

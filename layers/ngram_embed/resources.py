@@ -11,8 +11,8 @@ call once ``closed`` (``ClosedError``), so a freed address never reaches a kerne
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from typing import Any, TypeVar
 
 from gpu_runtime import DeviceBuffer, DevicePtr, GpuBackend
@@ -59,3 +59,17 @@ class Resources:
         release runs even if an earlier one raised, and the error then propagates."""
         self.closed = True
         self._stack.close()
+
+
+@contextmanager
+def closed_on_failure() -> Iterator[list[Any]]:
+    """A list for the objects a constructor builds one by one (weights, caches: anything with a
+    ``close()``): if the block raises, every one is closed, the last built first, and the error
+    propagates; otherwise the caller hands them on (``NgramEmbedding.own``)."""
+    built: list[Any] = []
+    try:
+        yield built
+    except BaseException:
+        for thing in reversed(built):
+            thing.close()
+        raise

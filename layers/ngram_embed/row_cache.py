@@ -41,11 +41,11 @@ import numpy as np
 
 from gpu_runtime import DevicePtr, Events, GpuBackend, KernelHandle, PinnedHostMemory, validate
 
+from ..kernel_files import load_kernel
 from ..ops.row_cache import scatter_rows
 from .resources import Resources
 from .slot_index import SlotIndex
 from .table_file import TableFile
-from ..kernel_files import load_kernel
 
 _PARALLEL_READ_ROWS = 1024  # below this a thread pool costs more than it saves
 _SMALL_LOAD_ROWS = 64  # loads up to this many rows go through the backend's staging

@@ -4,8 +4,8 @@ kernel the backend checks use for their good launch."""
 from __future__ import annotations
 
 from gpu_runtime import GpuBackend, KernelHandle
-from layers.ops import embed, gemm, ngram_fused, residual, row_cache, token_overlay
 from layers.kernel_files import load_kernel
+from layers.ops import embed, gemm, ngram_fused, residual, row_cache, token_overlay
 
 LAUNCH_KERNEL = {
     "batched_embed": "batched_embed", "batched_embed_fp8": "batched_embed_fp8",

@@ -22,6 +22,8 @@ from .table_file import TableFile
 from .table_manifest import open_table_files
 
 PLACES = ("device", "host", "files")
+_NEEDS_TABLE_DIR = ("placement 'files' serves table files: pass table_dir= (the converter's OUT_DIR, "
+                    "python -m layers.ngram_embed.convert)")
 
 
 @dataclass(frozen=True)
@@ -72,8 +74,7 @@ def load_layer(cls: type, model_dir: str | os.PathLike, gpu: Any, *, placement: 
     validate.positive(max_tokens, "max_tokens")
     validate.positive(cache_rows, "cache_rows")
     if table_dir is None and isinstance(placement, str) and placement == "files":
-        raise ValueError("placement 'files' serves table files: pass table_dir= (the converter's "
-                         "OUT_DIR, python -m layers.ngram_embed.convert)")
+        raise ValueError(_NEEDS_TABLE_DIR)
     ckpt = NgramCheckpoint.open(model_dir, eos_id=eos_id, parts="all" if table_dir is None else "dense")
     dims = ckpt.dims
     files = open_table_files(table_dir, dims) if table_dir is not None else None
@@ -81,8 +82,7 @@ def load_layer(cls: type, model_dir: str | os.PathLike, gpu: Any, *, placement: 
     places = resolve_placement(placement, dims, dtypes, max_tokens)
     if "files" in places:
         if files is None:
-            raise ValueError("placement 'files' serves table files: pass table_dir= (the converter's "
-                             "OUT_DIR, python -m layers.ngram_embed.convert)")
+            raise ValueError(_NEEDS_TABLE_DIR)
         if refuse_files:
             raise ValueError(refuse_files)
 

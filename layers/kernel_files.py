@@ -8,6 +8,7 @@ copy installed inside this package (``layers/kernels``), else the checkout's ``k
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -18,7 +19,13 @@ KERNEL_DIR_ENV = "GPU_RUNTIME_KERNEL_DIR"
 
 def kernel_dir() -> Path:
     """The directory of the layers' ``.cu`` files (see the module docstring for the order)."""
-    env = os.environ.get(KERNEL_DIR_ENV)
+    return _kernel_dir(os.environ.get(KERNEL_DIR_ENV) or None)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_dir(env: str | None) -> Path:
+    """Found once per value of the variable: launchers look kernels up on every call (a GEMM
+    picks its path's kernel per shape), and the search touches the file system."""
     if env:
         return Path(env)
     here = Path(__file__).resolve().parent
@@ -30,7 +37,13 @@ def kernel_dir() -> Path:
 
 def kernel_path(module: str) -> Path:
     """The source file of kernel module ``module`` (``"gemm"`` -> ``.../gemm.cu``)."""
-    return kernel_dir() / f"{module}.cu"
+    return _kernel_path(kernel_dir(), module)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_path(directory: Path, module: str) -> Path:
+    """One ``Path`` object per file, so the backend's kernel table hashes it once."""
+    return directory / f"{module}.cu"
 
 
 def kernel_files() -> list[Path]:

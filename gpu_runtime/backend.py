@@ -22,7 +22,7 @@ from .pointers import DevicePtr, KernelHandle
 if TYPE_CHECKING:
     from .launch_spec import KernelSpec
 
-KernelSource = str | os.PathLike  # a path to a .cu file (wave 1: also a bare module name)
+KernelSource = str | os.PathLike  # a path to a .cu file
 
 
 class GpuBackend(ABC):

@@ -12,6 +12,7 @@ import bisect
 import ctypes
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -19,7 +20,6 @@ import numpy as np
 from gpu_runtime import (DevicePtr, Events, GpuBackend, KernelHandle, KernelNotFoundError,
                          MappedHostMemory, PinnedHostMemory, PitchedCopies)
 from gpu_runtime.host_memory import host_view
-from gpu_runtime.sources import module_of
 
 
 @dataclass
@@ -48,7 +48,7 @@ class RecordingBackend(GpuBackend, PinnedHostMemory, MappedHostMemory, Events, P
     closed: bool = False
 
     def kernel(self, source: Any, name: str) -> KernelHandle:
-        module = module_of(source)
+        module = Path(source).stem
         if (module, name) in self.missing or (module, "*") in self.missing:
             raise KernelNotFoundError(f"{module}.{name}")
         if (module, name) not in self.handles:
@@ -201,7 +201,7 @@ class MemoryBackend(GpuBackend, PinnedHostMemory, MappedHostMemory, Events):
         return self.read(ptr, count * dtype.itemsize).view(dtype)
 
     def kernel(self, source: Any, name: str) -> KernelHandle:
-        module = module_of(source)
+        module = Path(source).stem
         if module != self.module or name not in self.handles:
             raise KernelNotFoundError(f"{module}.{name}")
         return self.handles[name]

@@ -6,7 +6,7 @@ and the physical floor max(bytes / copy bandwidth, flops / cuBLAS rate at 8192^3
 fraction of it. Bytes are a and w read once and c written once, which is what the copy bandwidth
 (read + write) measures. Shapes whose inputs fit in L2 rotate among enough input sets that their
 total exceeds twice the L2, so w comes from HBM as it does in the model. The mma.sync path is
-also timed alone on the large shapes, to compare with wgmma.
+also timed alone on the large shapes, and the cp.async wgmma path, to compare with the TMA path.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from layers.weight_map import BF16, DenseWeight
 
 SHAPES = [(1, 4096, 256), (16, 4096, 256), (128, 4096, 256), (4096, 4096, 256),
           (1, 4096, 4096), (64, 4096, 4096), (4096, 4096, 4096), (8192, 8192, 8192)]
-FORCED = [("tiled", (4096, 4096, 4096)), ("tiled", (8192, 8192, 8192))]
+FORCED = [("wgmma", (4096, 4096, 256)), ("wgmma", (4096, 4096, 4096)), ("wgmma", (8192, 8192, 8192)),
+          ("tiled", (4096, 4096, 4096)), ("tiled", (8192, 8192, 8192))]
 MAX_SETS = 64
 _POOL_VALUES = 1 << 23  # 16 MB of random bf16, tiled over every buffer
 
@@ -83,12 +84,12 @@ def _torch_ms(m: int, n: int, k: int, sets: int) -> float | None:
 def gemm_rows(gpu: CudaBackend, bw: float, rate: float | None) -> list[tuple]:
     rng = np.random.default_rng(0)
     pool = rng.standard_normal(_POOL_VALUES).astype(np.float32).astype(ml_dtypes.bfloat16)
-    wgmma = gemm.wgmma_available(gpu)
+    wgmma, tma = gemm.wgmma_available(gpu), gemm.tma_available(gpu)
     rows = []
     for path, (m, n, k) in [(None, s) for s in SHAPES] + FORCED:
         set_bytes = (m * k + n * k + m * n) * 2
         sets = _input_sets(set_bytes, gpu.l2_bytes)
-        chosen = gemm.plan(m, n, k, path, wgmma=wgmma).path
+        chosen = gemm.plan(m, n, k, path, wgmma=wgmma, tma=tma, sms=gpu.sm_count).path  # aligned buffers
         ms = _ours_ms(gpu, m, n, k, sets, pool, path)
         t_ms = _torch_ms(m, n, k, sets) if path is None else None
         flops = 2 * m * n * k

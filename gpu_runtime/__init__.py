@@ -1,7 +1,7 @@
 """A small CUDA runtime over cuda-python's driver API: memory, streams, NVRTC kernels, launches."""
 
 from .backend import (DeviceCopies, Events, GpuBackend, Graphs, MappedHostMemory, PinnedHostMemory,
-                      PitchedCopies)
+                      PitchedCopies, TensorMaps)
 from .buffer import DeviceBuffer
 from .cuda_backend import CudaBackend
 from .device_array import DeviceArray
@@ -15,5 +15,5 @@ __all__ = [
     "ClosedError", "CudaBackend", "CudaError", "DeviceArray", "DeviceBuffer", "DeviceCopies",
     "DevicePtr", "Events", "GpuBackend", "GpuError", "Graphs", "KernelHandle", "KernelLaunch",
     "KernelNotFoundError", "KernelSpec", "MappedHostMemory", "NoDeviceError", "NvrtcError",
-    "PinnedHostMemory", "PitchedCopies", "device_count",
+    "PinnedHostMemory", "PitchedCopies", "TensorMaps", "device_count",
 ]

@@ -194,3 +194,13 @@ class DeviceCopies(_Capability):
     @abstractmethod
     def copy_d2d_async(self, dst: int, src: int, nbytes: int, stream: int = 0) -> None:
         """Device to device, ``nbytes`` from ``src`` to ``dst``, in stream order."""
+
+
+class TensorMaps(_Capability):
+    """Tensor maps for the TMA unit (sm_90 and later): a matrix described for box loads."""
+
+    @abstractmethod
+    def tensor_map_2d(self, address: int, rows: int, cols: int, box_rows: int, box_cols: int) -> bytes:
+        """The bf16 row-major ``[rows, cols]`` matrix at ``address`` as a ``CUtensorMap`` of
+        ``[box_rows, box_cols]`` boxes (128-byte swizzle, zeros outside the matrix): the 128
+        bytes a ``T`` kernel parameter takes."""

@@ -2,7 +2,7 @@
 
 ``SCALED_ADD = KernelSpec("bf16_scaled_add", out="P", x="P", scale="F", n="U")`` names the
 kernel's parameters in their C order with their kinds (``P`` pointer, ``P?`` pointer that may be
-null, ``U`` u32, ``I`` i32, ``F`` f32, ``L`` u64). ``SCALED_ADD.launch(gpu, kernel, grid, block,
+null, ``U`` u32, ``I`` i32, ``F`` f32, ``L`` u64, ``T`` a tensor map: 128 ``bytes``). ``SCALED_ADD.launch(gpu, kernel, grid, block,
 stream, out=o, x=x, scale=0.5, n=n)`` takes every argument by keyword, so two swapped
 ``uint32_t`` cannot pass: a missing or unknown name is Python's own ``TypeError``, before
 anything runs.
@@ -28,7 +28,7 @@ import threading
 from typing import Any, Callable, Sequence
 
 from . import validate
-from .packing import KIND_NAMES, ArgPlan, layout, struct_format
+from .packing import KIND_NAMES, TENSOR_MAP_BYTES, ArgPlan, layout, struct_format
 from .signatures import Param, Signature
 
 F32_MAX = 3.4028234663852886e38
@@ -90,7 +90,8 @@ class KernelSpec:
     def values(self, values: Sequence[Any]) -> list[int | float]:
         """``values`` (checked already) as the kernel receives them: ints, and floats for f32.
         What a backend that records launches records."""
-        return [float(v) if p.kind == "F" else int(v) for p, v in zip(self.params, values)]
+        return [float(v) if p.kind == "F" else bytes(v) if p.kind == "T" else int(v)
+                for p, v in zip(self.params, values)]
 
     def refusal(self, values: Sequence[Any]) -> Exception:
         """The error for values that failed the launch's checks: the first parameter at fault,
@@ -114,6 +115,11 @@ class KernelSpec:
         elif kind == "I":
             if not -(1 << 31) <= validate.integer(value, what) < 1 << 31:
                 raise ValueError(f"{what} must be in -2**31..2**31-1, got {value}")
+        elif kind == "T":
+            if type(value) is not bytes:
+                raise TypeError(f"{what} must be a tensor map's bytes, got {type(value).__name__}")
+            if len(value) != TENSOR_MAP_BYTES:
+                raise ValueError(f"{what}: a tensor map is {TENSOR_MAP_BYTES} bytes, got {len(value)}")
         elif isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise TypeError(f"{what} must be a real number, got {value!r}")
         elif math.isfinite(value) and abs(value) > F32_MAX:
@@ -130,11 +136,14 @@ def _launch_by_name(spec: KernelSpec) -> Callable[..., None]:
     are one expression, and the values go to ``pack_into`` as plain positional arguments (a
     ``**kwargs`` version, or one that unpacks a tuple into ``pack_into``, costs several times as
     much per launch). What ``pack_into`` checks itself (types, ranges, f32 overflow) it is left
-    to; the expression adds what it lets pass: null pointers, and bools for integers (one test
-    per parameter, a few ns each: bools for pointers and floats are not looked for)."""
+    to; the expression adds what it lets pass: null pointers, bools for integers, and tensor maps
+    that are not exactly 128 bytes, which ``pack_into`` would pad or cut (one test per parameter,
+    a few ns each: bools for pointers and floats are not looked for)."""
     names = "".join(f"{p.name}, " for p in spec.params)
     guards = [f"not {p.name}" for p in spec.params if p.kind == "P" and p.name not in spec.nullable]
     guards += [f"type({p.name}) is bool" for p in spec.params if p.kind in "UIL"]
+    guards += [f"type({p.name}) is not bytes or len({p.name}) != {TENSOR_MAP_BYTES}"  # "128s" pads
+               for p in spec.params if p.kind == "T"]
     source = (
         f"def launch(gpu, kernel, grid, block, stream, /, *, {names}shared_mem=0, overlap=False):\n"
         f"    try:\n"

@@ -1,7 +1,9 @@
 """Kernel arguments packed to the C ABI: one letter per argument kind, one ``struct`` code each.
 
-Kinds: ``P`` pointer, ``U`` u32, ``I`` i32, ``F`` f32, ``L`` u64. Each argument sits at the next
-offset aligned to its size (the C ABI's layout, which ``cuLaunchKernel`` expects), written with
+Kinds: ``P`` pointer, ``U`` u32, ``I`` i32, ``F`` f32, ``L`` u64, ``T`` tensor map (a ``CUtensorMap``
+by value: 128 bytes, 64-byte aligned, the ``bytes`` that ``cuTensorMapEncodeTiled`` wrote). Each
+argument sits at the next offset aligned to its alignment (the C ABI's layout, which
+``cuLaunchKernel`` expects), written with
 explicit pad bytes in a little-endian standard-size format (every CUDA host is little-endian):
 unlike the native ``@`` formats, standard ones refuse an f32 that overflows instead of storing
 infinity, so packing itself range-checks every kind.
@@ -13,17 +15,19 @@ import ctypes
 import struct
 from typing import Any, Callable, Sequence
 
-STRUCT_CODES = {"P": "Q", "U": "I", "I": "i", "F": "f", "L": "Q"}
-KIND_NAMES = {"P": "pointer", "U": "u32", "I": "i32", "F": "f32", "L": "u64"}
-KIND_SIZES = {"P": 8, "U": 4, "I": 4, "F": 4, "L": 8}  # each also its alignment
+TENSOR_MAP_BYTES = 128
+STRUCT_CODES = {"P": "Q", "U": "I", "I": "i", "F": "f", "L": "Q", "T": f"{TENSOR_MAP_BYTES}s"}
+KIND_NAMES = {"P": "pointer", "U": "u32", "I": "i32", "F": "f32", "L": "u64", "T": "tensor map"}
+KIND_SIZES = {"P": 8, "U": 4, "I": 4, "F": 4, "L": 8, "T": TENSOR_MAP_BYTES}
+KIND_ALIGN = {**KIND_SIZES, "T": 64}
 
 
 def layout(kinds: str) -> tuple[list[int], list[int]]:
     """(offsets, sizes) of each argument in the packed buffer: what the driver must report."""
     offsets, sizes, end = [], [], 0
     for kind in kinds:
-        size = KIND_SIZES[kind]
-        end = -(-end // size) * size
+        size, align = KIND_SIZES[kind], KIND_ALIGN[kind]
+        end = -(-end // align) * align
         offsets.append(end)
         sizes.append(size)
         end += size

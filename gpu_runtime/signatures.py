@@ -5,7 +5,8 @@ where a length belongs launches garbage. The backend checks every new (kernel, a
 pair against the signature read here, a ``KernelSpec`` is checked against the names too, and a
 CPU test checks every launcher and spec against it.
 
-Kinds: ``P`` pointer (any ``T*``), ``U`` u32, ``I`` i32, ``F`` f32, ``L`` u64.
+Kinds: ``P`` pointer (any ``T*``), ``U`` u32, ``I`` i32, ``F`` f32, ``L`` u64, ``T`` a
+``TensorMap`` (a ``CUtensorMap``) by value.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ _SCALAR_KINDS = {
     "uint64_t": "L",
     "unsigned long long": "L",
     "size_t": "L",
+    "TensorMap": "T",
 }
 
 

@@ -80,6 +80,12 @@ constexpr uint32_t kWgBK = 64;  // one 128-byte swizzle row
 constexpr uint32_t kWgStages = 4;
 constexpr uint32_t kWgStageBytes = (kWgBM + kWgBN) * kWgBK * 2;
 constexpr uint32_t kWgSmem = kWgStages * kWgStageBytes + 1024;  // + alignment slack
+
+// TMA path: the wgmma path's tile and stage, a producer and two consumer warpgroups
+constexpr uint32_t kTmaThreads = 384;
+constexpr uint32_t kTmaConsumers = 2;
+constexpr uint32_t kTmaStages = 4;
+constexpr uint32_t kTmaSmem = kTmaStages * kWgStageBytes + 1024 + 16 * kTmaStages;  // + 2 mbarriers a stage
 #endif
 
 // The small path's n8 tiles of a rows per work item, its ring depth and its shared memory.
@@ -111,6 +117,7 @@ __host__ __device__ constexpr uint32_t tile_smem_bytes() {
 #include "gemm_small.cuh"
 #include "gemm_tiled.cuh"
 #include "gemm_wgmma.cuh"
+#include "gemm_tma.cuh"
 
 namespace gemm {
 
@@ -169,6 +176,21 @@ __device__ __forceinline__ void wgmma_or_tiled_gemm(const bf16* a, const bf16* w
 #endif
 }
 
+// TMA on sm_90a builds when the launch fits it (384 threads, kTmaSmem), else simt (a and w come by
+// pointer too, for it; the tiled path would need more than the 168 registers of a 384-thread CTA).
+template <class Ep>
+__device__ __forceinline__ void tma_or_simt_gemm(const TensorMap& amap, const TensorMap& wmap,
+                                                  const bf16* a, const bf16* w, bf16* c, uint32_t m,
+                                                  uint32_t n, uint32_t k, const Ep& ep) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    if (tma_launch_fits()) {
+        tma_gemm(amap, wmap, c, m, n, k, ep);
+        return;
+    }
+#endif
+    gemm_simt(a, w, c, m, n, k, ep);
+}
+
 // The word entry points run after the n-gram gather that writes a and word_ids, and may be
 // launched overlapping it (programmatic dependent launch): they wait for it (pdl_wait) before
 // reading a or word_ids. The small path requests its first weight stages before waiting.
@@ -210,6 +232,14 @@ dense_gemm_bf16_wgmma(const bf16* a, const bf16* w, bf16* c, uint32_t m, uint32_
     gemm::wgmma_or_tiled_gemm(a, w, c, m, n, k, gemm::PlainEpilogue{});
 }
 
+// The TMA path (sm_90a builds; 384 threads, kTmaSmem bytes): a_map and w_map are a and w as
+// bf16 tensor maps (box 64 x 128 and 64 x 256, 128-byte swizzle; layers/ops/gemm.py builds them).
+extern "C" __global__ void __launch_bounds__(384, 1)
+dense_gemm_bf16_tma(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap w_map,
+                    const bf16* a, const bf16* w, bf16* c, uint32_t m, uint32_t n, uint32_t k) {
+    gemm::tma_or_simt_gemm(a_map, w_map, a, w, c, m, n, k, gemm::PlainEpilogue{});
+}
+
 // One output per thread, any launch shape.
 extern "C" __global__ void
 dense_gemm_bf16_simt(const bf16* a, const bf16* w, bf16* c, uint32_t m, uint32_t n, uint32_t k) {
@@ -229,4 +259,15 @@ dense_gemm_bf16_word_wgmma(const bf16* a, const bf16* w, bf16* c, uint32_t m, ui
                            uint32_t k, const uint32_t* word_ids, const bf16* word, float scale) {
     pdl_wait();
     gemm::wgmma_or_tiled_gemm(a, w, c, m, n, k, gemm::word_epilogue(word_ids, word, n, scale));
+}
+
+// dense_gemm_bf16_tma with the word epilogue.
+extern "C" __global__ void __launch_bounds__(384, 1)
+dense_gemm_bf16_word_tma(const __grid_constant__ TensorMap a_map,
+                         const __grid_constant__ TensorMap w_map, const bf16* a, const bf16* w,
+                         bf16* c, uint32_t m, uint32_t n, uint32_t k, const uint32_t* word_ids,
+                         const bf16* word, float scale) {
+    pdl_wait();
+    gemm::tma_or_simt_gemm(a_map, w_map, a, w, c, m, n, k,
+                            gemm::word_epilogue(word_ids, word, n, scale));
 }

@@ -25,10 +25,11 @@ from layers.kernel_files import kernel_dir, load_kernel
 from layers.reference import gemm_bf16, gemm_fp64
 from layers.ops import gemm
 from layers.ops.gemm import dense_gemm_bf16_pipelined
+from layers.ops.specs import GEMM_TMA
 from layers.weight_map import BF16, FP8, DenseWeight
 from tests.fakes import RecordingBackend
 from tests.helpers import Guarded, bf16_ulp, bits, random_bf16
-from tests.helpers.gemm import MAX_SHARED_OPTIN, Sm90aBackend
+from tests.helpers.gemm import MAX_SHARED_OPTIN, Sm90aBackend, TmaBackend, fake_tensor_map
 
 
 def _p(i: int) -> DevicePtr:
@@ -89,6 +90,37 @@ def test_large_m_on_sm90a_runs_wgmma():
     assert gpu.launches[0].kernel == kern
 
 
+def test_large_m_with_tensor_maps_runs_tma_persistent():
+    gpu = TmaBackend()
+    kern = load_kernel(gpu, "gemm", gemm.KERNEL)
+    dense_gemm_bf16_pipelined(gpu, kern, _p(0), _weight(4096, 512), _p(2), 4096, 4096, 512, 3)
+    (launch,) = gpu.launches
+    assert gpu.kernel_of(launch) == ("gemm", "dense_gemm_bf16_tma")
+    assert launch.grid == (132, 1, 1) and launch.block == (384, 1, 1)  # 512 tiles, one CTA per SM
+    assert launch.shared_mem == gemm.TMA_SMEM == 197696 <= MAX_SHARED_OPTIN
+    assert launch.kinds == "TTPPPUUU" and launch.stream == 3
+    assert launch.args[:2] == [fake_tensor_map(int(_p(0)), 4096, 512, 128, 64),
+                               fake_tensor_map(0x200000, 4096, 512, 256, 64)]
+    assert launch.args[2:] == [int(_p(0)), 0x200000, int(_p(2)), 4096, 4096, 512]
+    gpu.launches.clear()  # fewer tiles than SMs: one CTA each
+    dense_gemm_bf16_pipelined(gpu, kern, _p(0), _weight(2048, 512), _p(2), 2048, 2048, 512, 3)
+    assert gpu.launches[0].grid == (16 * 8, 1, 1)
+
+
+@pytest.mark.parametrize("a_off, w_off, k", [(2, 0, 512), (0, 8, 512), (0, 0, 516)])
+def test_tma_falls_back_to_wgmma_for_operands_a_tensor_map_cannot_describe(a_off, w_off, k):
+    """A tensor map needs 16-byte aligned bases and rows of a multiple of 16 bytes."""
+    gpu = TmaBackend()
+    kern = load_kernel(gpu, "gemm", gemm.KERNEL)
+    for path in (None, "tma"):
+        gpu.launches.clear()
+        dense_gemm_bf16_pipelined(gpu, kern, DevicePtr(_p(0) + a_off), _weight(4096, k, ptr=0x200000 + w_off),
+                                  _p(2), 4096, 4096, k, 0, path=path)
+        (launch,) = gpu.launches
+        assert gpu.kernel_of(launch) == ("gemm", "dense_gemm_bf16_wgmma"), path
+        assert launch.block == (256, 1, 1) and launch.kinds == "PPPUUU"
+
+
 @pytest.mark.parametrize("path, name, smem", [
     ("small", "dense_gemm_bf16_small_m", 8 * 4 * (4 + 8) * 512),
     ("tiled", "dense_gemm_bf16_tiled", 4 * (64 + 64) * 64),
@@ -96,6 +128,7 @@ def test_large_m_on_sm90a_runs_wgmma():
     ("tiled_128x128", "dense_gemm_bf16_tiled", 4 * (128 + 128) * 64),
     ("tiled_64x64", "dense_gemm_bf16_tiled", 4 * (64 + 64) * 64),
     ("wgmma", "dense_gemm_bf16_wgmma", 197632),
+    ("tma", "dense_gemm_bf16_wgmma", 197632),  # no tensor maps on this backend
     ("simt", "dense_gemm_bf16_simt", 0),
 ])
 def test_forced_paths_launch_their_kernel(path, name, smem):
@@ -127,6 +160,9 @@ def test_launcher_constants_mirror_the_kernel():
     assert (cu["kTileK"], cu["kTileStages"]) == (gemm.TILE_K, gemm.TILE_STAGES)
     assert (cu["kWgBM"], cu["kWgBN"], cu["kWgBK"], cu["kWgStages"], cu["kWgSmem"]) == (
         gemm.WG_BM, gemm.WG_BN, gemm.WG_BK, gemm.WG_STAGES, gemm.WG_SMEM)
+    assert (cu["kTmaThreads"], cu["kTmaConsumers"], cu["kTmaStages"], cu["kTmaSmem"]) == (
+        gemm.TMA_THREADS, gemm.TMA_CONSUMERS, gemm.TMA_STAGES, gemm.TMA_SMEM)
+    assert gemm.TMA_THREADS == 128 * (1 + gemm.TMA_CONSUMERS)
     # run_tiled takes the largest config the shared memory holds, largest first, as TILE_CONFIGS
     source = (kernel_dir() / "gemm.cu").read_text()
     tried = [tuple(map(int, t)) for t in re.findall(r"dyn >= tile_smem_bytes<(\d+), (\d+)>", source)]
@@ -306,6 +342,38 @@ def test_pipelined_kernel_correct_for_any_launch(gpu, rng, m, n, k, grid, block,
         got = gc.read()
         gc.assert_guards_intact()
     check_gemm(a, w, got)
+
+
+# -- GPU: the TMA kernel launched directly: few CTAs (each walks many tiles, so every stage's
+# barriers go through many phases), and launches it does not fit (scalar fallback) ------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, n, k", [(1100, 600, 200), (300, 1030, 1032)])
+@pytest.mark.parametrize("grid, block, smem", [
+    ((1, 1, 1), (384, 1, 1), "plan"),     # one CTA, every tile
+    ((3, 1, 1), (384, 1, 1), "plan"),
+    ((2, 2, 2), (384, 1, 1), "plan"),     # a 3-D grid
+    ((4, 1, 1), (256, 1, 1), "plan"),     # another block size: scalar fallback
+    ((4, 1, 1), (384, 1, 1), 1024),       # too little shared memory: scalar fallback
+])
+def test_tma_kernel_correct_for_any_launch(gpu, rng, m, n, k, grid, block, smem):
+    if not gemm.tma_available(gpu):
+        pytest.skip(f"the TMA path needs sm_90a (this device compiles for {gpu.target})")
+    a = rng.integers(-8, 9, (m, k)).astype(np.float32).astype(BF16)
+    w = rng.integers(-8, 9, (n, k)).astype(np.float32).astype(BF16)
+    kern = load_kernel(gpu, "gemm", gemm.KERNELS["tma"])
+    shared = gemm.TMA_SMEM if smem == "plan" else smem
+    with Guarded(gpu, (m, k), BF16, rng) as ga, Guarded(gpu, (n, k), BF16, rng) as gw, \
+         Guarded(gpu, (m, n), BF16, rng) as gc:
+        ga.upload(a)
+        gw.upload(w)
+        gc.poison()
+        GEMM_TMA.launch(
+            gpu, kern, grid, block, 0, a_map=gpu.tensor_map_2d(ga.ptr, m, k, 128, 64),
+            w_map=gpu.tensor_map_2d(gw.ptr, n, k, 256, 64), a=ga.ptr, w=gw.ptr, c=gc.ptr,
+            m=m, n=n, k=k, shared_mem=shared)
+        got = gc.read()
+        gc.assert_guards_intact()
+    np.testing.assert_array_equal(bits(got), bits(gemm_bf16(a, w)))
 
 
 # -- GPU: zero sizes write nothing -----------------------------------------------------------------

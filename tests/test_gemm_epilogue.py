@@ -27,7 +27,7 @@ from layers.ops.gemm import dense_gemm_bf16_word
 from layers.weight_map import BF16, FP8, DenseWeight
 from tests.fakes import RecordingBackend
 from tests.helpers import Guarded, bf16_ulp, bits, random_bf16
-from tests.helpers.gemm import MAX_SHARED_OPTIN, Sm90aBackend
+from tests.helpers.gemm import MAX_SHARED_OPTIN, Sm90aBackend, TmaBackend
 
 KINDS = "PPPUUUPPF"
 VOCAB = 1000
@@ -96,9 +96,20 @@ def test_large_m_on_sm90a_runs_the_wgmma_twin():
         assert gpu.launches[0].kernel == kern, (m, n)
 
 
+def test_large_m_with_tensor_maps_runs_the_tma_twin():
+    gpu = TmaBackend()
+    kern = load_kernel(gpu, "gemm", gemm.WORD_KERNEL)
+    _launch(gpu, 4096, 4096, 4096, kernel=kern, stream=3, overlap=True)
+    (launch,) = gpu.launches
+    assert gpu.kernel_of(launch) == ("gemm", "dense_gemm_bf16_word_tma")
+    assert launch.grid == (132, 1, 1) and launch.block == (384, 1, 1)
+    assert launch.shared_mem == gemm.TMA_SMEM and launch.overlap
+    assert launch.kinds == "TT" + KINDS and launch.args[5:8] == [4096, 4096, 4096]
+
+
 def test_default_plan_matches_the_plain_launcher_per_shape():
     """Same grid and shared memory as dense_gemm_bf16_pipelined for every shape and target."""
-    for backend in (RecordingBackend, Sm90aBackend):
+    for backend in (RecordingBackend, Sm90aBackend, TmaBackend):
         for m, n, k in [(1, 4096, 4096), (64, 300, 72), (65, 300, 72), (300, 4096, 4096),
                         (4096, 4096, 512), (100000, 100, 8)]:
             plain, word = backend(), backend()
@@ -107,7 +118,8 @@ def test_default_plan_matches_the_plain_launcher_per_shape():
             _launch(word, m, n, k)
             (lp,), (lw,) = plain.launches, word.launches
             assert (lw.grid, lw.block, lw.shared_mem) == (lp.grid, lp.block, lp.shared_mem)
-            twin = {gemm.KERNEL: gemm.WORD_KERNEL, "dense_gemm_bf16_wgmma": gemm.WORD_WGMMA_KERNEL}
+            twin = {gemm.KERNEL: gemm.WORD_KERNEL, "dense_gemm_bf16_wgmma": gemm.WORD_WGMMA_KERNEL,
+                    "dense_gemm_bf16_tma": gemm.WORD_TMA_KERNEL}
             assert word.kernel_of(lw)[1] == twin[plain.kernel_of(lp)[1]], (backend, m, n, k)
 
 
@@ -119,6 +131,7 @@ def test_default_plan_matches_the_plain_launcher_per_shape():
     (200, "tiled_64x64", gemm.WORD_KERNEL, 4 * (64 + 64) * 64),
     (17, "wgmma", gemm.WORD_WGMMA_KERNEL, 197632),
     (200, "wgmma", gemm.WORD_WGMMA_KERNEL, 197632),
+    (200, "tma", gemm.WORD_WGMMA_KERNEL, 197632),  # no tensor maps on this backend
     (17, "simt", gemm.WORD_KERNEL, 0),   # no shared memory: the kernel's scalar fallback
     (200, "simt", gemm.WORD_KERNEL, 0),
 ])
@@ -320,7 +333,7 @@ def _paths(m: int) -> list[str | None]:
     """The paths the word launcher runs for this m (small needs m <= 64, tiled m > 64)."""
     fixed = ["small"] if m <= gemm.SMALL_MAX_ROWS else [
         "tiled", "tiled_128x256", "tiled_128x128", "tiled_64x64"]
-    return [None, *fixed, "wgmma", "simt"]
+    return [None, *fixed, "wgmma", "tma", "simt"]
 
 
 FORCED = [(m, n, k, path) for m, n, k in [(1, 1, 1), (3, 100, 7), (17, 264, 264), (64, 257, 1000),
@@ -364,7 +377,7 @@ def test_repeated_and_extreme_ids(gpu, rng):
     m, n, k = 130, 300, 64
     a, w, word, _ = _inputs(rng, m, n, k)
     for ids in (np.full(m, 7, np.uint32), np.where(np.arange(m) % 2, VOCAB - 1, 0).astype(np.uint32)):
-        for path in (None, "wgmma", "simt"):
+        for path in (None, "wgmma", "tma", "simt"):
             got = run_word(gpu, rng, a, w, word, ids, SCALE, path=path)
             check_word_gemm(a, w, word, ids, SCALE, got)
 

@@ -221,6 +221,30 @@ def test_nullable_pointer_spec():
     assert [launch.args for launch in gpu.launches] == [[16, 0, 1]]
 
 
+def test_tensor_map_parameters_are_128_bytes_at_64_byte_offsets():
+    """A ``CUtensorMap`` by value (``const __grid_constant__ TensorMap``): the C ABI puts it at the
+    next multiple of 64; the spec takes exactly 128 bytes (``struct`` would pad or cut others)."""
+    source = ('extern "C" __global__ void __launch_bounds__(384, 1)\n'
+              'k(float* x, const __grid_constant__ TensorMap t, unsigned n, const __grid_constant__ '
+              'TensorMap u) {}\n')
+    assert parse_signatures(source)["k"].kinds == "PTUT"
+    assert packing.layout("PTUT") == ([0, 64, 192, 256], [8, 128, 4, 128])
+    spec = KernelSpec("k", x="P", t="T", n="U", u="T")
+    assert (spec.offsets, spec.sizes) == packing.layout("PTUT")
+    gpu = RecordingBackend()
+    k = gpu.kernel("m", "k")
+    tmap = bytes(range(128))
+    spec.launch(gpu, k, (1, 1, 1), (1, 1, 1), 0, x=16, t=tmap, n=3, u=tmap[::-1])
+    assert gpu.launches[0].args == [16, tmap, 3, tmap[::-1]]
+    for bad, error, message in ((tmap[:127], ValueError, "k t: a tensor map is 128 bytes, got 127"),
+                                (tmap + b"x", ValueError, "got 129"),
+                                (bytearray(tmap), TypeError, "k t must be a tensor map's bytes"),
+                                (0, TypeError, "got int")):
+        with pytest.raises(error, match=re.escape(message)):
+            spec.launch(gpu, k, (1, 1, 1), (1, 1, 1), 0, x=16, t=bad, n=3, u=tmap)
+    assert len(gpu.launches) == 1
+
+
 def test_spec_launch_records_like_a_kernel_launch():
     gpu = RecordingBackend()
     k = gpu.kernel("m", "add")

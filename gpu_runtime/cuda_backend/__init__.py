@@ -8,21 +8,23 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..backend import (DeviceCopies, Events, GpuBackend, Graphs, MappedHostMemory, PinnedHostMemory,
-                       PitchedCopies)
-from . import context, graphs, host, kernels, launch, memory, streams
+                       PitchedCopies, TensorMaps)
+from . import context, graphs, host, kernels, launch, memory, streams, tensor_maps
 from .graphs import CudaGraphs
 from .host import CudaHostMemory
 from .launch import CudaLaunch
 from .memory import CudaMemory
 from .streams import CudaStreams
+from .tensor_maps import CudaTensorMaps
 
 # The modules that call the driver, each through its own ``cu`` (and ``call``, where it checks a
 # status): a test that replaces the driver sets both in each (tests/helpers/scripted_driver.py).
-DRIVER_MODULES = (context, memory, host, streams, graphs, kernels, launch)
+DRIVER_MODULES = (context, memory, host, streams, graphs, kernels, launch, tensor_maps)
 
 
-class CudaBackend(CudaLaunch, CudaMemory, CudaHostMemory, CudaStreams, CudaGraphs, GpuBackend,
-                  PinnedHostMemory, MappedHostMemory, Events, Graphs, PitchedCopies, DeviceCopies):
+class CudaBackend(CudaLaunch, CudaMemory, CudaHostMemory, CudaStreams, CudaGraphs, CudaTensorMaps,
+                  GpuBackend, PinnedHostMemory, MappedHostMemory, Events, Graphs, PitchedCopies,
+                  DeviceCopies, TensorMaps):
     """``GpuBackend`` on the CUDA driver API, on one device's primary context.
 
     Owns what it hands out: allocations, streams, events, graphs, pinned and registered host

@@ -10,7 +10,12 @@ Paths:
 - ``small``  (m <= 64, the n-gram layer's decode/prefill GEMMs): 32 columns of c per CTA, the K
   loop split across its 8 warps, partials reduced in shared memory; bound by reading w once.
 - ``tiled``  mma.sync tensor-core tiles 128x256, 128x128 or 64x64 (``pick_tile``).
-- ``wgmma``  sm_90a wgmma 128x256 tiles; chosen for large m on an sm_90a device.
+- ``wgmma``  sm_90a wgmma 128x256 tiles fed by cp.async; chosen for large m on an sm_90a device
+  when the TMA path cannot take the operands (k % 8 != 0, or a or w not 16-byte aligned).
+- ``tma``    the same tiles, warp-specialised and persistent: a producer warpgroup loads a and w by
+  TMA (tensor maps built here, cached by the backend) for two wgmma warpgroups, one CTA per SM.
+  Chosen for large m on an sm_90a backend with ``TensorMaps``; a forced ``tma`` whose operands
+  it cannot take runs ``wgmma``.
 - ``simt``   one output per thread (a check on the others, never chosen automatically).
 
 ``dense_gemm_bf16_word`` is the same GEMM with the fused n-gram embedding's epilogue,
@@ -23,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from gpu_runtime import GpuBackend, KernelHandle, validate
+from gpu_runtime import GpuBackend, KernelHandle, TensorMaps, validate
 
 from ..kernel_files import load_kernel
 from ..weight_map import BF16, DenseWeight
@@ -35,14 +40,16 @@ KERNELS = {
     "small": "dense_gemm_bf16_small_m",
     "tiled": "dense_gemm_bf16_tiled",
     "wgmma": "dense_gemm_bf16_wgmma",
+    "tma": "dense_gemm_bf16_tma",
     "simt": "dense_gemm_bf16_simt",
 }
-PATHS = ("small", "tiled", "tiled_128x256", "tiled_128x128", "tiled_64x64", "wgmma", "simt")
+PATHS = ("small", "tiled", "tiled_128x256", "tiled_128x128", "tiled_64x64", "wgmma", "tma", "simt")
 
 # word-row epilogue twins: dense_gemm_bf16_word picks small / tiled / simt as the contract's kernel
 # does (from m, block and dynamic shared memory), so only wgmma needs its own entry point.
 WORD_KERNEL = "dense_gemm_bf16_word"
 WORD_WGMMA_KERNEL = "dense_gemm_bf16_word_wgmma"
+WORD_TMA_KERNEL = "dense_gemm_bf16_word_tma"
 
 THREADS = 256
 WARPS = THREADS // 32
@@ -69,6 +76,12 @@ PAD_SLACK = 1.1
 WG_BM, WG_BN, WG_BK, WG_STAGES = 128, 256, 64, 4
 WG_SMEM = WG_STAGES * (WG_BM + WG_BN) * WG_BK * 2 + 1024
 
+# TMA path (gemm.cu: kTma*): the wgmma tile, a producer and two consumer warpgroups, a persistent
+# grid of one CTA per SM
+TMA_THREADS, TMA_CONSUMERS, TMA_STAGES = 384, 2, 4
+TMA_SMEM = TMA_STAGES * (WG_BM + WG_BN) * WG_BK * 2 + 1024 + 16 * TMA_STAGES
+SMS = 132  # H100 / H200 SXM: the persistent grid when the backend does not say
+
 _GRID_MAX = (1 << 31) - 1
 _SIMT_BLOCKS_MAX = 1 << 16  # grid-stride beyond this
 
@@ -81,6 +94,7 @@ class GemmPlan:
     kernel: str
     grid: int
     shared_mem: int
+    threads: int = THREADS
 
 
 def _cdiv(x: int, d: int) -> int:
@@ -134,18 +148,31 @@ def wgmma_available(gpu: GpuBackend) -> bool:
     return getattr(gpu, "target", None) == "sm_90a"
 
 
+def tma_available(gpu: GpuBackend) -> bool:
+    """The TMA path needs wgmma and a backend that builds tensor maps."""
+    return wgmma_available(gpu) and isinstance(gpu, TensorMaps)
+
+
+def tma_operands(a: int, w: int, k: int) -> bool:
+    """Tensor maps need 16-byte aligned bases and a row pitch (k bf16) that is a multiple of 16."""
+    return k % 8 == 0 and int(a) % 16 == 0 and int(w) % 16 == 0
+
+
 @lru_cache(maxsize=4096)  # pure in its arguments; a decode loop asks for the same few shapes
-def plan(m: int, n: int, k: int, path: str | None = None, *, wgmma: bool = False) -> GemmPlan:
+def plan(m: int, n: int, k: int, path: str | None = None, *, wgmma: bool = False,
+         tma: bool = False, sms: int = SMS) -> GemmPlan:
     """The launch for ``c[m,n] = a[m,k] @ w[n,k]^T`` (all sizes >= 1).
 
-    ``path=None`` chooses: small for m <= 64, wgmma (when ``wgmma``) for shapes with enough
-    128x256 tiles, else the tiled config ``pick_tile`` gives, run by the contract's kernel.
+    ``path=None`` chooses: small for m <= 64; for shapes with enough 128x256 tiles, tma (when
+    ``tma``: the device has it and the operands suit it) or wgmma (when ``wgmma``); else the tiled
+    config ``pick_tile`` gives, run by the contract's kernel. A forced ``tma`` without ``tma``
+    runs wgmma. ``sms``: the persistent TMA grid.
     """
     if path is None:
         if m <= SMALL_MAX_ROWS:
             return GemmPlan("small", KERNEL, _small_grid(m, n), small_smem(m))
         if wgmma and use_wgmma(m, n):
-            return GemmPlan("wgmma", KERNELS["wgmma"], _grid(tile_count(m, n, WG_BM, WG_BN)), WG_SMEM)
+            return _wgmma_plan(m, n, tma, sms)
         bm, bn = pick_tile(m, n)
         return GemmPlan(f"tiled_{bm}x{bn}", KERNEL, _grid(tile_count(m, n, bm, bn)), tile_smem(bm, bn))
     if path == "small":
@@ -154,11 +181,18 @@ def plan(m: int, n: int, k: int, path: str | None = None, *, wgmma: bool = False
         bm, bn = pick_tile(m, n) if path == "tiled" else _tile_config(path)
         return GemmPlan(f"tiled_{bm}x{bn}", KERNELS["tiled"], _grid(tile_count(m, n, bm, bn)),
                         tile_smem(bm, bn))
-    if path == "wgmma":
-        return GemmPlan(path, KERNELS["wgmma"], _grid(tile_count(m, n, WG_BM, WG_BN)), WG_SMEM)
+    if path in ("wgmma", "tma"):
+        return _wgmma_plan(m, n, tma and path == "tma", sms)
     if path == "simt":
         return GemmPlan(path, KERNELS["simt"], min(_cdiv(m * n, THREADS), _SIMT_BLOCKS_MAX), 0)
     raise ValueError(f"unknown GEMM path {path!r}; one of {PATHS} or None")
+
+
+def _wgmma_plan(m: int, n: int, tma: bool, sms: int) -> GemmPlan:
+    tiles = tile_count(m, n, WG_BM, WG_BN)
+    if tma:
+        return GemmPlan("tma", KERNELS["tma"], min(tiles, sms), TMA_SMEM, TMA_THREADS)
+    return GemmPlan("wgmma", KERNELS["wgmma"], _grid(tiles), WG_SMEM)
 
 
 def _tile_config(path: str) -> tuple[int, int]:
@@ -169,17 +203,20 @@ def _tile_config(path: str) -> tuple[int, int]:
 
 
 @lru_cache(maxsize=4096)
-def word_plan(m: int, n: int, k: int, path: str | None = None, *, wgmma: bool = False) -> GemmPlan:
+def word_plan(m: int, n: int, k: int, path: str | None = None, *, wgmma: bool = False,
+              tma: bool = False, sms: int = SMS) -> GemmPlan:
     """``plan`` for the word-epilogue kernels: same path, grid and shared memory, run by
     ``dense_gemm_bf16_word`` (small for m <= 64, tiled above, simt when launched with no shared
-    memory) or, for wgmma, ``dense_gemm_bf16_word_wgmma``.
+    memory) or, for wgmma and tma, ``dense_gemm_bf16_word_wgmma`` and ``_word_tma``.
 
     That kernel chooses small or tiled from m, so a forced ``small`` needs m <= 64 and a forced
     ``tiled*`` m > 64; anything else is refused rather than silently running another path.
     """
-    p = plan(m, n, k, path, wgmma=wgmma)
+    p = plan(m, n, k, path, wgmma=wgmma, tma=tma, sms=sms)
     if p.path == "wgmma":
         return GemmPlan(p.path, WORD_WGMMA_KERNEL, p.grid, p.shared_mem)
+    if p.path == "tma":
+        return GemmPlan(p.path, WORD_TMA_KERNEL, p.grid, p.shared_mem, p.threads)
     small = m <= SMALL_MAX_ROWS
     if (p.path == "small" and not small) or (p.path.startswith("tiled_") and small):
         raise ValueError(f"{WORD_KERNEL}: path {path!r} cannot be forced for m = {m} (small needs "
@@ -226,10 +263,16 @@ def dense_gemm_bf16_pipelined(gpu: GpuBackend, kernel: KernelHandle, a: int, w: 
     m, n, k = _check_gemm(KERNEL, kernel, w, m, n, k, path)
     if m == 0 or n == 0 or k == 0:
         return
-    p = plan(m, n, k, path, wgmma=wgmma_available(gpu))
+    p = _launch_plan(plan, gpu, a, w, m, n, k, path)
     handle = kernel if p.kernel == KERNEL else load_kernel(gpu, MODULE, p.kernel)
-    _SPECS[p.kernel].launch(gpu, handle, (p.grid, 1, 1), _BLOCK, stream, a=a, w=w.weight, c=c,
-                            m=m, n=n, k=k, shared_mem=p.shared_mem)
+    spec = _SPECS[p.kernel]
+    if p.path == "tma":
+        spec.launch(gpu, handle, (p.grid, 1, 1), (p.threads, 1, 1), stream,
+                    **_tensor_maps(gpu, a, w, m, n, k), a=a, w=w.weight, c=c, m=m, n=n, k=k,
+                    shared_mem=p.shared_mem)
+    else:
+        spec.launch(gpu, handle, (p.grid, 1, 1), _BLOCK, stream, a=a, w=w.weight, c=c,
+                    m=m, n=n, k=k, shared_mem=p.shared_mem)
 
 
 def dense_gemm_bf16_word(gpu: GpuBackend, kernel: KernelHandle, a: int, w: DenseWeight, c: int,
@@ -250,8 +293,24 @@ def dense_gemm_bf16_word(gpu: GpuBackend, kernel: KernelHandle, a: int, w: Dense
     scale = validate.real32(scale, f"{WORD_KERNEL} scale")
     if m == 0 or n == 0 or k == 0:
         return
-    p = word_plan(m, n, k, path, wgmma=wgmma_available(gpu))
+    p = _launch_plan(word_plan, gpu, a, w, m, n, k, path)
     handle = kernel if p.kernel == WORD_KERNEL else load_kernel(gpu, MODULE, p.kernel)
-    _SPECS[p.kernel].launch(gpu, handle, (p.grid, 1, 1), _BLOCK, stream, a=a, w=w.weight, c=c,
-                            m=m, n=n, k=k, word_ids=word_ids, word=word, scale=scale,
-                            shared_mem=p.shared_mem, overlap=overlap)
+    maps = _tensor_maps(gpu, a, w, m, n, k) if p.path == "tma" else {}
+    _SPECS[p.kernel].launch(gpu, handle, (p.grid, 1, 1), (p.threads, 1, 1), stream, **maps, a=a,
+                            w=w.weight, c=c, m=m, n=n, k=k, word_ids=word_ids, word=word,
+                            scale=scale, shared_mem=p.shared_mem, overlap=overlap)
+
+
+def _launch_plan(planner, gpu: GpuBackend, a: int, w: DenseWeight, m: int, n: int, k: int,
+                 path: str | None) -> GemmPlan:
+    """``planner``'s plan for this backend and these operands (tma only where both allow it)."""
+    wgmma = wgmma_available(gpu)
+    tma = wgmma and tma_available(gpu) and tma_operands(a, w.weight, k)
+    return planner(m, n, k, path, wgmma=wgmma, tma=tma, sms=getattr(gpu, "sm_count", SMS))
+
+
+def _tensor_maps(gpu: TensorMaps, a: int, w: DenseWeight, m: int, n: int, k: int) -> dict[str, bytes]:
+    """a and w as the TMA path's tensor maps (boxes of 128 and 256 rows by 64 k); the backend
+    caches them, so a weight's map is encoded once."""
+    return {"a_map": gpu.tensor_map_2d(int(a), m, k, WG_BM, WG_BK),
+            "w_map": gpu.tensor_map_2d(int(w.weight), n, k, WG_BN, WG_BK)}

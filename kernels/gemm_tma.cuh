@@ -1,0 +1,168 @@
+// Part of gemm.cu (included after its sizes): the TMA path, sm_90a only (elsewhere its entry points
+// run the tiled path).
+//
+// Warp-specialised and persistent: 3 warpgroups (384 threads), one CTA per SM, each CTA walking
+// the 128x256 output tiles grid-stride in grouped order (grouped_tile).
+//   producer   warpgroup 0 gives its registers back (setmaxnreg 40) and one thread issues the
+//              TMA loads: per k-tile one 128x64 box of a and one 256x64 box of w (128-byte
+//              swizzle, zero-filled past m, n and k by the TMA unit) into a ring of kTmaStages
+//              stages, each stage with a "full" mbarrier (expect_tx of the stage's bytes) and an
+//              "empty" one. It runs ahead across tiles: while the consumers store one tile's
+//              results it is already loading the next tile's first stages.
+//   consumers  warpgroups 1 and 2 (setmaxnreg 232) each own 64 rows of the tile: per k-tile they
+//              wait on the stage's full barrier, issue 4 wgmma m64n256k16 from shared memory (the
+//              wgmma path's descriptors: the TMA swizzle is WgmmaLayout), keep one wgmma group in
+//              flight and release the stage before it (each warp's lane 0 arrives on its empty
+//              barrier once wgmma.wait_group says the group that read it retired). Then they
+//              store their 64x256 fp32 accumulators through the epilogue (store_fragment), as
+//              the wgmma path does.
+// Mbarrier phases: the n-th use of stage s (n = it / kTmaStages over the CTA's whole k-tile
+// sequence) waits for full-phase parity n & 1; the producer waits for empty-phase parity
+// (n & 1) ^ 1, which a fresh barrier already satisfies for n = 0.
+// The tensor maps (a: [m, k], w: [n, k], box 64 x 128 and 64 x 256, bf16, SWIZZLE_128B) are built
+// by the host (layers/ops/gemm.py) and passed by value as __grid_constant__ parameters; reads are
+// bounded by the maps' own extents whatever m, n, k say, and writes of c by m and n.
+#pragma once
+#include "gemm_epilogue.cuh"
+#include "gemm_wgmma.cuh"
+
+// A CUtensorMap (cuda.h's 128-byte, 64-byte-aligned opaque type), by value.
+struct alignas(64) TensorMap {
+    unsigned long long opaque[16];
+};
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+namespace gemm {
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
+                 :: "r"(bar), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT;\n"
+        "}\n" :: "r"(bar), "r"(parity) : "memory");
+}
+
+// One box of a 2-D tensor map into shared memory at dst; coordinates innermost first (k, row).
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const TensorMap& map, uint32_t x,
+                                            uint32_t y, uint32_t bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3}], [%4];\n"
+        :: "r"(dst), "l"(reinterpret_cast<uint64_t>(&map)), "r"(x), "r"(y), "r"(bar) : "memory");
+}
+
+template <uint32_t R>
+__device__ __forceinline__ void setmaxnreg_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(R));
+}
+
+template <uint32_t R>
+__device__ __forceinline__ void setmaxnreg_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(R));
+}
+
+__device__ __forceinline__ bool tma_launch_fits() {
+    return blockDim.x == kTmaThreads && blockDim.y == 1 && blockDim.z == 1 &&
+           dynamic_smem_bytes() >= kTmaSmem;
+}
+
+template <class Ep>
+__device__ __forceinline__ void tma_gemm(const TensorMap& amap, const TensorMap& wmap, bf16* c,
+                                         uint32_t m, uint32_t n, uint32_t k, const Ep& ep) {
+    constexpr uint32_t kABytes = kWgBM * kWgBK * 2;
+    const uint32_t tid = threadIdx.x, wg = tid / 128;
+    const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+    const uint32_t full = base + kTmaStages * kWgStageBytes, empty = full + 8 * kTmaStages;
+    if (tid == 0) {
+        for (uint32_t s = 0; s < kTmaStages; ++s) {
+            mbar_init(full + 8 * s, 1);
+            mbar_init(empty + 8 * s, kTmaConsumers * 4);  // lane 0 of every consumer warp
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    const uint32_t ktiles = ceil_div(k, kWgBK);
+    const uint64_t tiles_m = ceil_div(m, kWgBM), tiles_n = ceil_div(n, kWgBN);
+    const uint64_t tiles = tiles_m * tiles_n;
+
+    if (wg == 0) {  // producer
+        setmaxnreg_dec<40>();
+        if (tid != 0) return;
+        asm volatile("prefetch.tensormap [%0];\n" :: "l"(reinterpret_cast<uint64_t>(&amap)) : "memory");
+        asm volatile("prefetch.tensormap [%0];\n" :: "l"(reinterpret_cast<uint64_t>(&wmap)) : "memory");
+        uint32_t it = 0;
+        for (uint64_t tile = block_rank(); tile < tiles; tile += grid_blocks()) {
+            uint64_t tm, tn;
+            grouped_tile(tile, tiles_m, tiles_n, tm, tn);
+            const uint32_t m0 = static_cast<uint32_t>(tm) * kWgBM, n0 = static_cast<uint32_t>(tn) * kWgBN;
+            for (uint32_t kt = 0; kt < ktiles; ++kt, ++it) {
+                const uint32_t s = it % kTmaStages, use = it / kTmaStages;
+                mbar_wait(empty + 8 * s, (use & 1) ^ 1);
+                mbar_expect_tx(full + 8 * s, kWgStageBytes);
+                const uint32_t sa = base + s * kWgStageBytes;
+                tma_load_2d(sa, amap, kt * kWgBK, m0, full + 8 * s);
+                tma_load_2d(sa + kABytes, wmap, kt * kWgBK, n0, full + 8 * s);
+            }
+        }
+        return;
+    }
+
+    setmaxnreg_inc<232>();
+    const uint32_t cw = wg - 1, lane = tid & 31, wq = (tid >> 5) & 3, g = lane >> 2, t = lane & 3;
+    const bool vec = vector_stores(c, n);
+    uint32_t it = 0;
+    for (uint64_t tile = block_rank(); tile < tiles; tile += grid_blocks()) {
+        uint64_t tm, tn;
+        grouped_tile(tile, tiles_m, tiles_n, tm, tn);
+        const uint32_t m0 = static_cast<uint32_t>(tm) * kWgBM, n0 = static_cast<uint32_t>(tn) * kWgBN;
+        float d[128];
+#pragma unroll
+        for (uint32_t i = 0; i < 128; ++i) d[i] = 0.0f;
+
+        for (uint32_t kt = 0; kt < ktiles; ++kt, ++it) {
+            const uint32_t s = it % kTmaStages;
+            mbar_wait(full + 8 * s, (it / kTmaStages) & 1);
+            const uint32_t sa = base + s * kWgStageBytes;
+            const uint32_t sa_wg = sa + cw * 64 * WgmmaLayout::kRowBytes, sb = sa + kABytes;
+            wg_fence_operands(d);
+            asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+            for (uint32_t ks = 0; ks < kWgBK / 16; ++ks)
+                wgmma_m64n256k16(d, wg_desc(sa_wg + ks * 32), wg_desc(sb + ks * 32));
+            asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+            asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+            wg_fence_operands(d);
+            // the group of the previous k-tile retired: its stage may be refilled
+            if (kt > 0 && lane == 0) mbar_arrive(empty + 8 * ((it - 1) % kTmaStages));
+        }
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+        wg_fence_operands(d);
+        if (ktiles > 0 && lane == 0) mbar_arrive(empty + 8 * ((it - 1) % kTmaStages));
+
+        // d[4j + e]: row 16*wq + g (+8 for e >= 2), column 8j + 2t (+1 for odd e).
+        const uint32_t row = m0 + cw * 64 + wq * 16 + g;
+        const auto e0 = ep.row(row, m), e8 = ep.row(row + 8, m);
+#pragma unroll
+        for (uint32_t j = 0; j < kWgBN / 8; ++j)
+            store_fragment(c, row, n0 + 8 * j + 2 * t, m, n, d + 4 * j, vec, e0, e8);
+    }
+}
+
+}  // namespace gemm
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL

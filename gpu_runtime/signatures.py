@@ -15,9 +15,11 @@ import re
 from pathlib import Path
 from typing import Iterable, NamedTuple
 
+# After ``void``, attributes such as ``__launch_bounds__(384, 1)`` or a macro in capitals that
+# expands to one (``SPLITK_CLUSTER``) may precede the kernel's name.
 _KERNEL = re.compile(
     r'extern\s+"C"\s+__global__\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?void\s+'
-    r"(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(([^)]*)\)",
+    r"(?:\w+\s*\([^)]*\)\s*|[A-Z][A-Z0-9_]*\s+)*(\w+)\s*\(([^)]*)\)",
     re.S,
 )
 _COMMENTS = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)

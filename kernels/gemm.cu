@@ -86,6 +86,16 @@ constexpr uint32_t kTmaThreads = 384;
 constexpr uint32_t kTmaConsumers = 2;
 constexpr uint32_t kTmaStages = 4;
 constexpr uint32_t kTmaSmem = kTmaStages * kWgStageBytes + 1024 + 16 * kTmaStages;  // + 2 mbarriers a stage
+
+// TMA split-K path (swap-AB): tiles of 128 w rows x 64 tokens, k split over a cluster of kSplitK
+constexpr uint32_t kSplitK = 4;
+constexpr uint32_t kSplitBN = 128;  // w rows (columns of c) per tile
+constexpr uint32_t kSplitBM = 64;   // tokens (rows of c) per tile
+constexpr uint32_t kSplitStages = 6;
+constexpr uint32_t kSplitStageBytes = (kSplitBN + kSplitBM) * kWgBK * 2;
+constexpr uint32_t kSplitRedStride = kSplitBM + 4;  // floats per partial row
+constexpr uint32_t kSplitRedBytes = kSplitBN * kSplitRedStride * 4;  // the fp32 partial tile
+constexpr uint32_t kSplitSmem = 1024 + kSplitStages * kSplitStageBytes + kSplitRedBytes + 16 * kSplitStages;
 #endif
 
 // The small path's n8 tiles of a rows per work item, its ring depth and its shared memory.
@@ -118,6 +128,7 @@ __host__ __device__ constexpr uint32_t tile_smem_bytes() {
 #include "gemm_tiled.cuh"
 #include "gemm_wgmma.cuh"
 #include "gemm_tma.cuh"
+#include "gemm_tma_splitk.cuh"
 
 namespace gemm {
 
@@ -191,6 +202,20 @@ __device__ __forceinline__ void tma_or_simt_gemm(const TensorMap& amap, const Te
     gemm_simt(a, w, c, m, n, k, ep);
 }
 
+// The split-K TMA path on sm_90a builds when the launch fits it, else simt.
+template <class Ep>
+__device__ __forceinline__ void splitk_or_simt_gemm(const TensorMap& amap, const TensorMap& wmap,
+                                                    const bf16* a, const bf16* w, bf16* c,
+                                                    uint32_t m, uint32_t n, uint32_t k, const Ep& ep) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    if (splitk_launch_fits()) {
+        tma_splitk_gemm(amap, wmap, c, m, n, k, ep);
+        return;
+    }
+#endif
+    gemm_simt(a, w, c, m, n, k, ep);
+}
+
 // The word entry points run after the n-gram gather that writes a and word_ids, and may be
 // launched overlapping it (programmatic dependent launch): they wait for it (pdl_wait) before
 // reading a or word_ids. The small path requests its first weight stages before waiting.
@@ -240,6 +265,20 @@ dense_gemm_bf16_tma(const __grid_constant__ TensorMap a_map, const __grid_consta
     gemm::tma_or_simt_gemm(a_map, w_map, a, w, c, m, n, k, gemm::PlainEpilogue{});
 }
 
+// The split-K TMA path (sm_90a builds; 384 threads, kSplitSmem bytes, a grid of whole clusters of
+// kSplitK CTAs): a_map boxes 64 x 64, w_map 64 x 128.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define SPLITK_CLUSTER __cluster_dims__(4, 1, 1)
+#else
+#define SPLITK_CLUSTER
+#endif
+extern "C" __global__ void SPLITK_CLUSTER __launch_bounds__(384, 1)
+dense_gemm_bf16_tma_splitk(const __grid_constant__ TensorMap a_map,
+                           const __grid_constant__ TensorMap w_map, const bf16* a, const bf16* w,
+                           bf16* c, uint32_t m, uint32_t n, uint32_t k) {
+    gemm::splitk_or_simt_gemm(a_map, w_map, a, w, c, m, n, k, gemm::PlainEpilogue{});
+}
+
 // One output per thread, any launch shape.
 extern "C" __global__ void
 dense_gemm_bf16_simt(const bf16* a, const bf16* w, bf16* c, uint32_t m, uint32_t n, uint32_t k) {
@@ -270,4 +309,15 @@ dense_gemm_bf16_word_tma(const __grid_constant__ TensorMap a_map,
     pdl_wait();
     gemm::tma_or_simt_gemm(a_map, w_map, a, w, c, m, n, k,
                             gemm::word_epilogue(word_ids, word, n, scale));
+}
+
+// dense_gemm_bf16_tma_splitk with the word epilogue.
+extern "C" __global__ void SPLITK_CLUSTER __launch_bounds__(384, 1)
+dense_gemm_bf16_word_tma_splitk(const __grid_constant__ TensorMap a_map,
+                                const __grid_constant__ TensorMap w_map, const bf16* a,
+                                const bf16* w, bf16* c, uint32_t m, uint32_t n, uint32_t k,
+                                const uint32_t* word_ids, const bf16* word, float scale) {
+    pdl_wait();
+    gemm::splitk_or_simt_gemm(a_map, w_map, a, w, c, m, n, k,
+                              gemm::word_epilogue(word_ids, word, n, scale));
 }

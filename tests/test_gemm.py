@@ -25,7 +25,7 @@ from layers.kernel_files import kernel_dir, load_kernel
 from layers.reference import gemm_bf16, gemm_fp64
 from layers.ops import gemm
 from layers.ops.gemm import dense_gemm_bf16_pipelined
-from layers.ops.specs import GEMM_TMA
+from layers.ops.specs import GEMM_TMA, GEMM_TMA_SPLITK
 from layers.weight_map import BF16, FP8, DenseWeight
 from tests.fakes import RecordingBackend
 from tests.helpers import Guarded, bf16_ulp, bits, random_bf16
@@ -107,6 +107,19 @@ def test_large_m_with_tensor_maps_runs_tma_persistent():
     assert gpu.launches[0].grid == (16 * 8, 1, 1)
 
 
+def test_forced_splitk_plan_is_whole_clusters_of_its_tiles():
+    gpu = TmaBackend()
+    kern = load_kernel(gpu, "gemm", gemm.KERNEL)
+    dense_gemm_bf16_pipelined(gpu, kern, _p(0), _weight(4100, 4096), _p(2), 65, 4100, 4096, 0,
+                              path="tma_splitk")
+    (launch,) = gpu.launches
+    assert gpu.kernel_of(launch) == ("gemm", "dense_gemm_bf16_tma_splitk")
+    assert launch.grid == (33 * 2 * 4, 1, 1) and launch.block == (384, 1, 1)  # 33 x 2 tiles, 4 CTAs each
+    assert launch.shared_mem == gemm.SPLIT_SMEM <= MAX_SHARED_OPTIN and launch.kinds == "TTPPPUUU"
+    assert launch.args[:2] == [fake_tensor_map(int(_p(0)), 65, 4096, 64, 64),
+                               fake_tensor_map(0x200000, 4100, 4096, 128, 64)]
+
+
 @pytest.mark.parametrize("a_off, w_off, k", [(2, 0, 512), (0, 8, 512), (0, 0, 516)])
 def test_tma_falls_back_to_wgmma_for_operands_a_tensor_map_cannot_describe(a_off, w_off, k):
     """A tensor map needs 16-byte aligned bases and rows of a multiple of 16 bytes."""
@@ -129,6 +142,7 @@ def test_tma_falls_back_to_wgmma_for_operands_a_tensor_map_cannot_describe(a_off
     ("tiled_64x64", "dense_gemm_bf16_tiled", 4 * (64 + 64) * 64),
     ("wgmma", "dense_gemm_bf16_wgmma", 197632),
     ("tma", "dense_gemm_bf16_wgmma", 197632),  # no tensor maps on this backend
+    ("tma_splitk", "dense_gemm_bf16_pipelined", 4 * (64 + 64) * 64),  # ... so path=None's plan
     ("simt", "dense_gemm_bf16_simt", 0),
 ])
 def test_forced_paths_launch_their_kernel(path, name, smem):
@@ -162,6 +176,9 @@ def test_launcher_constants_mirror_the_kernel():
         gemm.WG_BM, gemm.WG_BN, gemm.WG_BK, gemm.WG_STAGES, gemm.WG_SMEM)
     assert (cu["kTmaThreads"], cu["kTmaConsumers"], cu["kTmaStages"], cu["kTmaSmem"]) == (
         gemm.TMA_THREADS, gemm.TMA_CONSUMERS, gemm.TMA_STAGES, gemm.TMA_SMEM)
+    assert (cu["kSplitK"], cu["kSplitBN"], cu["kSplitBM"], cu["kSplitStages"], cu["kSplitSmem"]) == (
+        gemm.SPLIT_K, gemm.SPLIT_BN, gemm.SPLIT_BM, gemm.SPLIT_STAGES, gemm.SPLIT_SMEM)
+    assert "__cluster_dims__(4, 1, 1)" in (kernel_dir() / "gemm.cu").read_text() and gemm.SPLIT_K == 4
     assert gemm.TMA_THREADS == 128 * (1 + gemm.TMA_CONSUMERS)
     # run_tiled takes the largest config the shared memory holds, largest first, as TILE_CONFIGS
     source = (kernel_dir() / "gemm.cu").read_text()
@@ -370,6 +387,35 @@ def test_tma_kernel_correct_for_any_launch(gpu, rng, m, n, k, grid, block, smem)
         GEMM_TMA.launch(
             gpu, kern, grid, block, 0, a_map=gpu.tensor_map_2d(ga.ptr, m, k, 128, 64),
             w_map=gpu.tensor_map_2d(gw.ptr, n, k, 256, 64), a=ga.ptr, w=gw.ptr, c=gc.ptr,
+            m=m, n=n, k=k, shared_mem=shared)
+        got = gc.read()
+        gc.assert_guards_intact()
+    np.testing.assert_array_equal(bits(got), bits(gemm_bf16(a, w)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, n, k", [(64, 1030, 1032), (3, 300, 200), (130, 264, 4104)])
+@pytest.mark.parametrize("grid, block, smem", [
+    ((4, 1, 1), (384, 1, 1), "plan"),     # one cluster, every tile
+    ((8, 2, 1), (384, 1, 1), "plan"),     # a 2-D grid of clusters
+    ((4, 1, 1), (256, 1, 1), "plan"),     # another block size: scalar fallback
+    ((4, 1, 1), (384, 1, 1), 1024),       # too little shared memory: scalar fallback
+])
+def test_tma_splitk_kernel_correct_for_any_launch(gpu, rng, m, n, k, grid, block, smem):
+    if not gemm.tma_available(gpu):
+        pytest.skip(f"the TMA path needs sm_90a (this device compiles for {gpu.target})")
+    a = rng.integers(-8, 9, (m, k)).astype(np.float32).astype(BF16)
+    w = rng.integers(-8, 9, (n, k)).astype(np.float32).astype(BF16)
+    kern = load_kernel(gpu, "gemm", gemm.KERNELS["tma_splitk"])
+    shared = gemm.SPLIT_SMEM if smem == "plan" else smem
+    with Guarded(gpu, (m, k), BF16, rng) as ga, Guarded(gpu, (n, k), BF16, rng) as gw, \
+         Guarded(gpu, (m, n), BF16, rng) as gc:
+        ga.upload(a)
+        gw.upload(w)
+        gc.poison()
+        GEMM_TMA_SPLITK.launch(
+            gpu, kern, grid, block, 0, a_map=gpu.tensor_map_2d(ga.ptr, m, k, 64, 64),
+            w_map=gpu.tensor_map_2d(gw.ptr, n, k, 128, 64), a=ga.ptr, w=gw.ptr, c=gc.ptr,
             m=m, n=n, k=k, shared_mem=shared)
         got = gc.read()
         gc.assert_guards_intact()

@@ -16,6 +16,10 @@ Paths:
   TMA (tensor maps built here, cached by the backend) for two wgmma warpgroups, one CTA per SM.
   Chosen for large m on an sm_90a backend with ``TensorMaps``; a forced ``tma`` whose operands
   it cannot take runs ``wgmma``.
+- ``tma_splitk``  few rows of a (decode): swap-AB wgmma (w rows on the M side, 64 tokens on N),
+  tiles of 128 columns of c, k split over a 4-CTA cluster whose partials are summed in fixed order
+  through distributed shared memory (one rounding, no workspace). A forced ``tma_splitk`` whose
+  operands a tensor map cannot describe runs what ``path=None`` would.
 - ``simt``   one output per thread (a check on the others, never chosen automatically).
 
 ``dense_gemm_bf16_word`` is the same GEMM with the fused n-gram embedding's epilogue,
@@ -41,15 +45,18 @@ KERNELS = {
     "tiled": "dense_gemm_bf16_tiled",
     "wgmma": "dense_gemm_bf16_wgmma",
     "tma": "dense_gemm_bf16_tma",
+    "tma_splitk": "dense_gemm_bf16_tma_splitk",
     "simt": "dense_gemm_bf16_simt",
 }
-PATHS = ("small", "tiled", "tiled_128x256", "tiled_128x128", "tiled_64x64", "wgmma", "tma", "simt")
+PATHS = ("small", "tiled", "tiled_128x256", "tiled_128x128", "tiled_64x64", "wgmma", "tma",
+         "tma_splitk", "simt")
 
 # word-row epilogue twins: dense_gemm_bf16_word picks small / tiled / simt as the contract's kernel
 # does (from m, block and dynamic shared memory), so only wgmma needs its own entry point.
 WORD_KERNEL = "dense_gemm_bf16_word"
 WORD_WGMMA_KERNEL = "dense_gemm_bf16_word_wgmma"
 WORD_TMA_KERNEL = "dense_gemm_bf16_word_tma"
+WORD_SPLITK_KERNEL = "dense_gemm_bf16_word_tma_splitk"
 
 THREADS = 256
 WARPS = THREADS // 32
@@ -81,6 +88,11 @@ WG_SMEM = WG_STAGES * (WG_BM + WG_BN) * WG_BK * 2 + 1024
 TMA_THREADS, TMA_CONSUMERS, TMA_STAGES = 384, 2, 4
 TMA_SMEM = TMA_STAGES * (WG_BM + WG_BN) * WG_BK * 2 + 1024 + 16 * TMA_STAGES
 SMS = 132  # H100 / H200 SXM: the persistent grid when the backend does not say
+
+# TMA split-K path (gemm.cu: kSplit*): 128 w rows x 64 tokens a tile, k over a cluster of SPLIT_K
+SPLIT_K, SPLIT_BN, SPLIT_BM, SPLIT_STAGES = 4, 128, 64, 6
+SPLIT_SMEM = (1024 + SPLIT_STAGES * (SPLIT_BN + SPLIT_BM) * WG_BK * 2 + SPLIT_BN * (SPLIT_BM + 4) * 4
+              + 16 * SPLIT_STAGES)
 
 _GRID_MAX = (1 << 31) - 1
 _SIMT_BLOCKS_MAX = 1 << 16  # grid-stride beyond this
@@ -183,6 +195,11 @@ def plan(m: int, n: int, k: int, path: str | None = None, *, wgmma: bool = False
                         tile_smem(bm, bn))
     if path in ("wgmma", "tma"):
         return _wgmma_plan(m, n, tma and path == "tma", sms)
+    if path == "tma_splitk":
+        if not tma:
+            return plan(m, n, k, None, wgmma=wgmma, sms=sms)
+        clusters = min(_cdiv(n, SPLIT_BN) * _cdiv(m, SPLIT_BM), _GRID_MAX // SPLIT_K)
+        return GemmPlan(path, KERNELS[path], clusters * SPLIT_K, SPLIT_SMEM, TMA_THREADS)
     if path == "simt":
         return GemmPlan(path, KERNELS["simt"], min(_cdiv(m * n, THREADS), _SIMT_BLOCKS_MAX), 0)
     raise ValueError(f"unknown GEMM path {path!r}; one of {PATHS} or None")
@@ -217,6 +234,8 @@ def word_plan(m: int, n: int, k: int, path: str | None = None, *, wgmma: bool = 
         return GemmPlan(p.path, WORD_WGMMA_KERNEL, p.grid, p.shared_mem)
     if p.path == "tma":
         return GemmPlan(p.path, WORD_TMA_KERNEL, p.grid, p.shared_mem, p.threads)
+    if p.path == "tma_splitk":
+        return GemmPlan(p.path, WORD_SPLITK_KERNEL, p.grid, p.shared_mem, p.threads)
     small = m <= SMALL_MAX_ROWS
     if (p.path == "small" and not small) or (p.path.startswith("tiled_") and small):
         raise ValueError(f"{WORD_KERNEL}: path {path!r} cannot be forced for m = {m} (small needs "
@@ -266,10 +285,10 @@ def dense_gemm_bf16_pipelined(gpu: GpuBackend, kernel: KernelHandle, a: int, w: 
     p = _launch_plan(plan, gpu, a, w, m, n, k, path)
     handle = kernel if p.kernel == KERNEL else load_kernel(gpu, MODULE, p.kernel)
     spec = _SPECS[p.kernel]
-    if p.path == "tma":
+    if p.path in _TMA_BOXES:
         spec.launch(gpu, handle, (p.grid, 1, 1), (p.threads, 1, 1), stream,
-                    **_tensor_maps(gpu, a, w, m, n, k), a=a, w=w.weight, c=c, m=m, n=n, k=k,
-                    shared_mem=p.shared_mem)
+                    **_tensor_maps(gpu, p.path, a, w, m, n, k), a=a, w=w.weight, c=c, m=m, n=n,
+                    k=k, shared_mem=p.shared_mem)
     else:
         spec.launch(gpu, handle, (p.grid, 1, 1), _BLOCK, stream, a=a, w=w.weight, c=c,
                     m=m, n=n, k=k, shared_mem=p.shared_mem)
@@ -295,7 +314,7 @@ def dense_gemm_bf16_word(gpu: GpuBackend, kernel: KernelHandle, a: int, w: Dense
         return
     p = _launch_plan(word_plan, gpu, a, w, m, n, k, path)
     handle = kernel if p.kernel == WORD_KERNEL else load_kernel(gpu, MODULE, p.kernel)
-    maps = _tensor_maps(gpu, a, w, m, n, k) if p.path == "tma" else {}
+    maps = _tensor_maps(gpu, p.path, a, w, m, n, k) if p.path in _TMA_BOXES else {}
     _SPECS[p.kernel].launch(gpu, handle, (p.grid, 1, 1), (p.threads, 1, 1), stream, **maps, a=a,
                             w=w.weight, c=c, m=m, n=n, k=k, word_ids=word_ids, word=word,
                             scale=scale, shared_mem=p.shared_mem, overlap=overlap)
@@ -309,8 +328,13 @@ def _launch_plan(planner, gpu: GpuBackend, a: int, w: DenseWeight, m: int, n: in
     return planner(m, n, k, path, wgmma=wgmma, tma=tma, sms=getattr(gpu, "sm_count", SMS))
 
 
-def _tensor_maps(gpu: TensorMaps, a: int, w: DenseWeight, m: int, n: int, k: int) -> dict[str, bytes]:
-    """a and w as the TMA path's tensor maps (boxes of 128 and 256 rows by 64 k); the backend
+_TMA_BOXES = {"tma": (WG_BM, WG_BN), "tma_splitk": (SPLIT_BM, SPLIT_BN)}  # rows of a, w per box
+
+
+def _tensor_maps(gpu: TensorMaps, path: str, a: int, w: DenseWeight, m: int, n: int,
+                 k: int) -> dict[str, bytes]:
+    """a and w as the TMA paths' tensor maps (boxes of ``_TMA_BOXES`` rows by 64 k); the backend
     caches them, so a weight's map is encoded once."""
-    return {"a_map": gpu.tensor_map_2d(int(a), m, k, WG_BM, WG_BK),
-            "w_map": gpu.tensor_map_2d(int(w.weight), n, k, WG_BN, WG_BK)}
+    a_rows, w_rows = _TMA_BOXES[path]
+    return {"a_map": gpu.tensor_map_2d(int(a), m, k, a_rows, WG_BK),
+            "w_map": gpu.tensor_map_2d(int(w.weight), n, k, w_rows, WG_BK)}

@@ -59,4 +59,4 @@ def _encode(address: int, rows: int, cols: int, box_rows: int, box_cols: int) ->
         cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
         detail=f"bf16 [{rows}, {cols}] at {address:#x}, box [{box_rows}, {box_cols}]",
     )
-    return _OPAQUE.pack(*tensor_map.opaque)
+    return _OPAQUE.pack(*(int(word) for word in tensor_map.opaque))

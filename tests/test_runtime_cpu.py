@@ -11,11 +11,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cuda.bindings import driver as cu_driver
 
 from gpu_runtime import (ClosedError, CudaBackend, CudaError, DeviceBuffer, DeviceCopies, DevicePtr, Events,
                          GpuBackend, GpuError, Graphs, KernelHandle, KernelLaunch, MappedHostMemory,
-                         NoDeviceError, NvrtcError, PinnedHostMemory, PitchedCopies, compiler,
-                         device_count, validate)
+                         NoDeviceError, NvrtcError, PinnedHostMemory, PitchedCopies, TensorMaps,
+                         compiler, device_count, validate)
 from gpu_runtime.packing import ArgPlan
 from gpu_runtime.signatures import Param, Signature, parse_signatures
 from layers.kernel_files import kernel_dir, kernel_files, kernel_path, load_kernel
@@ -91,6 +92,8 @@ def test_extreme_values_accepted():
     ("PPFU", [0, 8, 16, 20], 24),
     ("PPIPPPPUU", [0, 8, 16, 24, 32, 40, 48, 56, 60], 64),
     ("ULUL", [0, 8, 16, 24], 32),
+    ("TTPPPUUU", [0, 128, 256, 264, 272, 280, 284, 288], 292),  # tensor maps: 128 bytes, 64-aligned
+    ("UT", [0, 64], 192),
 ])
 def test_arg_plan_matches_c_abi_offsets(kinds, offsets, size):
     plan = ArgPlan(kinds)
@@ -236,10 +239,12 @@ def test_device_ptr_and_kernel_handle_are_ints():
 
 
 def test_capabilities_by_inheritance_or_by_methods():
-    capabilities = (PinnedHostMemory, MappedHostMemory, Events, Graphs, PitchedCopies, DeviceCopies)
+    capabilities = (PinnedHostMemory, MappedHostMemory, Events, Graphs, PitchedCopies, DeviceCopies,
+                    TensorMaps)
     assert all(issubclass(CudaBackend, c) for c in capabilities) and issubclass(CudaBackend, GpuBackend)
     recording = RecordingBackend()
-    assert [isinstance(recording, c) for c in capabilities] == [True, True, True, False, True, False]
+    assert [isinstance(recording, c) for c in capabilities] == [True, True, True, False, True, False,
+                                                                False]
 
     class WithGraphs(MemoryBackend):  # declares nothing, defines every Graphs method
         def begin_capture(self, stream): ...
@@ -485,3 +490,51 @@ def test_param_layout_without_driver_param_count(monkeypatch):
     assert CudaBackend._param_layout(1) == layout
     monkeypatch.setattr(cu, "cuFuncGetParamCount", lambda k: (cu.CUresult.CUDA_SUCCESS, 2), raising=False)
     assert CudaBackend._param_layout(1) == layout[:2]
+
+
+# -- tensor maps: refused before the driver; the driver's 128 bytes packed as they lie; cached --------
+class _FakeTensorMap:
+    def __init__(self, words):
+        self.opaque = [cu_driver.cuuint64_t(w) for w in words]
+
+
+def test_tensor_map_encodes_once_and_packs_the_opaque_words(monkeypatch):
+    from gpu_runtime.cuda_backend import tensor_maps
+
+    calls = []
+
+    def call(fn, *args, detail=""):
+        calls.append((fn.__name__, args, detail))
+        return _FakeTensorMap(range(100, 116))
+
+    monkeypatch.setattr(tensor_maps, "call", call)
+    tensor_maps._encode.cache_clear()
+    maps = tensor_maps.CudaTensorMaps()
+    got = maps.tensor_map_2d(0x7000_0000_0400, 300, 72, 128, 64)
+    assert got == struct.pack("<16Q", *range(100, 116)) and len(got) == 128
+    assert maps.tensor_map_2d(0x7000_0000_0400, 300, 72, 128, 64) == got and len(calls) == 1  # cached
+    name, args, detail = calls[0]
+    assert name == "cuTensorMapEncodeTiled" and args[1] == 2 and args[2] == 0x7000_0000_0400
+    assert [int(d) for d in args[3]] == [72, 300] and [int(d) for d in args[4]] == [144]
+    assert [int(d) for d in args[5]] == [64, 128] and "bf16 [300, 72]" in detail
+    tensor_maps._encode.cache_clear()
+
+
+@pytest.mark.parametrize("args, error, message", [
+    ((0x1008, 300, 72, 128, 64), ValueError, "16-byte aligned"),
+    ((0x1000, 300, 70, 128, 64), ValueError, "a multiple of 8"),
+    ((0x1000, 300, 72, 257, 64), ValueError, "limits"),
+    ((0x1000, 300, 72, 128, 72), ValueError, "limits"),
+    ((0, 300, 72, 128, 64), ValueError, "null device pointer"),
+    ((0x1000, 0, 72, 128, 64), ValueError, "rows"),
+    ((0x1000, 300, 72.0, 128, 64), TypeError, "cols"),
+])
+def test_tensor_map_refusals_come_before_the_driver(monkeypatch, args, error, message):
+    from gpu_runtime.cuda_backend import tensor_maps
+
+    def call(fn, *a, detail=""):
+        raise AssertionError("the driver was reached")
+
+    monkeypatch.setattr(tensor_maps, "call", call)
+    with pytest.raises(error, match=message):
+        tensor_maps.CudaTensorMaps().tensor_map_2d(*args)

@@ -510,6 +510,7 @@ def test_tensor_map_encodes_once_and_packs_the_opaque_words(monkeypatch):
     monkeypatch.setattr(tensor_maps, "call", call)
     tensor_maps._encode.cache_clear()
     maps = tensor_maps.CudaTensorMaps()
+    maps._closed = False
     got = maps.tensor_map_2d(0x7000_0000_0400, 300, 72, 128, 64)
     assert got == struct.pack("<16Q", *range(100, 116)) and len(got) == 128
     assert maps.tensor_map_2d(0x7000_0000_0400, 300, 72, 128, 64) == got and len(calls) == 1  # cached
@@ -536,5 +537,7 @@ def test_tensor_map_refusals_come_before_the_driver(monkeypatch, args, error, me
         raise AssertionError("the driver was reached")
 
     monkeypatch.setattr(tensor_maps, "call", call)
+    maps = tensor_maps.CudaTensorMaps()
+    maps._closed = False
     with pytest.raises(error, match=message):
-        tensor_maps.CudaTensorMaps().tensor_map_2d(*args)
+        maps.tensor_map_2d(*args)

@@ -23,11 +23,14 @@ _SWIZZLE_BYTES = 128  # a box's rows are at most one 128-byte swizzle span
 
 
 class CudaTensorMaps:
+    _closed: bool  # the backend's (CudaContext); encoding needs no context, only an open backend
+
     def tensor_map_2d(self, address: int, rows: int, cols: int, box_rows: int, box_cols: int) -> bytes:
         """The bf16 row-major ``[rows, cols]`` matrix at ``address`` as a ``CUtensorMap`` of
         ``[box_rows, box_cols]`` boxes, 128-byte swizzle, zeros read outside the matrix: the 128
         bytes a ``T`` kernel parameter takes. Needs ``address`` 16-byte aligned, ``cols % 8 == 0``
         (row pitch a multiple of 16 bytes), ``box_cols * 2 <= 128`` and ``box_rows <= 256``."""
+        validate.require_open(self._closed, "CudaBackend")
         address = validate.pointer(address, "tensor map address")
         rows = validate.positive(rows, "tensor map rows")
         cols = validate.positive(cols, "tensor map cols")

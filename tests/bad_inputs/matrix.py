@@ -24,6 +24,7 @@ ROWS = [
     ("CudaBackend.pinned", "`CudaBackend.alloc_host` / `free_host` / `upload_pinned_async`"),
     ("CudaBackend.handles", "`CudaBackend` streams, events, graphs"),
     ("CudaBackend.kernel", "`CudaBackend.kernel`"),
+    ("CudaBackend.tensor_map", "`CudaBackend.tensor_map_2d`"),
     ("KernelLaunch", "`KernelLaunch`"),
     ("batched_embed", "`batched_embed`"),
     ("batched_embed_fp8", "`batched_embed_fp8`"),

@@ -187,29 +187,20 @@ __device__ __forceinline__ void wgmma_or_tiled_gemm(const bf16* a, const bf16* w
 #endif
 }
 
-// TMA on sm_90a builds when the launch fits it (384 threads, kTmaSmem), else simt (a and w come by
-// pointer too, for it; the tiled path would need more than the 168 registers of a 384-thread CTA).
-template <class Ep>
+// A TMA path on sm_90a builds when the launch fits it (384 threads and its shared memory: kSplit
+// picks split-K), else simt (a and w come by pointer too, for it; the tiled path would need more
+// than the 168 registers of a 384-thread CTA).
+template <bool kSplit, class Ep>
 __device__ __forceinline__ void tma_or_simt_gemm(const TensorMap& amap, const TensorMap& wmap,
                                                   const bf16* a, const bf16* w, bf16* c, uint32_t m,
                                                   uint32_t n, uint32_t k, const Ep& ep) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    if (tma_launch_fits()) {
-        tma_gemm(amap, wmap, c, m, n, k, ep);
-        return;
-    }
-#endif
-    gemm_simt(a, w, c, m, n, k, ep);
-}
-
-// The split-K TMA path on sm_90a builds when the launch fits it, else simt.
-template <class Ep>
-__device__ __forceinline__ void splitk_or_simt_gemm(const TensorMap& amap, const TensorMap& wmap,
-                                                    const bf16* a, const bf16* w, bf16* c,
-                                                    uint32_t m, uint32_t n, uint32_t k, const Ep& ep) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    if (splitk_launch_fits()) {
-        tma_splitk_gemm(amap, wmap, c, m, n, k, ep);
+    if (kSplit ? splitk_launch_fits() : tma_launch_fits()) {
+        if constexpr (kSplit) {
+            tma_splitk_gemm(amap, wmap, c, m, n, k, ep);
+        } else {
+            tma_gemm(amap, wmap, c, m, n, k, ep);
+        }
         return;
     }
 #endif
@@ -262,13 +253,13 @@ dense_gemm_bf16_wgmma(const bf16* a, const bf16* w, bf16* c, uint32_t m, uint32_
 extern "C" __global__ void __launch_bounds__(384, 1)
 dense_gemm_bf16_tma(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap w_map,
                     const bf16* a, const bf16* w, bf16* c, uint32_t m, uint32_t n, uint32_t k) {
-    gemm::tma_or_simt_gemm(a_map, w_map, a, w, c, m, n, k, gemm::PlainEpilogue{});
+    gemm::tma_or_simt_gemm<false>(a_map, w_map, a, w, c, m, n, k, gemm::PlainEpilogue{});
 }
 
 // The split-K TMA path (sm_90a builds; 384 threads, kSplitSmem bytes, a grid of whole clusters of
 // kSplitK CTAs): a_map boxes 64 x 64, w_map 64 x 128.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define SPLITK_CLUSTER __cluster_dims__(4, 1, 1)
+#define SPLITK_CLUSTER __cluster_dims__(gemm::kSplitK, 1, 1)
 #else
 #define SPLITK_CLUSTER
 #endif
@@ -276,7 +267,7 @@ extern "C" __global__ void SPLITK_CLUSTER __launch_bounds__(384, 1)
 dense_gemm_bf16_tma_splitk(const __grid_constant__ TensorMap a_map,
                            const __grid_constant__ TensorMap w_map, const bf16* a, const bf16* w,
                            bf16* c, uint32_t m, uint32_t n, uint32_t k) {
-    gemm::splitk_or_simt_gemm(a_map, w_map, a, w, c, m, n, k, gemm::PlainEpilogue{});
+    gemm::tma_or_simt_gemm<true>(a_map, w_map, a, w, c, m, n, k, gemm::PlainEpilogue{});
 }
 
 // One output per thread, any launch shape.
@@ -307,7 +298,7 @@ dense_gemm_bf16_word_tma(const __grid_constant__ TensorMap a_map,
                          bf16* c, uint32_t m, uint32_t n, uint32_t k, const uint32_t* word_ids,
                          const bf16* word, float scale) {
     pdl_wait();
-    gemm::tma_or_simt_gemm(a_map, w_map, a, w, c, m, n, k,
+    gemm::tma_or_simt_gemm<false>(a_map, w_map, a, w, c, m, n, k,
                             gemm::word_epilogue(word_ids, word, n, scale));
 }
 
@@ -318,6 +309,6 @@ dense_gemm_bf16_word_tma_splitk(const __grid_constant__ TensorMap a_map,
                                 const bf16* w, bf16* c, uint32_t m, uint32_t n, uint32_t k,
                                 const uint32_t* word_ids, const bf16* word, float scale) {
     pdl_wait();
-    gemm::splitk_or_simt_gemm(a_map, w_map, a, w, c, m, n, k,
+    gemm::tma_or_simt_gemm<true>(a_map, w_map, a, w, c, m, n, k,
                               gemm::word_epilogue(word_ids, word, n, scale));
 }

@@ -76,6 +76,20 @@ __device__ __forceinline__ void setmaxnreg_inc() {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(R));
 }
 
+// A ring's mbarriers, 8 bytes each: full[s] takes one arrival (the producer's expect_tx, then the
+// TMA bytes), empty[s] one from lane 0 of every consumer warp; initialised by thread 0 and made
+// visible before any thread uses them.
+__device__ __forceinline__ void init_ring(uint32_t full, uint32_t empty, uint32_t stages) {
+    if (threadIdx.x == 0) {
+        for (uint32_t s = 0; s < stages; ++s) {
+            mbar_init(full + 8 * s, 1);
+            mbar_init(empty + 8 * s, kTmaConsumers * 4);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+}
+
 __device__ __forceinline__ bool tma_launch_fits() {
     return blockDim.x == kTmaThreads && blockDim.y == 1 && blockDim.z == 1 &&
            dynamic_smem_bytes() >= kTmaSmem;
@@ -88,14 +102,7 @@ __device__ __forceinline__ void tma_gemm(const TensorMap& amap, const TensorMap&
     const uint32_t tid = threadIdx.x, wg = tid / 128;
     const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
     const uint32_t full = base + kTmaStages * kWgStageBytes, empty = full + 8 * kTmaStages;
-    if (tid == 0) {
-        for (uint32_t s = 0; s < kTmaStages; ++s) {
-            mbar_init(full + 8 * s, 1);
-            mbar_init(empty + 8 * s, kTmaConsumers * 4);  // lane 0 of every consumer warp
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-    __syncthreads();
+    init_ring(full, empty, kTmaStages);
 
     const uint32_t ktiles = ceil_div(k, kWgBK);
     const uint64_t tiles_m = ceil_div(m, kWgBM), tiles_n = ceil_div(n, kWgBN);
@@ -140,12 +147,7 @@ __device__ __forceinline__ void tma_gemm(const TensorMap& amap, const TensorMap&
             mbar_wait(full + 8 * s, (it / kTmaStages) & 1);
             const uint32_t sa = base + s * kWgStageBytes;
             const uint32_t sa_wg = sa + cw * 64 * WgmmaLayout::kRowBytes, sb = sa + kABytes;
-            wg_fence_operands(d);
-            asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-            for (uint32_t ks = 0; ks < kWgBK / 16; ++ks)
-                wgmma_m64n256k16(d, wg_desc(sa_wg + ks * 32), wg_desc(sb + ks * 32));
-            asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+            wgmma_k_tile(d, sa_wg, sb);
             asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
             wg_fence_operands(d);
             // the group of the previous k-tile retired: its stage may be refilled

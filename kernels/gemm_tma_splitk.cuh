@@ -20,29 +20,6 @@
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 namespace gemm {
 
-__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], uint64_t da, uint64_t db) {
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "setp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-        "%32, %33, p, 1, 1, 0, 0;\n"
-        "}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "l"(da), "l"(db), "r"(1)
-        : "memory");
-}
-
-__device__ __forceinline__ void fence_operands32(float (&d)[32]) {
-#pragma unroll
-    for (uint32_t i = 0; i < 32; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
 __device__ __forceinline__ void cluster_sync() {
     asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
 }
@@ -81,14 +58,7 @@ __device__ __forceinline__ void tma_splitk_gemm(const TensorMap& amap, const Ten
     const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
     const uint32_t red = base + kSplitStages * kSplitStageBytes;  // [kSplitBN][kSplitRedStride] f32
     const uint32_t full = red + kSplitBN * kSplitRedStride * 4, empty = full + 8 * kSplitStages;
-    if (tid == 0) {
-        for (uint32_t s = 0; s < kSplitStages; ++s) {
-            mbar_init(full + 8 * s, 1);
-            mbar_init(empty + 8 * s, kTmaConsumers * 4);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-    __syncthreads();
+    init_ring(full, empty, kSplitStages);
 
     const uint32_t rank = cluster_rank();
     const uint32_t ktiles = ceil_div(k, kWgBK), per = ceil_div(ktiles, kSplitK);
@@ -124,18 +94,13 @@ __device__ __forceinline__ void tma_splitk_gemm(const TensorMap& amap, const Ten
                 mbar_wait(full + 8 * s, (i / kSplitStages) & 1);
                 const uint32_t sw = base + s * kSplitStageBytes + cw * 64 * WgmmaLayout::kRowBytes;
                 const uint32_t sa = base + s * kSplitStageBytes + kWBytes;
-                fence_operands32(d);
-                asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-                for (uint32_t ks = 0; ks < kWgBK / 16; ++ks)
-                    wgmma_m64n64k16(d, wg_desc(sw + ks * 32), wg_desc(sa + ks * 32));
-                asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+                wgmma_k_tile(d, sw, sa);
                 asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-                fence_operands32(d);
+                wg_fence_operands(d);
                 if (kt > kt0 && lane == 0) mbar_arrive(empty + 8 * ((i - 1) % kSplitStages));
             }
             asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-            fence_operands32(d);
+            wg_fence_operands(d);
             if (kt1 > kt0 && lane == 0) mbar_arrive(empty + 8 * ((it + kt1 - kt0 - 1) % kSplitStages));
             // d[4j + e]: w row 16*wq + g (+8 for e >= 2) of this warpgroup's 64, token 8j + 2t
             // (+1 for odd e): the partial of c[token, w row], stored [w row][token].

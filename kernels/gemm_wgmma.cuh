@@ -20,9 +20,11 @@ __device__ __forceinline__ uint64_t wg_desc(uint32_t addr) {
            | (static_cast<uint64_t>(1) << 62);           // 128-byte swizzle
 }
 
-__device__ __forceinline__ void wg_fence_operands(float (&d)[128]) {
+// Keeps the compiler from moving accumulator accesses across a wgmma fence, commit or wait.
+template <uint32_t N>
+__device__ __forceinline__ void wg_fence_operands(float (&d)[N]) {
 #pragma unroll
-    for (uint32_t i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
+    for (uint32_t i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
 __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t da, uint64_t db) {
@@ -59,6 +61,44 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t da, u
           "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
         : "l"(da), "l"(db), "r"(1)
         : "memory");
+}
+
+__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], uint64_t da, uint64_t db) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "%32, %33, p, 1, 1, 0, 0;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(da), "l"(db), "r"(1)
+        : "memory");
+}
+
+// wgmma of one k16 step, by accumulator width: m64n256k16 (128 floats a thread) or m64n64k16 (32).
+__device__ __forceinline__ void wgmma_k16(float (&d)[128], uint64_t da, uint64_t db) {
+    wgmma_m64n256k16(d, da, db);
+}
+
+__device__ __forceinline__ void wgmma_k16(float (&d)[32], uint64_t da, uint64_t db) {
+    wgmma_m64n64k16(d, da, db);
+}
+
+// One k-tile (kWgBK / 16 k16 steps) of a warpgroup's product from the swizzled stage: A rows at
+// sa, B rows at sb (descriptors advance 32 bytes a step), committed as one wgmma group.
+template <uint32_t N>
+__device__ __forceinline__ void wgmma_k_tile(float (&d)[N], uint32_t sa, uint32_t sb) {
+    wg_fence_operands(d);
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+    for (uint32_t ks = 0; ks < kWgBK / 16; ++ks) wgmma_k16(d, wg_desc(sa + ks * 32), wg_desc(sb + ks * 32));
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
 
 // A stage of the wgmma path: 128-byte rows (k 64), 16-byte chunk ch of row r at ch ^ (r & 7): the
@@ -114,12 +154,7 @@ __device__ __forceinline__ void wgmma_gemm(const bf16* a, const bf16* w, bf16* c
             __syncthreads();
             const uint32_t sa = base + pipe.stage(kt) * Loader::kStageBytes;
             const uint32_t sa_wg = sa + wg * 64 * WgmmaLayout::kRowBytes, sb = sa + Loader::kABytes;
-            wg_fence_operands(d);
-            asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#pragma unroll
-            for (uint32_t ks = 0; ks < kWgBK / 16; ++ks)
-                wgmma_m64n256k16(d, wg_desc(sa_wg + ks * 32), wg_desc(sb + ks * 32));
-            asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+            wgmma_k_tile(d, sa_wg, sb);
             pipe.refill(kt, load);
             asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
             wg_fence_operands(d);

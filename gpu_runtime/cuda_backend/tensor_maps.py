@@ -19,6 +19,7 @@ from ..packing import TENSOR_MAP_BYTES
 _OPAQUE = struct.Struct(f"<{TENSOR_MAP_BYTES // 8}Q")
 _BF16_BYTES = 2
 _MAX_BOX = 256  # elements per box dimension
+_MAX_DIM = 1 << 32  # elements per tensor dimension: below 2**32 (the driver takes up to 2**32)
 _SWIZZLE_BYTES = 128  # a box's rows are at most one 128-byte swizzle span
 
 
@@ -32,16 +33,16 @@ class CudaTensorMaps:
         (row pitch a multiple of 16 bytes), ``box_cols * 2 <= 128`` and ``box_rows <= 256``."""
         validate.require_open(self._closed, "CudaBackend")
         address = validate.pointer(address, "tensor map address")
-        rows = validate.positive(rows, "tensor map rows")
-        cols = validate.positive(cols, "tensor map cols")
+        rows = validate.positive(rows, "tensor map rows", limit=_MAX_DIM)
+        cols = validate.positive(cols, "tensor map cols", limit=_MAX_DIM)
         box_rows = validate.positive(box_rows, "tensor map box rows")
         box_cols = validate.positive(box_cols, "tensor map box cols")
         if address % 16 or cols % 8:
             raise ValueError(f"tensor map: address {address:#x} must be 16-byte aligned and cols "
                              f"({cols}) a multiple of 8")
-        if box_rows > _MAX_BOX or box_cols * _BF16_BYTES > _SWIZZLE_BYTES or rows >= 1 << 32 or cols >= 1 << 32:
-            raise ValueError(f"tensor map: box {box_rows}x{box_cols} or matrix {rows}x{cols} "
-                             f"beyond the TMA unit's limits")
+        if box_rows > _MAX_BOX or box_cols * _BF16_BYTES > _SWIZZLE_BYTES:
+            raise ValueError(f"tensor map: box {box_rows}x{box_cols} beyond the TMA unit's limits "
+                             f"({_MAX_BOX} rows, {_SWIZZLE_BYTES} bytes a row)")
         return _encode(address, rows, cols, box_rows, box_cols)
 
 

@@ -60,7 +60,6 @@ WORD_SPLITK_KERNEL = "dense_gemm_bf16_word_tma_splitk"
 
 THREADS = 256
 WARPS = THREADS // 32
-_BLOCK = (THREADS, 1, 1)
 _SPECS = SPECS[MODULE]  # every kernel of gemm.cu by name
 MAX_DIM = (1 << 31) - 1  # the kernels index k with 32-bit arithmetic
 
@@ -284,14 +283,9 @@ def dense_gemm_bf16_pipelined(gpu: GpuBackend, kernel: KernelHandle, a: int, w: 
         return
     p = _launch_plan(plan, gpu, a, w, m, n, k, path)
     handle = kernel if p.kernel == KERNEL else load_kernel(gpu, MODULE, p.kernel)
-    spec = _SPECS[p.kernel]
-    if p.path in _TMA_BOXES:
-        spec.launch(gpu, handle, (p.grid, 1, 1), (p.threads, 1, 1), stream,
-                    **_tensor_maps(gpu, p.path, a, w, m, n, k), a=a, w=w.weight, c=c, m=m, n=n,
-                    k=k, shared_mem=p.shared_mem)
-    else:
-        spec.launch(gpu, handle, (p.grid, 1, 1), _BLOCK, stream, a=a, w=w.weight, c=c,
-                    m=m, n=n, k=k, shared_mem=p.shared_mem)
+    maps = _tensor_maps(gpu, p.path, a, w, m, n, k) if p.path in _TMA_BOXES else {}
+    _SPECS[p.kernel].launch(gpu, handle, (p.grid, 1, 1), (p.threads, 1, 1), stream, **maps, a=a,
+                            w=w.weight, c=c, m=m, n=n, k=k, shared_mem=p.shared_mem)
 
 
 def dense_gemm_bf16_word(gpu: GpuBackend, kernel: KernelHandle, a: int, w: DenseWeight, c: int,
@@ -324,7 +318,7 @@ def _launch_plan(planner, gpu: GpuBackend, a: int, w: DenseWeight, m: int, n: in
                  path: str | None) -> GemmPlan:
     """``planner``'s plan for this backend and these operands (tma only where both allow it)."""
     wgmma = wgmma_available(gpu)
-    tma = wgmma and tma_available(gpu) and tma_operands(a, w.weight, k)
+    tma = tma_available(gpu) and tma_operands(a, w.weight, k)
     return planner(m, n, k, path, wgmma=wgmma, tma=tma, sms=getattr(gpu, "sm_count", SMS))
 
 

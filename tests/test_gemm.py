@@ -361,8 +361,35 @@ def test_pipelined_kernel_correct_for_any_launch(gpu, rng, m, n, k, grid, block,
     check_gemm(a, w, got)
 
 
-# -- GPU: the TMA kernel launched directly: few CTAs (each walks many tiles, so every stage's
-# barriers go through many phases), and launches it does not fit (scalar fallback) ------------------
+# -- GPU: the TMA kernels launched directly: few CTAs (each walks many tiles, so every stage's
+# barriers go through many phases), and launches they do not fit (scalar fallback) -----------------
+_DIRECT = {  # path -> (spec, rows of a and of w per box, shared memory)
+    "tma": (GEMM_TMA, 128, 256, gemm.TMA_SMEM),
+    "tma_splitk": (GEMM_TMA_SPLITK, 64, 128, gemm.SPLIT_SMEM),
+}
+
+
+def _direct_tma_launch(gpu, rng, path, m, n, k, grid, block, smem) -> None:
+    """The path's kernel launched as given on small-integer inputs: bit-exact, c fully written."""
+    if not gemm.tma_available(gpu):
+        pytest.skip(f"the TMA paths need sm_90a (this device compiles for {gpu.target})")
+    spec, a_rows, w_rows, plan_smem = _DIRECT[path]
+    a = rng.integers(-8, 9, (m, k)).astype(np.float32).astype(BF16)
+    w = rng.integers(-8, 9, (n, k)).astype(np.float32).astype(BF16)
+    kern = load_kernel(gpu, "gemm", gemm.KERNELS[path])
+    with Guarded(gpu, (m, k), BF16, rng) as ga, Guarded(gpu, (n, k), BF16, rng) as gw, \
+         Guarded(gpu, (m, n), BF16, rng) as gc:
+        ga.upload(a)
+        gw.upload(w)
+        gc.poison()
+        spec.launch(gpu, kern, grid, block, 0, a_map=gpu.tensor_map_2d(ga.ptr, m, k, a_rows, 64),
+                    w_map=gpu.tensor_map_2d(gw.ptr, n, k, w_rows, 64), a=ga.ptr, w=gw.ptr, c=gc.ptr,
+                    m=m, n=n, k=k, shared_mem=plan_smem if smem == "plan" else smem)
+        got = gc.read()
+        gc.assert_guards_intact()
+    np.testing.assert_array_equal(bits(got), bits(gemm_bf16(a, w)))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m, n, k", [(1100, 600, 200), (300, 1030, 1032)])
 @pytest.mark.parametrize("grid, block, smem", [
@@ -373,24 +400,7 @@ def test_pipelined_kernel_correct_for_any_launch(gpu, rng, m, n, k, grid, block,
     ((4, 1, 1), (384, 1, 1), 1024),       # too little shared memory: scalar fallback
 ])
 def test_tma_kernel_correct_for_any_launch(gpu, rng, m, n, k, grid, block, smem):
-    if not gemm.tma_available(gpu):
-        pytest.skip(f"the TMA path needs sm_90a (this device compiles for {gpu.target})")
-    a = rng.integers(-8, 9, (m, k)).astype(np.float32).astype(BF16)
-    w = rng.integers(-8, 9, (n, k)).astype(np.float32).astype(BF16)
-    kern = load_kernel(gpu, "gemm", gemm.KERNELS["tma"])
-    shared = gemm.TMA_SMEM if smem == "plan" else smem
-    with Guarded(gpu, (m, k), BF16, rng) as ga, Guarded(gpu, (n, k), BF16, rng) as gw, \
-         Guarded(gpu, (m, n), BF16, rng) as gc:
-        ga.upload(a)
-        gw.upload(w)
-        gc.poison()
-        GEMM_TMA.launch(
-            gpu, kern, grid, block, 0, a_map=gpu.tensor_map_2d(ga.ptr, m, k, 128, 64),
-            w_map=gpu.tensor_map_2d(gw.ptr, n, k, 256, 64), a=ga.ptr, w=gw.ptr, c=gc.ptr,
-            m=m, n=n, k=k, shared_mem=shared)
-        got = gc.read()
-        gc.assert_guards_intact()
-    np.testing.assert_array_equal(bits(got), bits(gemm_bf16(a, w)))
+    _direct_tma_launch(gpu, rng, "tma", m, n, k, grid, block, smem)
 
 
 @pytest.mark.gpu
@@ -402,24 +412,7 @@ def test_tma_kernel_correct_for_any_launch(gpu, rng, m, n, k, grid, block, smem)
     ((4, 1, 1), (384, 1, 1), 1024),       # too little shared memory: scalar fallback
 ])
 def test_tma_splitk_kernel_correct_for_any_launch(gpu, rng, m, n, k, grid, block, smem):
-    if not gemm.tma_available(gpu):
-        pytest.skip(f"the TMA path needs sm_90a (this device compiles for {gpu.target})")
-    a = rng.integers(-8, 9, (m, k)).astype(np.float32).astype(BF16)
-    w = rng.integers(-8, 9, (n, k)).astype(np.float32).astype(BF16)
-    kern = load_kernel(gpu, "gemm", gemm.KERNELS["tma_splitk"])
-    shared = gemm.SPLIT_SMEM if smem == "plan" else smem
-    with Guarded(gpu, (m, k), BF16, rng) as ga, Guarded(gpu, (n, k), BF16, rng) as gw, \
-         Guarded(gpu, (m, n), BF16, rng) as gc:
-        ga.upload(a)
-        gw.upload(w)
-        gc.poison()
-        GEMM_TMA_SPLITK.launch(
-            gpu, kern, grid, block, 0, a_map=gpu.tensor_map_2d(ga.ptr, m, k, 64, 64),
-            w_map=gpu.tensor_map_2d(gw.ptr, n, k, 128, 64), a=ga.ptr, w=gw.ptr, c=gc.ptr,
-            m=m, n=n, k=k, shared_mem=shared)
-        got = gc.read()
-        gc.assert_guards_intact()
-    np.testing.assert_array_equal(bits(got), bits(gemm_bf16(a, w)))
+    _direct_tma_launch(gpu, rng, "tma_splitk", m, n, k, grid, block, smem)
 
 
 # -- GPU: zero sizes write nothing -----------------------------------------------------------------

@@ -84,8 +84,12 @@ constexpr uint32_t kWgSmem = kWgStages * kWgStageBytes + 1024;  // + alignment s
 // TMA path: the wgmma path's tile and stage, a producer and two consumer warpgroups
 constexpr uint32_t kTmaThreads = 384;
 constexpr uint32_t kTmaConsumers = 2;
-constexpr uint32_t kTmaStages = 4;
-constexpr uint32_t kTmaSmem = kTmaStages * kWgStageBytes + 1024 + 16 * kTmaStages;  // + 2 mbarriers a stage
+constexpr uint32_t kTmaLoadStages = 4;
+constexpr uint32_t kTmaSmem = kTmaLoadStages * kWgStageBytes + 1024 + 16 * kTmaLoadStages;  // + 2 mbarriers a stage
+// ... with the TMA-store epilogue: 3 stages and a 64 x 256 bf16 staging area per consumer
+constexpr uint32_t kTmaStoreStages = 3;
+constexpr uint32_t kTmaStagingBytes = 64 * kWgBN * 2;
+constexpr uint32_t kTmaStoreSmem = kTmaStoreStages * kWgStageBytes + kTmaConsumers * kTmaStagingBytes + 1024 + 16 * kTmaStoreStages;
 
 // TMA split-K path (swap-AB): tiles of 128 w rows x 64 tokens, k split over a cluster of kSplitK
 constexpr uint32_t kSplitK = 4;
@@ -187,19 +191,23 @@ __device__ __forceinline__ void wgmma_or_tiled_gemm(const bf16* a, const bf16* w
 #endif
 }
 
-// A TMA path on sm_90a builds when the launch fits it (384 threads and its shared memory: kSplit
-// picks split-K), else simt (a and w come by pointer too, for it; the tiled path would need more
-// than the 168 registers of a 384-thread CTA).
-template <bool kSplit, class Ep>
+// The TMA paths on sm_90a builds when the launch fits the one chosen (384 threads and its shared
+// memory), else simt (a and w come by pointer too, for it; the tiled path would need more than the
+// 168 registers of a 384-thread CTA). kTmaLoadOnly / kTmaStoreC: tma_gemm with register or TMA
+// stores (cmap is read only by the latter); kTmaSplitK: tma_splitk_gemm.
+enum TmaPath : uint32_t { kTmaLoadOnly, kTmaStoreC, kTmaSplitK };
+
+template <uint32_t P, class Ep>
 __device__ __forceinline__ void tma_or_simt_gemm(const TensorMap& amap, const TensorMap& wmap,
-                                                  const bf16* a, const bf16* w, bf16* c, uint32_t m,
-                                                  uint32_t n, uint32_t k, const Ep& ep) {
+                                                  const TensorMap& cmap, const bf16* a,
+                                                  const bf16* w, bf16* c, uint32_t m, uint32_t n,
+                                                  uint32_t k, const Ep& ep) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    if (kSplit ? splitk_launch_fits() : tma_launch_fits()) {
-        if constexpr (kSplit) {
+    if (P == kTmaSplitK ? splitk_launch_fits() : tma_launch_fits<P == kTmaStoreC>()) {
+        if constexpr (P == kTmaSplitK) {
             tma_splitk_gemm(amap, wmap, c, m, n, k, ep);
         } else {
-            tma_gemm(amap, wmap, c, m, n, k, ep);
+            tma_gemm<P == kTmaStoreC>(amap, wmap, cmap, c, m, n, k, ep);
         }
         return;
     }
@@ -253,7 +261,17 @@ dense_gemm_bf16_wgmma(const bf16* a, const bf16* w, bf16* c, uint32_t m, uint32_
 extern "C" __global__ void __launch_bounds__(384, 1)
 dense_gemm_bf16_tma(const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap w_map,
                     const bf16* a, const bf16* w, bf16* c, uint32_t m, uint32_t n, uint32_t k) {
-    gemm::tma_or_simt_gemm<false>(a_map, w_map, a, w, c, m, n, k, gemm::PlainEpilogue{});
+    gemm::tma_or_simt_gemm<gemm::kTmaLoadOnly>(a_map, w_map, a_map, a, w, c, m, n, k, gemm::PlainEpilogue{});
+}
+
+// The TMA path with the TMA-store epilogue (384 threads, kTmaStoreSmem bytes): c_map is c as a
+// bf16 tensor map of 64 x 64 boxes, 128-byte swizzle.
+extern "C" __global__ void __launch_bounds__(384, 1)
+dense_gemm_bf16_tma_store(const __grid_constant__ TensorMap a_map,
+                          const __grid_constant__ TensorMap w_map,
+                          const __grid_constant__ TensorMap c_map, const bf16* a, const bf16* w,
+                          bf16* c, uint32_t m, uint32_t n, uint32_t k) {
+    gemm::tma_or_simt_gemm<gemm::kTmaStoreC>(a_map, w_map, c_map, a, w, c, m, n, k, gemm::PlainEpilogue{});
 }
 
 // The split-K TMA path (sm_90a builds; 384 threads, kSplitSmem bytes, a grid of whole clusters of
@@ -267,7 +285,7 @@ extern "C" __global__ void SPLITK_CLUSTER __launch_bounds__(384, 1)
 dense_gemm_bf16_tma_splitk(const __grid_constant__ TensorMap a_map,
                            const __grid_constant__ TensorMap w_map, const bf16* a, const bf16* w,
                            bf16* c, uint32_t m, uint32_t n, uint32_t k) {
-    gemm::tma_or_simt_gemm<true>(a_map, w_map, a, w, c, m, n, k, gemm::PlainEpilogue{});
+    gemm::tma_or_simt_gemm<gemm::kTmaSplitK>(a_map, w_map, a_map, a, w, c, m, n, k, gemm::PlainEpilogue{});
 }
 
 // One output per thread, any launch shape.
@@ -298,8 +316,20 @@ dense_gemm_bf16_word_tma(const __grid_constant__ TensorMap a_map,
                          bf16* c, uint32_t m, uint32_t n, uint32_t k, const uint32_t* word_ids,
                          const bf16* word, float scale) {
     pdl_wait();
-    gemm::tma_or_simt_gemm<false>(a_map, w_map, a, w, c, m, n, k,
-                            gemm::word_epilogue(word_ids, word, n, scale));
+    gemm::tma_or_simt_gemm<gemm::kTmaLoadOnly>(a_map, w_map, a_map, a, w, c, m, n, k,
+                                  gemm::word_epilogue(word_ids, word, n, scale));
+}
+
+// dense_gemm_bf16_tma_store with the word epilogue.
+extern "C" __global__ void __launch_bounds__(384, 1)
+dense_gemm_bf16_word_tma_store(const __grid_constant__ TensorMap a_map,
+                               const __grid_constant__ TensorMap w_map,
+                               const __grid_constant__ TensorMap c_map, const bf16* a,
+                               const bf16* w, bf16* c, uint32_t m, uint32_t n, uint32_t k,
+                               const uint32_t* word_ids, const bf16* word, float scale) {
+    pdl_wait();
+    gemm::tma_or_simt_gemm<gemm::kTmaStoreC>(a_map, w_map, c_map, a, w, c, m, n, k,
+                                 gemm::word_epilogue(word_ids, word, n, scale));
 }
 
 // dense_gemm_bf16_tma_splitk with the word epilogue.
@@ -309,6 +339,6 @@ dense_gemm_bf16_word_tma_splitk(const __grid_constant__ TensorMap a_map,
                                 const bf16* w, bf16* c, uint32_t m, uint32_t n, uint32_t k,
                                 const uint32_t* word_ids, const bf16* word, float scale) {
     pdl_wait();
-    gemm::tma_or_simt_gemm<true>(a_map, w_map, a, w, c, m, n, k,
+    gemm::tma_or_simt_gemm<gemm::kTmaSplitK>(a_map, w_map, a_map, a, w, c, m, n, k,
                               gemm::word_epilogue(word_ids, word, n, scale));
 }

@@ -66,6 +66,17 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const TensorMap& map, 
         :: "r"(dst), "l"(reinterpret_cast<uint64_t>(&map)), "r"(x), "r"(y), "r"(bar) : "memory");
 }
 
+// One box from shared memory at src to a 2-D tensor map (bulk async group; clipped at the edges).
+__device__ __forceinline__ void tma_store_2d(const TensorMap& map, uint32_t src, uint32_t x, uint32_t y) {
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n"
+                 :: "l"(reinterpret_cast<uint64_t>(&map)), "r"(x), "r"(y), "r"(src) : "memory");
+}
+
+// Named barrier `id` (1 + consumer warpgroup) over that warpgroup's 128 threads.
+__device__ __forceinline__ void warpgroup_bar(uint32_t id) {
+    asm volatile("bar.sync %0, 128;\n" :: "r"(id) : "memory");
+}
+
 template <uint32_t R>
 __device__ __forceinline__ void setmaxnreg_dec() {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(R));
@@ -90,18 +101,62 @@ __device__ __forceinline__ void init_ring(uint32_t full, uint32_t empty, uint32_
     __syncthreads();
 }
 
+template <bool kStore>
 __device__ __forceinline__ bool tma_launch_fits() {
     return blockDim.x == kTmaThreads && blockDim.y == 1 && blockDim.z == 1 &&
-           dynamic_smem_bytes() >= kTmaSmem;
+           dynamic_smem_bytes() >= (kStore ? kTmaStoreSmem : kTmaSmem);
 }
 
+// The TMA-store epilogue: a consumer's 64 x 256 results, through the epilogue and rounded, into
+// its staging area as four 64 x 64 boxes (128-byte rows, chunk ch of row r at ch ^ (r & 7): the
+// SWIZZLE_128B layout of c_map, and conflict-free for the fragment's writes), then stored by one
+// thread with TMA (clipped at m and n). The staging area is reused once the previous tile's
+// stores have read it (bulk wait_group.read).
 template <class Ep>
-__device__ __forceinline__ void tma_gemm(const TensorMap& amap, const TensorMap& wmap, bf16* c,
-                                         uint32_t m, uint32_t n, uint32_t k, const Ep& ep) {
+__device__ __forceinline__ void store_tile_tma(const TensorMap& cmap, uint32_t stage, const float* d,
+                                               uint32_t row0, uint32_t n0, uint32_t m, uint32_t n,
+                                               uint32_t cw, const Ep& ep) {
+    const uint32_t tid = threadIdx.x & 127, lane = tid & 31, wq = tid >> 5, g = lane >> 2, t = lane & 3;
+    if (tid == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+    warpgroup_bar(1 + cw);
+    const uint32_t r = wq * 16 + g;  // row of the consumer's 64 (and r + 8)
+    const auto e0 = ep.row(row0 + r, m), e8 = ep.row(row0 + r + 8, m);
+#pragma unroll
+    for (uint32_t j = 0; j < kWgBN / 8; ++j) {
+        const uint32_t col = n0 + 8 * j + 2 * t, box = stage + (j / 8) * 8192, ch = j % 8;
+        float v[4] = {d[4 * j], d[4 * j + 1], d[4 * j + 2], d[4 * j + 3]};
+        if (col < n) {  // past n the word row must not be read; TMA drops those columns
+            e0.apply2(col, v[0], v[1]);
+            e8.apply2(col, v[2], v[3]);
+        }
+        const __nv_bfloat162 lo = __floats2bfloat162_rn(v[0], v[1]), hi = __floats2bfloat162_rn(v[2], v[3]);
+        asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(box + r * 128 + ((ch ^ (r & 7)) << 4) + 4 * t),
+                     "r"(*reinterpret_cast<const uint32_t*>(&lo)) : "memory");
+        asm volatile("st.shared.b32 [%0], %1;\n"
+                     :: "r"(box + (r + 8) * 128 + ((ch ^ ((r + 8) & 7)) << 4) + 4 * t),
+                     "r"(*reinterpret_cast<const uint32_t*>(&hi)) : "memory");
+    }
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // visible to the TMA unit
+    warpgroup_bar(1 + cw);
+    if (tid == 0) {
+#pragma unroll
+        for (uint32_t b = 0; b < 4; ++b) tma_store_2d(cmap, stage + b * 8192, n0 + 64 * b, row0);
+        asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+    }
+}
+
+// kStore: the TMA-store epilogue (cmap), kTmaStoreStages stages; else register stores to c.
+template <bool kStore, class Ep>
+__device__ __forceinline__ void tma_gemm(const TensorMap& amap, const TensorMap& wmap,
+                                         const TensorMap& cmap, bf16* c, uint32_t m, uint32_t n,
+                                         uint32_t k, const Ep& ep) {
     constexpr uint32_t kABytes = kWgBM * kWgBK * 2;
+    constexpr uint32_t kTmaStages = kStore ? kTmaStoreStages : kTmaLoadStages;
     const uint32_t tid = threadIdx.x, wg = tid / 128;
     const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
-    const uint32_t full = base + kTmaStages * kWgStageBytes, empty = full + 8 * kTmaStages;
+    const uint32_t staging = base + kTmaStages * kWgStageBytes;  // kStore: 32 KB per consumer
+    const uint32_t full = staging + (kStore ? kTmaConsumers * kTmaStagingBytes : 0);
+    const uint32_t empty = full + 8 * kTmaStages;
     init_ring(full, empty, kTmaStages);
 
     const uint32_t ktiles = ceil_div(k, kWgBK);
@@ -157,12 +212,19 @@ __device__ __forceinline__ void tma_gemm(const TensorMap& amap, const TensorMap&
         wg_fence_operands(d);
         if (ktiles > 0 && lane == 0) mbar_arrive(empty + 8 * ((it - 1) % kTmaStages));
 
+        if constexpr (kStore) {
+            store_tile_tma(cmap, staging + cw * kTmaStagingBytes, d, m0 + cw * 64, n0, m, n, cw, ep);
+            continue;
+        }
         // d[4j + e]: row 16*wq + g (+8 for e >= 2), column 8j + 2t (+1 for odd e).
         const uint32_t row = m0 + cw * 64 + wq * 16 + g;
         const auto e0 = ep.row(row, m), e8 = ep.row(row + 8, m);
 #pragma unroll
         for (uint32_t j = 0; j < kWgBN / 8; ++j)
             store_fragment(c, row, n0 + 8 * j + 2 * t, m, n, d + 4 * j, vec, e0, e8);
+    }
+    if constexpr (kStore) {
+        if ((tid & 127) == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
     }
 }
 

@@ -25,7 +25,7 @@ from layers.kernel_files import kernel_dir, load_kernel
 from layers.reference import gemm_bf16, gemm_fp64
 from layers.ops import gemm
 from layers.ops.gemm import dense_gemm_bf16_pipelined
-from layers.ops.specs import GEMM_TMA, GEMM_TMA_SPLITK
+from layers.ops.specs import GEMM_TMA, GEMM_TMA_SPLITK, GEMM_TMA_STORE
 from layers.weight_map import BF16, FP8, DenseWeight
 from tests.fakes import RecordingBackend
 from tests.helpers import Guarded, bf16_ulp, bits, random_bf16
@@ -120,6 +120,23 @@ def test_forced_splitk_plan_is_whole_clusters_of_its_tiles():
                                fake_tensor_map(0x200000, 4100, 4096, 128, 64)]
 
 
+def test_forced_tma_store_maps_c_and_needs_c_to_suit_a_tensor_map():
+    gpu = TmaBackend()
+    kern = load_kernel(gpu, "gemm", gemm.KERNEL)
+    dense_gemm_bf16_pipelined(gpu, kern, _p(0), _weight(4096, 512), _p(2), 4096, 4096, 512, 0,
+                              path="tma_store")
+    (launch,) = gpu.launches
+    assert gpu.kernel_of(launch) == ("gemm", "dense_gemm_bf16_tma_store")
+    assert launch.grid == (132, 1, 1) and launch.block == (384, 1, 1)
+    assert launch.shared_mem == gemm.TMA_STORE_SMEM <= MAX_SHARED_OPTIN and launch.kinds == "TTTPPPUUU"
+    assert launch.args[2] == fake_tensor_map(int(_p(2)), 4096, 4096, 64, 64)
+    for c, n in ((DevicePtr(_p(2) + 2), 4096), (_p(2), 4100)):  # c misaligned, or rows of n % 8 != 0
+        gpu.launches.clear()
+        dense_gemm_bf16_pipelined(gpu, kern, _p(0), _weight(n, 512), c, 4096, n, 512, 0,
+                                  path="tma_store")
+        assert gpu.kernel_of(gpu.launches[0]) == ("gemm", "dense_gemm_bf16_tma"), (c, n)
+
+
 @pytest.mark.parametrize("a_off, w_off, k", [(2, 0, 512), (0, 8, 512), (0, 0, 516)])
 def test_tma_falls_back_to_wgmma_for_operands_a_tensor_map_cannot_describe(a_off, w_off, k):
     """A tensor map needs 16-byte aligned bases and rows of a multiple of 16 bytes."""
@@ -142,6 +159,7 @@ def test_tma_falls_back_to_wgmma_for_operands_a_tensor_map_cannot_describe(a_off
     ("tiled_64x64", "dense_gemm_bf16_tiled", 4 * (64 + 64) * 64),
     ("wgmma", "dense_gemm_bf16_wgmma", 197632),
     ("tma", "dense_gemm_bf16_wgmma", 197632),  # no tensor maps on this backend
+    ("tma_store", "dense_gemm_bf16_wgmma", 197632),
     ("tma_splitk", "dense_gemm_bf16_pipelined", 4 * (64 + 64) * 64),  # ... so path=None's plan
     ("simt", "dense_gemm_bf16_simt", 0),
 ])
@@ -174,8 +192,11 @@ def test_launcher_constants_mirror_the_kernel():
     assert (cu["kTileK"], cu["kTileStages"]) == (gemm.TILE_K, gemm.TILE_STAGES)
     assert (cu["kWgBM"], cu["kWgBN"], cu["kWgBK"], cu["kWgStages"], cu["kWgSmem"]) == (
         gemm.WG_BM, gemm.WG_BN, gemm.WG_BK, gemm.WG_STAGES, gemm.WG_SMEM)
-    assert (cu["kTmaThreads"], cu["kTmaConsumers"], cu["kTmaStages"], cu["kTmaSmem"]) == (
+    assert (cu["kTmaThreads"], cu["kTmaConsumers"], cu["kTmaLoadStages"], cu["kTmaSmem"]) == (
         gemm.TMA_THREADS, gemm.TMA_CONSUMERS, gemm.TMA_STAGES, gemm.TMA_SMEM)
+    assert (cu["kTmaStoreStages"], cu["kTmaStagingBytes"], cu["kTmaStoreSmem"]) == (
+        gemm.TMA_STORE_STAGES, gemm.TMA_STAGING_BYTES, gemm.TMA_STORE_SMEM)
+    assert gemm.TMA_STORE_SMEM <= MAX_SHARED_OPTIN
     assert (cu["kSplitK"], cu["kSplitBN"], cu["kSplitBM"], cu["kSplitStages"], cu["kSplitSmem"]) == (
         gemm.SPLIT_K, gemm.SPLIT_BN, gemm.SPLIT_BM, gemm.SPLIT_STAGES, gemm.SPLIT_SMEM)
     assert "__cluster_dims__(gemm::kSplitK, 1, 1)" in (kernel_dir() / "gemm.cu").read_text()  # one size
@@ -363,9 +384,10 @@ def test_pipelined_kernel_correct_for_any_launch(gpu, rng, m, n, k, grid, block,
 
 # -- GPU: the TMA kernels launched directly: few CTAs (each walks many tiles, so every stage's
 # barriers go through many phases), and launches they do not fit (scalar fallback) -----------------
-_DIRECT = {  # path -> (spec, rows of a and of w per box, shared memory)
-    "tma": (GEMM_TMA, 128, 256, gemm.TMA_SMEM),
-    "tma_splitk": (GEMM_TMA_SPLITK, 64, 128, gemm.SPLIT_SMEM),
+_DIRECT = {  # path -> (spec, rows of a and of w per box, shared memory, maps c too)
+    "tma": (GEMM_TMA, 128, 256, gemm.TMA_SMEM, False),
+    "tma_store": (GEMM_TMA_STORE, 128, 256, gemm.TMA_STORE_SMEM, True),
+    "tma_splitk": (GEMM_TMA_SPLITK, 64, 128, gemm.SPLIT_SMEM, False),
 }
 
 
@@ -373,7 +395,7 @@ def _direct_tma_launch(gpu, rng, path, m, n, k, grid, block, smem) -> None:
     """The path's kernel launched as given on small-integer inputs: bit-exact, c fully written."""
     if not gemm.tma_available(gpu):
         pytest.skip(f"the TMA paths need sm_90a (this device compiles for {gpu.target})")
-    spec, a_rows, w_rows, plan_smem = _DIRECT[path]
+    spec, a_rows, w_rows, plan_smem, maps_c = _DIRECT[path]
     a = rng.integers(-8, 9, (m, k)).astype(np.float32).astype(BF16)
     w = rng.integers(-8, 9, (n, k)).astype(np.float32).astype(BF16)
     kern = load_kernel(gpu, "gemm", gemm.KERNELS[path])
@@ -382,25 +404,38 @@ def _direct_tma_launch(gpu, rng, path, m, n, k, grid, block, smem) -> None:
         ga.upload(a)
         gw.upload(w)
         gc.poison()
-        spec.launch(gpu, kern, grid, block, 0, a_map=gpu.tensor_map_2d(ga.ptr, m, k, a_rows, 64),
-                    w_map=gpu.tensor_map_2d(gw.ptr, n, k, w_rows, 64), a=ga.ptr, w=gw.ptr, c=gc.ptr,
-                    m=m, n=n, k=k, shared_mem=plan_smem if smem == "plan" else smem)
+        maps = dict(a_map=gpu.tensor_map_2d(ga.ptr, m, k, a_rows, 64),
+                    w_map=gpu.tensor_map_2d(gw.ptr, n, k, w_rows, 64))
+        if maps_c:
+            maps["c_map"] = gpu.tensor_map_2d(gc.ptr, m, n, 64, 64)
+        spec.launch(gpu, kern, grid, block, 0, **maps, a=ga.ptr, w=gw.ptr, c=gc.ptr, m=m, n=n, k=k,
+                    shared_mem=plan_smem if smem == "plan" else smem)
         got = gc.read()
         gc.assert_guards_intact()
     np.testing.assert_array_equal(bits(got), bits(gemm_bf16(a, w)))
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("m, n, k", [(1100, 600, 200), (300, 1030, 1032)])
-@pytest.mark.parametrize("grid, block, smem", [
+_PERSISTENT_LAUNCHES = [
     ((1, 1, 1), (384, 1, 1), "plan"),     # one CTA, every tile
     ((3, 1, 1), (384, 1, 1), "plan"),
     ((2, 2, 2), (384, 1, 1), "plan"),     # a 3-D grid
     ((4, 1, 1), (256, 1, 1), "plan"),     # another block size: scalar fallback
     ((4, 1, 1), (384, 1, 1), 1024),       # too little shared memory: scalar fallback
-])
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, n, k", [(1100, 600, 200), (300, 1030, 1032)])
+@pytest.mark.parametrize("grid, block, smem", _PERSISTENT_LAUNCHES)
 def test_tma_kernel_correct_for_any_launch(gpu, rng, m, n, k, grid, block, smem):
     _direct_tma_launch(gpu, rng, "tma", m, n, k, grid, block, smem)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, n, k", [(1100, 600, 200), (300, 1032, 1032)])  # c maps: n % 8 == 0
+@pytest.mark.parametrize("grid, block, smem", _PERSISTENT_LAUNCHES)
+def test_tma_store_kernel_correct_for_any_launch(gpu, rng, m, n, k, grid, block, smem):
+    _direct_tma_launch(gpu, rng, "tma_store", m, n, k, grid, block, smem)
 
 
 @pytest.mark.gpu

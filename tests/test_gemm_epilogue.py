@@ -334,7 +334,7 @@ def _paths(m: int) -> list[str | None]:
     """The paths the word launcher runs for this m (small needs m <= 64, tiled m > 64)."""
     fixed = ["small"] if m <= gemm.SMALL_MAX_ROWS else [
         "tiled", "tiled_128x256", "tiled_128x128", "tiled_64x64"]
-    return [None, *fixed, "wgmma", "tma", "tma_splitk", "simt"]
+    return [None, *fixed, "wgmma", "tma", "tma_store", "tma_splitk", "simt"]
 
 
 FORCED = [(m, n, k, path) for m, n, k in [(1, 1, 1), (3, 100, 7), (17, 264, 264), (64, 257, 1000),
@@ -378,7 +378,7 @@ def test_repeated_and_extreme_ids(gpu, rng):
     m, n, k = 130, 300, 64
     a, w, word, _ = _inputs(rng, m, n, k)
     for ids in (np.full(m, 7, np.uint32), np.where(np.arange(m) % 2, VOCAB - 1, 0).astype(np.uint32)):
-        for path in (None, "wgmma", "tma", "tma_splitk", "simt"):
+        for path in (None, "wgmma", "tma", "tma_store", "tma_splitk", "simt"):
             got = run_word(gpu, rng, a, w, word, ids, SCALE, path=path)
             check_word_gemm(a, w, word, ids, SCALE, got)
 

@@ -45,11 +45,12 @@ KERNELS = {
     "tiled": "dense_gemm_bf16_tiled",
     "wgmma": "dense_gemm_bf16_wgmma",
     "tma": "dense_gemm_bf16_tma",
+    "tma_store": "dense_gemm_bf16_tma_store",
     "tma_splitk": "dense_gemm_bf16_tma_splitk",
     "simt": "dense_gemm_bf16_simt",
 }
 PATHS = ("small", "tiled", "tiled_128x256", "tiled_128x128", "tiled_64x64", "wgmma", "tma",
-         "tma_splitk", "simt")
+         "tma_store", "tma_splitk", "simt")
 
 # word-row epilogue twins: dense_gemm_bf16_word picks small / tiled / simt as the contract's kernel
 # does (from m, block and dynamic shared memory), so only wgmma needs its own entry point.
@@ -57,6 +58,7 @@ WORD_KERNEL = "dense_gemm_bf16_word"
 WORD_WGMMA_KERNEL = "dense_gemm_bf16_word_wgmma"
 WORD_TMA_KERNEL = "dense_gemm_bf16_word_tma"
 WORD_SPLITK_KERNEL = "dense_gemm_bf16_word_tma_splitk"
+WORD_TMA_STORE_KERNEL = "dense_gemm_bf16_word_tma_store"
 
 THREADS = 256
 WARPS = THREADS // 32
@@ -86,6 +88,11 @@ WG_SMEM = WG_STAGES * (WG_BM + WG_BN) * WG_BK * 2 + 1024
 # grid of one CTA per SM
 TMA_THREADS, TMA_CONSUMERS, TMA_STAGES = 384, 2, 4
 TMA_SMEM = TMA_STAGES * (WG_BM + WG_BN) * WG_BK * 2 + 1024 + 16 * TMA_STAGES
+# ... with the TMA-store epilogue (gemm.cu: kTmaStore*): 3 stages, a 64 x 256 bf16 staging area per
+# consumer; c must suit a tensor map too (16-byte aligned, n % 8 == 0), else it runs ``tma``
+TMA_STORE_STAGES, TMA_STAGING_BYTES = 3, 64 * WG_BN * 2
+TMA_STORE_SMEM = (TMA_STORE_STAGES * (WG_BM + WG_BN) * WG_BK * 2 + TMA_CONSUMERS * TMA_STAGING_BYTES
+                  + 1024 + 16 * TMA_STORE_STAGES)
 SMS = 132  # H100 / H200 SXM: the persistent grid when the backend does not say
 
 # TMA split-K path (gemm.cu: kSplit*): 128 w rows x 64 tokens a tile, k over a cluster of SPLIT_K
@@ -194,6 +201,11 @@ def plan(m: int, n: int, k: int, path: str | None = None, *, wgmma: bool = False
                         tile_smem(bm, bn))
     if path in ("wgmma", "tma"):
         return _wgmma_plan(m, n, tma and path == "tma", sms)
+    if path == "tma_store":
+        if not tma:
+            return _wgmma_plan(m, n, False, sms)
+        return GemmPlan(path, KERNELS[path], min(tile_count(m, n, WG_BM, WG_BN), sms), TMA_STORE_SMEM,
+                        TMA_THREADS)
     if path == "tma_splitk":
         if not tma:
             return plan(m, n, k, None, wgmma=wgmma, sms=sms)
@@ -235,6 +247,8 @@ def word_plan(m: int, n: int, k: int, path: str | None = None, *, wgmma: bool = 
         return GemmPlan(p.path, WORD_TMA_KERNEL, p.grid, p.shared_mem, p.threads)
     if p.path == "tma_splitk":
         return GemmPlan(p.path, WORD_SPLITK_KERNEL, p.grid, p.shared_mem, p.threads)
+    if p.path == "tma_store":
+        return GemmPlan(p.path, WORD_TMA_STORE_KERNEL, p.grid, p.shared_mem, p.threads)
     small = m <= SMALL_MAX_ROWS
     if (p.path == "small" and not small) or (p.path.startswith("tiled_") and small):
         raise ValueError(f"{WORD_KERNEL}: path {path!r} cannot be forced for m = {m} (small needs "
@@ -281,9 +295,9 @@ def dense_gemm_bf16_pipelined(gpu: GpuBackend, kernel: KernelHandle, a: int, w: 
     m, n, k = _check_gemm(KERNEL, kernel, w, m, n, k, path)
     if m == 0 or n == 0 or k == 0:
         return
-    p = _launch_plan(plan, gpu, a, w, m, n, k, path)
+    p = _launch_plan(plan, gpu, a, w, c, m, n, k, path)
     handle = kernel if p.kernel == KERNEL else load_kernel(gpu, MODULE, p.kernel)
-    maps = _tensor_maps(gpu, p.path, a, w, m, n, k) if p.path in _TMA_BOXES else {}
+    maps = _tensor_maps(gpu, p.path, a, w, c, m, n, k) if p.path in _TMA_BOXES else {}
     _SPECS[p.kernel].launch(gpu, handle, (p.grid, 1, 1), (p.threads, 1, 1), stream, **maps, a=a,
                             w=w.weight, c=c, m=m, n=n, k=k, shared_mem=p.shared_mem)
 
@@ -306,29 +320,37 @@ def dense_gemm_bf16_word(gpu: GpuBackend, kernel: KernelHandle, a: int, w: Dense
     scale = validate.real32(scale, f"{WORD_KERNEL} scale")
     if m == 0 or n == 0 or k == 0:
         return
-    p = _launch_plan(word_plan, gpu, a, w, m, n, k, path)
+    p = _launch_plan(word_plan, gpu, a, w, c, m, n, k, path)
     handle = kernel if p.kernel == WORD_KERNEL else load_kernel(gpu, MODULE, p.kernel)
-    maps = _tensor_maps(gpu, p.path, a, w, m, n, k) if p.path in _TMA_BOXES else {}
+    maps = _tensor_maps(gpu, p.path, a, w, c, m, n, k) if p.path in _TMA_BOXES else {}
     _SPECS[p.kernel].launch(gpu, handle, (p.grid, 1, 1), (p.threads, 1, 1), stream, **maps, a=a,
                             w=w.weight, c=c, m=m, n=n, k=k, word_ids=word_ids, word=word,
                             scale=scale, shared_mem=p.shared_mem, overlap=overlap)
 
 
-def _launch_plan(planner, gpu: GpuBackend, a: int, w: DenseWeight, m: int, n: int, k: int,
+def _launch_plan(planner, gpu: GpuBackend, a: int, w: DenseWeight, c: int, m: int, n: int, k: int,
                  path: str | None) -> GemmPlan:
-    """``planner``'s plan for this backend and these operands (tma only where both allow it)."""
+    """``planner``'s plan for this backend and these operands (tma only where both allow it; a
+    forced ``tma_store`` runs ``tma`` where c does not suit a tensor map)."""
     wgmma = wgmma_available(gpu)
     tma = tma_available(gpu) and tma_operands(a, w.weight, k)
+    if path == "tma_store" and not tma_operands(c, c, n):
+        path = "tma"
     return planner(m, n, k, path, wgmma=wgmma, tma=tma, sms=getattr(gpu, "sm_count", SMS))
 
 
-_TMA_BOXES = {"tma": (WG_BM, WG_BN), "tma_splitk": (SPLIT_BM, SPLIT_BN)}  # rows of a, w per box
+# rows of a and of w per box of the TMA paths' maps (k: WG_BK); tma_store also maps c (64 x 64)
+_TMA_BOXES = {"tma": (WG_BM, WG_BN), "tma_store": (WG_BM, WG_BN), "tma_splitk": (SPLIT_BM, SPLIT_BN)}
+_C_BOX = 64
 
 
-def _tensor_maps(gpu: TensorMaps, path: str, a: int, w: DenseWeight, m: int, n: int,
+def _tensor_maps(gpu: TensorMaps, path: str, a: int, w: DenseWeight, c: int, m: int, n: int,
                  k: int) -> dict[str, bytes]:
-    """a and w as the TMA paths' tensor maps (boxes of ``_TMA_BOXES`` rows by 64 k); the backend
-    caches them, so a weight's map is encoded once."""
+    """a and w (and c for tma_store) as the TMA paths' tensor maps; the backend caches them, so a
+    weight's map is encoded once."""
     a_rows, w_rows = _TMA_BOXES[path]
-    return {"a_map": gpu.tensor_map_2d(int(a), m, k, a_rows, WG_BK),
+    maps = {"a_map": gpu.tensor_map_2d(int(a), m, k, a_rows, WG_BK),
             "w_map": gpu.tensor_map_2d(int(w.weight), n, k, w_rows, WG_BK)}
+    if path == "tma_store":
+        maps["c_map"] = gpu.tensor_map_2d(int(c), m, n, _C_BOX, _C_BOX)
+    return maps

@@ -32,6 +32,9 @@ GEMM_WORD_WGMMA = KernelSpec("dense_gemm_bf16_word_wgmma", **_WORD)
 # the TMA twins take a and w as tensor maps too (and by pointer, for their fallback)
 GEMM_TMA = KernelSpec("dense_gemm_bf16_tma", a_map="T", w_map="T", **_GEMM)
 GEMM_WORD_TMA = KernelSpec("dense_gemm_bf16_word_tma", a_map="T", w_map="T", **_WORD)
+GEMM_TMA_STORE = KernelSpec("dense_gemm_bf16_tma_store", a_map="T", w_map="T", c_map="T", **_GEMM)
+GEMM_WORD_TMA_STORE = KernelSpec("dense_gemm_bf16_word_tma_store", a_map="T", w_map="T", c_map="T",
+                                 **_WORD)
 GEMM_TMA_SPLITK = KernelSpec("dense_gemm_bf16_tma_splitk", a_map="T", w_map="T", **_GEMM)
 GEMM_WORD_TMA_SPLITK = KernelSpec("dense_gemm_bf16_word_tma_splitk", a_map="T", w_map="T", **_WORD)
 
@@ -77,7 +80,7 @@ SPECS: dict[str, dict[str, KernelSpec]] = {  # kernel module -> kernel name -> i
     "embed_from_argmax": _by_name(BATCHED_EMBED, BATCHED_EMBED_FP8, EMBED_FROM_ARGMAX),
     "gemm": _by_name(GEMM_PIPELINED, GEMM_SMALL_M, GEMM_TILED, GEMM_WGMMA, GEMM_SIMT, GEMM_WORD,
                      GEMM_WORD_WGMMA, GEMM_TMA, GEMM_WORD_TMA, GEMM_TMA_SPLITK,
-                     GEMM_WORD_TMA_SPLITK),
+                     GEMM_WORD_TMA_SPLITK, GEMM_TMA_STORE, GEMM_WORD_TMA_STORE),
     "ngram_decode": _by_name(NGRAM_DECODE_GATHER, NGRAM_DECODE_ROLLBACK),
     "ngram_fused": _by_name(NGRAM_GATHER),
     "residual_add": _by_name(SCALED_ADD, RESIDUAL_ADD),

@@ -11,6 +11,7 @@ also timed alone on the large shapes, and the cp.async wgmma path, to compare wi
 
 from __future__ import annotations
 
+import argparse
 import math
 
 import ml_dtypes
@@ -116,7 +117,50 @@ def gemm_table(gpu: CudaBackend) -> None:
                 gemm_rows(gpu, bw, rate))
 
 
-def main() -> None:
+def one_shape(spec: str, path: str | None) -> None:
+    """``--shape MxNxK [--path P]``: that GEMM alone, timed as in the table (and a target for a
+    profiler: ``ncu --kernel-name regex:dense_gemm python3 -m bench.gemm --shape ...``)."""
+    m, n, k = (int(v) for v in spec.lower().split("x"))
+    rng = np.random.default_rng(0)
+    pool = rng.standard_normal(_POOL_VALUES).astype(np.float32).astype(ml_dtypes.bfloat16)
+    with CudaBackend() as gpu:
+        sets = _input_sets((m * k + n * k + m * n) * 2, gpu.l2_bytes)
+        chosen = gemm.plan(m, n, k, path, wgmma=gemm.wgmma_available(gpu),
+                           tma=gemm.tma_available(gpu), sms=gpu.sm_count)
+        us = _ours_ms(gpu, m, n, k, sets, pool, path) * 1e3
+        print(f"{m}x{n}x{k} {chosen.path} ({chosen.kernel}, grid {chosen.grid}, block "
+              f"{chosen.threads}, {chosen.shared_mem} B): {us:.2f} us, "
+              f"{2 * m * n * k / us / 1e6:.1f} TFLOP/s")
+        if chosen.path == "tma_splitk":
+            print(f"clusters of {gemm.SPLIT_K} resident at once: "
+                  f"{_max_active_clusters(gpu, chosen)} (the launch has {chosen.grid // gemm.SPLIT_K})")
+
+
+def _max_active_clusters(gpu: CudaBackend, p: gemm.GemmPlan) -> str:
+    """``cuOccupancyMaxActiveClusters`` for a split-K plan: fewer than its clusters means waves."""
+    from cuda.bindings import driver as cu
+
+    config = cu.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = p.grid, 1, 1
+    config.blockDimX, config.blockDimY, config.blockDimZ = p.threads, 1, 1
+    config.sharedMemBytes = p.shared_mem
+    attr = cu.CUlaunchAttribute()
+    attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = gemm.SPLIT_K, 1, 1
+    config.attrs = [attr]
+    config.numAttrs = 1
+    err, count = cu.cuOccupancyMaxActiveClusters(load_kernel(gpu, "gemm", p.kernel), config)
+    return str(count) if not err else f"not known ({err})"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", help="one GEMM, MxNxK, instead of the table")
+    parser.add_argument("--path", default=None, help=f"force a path: {', '.join(gemm.PATHS)}")
+    args = parser.parse_args(argv)
+    if args.shape:
+        one_shape(args.shape, args.path)
+        return
     with CudaBackend() as gpu:
         gemm_table(gpu)
 

@@ -91,14 +91,16 @@ constexpr uint32_t kTmaStoreStages = 3;
 constexpr uint32_t kTmaStagingBytes = 64 * kWgBN * 2;
 constexpr uint32_t kTmaStoreSmem = kTmaStoreStages * kWgStageBytes + kTmaConsumers * kTmaStagingBytes + 1024 + 16 * kTmaStoreStages;
 
-// TMA split-K path (swap-AB): tiles of 128 w rows x 64 tokens, k split over a cluster of kSplitK
-constexpr uint32_t kSplitK = 4;
-constexpr uint32_t kSplitBN = 128;  // w rows (columns of c) per tile
+// TMA split-K path (swap-AB): tiles of 64 w rows x 64 tokens; k split over a cluster of kSplitK
+// CTAs and, inside a CTA, between its consumers (a stage holds one 64-wide k box per consumer)
+constexpr uint32_t kSplitK = 2;
+constexpr uint32_t kSplitBN = 64;   // w rows (columns of c) per tile: one m64 wgmma
 constexpr uint32_t kSplitBM = 64;   // tokens (rows of c) per tile
-constexpr uint32_t kSplitStages = 6;
-constexpr uint32_t kSplitStageBytes = (kSplitBN + kSplitBM) * kWgBK * 2;
+constexpr uint32_t kSplitBK = kTmaConsumers * kWgBK;  // k per stage
+constexpr uint32_t kSplitStages = 4;
+constexpr uint32_t kSplitStageBytes = (kSplitBN + kSplitBM) * kSplitBK * 2;
 constexpr uint32_t kSplitRedStride = kSplitBM + 4;  // floats per partial row
-constexpr uint32_t kSplitRedBytes = kSplitBN * kSplitRedStride * 4;  // the fp32 partial tile
+constexpr uint32_t kSplitRedBytes = kTmaConsumers * kSplitBN * kSplitRedStride * 4;  // a partial tile per consumer
 constexpr uint32_t kSplitSmem = 1024 + kSplitStages * kSplitStageBytes + kSplitRedBytes + 16 * kSplitStages;
 #endif
 
@@ -275,7 +277,7 @@ dense_gemm_bf16_tma_store(const __grid_constant__ TensorMap a_map,
 }
 
 // The split-K TMA path (sm_90a builds; 384 threads, kSplitSmem bytes, a grid of whole clusters of
-// kSplitK CTAs): a_map boxes 64 x 64, w_map 64 x 128.
+// kSplitK CTAs): a_map and w_map boxes 64 x 64.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define SPLITK_CLUSTER __cluster_dims__(gemm::kSplitK, 1, 1)
 #else

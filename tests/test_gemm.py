@@ -90,21 +90,38 @@ def test_large_m_on_sm90a_runs_wgmma():
     assert gpu.launches[0].kernel == kern
 
 
-def test_large_m_with_tensor_maps_runs_tma_persistent():
+def test_large_m_with_tensor_maps_runs_tma_store_persistent():
     gpu = TmaBackend()
     kern = load_kernel(gpu, "gemm", gemm.KERNEL)
     dense_gemm_bf16_pipelined(gpu, kern, _p(0), _weight(4096, 512), _p(2), 4096, 4096, 512, 3)
     (launch,) = gpu.launches
-    assert gpu.kernel_of(launch) == ("gemm", "dense_gemm_bf16_tma")
+    assert gpu.kernel_of(launch) == ("gemm", "dense_gemm_bf16_tma_store")
     assert launch.grid == (132, 1, 1) and launch.block == (384, 1, 1)  # 512 tiles, one CTA per SM
-    assert launch.shared_mem == gemm.TMA_SMEM == 197696 <= MAX_SHARED_OPTIN
-    assert launch.kinds == "TTPPPUUU" and launch.stream == 3
-    assert launch.args[:2] == [fake_tensor_map(int(_p(0)), 4096, 512, 128, 64),
-                               fake_tensor_map(0x200000, 4096, 512, 256, 64)]
-    assert launch.args[2:] == [int(_p(0)), 0x200000, int(_p(2)), 4096, 4096, 512]
+    assert launch.shared_mem == gemm.TMA_STORE_SMEM <= MAX_SHARED_OPTIN
+    assert launch.kinds == "TTTPPPUUU" and launch.stream == 3
+    assert launch.args[:3] == [fake_tensor_map(int(_p(0)), 4096, 512, 128, 64),
+                               fake_tensor_map(0x200000, 4096, 512, 256, 64),
+                               fake_tensor_map(int(_p(2)), 4096, 4096, 64, 64)]
+    assert launch.args[3:] == [int(_p(0)), 0x200000, int(_p(2)), 4096, 4096, 512]
     gpu.launches.clear()  # fewer tiles than SMs: one CTA each
     dense_gemm_bf16_pipelined(gpu, kern, _p(0), _weight(2048, 512), _p(2), 2048, 2048, 512, 3)
     assert gpu.launches[0].grid == (16 * 8, 1, 1)
+
+
+@pytest.mark.parametrize("c_off, n", [(2, 4096), (0, 4100)])  # c misaligned, or rows of n % 8 != 0
+def test_large_m_runs_tma_with_register_stores_where_c_cannot_be_a_tensor_map(c_off, n):
+    gpu = TmaBackend()
+    kern = load_kernel(gpu, "gemm", gemm.KERNEL)
+    c = DevicePtr(_p(2) + c_off)
+    dense_gemm_bf16_pipelined(gpu, kern, _p(0), _weight(n, 512), c, 4096, n, 512, 3)
+    (launch,) = gpu.launches
+    assert gpu.kernel_of(launch) == ("gemm", "dense_gemm_bf16_tma")
+    assert launch.grid == (132, 1, 1) and launch.block == (384, 1, 1)
+    assert launch.shared_mem == gemm.TMA_SMEM == 197696 <= MAX_SHARED_OPTIN
+    assert launch.kinds == "TTPPPUUU"
+    assert launch.args[:2] == [fake_tensor_map(int(_p(0)), 4096, 512, 128, 64),
+                               fake_tensor_map(0x200000, n, 512, 256, 64)]
+    assert launch.args[2:] == [int(_p(0)), 0x200000, int(c), 4096, n, 512]
 
 
 def test_forced_splitk_plan_is_whole_clusters_of_its_tiles():
@@ -114,10 +131,10 @@ def test_forced_splitk_plan_is_whole_clusters_of_its_tiles():
                               path="tma_splitk")
     (launch,) = gpu.launches
     assert gpu.kernel_of(launch) == ("gemm", "dense_gemm_bf16_tma_splitk")
-    assert launch.grid == (33 * 2 * 4, 1, 1) and launch.block == (384, 1, 1)  # 33 x 2 tiles, 4 CTAs each
+    assert launch.grid == (65 * 2 * 2, 1, 1) and launch.block == (384, 1, 1)  # 65 x 2 tiles, 2 CTAs each
     assert launch.shared_mem == gemm.SPLIT_SMEM <= MAX_SHARED_OPTIN and launch.kinds == "TTPPPUUU"
     assert launch.args[:2] == [fake_tensor_map(int(_p(0)), 65, 4096, 64, 64),
-                               fake_tensor_map(0x200000, 4100, 4096, 128, 64)]
+                               fake_tensor_map(0x200000, 4100, 4096, 64, 64)]
 
 
 def test_forced_tma_store_maps_c_and_needs_c_to_suit_a_tensor_map():
@@ -385,9 +402,9 @@ def test_pipelined_kernel_correct_for_any_launch(gpu, rng, m, n, k, grid, block,
 # -- GPU: the TMA kernels launched directly: few CTAs (each walks many tiles, so every stage's
 # barriers go through many phases), and launches they do not fit (scalar fallback) -----------------
 _DIRECT = {  # path -> (spec, rows of a and of w per box, shared memory, maps c too)
-    "tma": (GEMM_TMA, 128, 256, gemm.TMA_SMEM, False),
-    "tma_store": (GEMM_TMA_STORE, 128, 256, gemm.TMA_STORE_SMEM, True),
-    "tma_splitk": (GEMM_TMA_SPLITK, 64, 128, gemm.SPLIT_SMEM, False),
+    "tma": (GEMM_TMA, gemm.WG_BM, gemm.WG_BN, gemm.TMA_SMEM, False),
+    "tma_store": (GEMM_TMA_STORE, gemm.WG_BM, gemm.WG_BN, gemm.TMA_STORE_SMEM, True),
+    "tma_splitk": (GEMM_TMA_SPLITK, gemm.SPLIT_BM, gemm.SPLIT_BN, gemm.SPLIT_SMEM, False),
 }
 
 
@@ -439,9 +456,12 @@ def test_tma_store_kernel_correct_for_any_launch(gpu, rng, m, n, k, grid, block,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m, n, k", [(64, 1030, 1032), (3, 300, 200), (130, 264, 4104)])
+# k = 64 and 8: the cluster's second CTA has no k-stage, the second consumer only zero-filled boxes
+@pytest.mark.parametrize("m, n, k", [(64, 1030, 1032), (3, 300, 200), (130, 264, 4104), (5, 70, 64),
+                                     (2, 130, 8)])
 @pytest.mark.parametrize("grid, block, smem", [
-    ((4, 1, 1), (384, 1, 1), "plan"),     # one cluster, every tile
+    ((2, 1, 1), (384, 1, 1), "plan"),     # one cluster, every tile
+    ((6, 1, 1), (384, 1, 1), "plan"),     # three clusters
     ((8, 2, 1), (384, 1, 1), "plan"),     # a 2-D grid of clusters
     ((4, 1, 1), (256, 1, 1), "plan"),     # another block size: scalar fallback
     ((4, 1, 1), (384, 1, 1), 1024),       # too little shared memory: scalar fallback

@@ -96,15 +96,15 @@ def test_large_m_on_sm90a_runs_the_wgmma_twin():
         assert gpu.launches[0].kernel == kern, (m, n)
 
 
-def test_large_m_with_tensor_maps_runs_the_tma_twin():
+def test_large_m_with_tensor_maps_runs_the_tma_store_twin():
     gpu = TmaBackend()
     kern = load_kernel(gpu, "gemm", gemm.WORD_KERNEL)
     _launch(gpu, 4096, 4096, 4096, kernel=kern, stream=3, overlap=True)
     (launch,) = gpu.launches
-    assert gpu.kernel_of(launch) == ("gemm", "dense_gemm_bf16_word_tma")
+    assert gpu.kernel_of(launch) == ("gemm", "dense_gemm_bf16_word_tma_store")
     assert launch.grid == (132, 1, 1) and launch.block == (384, 1, 1)
-    assert launch.shared_mem == gemm.TMA_SMEM and launch.overlap
-    assert launch.kinds == "TT" + KINDS and launch.args[5:8] == [4096, 4096, 4096]
+    assert launch.shared_mem == gemm.TMA_STORE_SMEM and launch.overlap
+    assert launch.kinds == "TTT" + KINDS and launch.args[6:9] == [4096, 4096, 4096]
 
 
 def test_default_plan_matches_the_plain_launcher_per_shape():
@@ -119,7 +119,8 @@ def test_default_plan_matches_the_plain_launcher_per_shape():
             (lp,), (lw,) = plain.launches, word.launches
             assert (lw.grid, lw.block, lw.shared_mem) == (lp.grid, lp.block, lp.shared_mem)
             twin = {gemm.KERNEL: gemm.WORD_KERNEL, "dense_gemm_bf16_wgmma": gemm.WORD_WGMMA_KERNEL,
-                    "dense_gemm_bf16_tma": gemm.WORD_TMA_KERNEL}
+                    "dense_gemm_bf16_tma": gemm.WORD_TMA_KERNEL,
+                    "dense_gemm_bf16_tma_store": gemm.WORD_TMA_STORE_KERNEL}
             assert word.kernel_of(lw)[1] == twin[plain.kernel_of(lp)[1]], (backend, m, n, k)
 
 

@@ -13,13 +13,16 @@ Paths:
 - ``wgmma``  sm_90a wgmma 128x256 tiles fed by cp.async; chosen for large m on an sm_90a device
   when the TMA path cannot take the operands (k % 8 != 0, or a or w not 16-byte aligned).
 - ``tma``    the same tiles, warp-specialised and persistent: a producer warpgroup loads a and w by
-  TMA (tensor maps built here, cached by the backend) for two wgmma warpgroups, one CTA per SM.
-  Chosen for large m on an sm_90a backend with ``TensorMaps``; a forced ``tma`` whose operands
-  it cannot take runs ``wgmma``.
+  TMA (tensor maps built here, cached by the backend) for two wgmma warpgroups, one CTA per SM;
+  results stored from registers. Chosen for large m on an sm_90a backend with ``TensorMaps`` when
+  c does not suit a tensor map (16-byte aligned, n % 8 == 0); a forced ``tma`` whose a or w it
+  cannot take runs ``wgmma``.
+- ``tma_store``  ``tma`` whose consumers stage their results in shared memory for a TMA store and
+  go on to the next tile: chosen where c suits a tensor map, else it runs ``tma``.
 - ``tma_splitk``  few rows of a (decode): swap-AB wgmma (w rows on the M side, 64 tokens on N),
-  tiles of 128 columns of c, k split over a 4-CTA cluster whose partials are summed in fixed order
-  through distributed shared memory (one rounding, no workspace). A forced ``tma_splitk`` whose
-  operands a tensor map cannot describe runs what ``path=None`` would.
+  tiles of 64 columns of c, k split over a 2-CTA cluster and the two consumers of each CTA, the
+  partials summed in fixed order through distributed shared memory (one rounding, no workspace).
+  A forced ``tma_splitk`` whose operands a tensor map cannot describe runs what ``path=None`` would.
 - ``simt``   one output per thread (a check on the others, never chosen automatically).
 
 ``dense_gemm_bf16_word`` is the same GEMM with the fused n-gram embedding's epilogue,
@@ -95,10 +98,12 @@ TMA_STORE_SMEM = (TMA_STORE_STAGES * (WG_BM + WG_BN) * WG_BK * 2 + TMA_CONSUMERS
                   + 1024 + 16 * TMA_STORE_STAGES)
 SMS = 132  # H100 / H200 SXM: the persistent grid when the backend does not say
 
-# TMA split-K path (gemm.cu: kSplit*): 128 w rows x 64 tokens a tile, k over a cluster of SPLIT_K
-SPLIT_K, SPLIT_BN, SPLIT_BM, SPLIT_STAGES = 4, 128, 64, 6
-SPLIT_SMEM = (1024 + SPLIT_STAGES * (SPLIT_BN + SPLIT_BM) * WG_BK * 2 + SPLIT_BN * (SPLIT_BM + 4) * 4
-              + 16 * SPLIT_STAGES)
+# TMA split-K path (gemm.cu: kSplit*): 64 w rows x 64 tokens a tile, k over a cluster of SPLIT_K
+# CTAs and, inside each, over its two consumers (a stage: one 64-wide k box of w and of a for each)
+SPLIT_K, SPLIT_BN, SPLIT_BM, SPLIT_STAGES = 2, 64, 64, 4
+SPLIT_BK = TMA_CONSUMERS * WG_BK
+SPLIT_SMEM = (1024 + SPLIT_STAGES * (SPLIT_BN + SPLIT_BM) * SPLIT_BK * 2
+              + TMA_CONSUMERS * SPLIT_BN * (SPLIT_BM + 4) * 4 + 16 * SPLIT_STAGES)
 
 _GRID_MAX = (1 << 31) - 1
 _SIMT_BLOCKS_MAX = 1 << 16  # grid-stride beyond this
@@ -178,19 +183,20 @@ def tma_operands(a: int, w: int, k: int) -> bool:
 
 @lru_cache(maxsize=4096)  # pure in its arguments; a decode loop asks for the same few shapes
 def plan(m: int, n: int, k: int, path: str | None = None, *, wgmma: bool = False,
-         tma: bool = False, sms: int = SMS) -> GemmPlan:
+         tma: bool = False, tma_store: bool = False, sms: int = SMS) -> GemmPlan:
     """The launch for ``c[m,n] = a[m,k] @ w[n,k]^T`` (all sizes >= 1).
 
-    ``path=None`` chooses: small for m <= 64; for shapes with enough 128x256 tiles, tma (when
-    ``tma``: the device has it and the operands suit it) or wgmma (when ``wgmma``); else the tiled
-    config ``pick_tile`` gives, run by the contract's kernel. A forced ``tma`` without ``tma``
-    runs wgmma. ``sms``: the persistent TMA grid.
+    ``path=None`` chooses: small for m <= 64; for shapes with enough 128x256 tiles, tma_store
+    (when ``tma`` and ``tma_store``: the device has TMA, a and w suit a tensor map, and so does c),
+    tma (c does not) or wgmma (when ``wgmma``: no TMA); else the tiled config ``pick_tile`` gives,
+    run by the contract's kernel. A forced TMA path falls back the same way. ``sms``: the
+    persistent TMA grid.
     """
     if path is None:
         if m <= SMALL_MAX_ROWS:
             return GemmPlan("small", KERNEL, _small_grid(m, n), small_smem(m))
         if wgmma and use_wgmma(m, n):
-            return _wgmma_plan(m, n, tma, sms)
+            return _wgmma_plan(m, n, tma, tma_store, sms)
         bm, bn = pick_tile(m, n)
         return GemmPlan(f"tiled_{bm}x{bn}", KERNEL, _grid(tile_count(m, n, bm, bn)), tile_smem(bm, bn))
     if path == "small":
@@ -199,13 +205,8 @@ def plan(m: int, n: int, k: int, path: str | None = None, *, wgmma: bool = False
         bm, bn = pick_tile(m, n) if path == "tiled" else _tile_config(path)
         return GemmPlan(f"tiled_{bm}x{bn}", KERNELS["tiled"], _grid(tile_count(m, n, bm, bn)),
                         tile_smem(bm, bn))
-    if path in ("wgmma", "tma"):
-        return _wgmma_plan(m, n, tma and path == "tma", sms)
-    if path == "tma_store":
-        if not tma:
-            return _wgmma_plan(m, n, False, sms)
-        return GemmPlan(path, KERNELS[path], min(tile_count(m, n, WG_BM, WG_BN), sms), TMA_STORE_SMEM,
-                        TMA_THREADS)
+    if path in ("wgmma", "tma", "tma_store"):
+        return _wgmma_plan(m, n, tma and path != "wgmma", tma_store and path == "tma_store", sms)
     if path == "tma_splitk":
         if not tma:
             return plan(m, n, k, None, wgmma=wgmma, sms=sms)
@@ -216,8 +217,10 @@ def plan(m: int, n: int, k: int, path: str | None = None, *, wgmma: bool = False
     raise ValueError(f"unknown GEMM path {path!r}; one of {PATHS} or None")
 
 
-def _wgmma_plan(m: int, n: int, tma: bool, sms: int) -> GemmPlan:
+def _wgmma_plan(m: int, n: int, tma: bool, store: bool, sms: int) -> GemmPlan:
     tiles = tile_count(m, n, WG_BM, WG_BN)
+    if tma and store:
+        return GemmPlan("tma_store", KERNELS["tma_store"], min(tiles, sms), TMA_STORE_SMEM, TMA_THREADS)
     if tma:
         return GemmPlan("tma", KERNELS["tma"], min(tiles, sms), TMA_SMEM, TMA_THREADS)
     return GemmPlan("wgmma", KERNELS["wgmma"], _grid(tiles), WG_SMEM)
@@ -232,15 +235,15 @@ def _tile_config(path: str) -> tuple[int, int]:
 
 @lru_cache(maxsize=4096)
 def word_plan(m: int, n: int, k: int, path: str | None = None, *, wgmma: bool = False,
-              tma: bool = False, sms: int = SMS) -> GemmPlan:
+              tma: bool = False, tma_store: bool = False, sms: int = SMS) -> GemmPlan:
     """``plan`` for the word-epilogue kernels: same path, grid and shared memory, run by
     ``dense_gemm_bf16_word`` (small for m <= 64, tiled above, simt when launched with no shared
-    memory) or, for wgmma and tma, ``dense_gemm_bf16_word_wgmma`` and ``_word_tma``.
+    memory) or, for the wgmma and TMA paths, their ``dense_gemm_bf16_word_*`` twins.
 
     That kernel chooses small or tiled from m, so a forced ``small`` needs m <= 64 and a forced
     ``tiled*`` m > 64; anything else is refused rather than silently running another path.
     """
-    p = plan(m, n, k, path, wgmma=wgmma, tma=tma, sms=sms)
+    p = plan(m, n, k, path, wgmma=wgmma, tma=tma, tma_store=tma_store, sms=sms)
     if p.path == "wgmma":
         return GemmPlan(p.path, WORD_WGMMA_KERNEL, p.grid, p.shared_mem)
     if p.path == "tma":
@@ -330,13 +333,12 @@ def dense_gemm_bf16_word(gpu: GpuBackend, kernel: KernelHandle, a: int, w: Dense
 
 def _launch_plan(planner, gpu: GpuBackend, a: int, w: DenseWeight, c: int, m: int, n: int, k: int,
                  path: str | None) -> GemmPlan:
-    """``planner``'s plan for this backend and these operands (tma only where both allow it; a
-    forced ``tma_store`` runs ``tma`` where c does not suit a tensor map)."""
+    """``planner``'s plan for this backend and these operands (the TMA paths only where the device
+    and the operands allow them: a and w for loads, c too for TMA stores)."""
     wgmma = wgmma_available(gpu)
     tma = tma_available(gpu) and tma_operands(a, w.weight, k)
-    if path == "tma_store" and not tma_operands(c, c, n):
-        path = "tma"
-    return planner(m, n, k, path, wgmma=wgmma, tma=tma, sms=getattr(gpu, "sm_count", SMS))
+    return planner(m, n, k, path, wgmma=wgmma, tma=tma, tma_store=tma and tma_operands(c, c, n),
+                   sms=getattr(gpu, "sm_count", SMS))
 
 
 # rows of a and of w per box of the TMA paths' maps (k: WG_BK); tma_store also maps c (64 x 64)

@@ -6,7 +6,8 @@ and the physical floor max(bytes / copy bandwidth, flops / cuBLAS rate at 8192^3
 fraction of it. Bytes are a and w read once and c written once, which is what the copy bandwidth
 (read + write) measures. Shapes whose inputs fit in L2 rotate among enough input sets that their
 total exceeds twice the L2, so w comes from HBM as it does in the model. The mma.sync path is
-also timed alone on the large shapes, and the cp.async wgmma path, to compare with the TMA path.
+also timed alone on the large shapes, and the cp.async wgmma path, to compare with the TMA path,
+and each path the automatic choice passes over where it chooses between two.
 """
 
 from __future__ import annotations
@@ -26,12 +27,14 @@ from layers.ops.gemm import dense_gemm_bf16_pipelined
 from layers.weight_map import BF16, DenseWeight
 
 SHAPES = [(1, 4096, 256), (16, 4096, 256), (128, 4096, 256), (4096, 4096, 256),
-          (1, 4096, 4096), (64, 4096, 4096), (4096, 4096, 4096), (8192, 8192, 8192)]
+          (1, 4096, 4096), (64, 4096, 4096), (128, 4096, 4096), (4096, 4096, 4096),
+          (8192, 8192, 8192)]
+# the paths path=None passes over, on the shapes where it chooses between them
 FORCED = [("tma_splitk", (1, 4096, 256)), ("tma_splitk", (16, 4096, 256)),
           ("tma_splitk", (128, 4096, 256)), ("tma_splitk", (1, 4096, 4096)),
-          ("tma_splitk", (64, 4096, 4096)), ("tma_store", (4096, 4096, 256)),
-          ("tma_store", (4096, 4096, 4096)), ("tma_store", (8192, 8192, 8192)), ("wgmma", (4096, 4096, 256)), ("wgmma", (4096, 4096, 4096)), ("wgmma", (8192, 8192, 8192)),
-          ("tiled", (4096, 4096, 4096)), ("tiled", (8192, 8192, 8192))]
+          ("small", (64, 4096, 4096)), ("tiled", (128, 4096, 4096)),
+          ("tma", (4096, 4096, 256)), ("tma", (4096, 4096, 4096)), ("tma", (8192, 8192, 8192)),
+          ("wgmma", (4096, 4096, 4096)), ("tiled", (4096, 4096, 4096))]
 MAX_SETS = 64
 _POOL_VALUES = 1 << 23  # 16 MB of random bf16, tiled over every buffer
 
@@ -93,7 +96,8 @@ def gemm_rows(gpu: CudaBackend, bw: float, rate: float | None) -> list[tuple]:
     for path, (m, n, k) in [(None, s) for s in SHAPES] + FORCED:
         set_bytes = (m * k + n * k + m * n) * 2
         sets = _input_sets(set_bytes, gpu.l2_bytes)
-        chosen = gemm.plan(m, n, k, path, wgmma=wgmma, tma=tma, sms=gpu.sm_count).path  # aligned buffers
+        chosen = gemm.plan(m, n, k, path, wgmma=wgmma, tma=tma, tma_store=tma,  # aligned buffers
+                           sms=gpu.sm_count).path
         ms = _ours_ms(gpu, m, n, k, sets, pool, path)
         t_ms = _torch_ms(m, n, k, sets) if path is None else None
         flops = 2 * m * n * k
@@ -125,8 +129,9 @@ def one_shape(spec: str, path: str | None) -> None:
     pool = rng.standard_normal(_POOL_VALUES).astype(np.float32).astype(ml_dtypes.bfloat16)
     with CudaBackend() as gpu:
         sets = _input_sets((m * k + n * k + m * n) * 2, gpu.l2_bytes)
-        chosen = gemm.plan(m, n, k, path, wgmma=gemm.wgmma_available(gpu),
-                           tma=gemm.tma_available(gpu), sms=gpu.sm_count)
+        tma = gemm.tma_available(gpu)
+        chosen = gemm.plan(m, n, k, path, wgmma=gemm.wgmma_available(gpu), tma=tma, tma_store=tma,
+                           sms=gpu.sm_count)
         us = _ours_ms(gpu, m, n, k, sets, pool, path) * 1e3
         print(f"{m}x{n}x{k} {chosen.path} ({chosen.kernel}, grid {chosen.grid}, block "
               f"{chosen.threads}, {chosen.shared_mem} B): {us:.2f} us, "

@@ -110,8 +110,8 @@ def test_large_m_with_tensor_maps_runs_the_tma_store_twin():
 def test_default_plan_matches_the_plain_launcher_per_shape():
     """Same grid and shared memory as dense_gemm_bf16_pipelined for every shape and target."""
     for backend in (RecordingBackend, Sm90aBackend, TmaBackend):
-        for m, n, k in [(1, 4096, 4096), (64, 300, 72), (65, 300, 72), (300, 4096, 4096),
-                        (4096, 4096, 512), (100000, 100, 8)]:
+        for m, n, k in [(1, 4096, 4096), (64, 300, 72), (65, 300, 72), (64, 4096, 4096),
+                        (128, 4096, 1024), (300, 4096, 4096), (4096, 4096, 512), (100000, 100, 8)]:
             plain, word = backend(), backend()
             gemm.dense_gemm_bf16_pipelined(plain, load_kernel(plain, "gemm", gemm.KERNEL), _p(0),
                                            _weight(n, k), _p(2), m, n, k, 0)
@@ -120,7 +120,8 @@ def test_default_plan_matches_the_plain_launcher_per_shape():
             assert (lw.grid, lw.block, lw.shared_mem) == (lp.grid, lp.block, lp.shared_mem)
             twin = {gemm.KERNEL: gemm.WORD_KERNEL, "dense_gemm_bf16_wgmma": gemm.WORD_WGMMA_KERNEL,
                     "dense_gemm_bf16_tma": gemm.WORD_TMA_KERNEL,
-                    "dense_gemm_bf16_tma_store": gemm.WORD_TMA_STORE_KERNEL}
+                    "dense_gemm_bf16_tma_store": gemm.WORD_TMA_STORE_KERNEL,
+                    "dense_gemm_bf16_tma_splitk": gemm.WORD_SPLITK_KERNEL}
             assert word.kernel_of(lw)[1] == twin[plain.kernel_of(lp)[1]], (backend, m, n, k)
 
 
@@ -320,7 +321,7 @@ def _inputs(rng, m: int, n: int, k: int):
 
 # -- GPU: the n-gram shapes, default path ----------------------------------------------------------
 SHAPES = [(1, 4096, 4096), (1, 37, 129), (5, 64, 33), (64, 4096, 256), (65, 300, 72),
-          (300, 4096, 4096), (4096, 4096, 512)]
+          (100, 1000, 2048), (300, 4096, 4096), (4096, 4096, 512)]  # 100 x .. x 2048: split-K on sm_90a
 
 
 @pytest.mark.gpu

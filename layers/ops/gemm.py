@@ -19,7 +19,7 @@ Paths:
   cannot take runs ``wgmma``.
 - ``tma_store``  ``tma`` whose consumers stage their results in shared memory for a TMA store and
   go on to the next tile: chosen where c suits a tensor map, else it runs ``tma``.
-- ``tma_splitk``  few rows of a (decode): swap-AB wgmma (w rows on the M side, 64 tokens on N),
+- ``tma_splitk``  few rows of a (33 to 256 with k >= 1024, ``use_splitk``): swap-AB wgmma (w rows on the M side, 64 tokens on N),
   tiles of 64 columns of c, k split over a 2-CTA cluster and the two consumers of each CTA, the
   partials summed in fixed order through distributed shared memory (one rounding, no workspace).
   A forced ``tma_splitk`` whose operands a tensor map cannot describe runs what ``path=None`` would.
@@ -102,6 +102,10 @@ SMS = 132  # H100 / H200 SXM: the persistent grid when the backend does not say
 # CTAs and, inside each, over its two consumers (a stage: one 64-wide k box of w and of a for each)
 SPLIT_K, SPLIT_BN, SPLIT_BM, SPLIT_STAGES = 2, 64, 64, 4
 SPLIT_BK = TMA_CONSUMERS * WG_BK
+# path=None takes it for 32 < m <= 256 with k >= 1024 (bench.gemm on the H200: 64x4096x4096 16.2
+# us against small's 24.2, 128x4096x4096 26.9 against tiled's 40.1; below, or with k = 256, the
+# small and tiled paths' shorter start wins)
+SPLIT_AUTO_ROWS, SPLIT_AUTO_MIN_K = (33, 256), 1024
 SPLIT_SMEM = (1024 + SPLIT_STAGES * (SPLIT_BN + SPLIT_BM) * SPLIT_BK * 2
               + TMA_CONSUMERS * SPLIT_BN * (SPLIT_BM + 4) * 4 + 16 * SPLIT_STAGES)
 
@@ -166,6 +170,12 @@ def use_wgmma(m: int, n: int) -> bool:
             and padded_area(m, n, WG_BM, WG_BN) <= PAD_SLACK * padded_area(m, n, *pick_tile(m, n)))
 
 
+def use_splitk(m: int, k: int) -> bool:
+    """The split-K path for the mid-size m with a long k, where it measures faster."""
+    lo, hi = SPLIT_AUTO_ROWS
+    return lo <= m <= hi and k >= SPLIT_AUTO_MIN_K
+
+
 def wgmma_available(gpu: GpuBackend) -> bool:
     """wgmma exists on sm_90a only; the CUDA backend compiles for ``gpu.target``."""
     return getattr(gpu, "target", None) == "sm_90a"
@@ -186,17 +196,19 @@ def plan(m: int, n: int, k: int, path: str | None = None, *, wgmma: bool = False
          tma: bool = False, tma_store: bool = False, sms: int = SMS) -> GemmPlan:
     """The launch for ``c[m,n] = a[m,k] @ w[n,k]^T`` (all sizes >= 1).
 
-    ``path=None`` chooses: small for m <= 64; for shapes with enough 128x256 tiles, tma_store
-    (when ``tma`` and ``tma_store``: the device has TMA, a and w suit a tensor map, and so does c),
-    tma (c does not) or wgmma (when ``wgmma``: no TMA); else the tiled config ``pick_tile`` gives,
-    run by the contract's kernel. A forced TMA path falls back the same way. ``sms``: the
-    persistent TMA grid.
+    ``path=None`` chooses: for m > 64 with enough 128x256 tiles, tma_store (when ``tma`` and
+    ``tma_store``: the device has TMA, a and w suit a tensor map, and so does c), tma (c does not)
+    or wgmma (when ``wgmma``: no TMA); else tma_splitk where ``use_splitk`` (and ``tma``); else
+    small for m <= 64 and the tiled config ``pick_tile`` gives above, both run by the contract's
+    kernel. A forced TMA path falls back the same way. ``sms``: the persistent TMA grid.
     """
     if path is None:
+        if wgmma and m > SMALL_MAX_ROWS and use_wgmma(m, n):
+            return _wgmma_plan(m, n, tma, tma_store, sms)
+        if tma and use_splitk(m, k):
+            return _splitk_plan(m, n)
         if m <= SMALL_MAX_ROWS:
             return GemmPlan("small", KERNEL, _small_grid(m, n), small_smem(m))
-        if wgmma and use_wgmma(m, n):
-            return _wgmma_plan(m, n, tma, tma_store, sms)
         bm, bn = pick_tile(m, n)
         return GemmPlan(f"tiled_{bm}x{bn}", KERNEL, _grid(tile_count(m, n, bm, bn)), tile_smem(bm, bn))
     if path == "small":
@@ -208,13 +220,15 @@ def plan(m: int, n: int, k: int, path: str | None = None, *, wgmma: bool = False
     if path in ("wgmma", "tma", "tma_store"):
         return _wgmma_plan(m, n, tma and path != "wgmma", tma_store and path == "tma_store", sms)
     if path == "tma_splitk":
-        if not tma:
-            return plan(m, n, k, None, wgmma=wgmma, sms=sms)
-        clusters = min(_cdiv(n, SPLIT_BN) * _cdiv(m, SPLIT_BM), _GRID_MAX // SPLIT_K)
-        return GemmPlan(path, KERNELS[path], clusters * SPLIT_K, SPLIT_SMEM, TMA_THREADS)
+        return _splitk_plan(m, n) if tma else plan(m, n, k, None, wgmma=wgmma, sms=sms)
     if path == "simt":
         return GemmPlan(path, KERNELS["simt"], min(_cdiv(m * n, THREADS), _SIMT_BLOCKS_MAX), 0)
     raise ValueError(f"unknown GEMM path {path!r}; one of {PATHS} or None")
+
+
+def _splitk_plan(m: int, n: int) -> GemmPlan:
+    clusters = min(_cdiv(n, SPLIT_BN) * _cdiv(m, SPLIT_BM), _GRID_MAX // SPLIT_K)
+    return GemmPlan("tma_splitk", KERNELS["tma_splitk"], clusters * SPLIT_K, SPLIT_SMEM, TMA_THREADS)
 
 
 def _wgmma_plan(m: int, n: int, tma: bool, store: bool, sms: int) -> GemmPlan:

@@ -158,6 +158,11 @@ class Events(_Capability):
     def event_synchronize(self, event: int) -> None: ...
 
     @abstractmethod
+    def event_done(self, event: int) -> bool:
+        """Whether the work before ``event``'s last record has finished; the host does not wait
+        (a watchdog polls it to give up on a stream that never finishes)."""
+
+    @abstractmethod
     def destroy_event(self, event: int) -> None: ...
 
 

@@ -4,7 +4,8 @@
 // warps of the grid) through row_copy.cuh: 16-byte chunks when dim and the bases allow it,
 // element-wise otherwise, correct for every size.
 //
-// Nothing here knows a table's row count: ids are validated on the host before a launch.
+// Nothing here knows a table's row count: ids are validated on the host before a launch (the
+// shard gather bounds its ids by the shard's rows itself).
 #include "row_copy.cuh"
 
 namespace {
@@ -27,6 +28,24 @@ extern "C" __global__ void batched_embed(const uint32_t* ids, const bf16* table,
         const uint64_t id = ids[row];
         row_copy::copy_bf16_row(table + id * dim, out + static_cast<uint64_t>(row) * dim, dim,
                                 vec, row_copy::Warp{lane()});
+    }
+}
+
+// A vocabulary shard's gather (tensor parallelism): out[i, :] = table[ids[i] - lo, :] for the ids
+// this rank holds (lo <= id < lo + count), zeros for the others (the all-reduce brings them).
+extern "C" __global__ void batched_embed_shard(const uint32_t* ids, const bf16* table, bf16* out,
+                                               uint32_t n, uint32_t dim, uint32_t lo,
+                                               uint32_t count) {
+    const bool vec = row_copy::bf16_vec(table, out, dim);
+    for (uint32_t row = global_warp(); row < n; row += warp_count()) {
+        const uint32_t id = ids[row] - lo;  // wraps below lo: out of range too
+        bf16* dst = out + static_cast<uint64_t>(row) * dim;
+        if (id < count) {
+            row_copy::copy_bf16_row(table + static_cast<uint64_t>(id) * dim, dst, dim, vec,
+                                    row_copy::Warp{lane()});
+        } else {
+            for (uint32_t j = lane(); j < dim; j += kWarp) dst[j] = __float2bfloat16(0.0f);
+        }
     }
 }
 

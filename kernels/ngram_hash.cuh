@@ -21,6 +21,7 @@ using row_copy::kWarp;
 constexpr uint32_t kFull = 0xffffffffu;
 constexpr uint32_t kNoToken = 0xffffffffu;  // window entry before the context start
 constexpr uint64_t kCached = 1;             // table descriptor flags bit 0
+constexpr uint64_t kAbsent = 2;             // bit 1: another rank holds the rows (zeros here)
 
 __device__ __forceinline__ uint64_t warp_sum(uint64_t v) {
 #pragma unroll
@@ -56,6 +57,7 @@ __device__ uint32_t hash_id(const Window& w, const uint64_t* pows, uint32_t n, u
 struct Table {
     uint64_t data, scale, rows, flags;
     __device__ __forceinline__ bool cached() const { return flags & kCached; }
+    __device__ __forceinline__ bool absent() const { return flags & kAbsent; }
 };
 
 __device__ __forceinline__ Table load_table(const uint64_t* tables, uint32_t c) {
@@ -63,10 +65,13 @@ __device__ __forceinline__ Table load_table(const uint64_t* tables, uint32_t c) 
     return Table{__ldg(t), __ldg(t + 1), __ldg(t + 2), __ldg(t + 3)};
 }
 
-// dst[0:td] = row `id` of table `t` as bf16 (fp8 rows dequantised, one rounding); one warp.
+// dst[0:td] = row `id` of table `t` as bf16 (fp8 rows dequantised, one rounding), or zeros for
+// a table another rank holds (tensor parallelism: the all-reduce brings its row); one warp.
 __device__ __forceinline__ void copy_table_row(const Table& t, uint32_t id, bf16* dst,
                                                uint32_t td, uint32_t lane) {
-    if (t.scale == 0) {
+    if (t.absent()) {
+        for (uint32_t j = lane; j < td; j += kWarp) dst[j] = __float2bfloat16(0.0f);
+    } else if (t.scale == 0) {
         const bf16* table = reinterpret_cast<const bf16*>(t.data);
         row_copy::copy_bf16_row(table + static_cast<uint64_t>(id) * td, dst, td,
                                 row_copy::bf16_vec(table, dst, td), row_copy::Warp{lane});

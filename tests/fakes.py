@@ -139,6 +139,9 @@ class RecordingBackend(GpuBackend, PinnedHostMemory, MappedHostMemory, Events, P
     def event_synchronize(self, event: int) -> None:
         pass
 
+    def event_done(self, event: int) -> bool:
+        return True
+
     def destroy_event(self, event: int) -> None:
         pass
 
@@ -333,3 +336,7 @@ class MemoryBackend(GpuBackend, PinnedHostMemory, MappedHostMemory, Events):
 
     def event_synchronize(self, event: int) -> None:
         assert event in self.events
+
+    def event_done(self, event: int) -> bool:
+        assert event in self.events
+        return True

@@ -8,7 +8,7 @@ import pytest
 
 from layers import reference as ref
 from layers.kernel_files import load_kernel
-from layers.ops.embed import batched_embed, batched_embed_fp8, embed_from_argmax
+from layers.ops.embed import batched_embed, batched_embed_fp8, batched_embed_shard, embed_from_argmax
 from tests.helpers import Guarded, bits, random_bf16, random_fp8
 
 pytestmark = pytest.mark.gpu
@@ -18,7 +18,8 @@ BF16 = ml_dtypes.bfloat16
 @pytest.fixture(scope="module")
 def kernels(gpu):
     return {name: load_kernel(gpu, "embed_from_argmax", name)
-            for name in ("batched_embed", "batched_embed_fp8", "embed_from_argmax_bf16")}
+            for name in ("batched_embed", "batched_embed_fp8", "batched_embed_shard",
+                         "embed_from_argmax_bf16")}
 
 
 @pytest.mark.parametrize("dim", [1, 7, 64, 256, 4096])
@@ -34,6 +35,28 @@ def test_batched_embed_bit_exact(gpu, kernels, rng, dim, n, misalign):
         t.upload(table), i.upload(ids), o.poison()
         batched_embed(gpu, kernels["batched_embed"], i.ptr, t.ptr, o.ptr, n, dim, 0)
         np.testing.assert_array_equal(bits(o.read()), bits(ref.batched_embed(table, ids)))
+        for g in (t, i, o):
+            g.assert_guards_intact()
+
+
+@pytest.mark.parametrize("dim", [1, 7, 64, 4096])
+@pytest.mark.parametrize("lo, count", [(0, 300), (250, 250), (999, 1), (0, 1000)])
+@pytest.mark.parametrize("misalign", [0, 2])
+def test_batched_embed_shard_gathers_its_rows_and_zeros_the_rest(gpu, kernels, rng, dim, lo, count, misalign):
+    """Rows lo .. lo+count-1 of a 1000-row vocabulary live in the shard; every other id (below lo,
+    past the shard, past the vocabulary, 0xFFFFFFFF) gives a zero row and reads nothing."""
+    n = 257
+    shard = random_bf16(rng, (count, dim))
+    ids = rng.integers(0, 1000, n, dtype=np.uint32)
+    ids[:6] = [lo, lo + count - 1, max(lo - 1, 0), lo + count, 5000, 0xFFFFFFFF]
+    held = (ids >= lo) & (ids < lo + count)
+    want = np.zeros((n, dim), BF16)
+    want[held] = shard[ids[held] - lo]
+    with Guarded(gpu, (count, dim), BF16, rng, misalign) as t, Guarded(gpu, n, np.uint32, rng) as i, \
+            Guarded(gpu, (n, dim), BF16, rng, misalign) as o:
+        t.upload(shard), i.upload(ids), o.poison()
+        batched_embed_shard(gpu, kernels["batched_embed_shard"], i.ptr, t.ptr, o.ptr, n, dim, lo, count, 0)
+        np.testing.assert_array_equal(bits(o.read()), bits(want))
         for g in (t, i, o):
             g.assert_guards_intact()
 

@@ -37,6 +37,8 @@ def _p(i: int) -> DevicePtr:
 LAUNCHERS = {
     ("embed_from_argmax", "batched_embed"):
         lambda g, k: embed.batched_embed(g, k, _p(0), _p(1), _p(2), 5, 7, 3),
+    ("embed_from_argmax", "batched_embed_shard"):
+        lambda g, k: embed.batched_embed_shard(g, k, _p(0), _p(1), _p(2), 5, 7, 100, 50, 3),
     ("embed_from_argmax", "batched_embed_fp8"):
         lambda g, k: embed.batched_embed_fp8(g, k, _p(0), _p(1), _p(2), _p(3), 5, 7, 3),
     ("embed_from_argmax", "embed_from_argmax_bf16"):

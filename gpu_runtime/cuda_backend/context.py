@@ -20,6 +20,9 @@ from ..errors import NoDeviceError
 from ..packing import ArgPlan
 
 
+_CURRENT = threading.local()  # the context the backends last made current, per thread
+
+
 class CudaContext:
     """One device's primary context (the one the CUDA runtime, CuPy and torch share)."""
 
@@ -33,6 +36,7 @@ class CudaContext:
         self._dev = call(cu.cuDeviceGet, device)
         self._ctx = call(cu.cuDevicePrimaryCtxRetain, self._dev)
         call(cu.cuCtxSetCurrent, self._ctx)
+        _CURRENT.ctx = self._ctx
         self.compute_capability = driver.compute_capability(device)
         self.target = target or compiler.target_for(*self.compute_capability)
         self.options = tuple(options)
@@ -58,10 +62,14 @@ class CudaContext:
         return self._closed
 
     def _bind(self) -> None:
-        """Make the context current on this thread, once per thread."""
-        if not hasattr(self._tls, "shapes"):
+        """Make the context current on this thread: once per thread, and again whenever another
+        backend (another device: one process driving several GPUs) was used since."""
+        if getattr(_CURRENT, "ctx", None) is not self._ctx:
             validate.require_open(self._closed, "CudaBackend")
             call(cu.cuCtxSetCurrent, self._ctx)
+            _CURRENT.ctx = self._ctx
+        if not hasattr(self._tls, "shapes"):
+            validate.require_open(self._closed, "CudaBackend")
             self._bind_thread()
 
     def _bind_thread(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from cuda.bindings import driver as cu
 
 from ..driver import call
+from ..errors import CudaError
 from .context import CudaContext
 
 
@@ -70,6 +71,15 @@ class CudaStreams(CudaContext):
     def event_synchronize(self, event: int) -> None:
         self._live()
         call(cu.cuEventSynchronize, event)
+
+    def event_done(self, event: int) -> bool:
+        self._live()
+        (err,) = cu.cuEventQuery(event)
+        if err == cu.CUresult.CUDA_ERROR_NOT_READY:
+            return False
+        if err:
+            raise CudaError(err, "cuEventQuery")
+        return True
 
     def destroy_event(self, event: int) -> None:
         self._live()

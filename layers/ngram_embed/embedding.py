@@ -33,7 +33,8 @@ from .front import check_seq_len, require_backend, require_open, require_out, ta
 from .host_table import HostWeight
 from .ids import tail_ids
 from .resources import Resources, closed_on_failure
-from .tables import AnyTable, Bf16Table, CachedTable, Fp8Table, HostTable, check_table, gather_entry
+from .tables import (AbsentTable, AnyTable, Bf16Table, CachedTable, Fp8Table, HostTable, check_table,
+                     gather_entry)
 
 U32_LIMIT = 1 << 32
 _WHAT = "ngram embed"
@@ -215,6 +216,10 @@ class NgramEmbedding:
         gather, or after a failure (``CachedRows.batch``)."""
         require_open(_WHAT, self, self)
         require_backend(_WHAT, gpu, self.gpu)
+        absent = [c for c, table in enumerate(self.tables) if isinstance(table, AbsentTable)]
+        if absent:
+            raise ValueError(f"ngram embed: table {absent[0]} is held by another rank (NgramTable.Absent); "
+                             f"a tensor-parallel rank embeds through layers.tensor_parallel")
         seq_len = check_seq_len(seq_len, _WHAT)
         if seq_len > self.max_tokens:
             raise ValueError(f"ngram embed: seq_len over staging ({seq_len} > max_tokens {self.max_tokens})")

@@ -100,7 +100,7 @@ class FusedNgramEmbedding:
             self.desc = own.upload(self._table_entries(), stream)
             self.pows = own.upload(np.array([[pow(dims.vocab_size, d, dims.table_rows(c)) for d in range(n)]
                                              for c in range(t)], np.uint64), stream)
-            self.gather_buf = own.alloc(max_rows * t * td * 2)
+            self.gather_buf = own.alloc(max_rows * self._gather_row_bytes())
             self.staging = own.alloc(max_rows * self._row_words * 4)
         except BaseException:
             own.close()
@@ -134,6 +134,11 @@ class FusedNgramEmbedding:
         for c, proj in enumerate(layer.projs):
             self.gpu.copy_2d_async(cat.offset(c * td * 2), t * td * 2, proj.weight, td * 2, td * 2, h, stream)
         return cat
+
+    def _gather_row_bytes(self) -> int:
+        """Bytes of ``gather_buf`` per output row: the T gathered rows (a tensor-parallel rank
+        keeps its word rows there too)."""
+        return self.dims.num_tables() * self.dims.table_dim() * 2
 
     def _table_entries(self) -> np.ndarray:
         return np.array([gather_entry(table, self.dims.table_rows(c))

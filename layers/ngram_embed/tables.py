@@ -4,7 +4,9 @@ Mirrors the seed's enum: ``NgramTable.Bf16(weight)`` and ``NgramTable.Fp8(weight
 ``DenseWeight`` tables (fp8 with per-row scales); ``NgramTable.Host(weight)`` is a ``HostWeight``
 table in mapped pinned host memory, read in place by the gathers over PCIe (bf16, or fp8 with its
 scales on the device); ``NgramTable.Cached(cache)`` is a table too big for the device, whose rows
-a ``RowSource`` brings into a device arena batch by batch. Use them in ``match`` statements as
+a ``RowSource`` brings into a device arena batch by batch; ``NgramTable.Absent(rows, dim)`` is a
+table another rank of a tensor-parallel group holds (``layers.tensor_parallel``): this rank's
+gathers write its rows as zeros. Use them in ``match`` statements as
 the seed does: ``case NgramTable.Fp8(w): ...``. ``gather_entry`` gives any of them as the fused
 gather kernel's table descriptor.
 """
@@ -18,7 +20,7 @@ import numpy as np
 
 from gpu_runtime import validate
 
-from ..ops.ngram_fused import CACHED
+from ..ops.ngram_fused import ABSENT, CACHED
 from ..weight_map import BF16, FP8, DenseWeight
 from .host_table import HostWeight
 
@@ -87,27 +89,41 @@ class CachedTable:
         return (self.cache.rows, self.cache.dim)
 
 
+@dataclass(frozen=True)
+class AbsentTable:
+    """A table held by another rank (tensor parallelism): its shape only, no memory here."""
+
+    rows: int
+    dim: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.rows, self.dim)
+
+
 class NgramTable:
-    """Namespace of the four variants, spelled as the seed spells the three it has."""
+    """Namespace of the five variants, spelled as the seed spells the three it has."""
 
     Bf16 = Bf16Table
     Fp8 = Fp8Table
     Host = HostTable
     Cached = CachedTable
+    Absent = AbsentTable
 
 
-AnyTable = Union[Bf16Table, Fp8Table, HostTable, CachedTable]
-_VARIANTS = (Bf16Table, Fp8Table, HostTable, CachedTable)
+AnyTable = Union[Bf16Table, Fp8Table, HostTable, CachedTable, AbsentTable]
+_VARIANTS = (Bf16Table, Fp8Table, HostTable, CachedTable, AbsentTable)
+_NAMES = "NgramTable.Bf16/Fp8/Host/Cached/Absent"
 
 
 def check_table(table: AnyTable, index: int, rows: int, dim: int) -> None:
     """Refuse a table whose variant, dtype or shape disagrees with the dims (before any launch)."""
     where = f"table {index}"
     if not isinstance(table, _VARIANTS):
-        raise TypeError(f"{where}: expected NgramTable.Bf16/Fp8/Host/Cached, got {type(table).__name__}")
+        raise TypeError(f"{where}: expected {_NAMES}, got {type(table).__name__}")
     if isinstance(table, HostTable):
         _check_host(table.weight, where)
-    elif not isinstance(table, CachedTable) and not isinstance(table.weight, DenseWeight):
+    elif not isinstance(table, (CachedTable, AbsentTable)) and not isinstance(table.weight, DenseWeight):
         hint = " (a HostWeight goes in NgramTable.Host)" if isinstance(table.weight, HostWeight) else ""
         raise TypeError(f"{where}: expected a DenseWeight, got {type(table.weight).__name__}{hint}")
     if table.shape != (rows, dim):
@@ -136,7 +152,8 @@ def gather_entry(table: AnyTable, rows: int) -> tuple[int, int, int, int]:
     address, scale address or 0 for bf16 rows, rows ``M_c`` (the hash modulus), flags).
 
     Resident and host tables are read where they are, by dtype; a cached table's kernel reads
-    its arena at the slots ``resolve`` returned (``CACHED``)."""
+    its arena at the slots ``resolve`` returned (``CACHED``); an absent one gives zeros
+    (``ABSENT``)."""
     rows = validate.positive(rows, "gather_entry: rows", limit=1 << 64)
     match table:
         case Bf16Table(w):
@@ -148,5 +165,7 @@ def gather_entry(table: AnyTable, rows: int) -> tuple[int, int, int, int]:
         case CachedTable(cache):
             scale = cache.scale_dev_va()
             return (int(cache.table_dev_va()), int(scale or 0), rows, CACHED)
-    raise TypeError(f"gather_entry: expected NgramTable.Bf16/Fp8/Host/Cached, got {type(table).__name__}")
+        case AbsentTable():
+            return (0, 0, rows, ABSENT)
+    raise TypeError(f"gather_entry: expected {_NAMES}, got {type(table).__name__}")
 

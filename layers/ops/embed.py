@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from gpu_runtime import GpuBackend, KernelHandle, validate
 
-from .specs import BATCHED_EMBED, BATCHED_EMBED_FP8, EMBED_FROM_ARGMAX
+from .specs import BATCHED_EMBED, BATCHED_EMBED_FP8, BATCHED_EMBED_SHARD, EMBED_FROM_ARGMAX
 
 _BLOCK = (256, 1, 1)  # 8 warps; the gathers copy one row per warp
 _ROWS_PER_BLOCK = 256 // 32
@@ -27,6 +27,19 @@ def batched_embed(gpu: GpuBackend, kernel: KernelHandle, ids: int, table: int, o
         return
     BATCHED_EMBED.launch(gpu, kernel, _gather_grid(n), _BLOCK, stream,
                          ids=ids, table=table, out=out, n=n, dim=dim)
+
+
+def batched_embed_shard(gpu: GpuBackend, kernel: KernelHandle, ids: int, table: int, out: int,
+                        n: int, dim: int, lo: int, count: int, stream: int) -> None:
+    """A vocabulary shard's gather: ``out[i, :] = table[ids[i] - lo, :]`` where ``lo <= ids[i] <
+    lo + count`` (the shard ``table [count, dim]`` holds those rows), zeros elsewhere. Any id is
+    safe: the kernel bounds it by ``count``. ``n`` or ``dim`` zero launches nothing."""
+    n, dim = validate.u32(n, "batched_embed_shard n"), validate.u32(dim, "batched_embed_shard dim")
+    lo, count = validate.u32(lo, "batched_embed_shard lo"), validate.u32(count, "batched_embed_shard count")
+    if n == 0 or dim == 0:
+        return
+    BATCHED_EMBED_SHARD.launch(gpu, kernel, _gather_grid(n), _BLOCK, stream, ids=ids, table=table,
+                               out=out, n=n, dim=dim, lo=lo, count=count)
 
 
 def batched_embed_fp8(gpu: GpuBackend, kernel: KernelHandle, ids: int, table: int,

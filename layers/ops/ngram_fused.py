@@ -7,7 +7,8 @@ Device inputs, built on the host:
   token (``d = 0`` is the token itself), ``NO_TOKEN`` before the context start.
 * ``tables [T, 4]`` u64 per table: data address, scale address (0: bf16 rows; else e4m3 rows
   with one f32 scale per row), rows ``M_c`` (the hash modulus), flags (``CACHED``: the row is
-  ``slots[r*T + c]`` instead of the hash).
+  ``slots[r*T + c]`` instead of the hash; ``ABSENT``: another rank holds the table, the row is
+  written as zeros).
 * ``pows [T, N]`` u64: ``V**d mod M_c``.
 """
 
@@ -20,6 +21,7 @@ from .specs import NGRAM_GATHER
 NO_TOKEN = 0xFFFFFFFF  # a window entry before the context start
 NO_EOS = 0xFFFFFFFF  # the kernel's eos argument when the dims have no eos_id
 CACHED = 1  # flags bit 0 of a table entry: the row index is the slot, not the hash
+ABSENT = 2  # flags bit 1: another rank holds the table (tensor parallelism): its rows are zeros
 
 _BLOCK = (256, 1, 1)  # 8 warps, one (row, table) pair each
 _PAIRS_PER_BLOCK = 256 // 32

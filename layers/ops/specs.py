@@ -14,6 +14,8 @@ from gpu_runtime import KernelSpec
 
 # -- embed_from_argmax.cu --------------------------------------------------------------------
 BATCHED_EMBED = KernelSpec("batched_embed", ids="P", table="P", out="P", n="U", dim="U")
+BATCHED_EMBED_SHARD = KernelSpec("batched_embed_shard", ids="P", table="P", out="P", n="U", dim="U",
+                                 lo="U", count="U")
 BATCHED_EMBED_FP8 = KernelSpec("batched_embed_fp8", ids="P", table="P", row_scale="P", out="P",
                                n="U", dim="U")
 EMBED_FROM_ARGMAX = KernelSpec("embed_from_argmax_bf16", logits="P", vocab="U", table="P", out="P",
@@ -77,7 +79,7 @@ def _by_name(*specs: KernelSpec) -> dict[str, KernelSpec]:
 
 
 SPECS: dict[str, dict[str, KernelSpec]] = {  # kernel module -> kernel name -> its spec
-    "embed_from_argmax": _by_name(BATCHED_EMBED, BATCHED_EMBED_FP8, EMBED_FROM_ARGMAX),
+    "embed_from_argmax": _by_name(BATCHED_EMBED, BATCHED_EMBED_FP8, BATCHED_EMBED_SHARD, EMBED_FROM_ARGMAX),
     "gemm": _by_name(GEMM_PIPELINED, GEMM_SMALL_M, GEMM_TILED, GEMM_WGMMA, GEMM_SIMT, GEMM_WORD,
                      GEMM_WORD_WGMMA, GEMM_TMA, GEMM_WORD_TMA, GEMM_TMA_SPLITK,
                      GEMM_WORD_TMA_SPLITK, GEMM_TMA_STORE, GEMM_WORD_TMA_STORE),

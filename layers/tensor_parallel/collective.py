@@ -1,0 +1,82 @@
+"""The one collective tensor parallelism needs, a bf16 sum all-reduce, and who provides it.
+
+Two ways engines run a tensor-parallel group, two protocols:
+
+- ``Collective``: one rank's end of a communicator, for one process per GPU. Each process's
+  layer posts its own all-reduce (``nccl.NcclCollective``).
+- ``CollectiveGroup``: every rank in this process (``nccl.NcclGroup``: ``ncclCommInitAll`` and
+  group calls; ``LocalGroup``: every "rank" on one device, summed here, which checks the sharding
+  arithmetic on a single GPU and in CI-style runs). ``embed_all`` drives one.
+
+The buffers hold at most one non-zero contribution per element (``shard``), so any summation
+order gives the same bits.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence, runtime_checkable
+
+from gpu_runtime import DeviceCopies, GpuBackend, validate
+
+from ..kernel_files import load_kernel
+from ..ops import residual as residual_ops
+
+
+@runtime_checkable
+class Collective(Protocol):
+    """One rank of a communicator of ``size`` ranks."""
+
+    rank: int
+    size: int
+
+    @property
+    def closed(self) -> bool: ...
+
+    def allreduce_bf16(self, ptr: int, count: int, stream: int) -> None:
+        """``ptr[:count]`` (bf16) summed over the ranks, in place, in ``stream``'s order."""
+
+
+@runtime_checkable
+class CollectiveGroup(Protocol):
+    """Every rank of a communicator, driven from this process."""
+
+    size: int
+
+    @property
+    def closed(self) -> bool: ...
+
+    def allreduce_bf16_all(self, buffers: Sequence[tuple[int, int, int]]) -> None:
+        """Rank r's ``(ptr, count, stream)`` is ``buffers[r]``: each summed over the ranks, in place."""
+
+
+class LocalGroup:
+    """``size`` ranks on one device: the sum runs here (bf16 adds into rank 0's buffer in rank
+    order, then copied back to the others), all on the stream the ranks share."""
+
+    def __init__(self, gpu: GpuBackend, size: int) -> None:
+        if not isinstance(gpu, DeviceCopies):
+            raise TypeError(f"LocalGroup: the backend needs device copies (gpu_runtime.DeviceCopies); "
+                            f"{type(gpu).__name__} lacks them")
+        self.gpu, self.size = gpu, validate.positive(size, "LocalGroup size")
+        self.add_k = load_kernel(gpu, "residual_add", "bf16_residual_add")
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed or self.gpu.closed
+
+    def allreduce_bf16_all(self, buffers: Sequence[tuple[int, int, int]]) -> None:
+        validate.require_open(self.closed, "LocalGroup")
+        if len(buffers) != self.size:
+            raise ValueError(f"LocalGroup: {len(buffers)} buffers for a group of {self.size}")
+        (ptr0, count, stream), rest = buffers[0], buffers[1:]
+        if any(c != count or s != stream for _, c, s in rest):
+            raise ValueError("LocalGroup: every rank must post the same count on the same stream, got "
+                             f"{[(c, s) for _, c, s in buffers]}")
+        for ptr, _, _ in rest:
+            residual_ops.residual_add(self.gpu, self.add_k, ptr0, ptr, count, stream)
+        for ptr, _, _ in rest:
+            self.gpu.copy_d2d_async(ptr, ptr0, count * 2, stream)
+
+    def close(self) -> None:
+        self._closed = True

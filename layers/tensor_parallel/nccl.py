@@ -1,0 +1,166 @@
+"""NCCL through NVIDIA's Python bindings (``nccl4py``, the ``multi-gpu`` extra).
+
+Communicators are made and ended through ``nccl.core`` (``Communicator.init``/``init_all``,
+``abort``, ``destroy``); the hot path posts ``ncclAllReduce`` on raw device pointers through
+``nccl.bindings.nccl``, with no buffer wrapper per call, so that it can be captured in a CUDA
+graph with the rest of a decode step.
+
+A rank whose peer died waits in its collective forever: ``wait`` polls the stream with a
+deadline and, past it, aborts the communicator (``ncclCommAbort`` ends the pending collectives)
+and raises ``TimeoutError``; an NCCL asynchronous error aborts and raises at once.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
+
+from gpu_runtime import Events, GpuBackend, validate
+
+EXTRA = "pip install 'metrale-gpu[multi-gpu]'"
+NCCL_BF16, NCCL_SUM = 9, 0  # ncclBfloat16, ncclSum (nccl.h)
+_POLL_S = 1e-4
+
+
+def _nccl() -> tuple[Any, Any]:
+    """(``nccl.core``, ``nccl.bindings.nccl``), or an ImportError that names the extra."""
+    try:
+        import nccl.core as core
+        from nccl.bindings import nccl as raw
+    except ImportError as exc:
+        raise ImportError(f"tensor parallelism over NCCL needs nccl4py and the NCCL runtime: {EXTRA}") from exc
+    return core, raw
+
+
+def unique_id() -> bytes:
+    """A new communicator's id (128 bytes): rank 0 makes it and passes it to the others out of band."""
+    core, _ = _nccl()
+    return core.get_unique_id().as_bytes()
+
+
+class NcclCollective:
+    """One rank's NCCL communicator, on ``gpu``'s device: ``Collective`` for one process per GPU."""
+
+    def __init__(self, comm: Any, gpu: GpuBackend) -> None:
+        _, self._raw = _nccl()
+        self.comm, self.gpu = comm, gpu
+        self.rank, self.size = int(comm.rank), int(comm.nranks)
+        self._closed = False
+
+    @classmethod
+    def init(cls, size: int, rank: int, uid: bytes, gpu: GpuBackend) -> "NcclCollective":
+        """Rank ``rank`` of ``size`` (every rank calls this with the same ``uid``; it returns when
+        all have joined)."""
+        core, _ = _nccl()
+        size = validate.positive(size, "NCCL size")
+        rank = validate.count(rank, "NCCL rank", limit=size)
+        if not isinstance(uid, (bytes, bytearray)) or len(uid) != 128:
+            raise ValueError("NCCL unique id: expected the 128 bytes unique_id() returned")
+        gpu.synchronize()  # makes gpu's context current: the communicator takes its device
+        return cls(core.Communicator.init(size, rank, core.UniqueId.from_bytes(bytes(uid))), gpu)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed or self.gpu.closed
+
+    def allreduce_bf16(self, ptr: int, count: int, stream: int) -> None:
+        validate.require_open(self.closed, "NcclCollective")
+        ptr = validate.pointer(ptr, "all-reduce buffer")
+        count = validate.count(count, "all-reduce count")
+        self._raw.all_reduce(ptr, ptr, count, NCCL_BF16, NCCL_SUM, self.comm.ptr, stream)
+
+    def wait(self, stream: int, timeout_s: float) -> None:
+        """Block until ``stream``'s work is done; abort and raise if NCCL reports an error or it
+        is not done after ``timeout_s`` seconds (a peer that failed)."""
+        validate.require_open(self.closed, "NcclCollective")
+        _wait([self], [stream], timeout_s)
+
+    def abort(self) -> None:
+        """End the communicator now, pending collectives included (every rank must abort)."""
+        if not self._closed:
+            self._closed = True
+            self.comm.abort()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.comm.destroy()
+
+
+class NcclGroup:
+    """Every GPU of this process in one communicator (``ncclCommInitAll``): ``CollectiveGroup``.
+    ``gpus[r]`` is rank r's backend, on device ``gpus[r].device``."""
+
+    def __init__(self, gpus: Sequence[GpuBackend]) -> None:
+        core, _ = _nccl()
+        devices = [int(getattr(g, "device", -1)) for g in gpus]
+        if len(set(devices)) != len(devices) or min(devices, default=0) < 0:
+            raise ValueError(f"NcclGroup: one backend per device, got devices {devices}")
+        self.members = [NcclCollective(comm, g) for comm, g in zip(core.Communicator.init_all(devices), gpus)]
+        self.size = len(self.members)
+
+    @property
+    def closed(self) -> bool:
+        return any(m.closed for m in self.members)
+
+    def allreduce_bf16_all(self, buffers: Sequence[tuple[int, int, int]]) -> None:
+        validate.require_open(self.closed, "NcclGroup")
+        if len(buffers) != self.size:
+            raise ValueError(f"NcclGroup: {len(buffers)} buffers for a group of {self.size}")
+        with self.group():
+            for member, (ptr, count, stream) in zip(self.members, buffers):
+                member.allreduce_bf16(ptr, count, stream)
+
+    @contextmanager
+    def group(self) -> Iterator[None]:
+        """NCCL group calls: one thread posting to every device must not block on the first."""
+        core, _ = _nccl()
+        core.group_start()
+        try:
+            yield
+        finally:
+            core.group_end()
+
+    def wait(self, streams: Sequence[int], timeout_s: float) -> None:
+        _wait(self.members, streams, timeout_s)
+
+    def abort(self) -> None:
+        for m in self.members:
+            m.abort()
+
+    def close(self) -> None:
+        for m in self.members:
+            m.close()
+
+
+def _wait(members: Sequence[NcclCollective], streams: Sequence[int], timeout_s: float) -> None:
+    """Each member's stream finished, or every member aborted and an error raised."""
+    if not timeout_s > 0:
+        raise ValueError(f"NCCL wait: timeout_s must be > 0, got {timeout_s!r}")
+    events = []
+    for m, stream in zip(members, streams):
+        if not isinstance(m.gpu, Events):
+            raise TypeError(f"NCCL wait: the backend needs events; {type(m.gpu).__name__} has none")
+        events.append(m.gpu.create_event())
+        m.gpu.record_event(events[-1], stream)
+    deadline = time.monotonic() + timeout_s
+    try:
+        pending = list(zip(members, events))
+        while pending:
+            pending = [(m, e) for m, e in pending if not m.gpu.event_done(e)]
+            errors = [m.comm.get_async_error() for m, _ in pending]
+            failed = [int(err) for err in errors if int(err) not in (0, 7)]  # ncclSuccess, ncclInProgress
+            if failed or (pending and time.monotonic() > deadline):
+                for m in members:
+                    m.abort()
+                if failed:
+                    raise RuntimeError(f"NCCL asynchronous error {failed[0]}: communicator aborted")
+                raise TimeoutError(f"NCCL: a collective did not finish in {timeout_s} s (a failed rank?); "
+                                   f"communicator aborted")
+            if pending:
+                time.sleep(_POLL_S)
+    finally:
+        for m, e in zip(members, events):
+            if not m.gpu.closed:
+                m.gpu.destroy_event(e)

@@ -1,0 +1,117 @@
+"""Tensor parallelism over two GPUs (NCCL, one process): per-GPU table memory; decode (batch 1 and
+64 sequences, one token each) and prefill (S = 8192) at TP = 2 against TP = 1; and the
+all-reduce's share of the step against its bytes at NCCL's measured bus bandwidth.
+
+bench.ngram_embed's configuration (D = 4096, T = 16 tables of 2^20 rows x 256, vocab 128k).
+Times are host wall time per step with both GPUs synchronised (median), the view an engine has
+of one eager call; TP = 1 is ``FusedNgramEmbedding`` on GPU 0. Bus bandwidth is NCCL's
+convention, 2 (P-1)/P x bytes / time, from a 256 MiB all-reduce. Needs two GPUs and the
+``multi-gpu`` extra; prints why and exits 0 without them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from bench.common import print_table, wall_time_us
+from bench.ngram_embed import CONTEXT, DIMS, device_weight
+from gpu_runtime import CudaBackend, device_count
+from layers.ngram_embed import NgramEmbedding, NgramTable
+from layers.ngram_embed.fused import FusedNgramEmbedding
+from layers.tensor_parallel import NgramShard, RankWeights, TensorParallelNgramEmbedding, embed_all
+from layers.tensor_parallel.shard import reduce_bytes
+
+STEPS = (("decode, batch 1", 1, 1), ("decode, batch 64", 64, 1), ("prefill", 1, 8192))
+MAX_ROWS = 8192
+BUS_BYTES = 256 << 20
+
+
+def _unavailable() -> str | None:
+    if device_count() < 2:
+        return f"needs 2 GPUs, this machine has {device_count()} (run on nvidia-h200-x2)"
+    try:
+        from layers.tensor_parallel import nccl
+
+        nccl._nccl()
+    except ImportError as exc:
+        return str(exc)
+    return None
+
+
+def _weights(gpu: CudaBackend, rng: np.random.Generator, shard: NgramShard | None):
+    """Word rows, tables (Absent where another rank holds them) and projections on ``gpu``."""
+    dims, h, td = DIMS, DIMS.hidden_size, DIMS.table_dim()
+    lo, rows = (0, dims.vocab_size) if shard is None else (shard.word_lo, shard.word_rows)
+    word = device_weight(gpu, rng, rows, h, 1.0)
+    tables = [NgramTable.Bf16(device_weight(gpu, rng, dims.table_rows(c), td, 1.0))
+              if shard is None or c in shard.tables else NgramTable.Absent(dims.table_rows(c), td)
+              for c in range(dims.num_tables())]
+    projs = [device_weight(gpu, rng, h, td, td ** -0.5) for _ in range(dims.num_tables())]
+    return word, tables, projs
+
+
+def _table_gib(tables) -> float:
+    return sum(t.weight.shape[0] * t.weight.shape[1] * 2 for t in tables if not isinstance(t, NgramTable.Absent)) / 2**30
+
+
+def main() -> None:
+    why = _unavailable()
+    if why:
+        print(f"bench.tensor_parallel: skipped: {why}")
+        return
+    from layers.tensor_parallel import nccl
+
+    rng = np.random.default_rng(0)
+    gpus = [CudaBackend(d) for d in range(2)]
+    streams = [g.create_stream() for g in gpus]
+    dims = DIMS
+    word, tables, projs = _weights(gpus[0], rng, None)
+    single = FusedNgramEmbedding(NgramEmbedding(dims, word, tables, projs, MAX_ROWS, gpus[0]), MAX_ROWS,
+                                 gpus[0], streams[0])
+    ranks = []
+    for r, g in enumerate(gpus):
+        shard = NgramShard.of(dims, r, 2)
+        ranks.append(TensorParallelNgramEmbedding(RankWeights(dims, shard, *_weights(g, rng, shard), g),
+                                                  MAX_ROWS, g, streams[r]))
+    group = nccl.NcclGroup(gpus)
+    outs = [g.alloc(MAX_ROWS * dims.hidden_size * 2) for g in gpus]
+
+    def sync() -> None:
+        for g, s in zip(gpus, streams):
+            g.synchronize(s)
+
+    print(f"tables per GPU: TP = 1 {_table_gib(tables):.2f} GiB; TP = 2 "
+          + ", ".join(f"rank {r} {_table_gib(rank.layer.tables):.2f} GiB" for r, rank in enumerate(ranks)))
+    big = gpus[0].alloc(BUS_BYTES), gpus[1].alloc(BUS_BYTES)
+    bus_us = wall_time_us(lambda i: group.allreduce_bf16_all([(big[r], BUS_BYTES // 2, streams[r]) for r in range(2)]),
+                          sync, warmup=3, iters=10)
+    bus_bw = 2 * (2 - 1) / 2 * BUS_BYTES / (bus_us * 1e-6)
+    print(f"NCCL all-reduce of {BUS_BYTES >> 20} MiB: {bus_us:.0f} us, bus bandwidth {bus_bw / 1e9:.0f} GB/s")
+
+    rows = []
+    for label, seqs, s in STEPS:
+        contexts = [rng.integers(0, dims.vocab_size, CONTEXT + s) for _ in range(seqs)]
+        lens = [s] * seqs
+        n = seqs * s
+        tp1 = wall_time_us(lambda i: single.embed_batch(contexts, lens, outs[0], gpus[0], streams[0]), sync,
+                           warmup=3, iters=20)
+        tp2 = wall_time_us(lambda i: embed_all(group, ranks, contexts, lens, outs, streams), sync, warmup=3,
+                           iters=20)
+        count = ranks[0].reduce_count(n)
+        ar = wall_time_us(lambda i: group.allreduce_bf16_all([(int(rk.gather_buf), count, st)
+                                                               for rk, st in zip(ranks, streams)]),
+                          sync, warmup=3, iters=20)
+        at_bw = 2 * (2 - 1) / 2 * count * 2 / bus_bw * 1e6
+        rows.append((label, n, tp1, tp2, tp1 / tp2, reduce_bytes(dims, n)["gathered rows (bf16)"] >> 10, ar,
+                     ar / tp2, at_bw))
+    print_table("TP = 2 against TP = 1 (wall us per step, both GPUs synchronised)",
+                ["step", "rows", "TP=1 us", "TP=2 us", "TP1/TP2", "all-reduce KiB", "all-reduce us",
+                 "share of TP=2", "at bus bw us"], rows)
+    group.close()
+    for rank in ranks:
+        rank.close()
+    single.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -64,8 +64,7 @@ class CudaContext:
     def _bind(self) -> None:
         """Make the context current on this thread: once per thread, and again whenever another
         backend (another device: one process driving several GPUs) was used since."""
-        if getattr(_CURRENT, "ctx", None) is not self._ctx:
-            validate.require_open(self._closed, "CudaBackend")
+        if getattr(_CURRENT, "ctx", None) is not self._ctx and not self._closed:  # closed: the caller says so
             call(cu.cuCtxSetCurrent, self._ctx)
             _CURRENT.ctx = self._ctx
         if not hasattr(self._tls, "shapes"):

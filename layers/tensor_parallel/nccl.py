@@ -36,7 +36,7 @@ def _nccl() -> tuple[Any, Any]:
 def unique_id() -> bytes:
     """A new communicator's id (128 bytes): rank 0 makes it and passes it to the others out of band."""
     core, _ = _nccl()
-    return core.get_unique_id().as_bytes()
+    return bytes(core.get_unique_id())
 
 
 class NcclCollective:

@@ -45,6 +45,7 @@ class NcclCollective:
     def __init__(self, comm: Any, gpu: GpuBackend) -> None:
         _, self._raw = _nccl()
         self.comm, self.gpu = comm, gpu
+        self._handle = self._raw.Comm(comm.ptr)  # what the raw calls take (not an owner)
         self.rank, self.size = int(comm.rank), int(comm.nranks)
         self._closed = False
 
@@ -68,7 +69,7 @@ class NcclCollective:
         validate.require_open(self.closed, "NcclCollective")
         ptr = validate.pointer(ptr, "all-reduce buffer")
         count = validate.count(count, "all-reduce count")
-        self._raw.all_reduce(ptr, ptr, count, NCCL_BF16, NCCL_SUM, self.comm.ptr, stream)
+        self._raw.all_reduce(ptr, ptr, count, NCCL_BF16, NCCL_SUM, self._handle, stream)
 
     def wait(self, stream: int, timeout_s: float) -> None:
         """Block until ``stream``'s work is done; abort and raise if NCCL reports an error or it

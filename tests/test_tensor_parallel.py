@@ -12,7 +12,7 @@ from contextlib import ExitStack
 import numpy as np
 import pytest
 
-from gpu_runtime import DevicePtr, device_count
+from gpu_runtime import DeviceCopies, DevicePtr, device_count
 from layers.ngram_embed import NgramTable
 from layers.ngram_embed.fused import FusedNgramEmbedding
 from layers.ngram_embed.tables import check_table, gather_entry
@@ -195,6 +195,35 @@ def test_embed_all_stages_every_rank_then_sums_then_projects():
         r.close()
 
 
+class CopyingBackend(RecordingBackend, DeviceCopies):
+    def copy_d2d_async(self, dst, src, nbytes, stream=0):
+        self.ops.append(("d2d", int(dst), int(src), nbytes, stream))
+
+
+def test_local_group_adds_into_rank_0_in_rank_order_then_copies_back():
+    gpu = CopyingBackend()
+    group = LocalGroup(gpu, 3)
+    bufs = [(0x100000 * (r + 1), 10, 5) for r in range(3)]
+    gpu.launches.clear()
+    group.allreduce_bf16_all(bufs)
+    adds = [(launch.args[0], launch.args[1], launch.args[2], launch.stream) for launch in gpu.launches]
+    assert [gpu.kernel_of(launch)[1] for launch in gpu.launches] == ["bf16_residual_add"] * 2
+    assert adds == [(0x100000, 0x200000, 10, 5), (0x100000, 0x300000, 10, 5)]
+    assert [op for op in gpu.ops if op[0] == "d2d"] == [("d2d", 0x200000, 0x100000, 20, 5),
+                                                       ("d2d", 0x300000, 0x100000, 20, 5)]
+    gpu.launches.clear()
+    with pytest.raises(ValueError, match="same count on the same stream"):
+        group.allreduce_bf16_all([(0x100000, 10, 5), (0x200000, 11, 5), (0x300000, 10, 5)])
+    with pytest.raises(ValueError, match="3 buffers for a group of 2"):
+        LocalGroup(gpu, 2).allreduce_bf16_all(bufs)
+    assert gpu.launches == []
+    with pytest.raises(TypeError, match="device copies"):
+        LocalGroup(RecordingBackend(), 2)
+    group.close()
+    with pytest.raises(Exception, match="closed"):
+        group.allreduce_bf16_all(bufs)
+
+
 def test_nccl_without_nccl4py_names_the_extra(monkeypatch):
     from layers.tensor_parallel import nccl
 
@@ -202,6 +231,120 @@ def test_nccl_without_nccl4py_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "nccl.core", None)
     with pytest.raises(ImportError, match=r"metrale-gpu\[multi-gpu\]"):
         nccl.unique_id()
+
+
+class _FakeComm:
+    def __init__(self, rank, nranks, log, error=0):
+        self.rank, self.nranks, self.ptr, self.log, self.error = rank, nranks, 0xC000 + rank, log, error
+
+    def get_async_error(self):
+        return self.error
+
+    def abort(self):
+        self.log.append(("abort", self.rank))
+
+    def destroy(self):
+        self.log.append(("destroy", self.rank))
+
+
+@pytest.fixture
+def fake_nccl(monkeypatch):
+    """nccl4py's modules as the code uses them, recording every call."""
+    import types
+
+    log = []
+    core, raw = types.ModuleType("nccl.core"), types.ModuleType("nccl.bindings.nccl")
+
+    class UniqueId:
+        @staticmethod
+        def from_bytes(b):
+            return ("uid", bytes(b))
+
+        def __bytes__(self):
+            return b"u" * 128
+
+    class Communicator:
+        @staticmethod
+        def init(size, rank, uid):
+            log.append(("init", size, rank, uid[0]))
+            return _FakeComm(rank, size, log)
+
+        @staticmethod
+        def init_all(devices):
+            log.append(("init_all", list(devices)))
+            return [_FakeComm(r, len(devices), log) for r in range(len(devices))]
+
+    core.UniqueId, core.Communicator = UniqueId, Communicator
+    core.get_unique_id = UniqueId
+    core.group_start = lambda: log.append(("group_start",))
+    core.group_end = lambda: log.append(("group_end",))
+    raw.Comm = lambda ptr: ("Comm", ptr)
+    raw.all_reduce = lambda *args: log.append(("all_reduce", *args))
+    nccl_pkg, bindings = types.ModuleType("nccl"), types.ModuleType("nccl.bindings")
+    nccl_pkg.core, nccl_pkg.bindings, bindings.nccl = core, bindings, raw
+    for name, mod in [("nccl", nccl_pkg), ("nccl.core", core), ("nccl.bindings", bindings),
+                      ("nccl.bindings.nccl", raw)]:
+        monkeypatch.setitem(sys.modules, name, mod)
+    return log
+
+
+class _DeviceBackend(RecordingBackend):
+    def __init__(self, device, done=True):
+        super().__init__()
+        self.device, self.done = device, done
+
+    def event_done(self, event):
+        return self.done
+
+
+def test_nccl_collective_posts_a_bf16_sum_on_the_raw_communicator(fake_nccl):
+    from layers.tensor_parallel import nccl
+
+    assert len(nccl.unique_id()) == 128
+    comm = nccl.NcclCollective.init(2, 1, b"x" * 128, _DeviceBackend(0))
+    comm.allreduce_bf16(0x5000, 77, 9)
+    assert fake_nccl == [("init", 2, 1, "uid"), ("all_reduce", 0x5000, 0x5000, 77, 9, 0, ("Comm", 0xC001), 9)]
+    for bad, error in [((2, 1, b"short"), ValueError), ((2, 2, b"x" * 128), ValueError), ((0, 0, b"x" * 128), ValueError)]:
+        with pytest.raises(error):
+            nccl.NcclCollective.init(*bad, _DeviceBackend(0))
+    comm.close()
+    with pytest.raises(Exception, match="closed"):
+        comm.allreduce_bf16(0x5000, 77, 9)
+    assert fake_nccl[-1] == ("destroy", 1)
+
+
+def test_nccl_group_posts_every_rank_inside_one_group_call(fake_nccl):
+    from layers.tensor_parallel import nccl
+
+    group = nccl.NcclGroup([_DeviceBackend(0), _DeviceBackend(1)])
+    group.allreduce_bf16_all([(0x5000, 8, 1), (0x6000, 8, 2)])
+    assert fake_nccl == [("init_all", [0, 1]), ("group_start",),
+                         ("all_reduce", 0x5000, 0x5000, 8, 9, 0, ("Comm", 0xC000), 1),
+                         ("all_reduce", 0x6000, 0x6000, 8, 9, 0, ("Comm", 0xC001), 2), ("group_end",)]
+    with pytest.raises(ValueError, match="one backend per device"):
+        nccl.NcclGroup([_DeviceBackend(0), _DeviceBackend(0)])
+    with pytest.raises(ValueError, match="1 buffers for a group of 2"):
+        group.allreduce_bf16_all([(0x5000, 8, 1)])
+
+
+def test_a_wait_past_its_deadline_or_on_an_nccl_error_aborts_every_rank(fake_nccl):
+    from layers.tensor_parallel import nccl
+
+    gpus = [_DeviceBackend(0), _DeviceBackend(1, done=False)]
+    group = nccl.NcclGroup(gpus)
+    with pytest.raises(TimeoutError, match="did not finish in 0.05 s"):
+        group.wait([0, 0], timeout_s=0.05)
+    assert [e for e in fake_nccl if e[0] == "abort"] == [("abort", 0), ("abort", 1)]
+    fake_nccl.clear()
+    group = nccl.NcclGroup([_DeviceBackend(0), _DeviceBackend(1, done=False)])
+    group.members[1].comm.error = 5  # ncclInvalidUsage, reported asynchronously
+    with pytest.raises(RuntimeError, match="asynchronous error 5"):
+        group.wait([0, 0], timeout_s=10.0)
+    assert [e for e in fake_nccl if e[0] == "abort"] == [("abort", 0), ("abort", 1)]
+    ok = nccl.NcclCollective.init(1, 0, b"x" * 128, _DeviceBackend(0))
+    ok.wait(0, timeout_s=1.0)  # done at once: returns
+    with pytest.raises(ValueError, match="timeout_s"):
+        ok.wait(0, timeout_s=0)
 
 
 # -- GPU: every rank on one device, summed here (LocalGroup) ------------------------------------

@@ -90,10 +90,11 @@ def test_large_m_on_sm90a_runs_wgmma():
     assert gpu.launches[0].kernel == kern
 
 
-def test_large_m_with_tensor_maps_runs_tma_store_persistent():
+@pytest.mark.parametrize("path", [None, "tma_store"])
+def test_large_m_with_tensor_maps_runs_tma_store_persistent(path):
     gpu = TmaBackend()
     kern = load_kernel(gpu, "gemm", gemm.KERNEL)
-    dense_gemm_bf16_pipelined(gpu, kern, _p(0), _weight(4096, 512), _p(2), 4096, 4096, 512, 3)
+    dense_gemm_bf16_pipelined(gpu, kern, _p(0), _weight(4096, 512), _p(2), 4096, 4096, 512, 3, path=path)
     (launch,) = gpu.launches
     assert gpu.kernel_of(launch) == ("gemm", "dense_gemm_bf16_tma_store")
     assert launch.grid == (132, 1, 1) and launch.block == (384, 1, 1)  # 512 tiles, one CTA per SM
@@ -104,16 +105,17 @@ def test_large_m_with_tensor_maps_runs_tma_store_persistent():
                                fake_tensor_map(int(_p(2)), 4096, 4096, 64, 64)]
     assert launch.args[3:] == [int(_p(0)), 0x200000, int(_p(2)), 4096, 4096, 512]
     gpu.launches.clear()  # fewer tiles than SMs: one CTA each
-    dense_gemm_bf16_pipelined(gpu, kern, _p(0), _weight(2048, 512), _p(2), 2048, 2048, 512, 3)
+    dense_gemm_bf16_pipelined(gpu, kern, _p(0), _weight(2048, 512), _p(2), 2048, 2048, 512, 3, path=path)
     assert gpu.launches[0].grid == (16 * 8, 1, 1)
 
 
+@pytest.mark.parametrize("path", [None, "tma_store"])
 @pytest.mark.parametrize("c_off, n", [(2, 4096), (0, 4100)])  # c misaligned, or rows of n % 8 != 0
-def test_large_m_runs_tma_with_register_stores_where_c_cannot_be_a_tensor_map(c_off, n):
+def test_large_m_runs_tma_with_register_stores_where_c_cannot_be_a_tensor_map(c_off, n, path):
     gpu = TmaBackend()
     kern = load_kernel(gpu, "gemm", gemm.KERNEL)
     c = DevicePtr(_p(2) + c_off)
-    dense_gemm_bf16_pipelined(gpu, kern, _p(0), _weight(n, 512), c, 4096, n, 512, 3)
+    dense_gemm_bf16_pipelined(gpu, kern, _p(0), _weight(n, 512), c, 4096, n, 512, 3, path=path)
     (launch,) = gpu.launches
     assert gpu.kernel_of(launch) == ("gemm", "dense_gemm_bf16_tma")
     assert launch.grid == (132, 1, 1) and launch.block == (384, 1, 1)
@@ -156,23 +158,6 @@ def test_forced_splitk_plan_is_whole_clusters_of_its_tiles():
     assert launch.shared_mem == gemm.SPLIT_SMEM <= MAX_SHARED_OPTIN and launch.kinds == "TTPPPUUU"
     assert launch.args[:2] == [fake_tensor_map(int(_p(0)), 65, 4096, 64, 64),
                                fake_tensor_map(0x200000, 4100, 4096, 64, 64)]
-
-
-def test_forced_tma_store_maps_c_and_needs_c_to_suit_a_tensor_map():
-    gpu = TmaBackend()
-    kern = load_kernel(gpu, "gemm", gemm.KERNEL)
-    dense_gemm_bf16_pipelined(gpu, kern, _p(0), _weight(4096, 512), _p(2), 4096, 4096, 512, 0,
-                              path="tma_store")
-    (launch,) = gpu.launches
-    assert gpu.kernel_of(launch) == ("gemm", "dense_gemm_bf16_tma_store")
-    assert launch.grid == (132, 1, 1) and launch.block == (384, 1, 1)
-    assert launch.shared_mem == gemm.TMA_STORE_SMEM <= MAX_SHARED_OPTIN and launch.kinds == "TTTPPPUUU"
-    assert launch.args[2] == fake_tensor_map(int(_p(2)), 4096, 4096, 64, 64)
-    for c, n in ((DevicePtr(_p(2) + 2), 4096), (_p(2), 4100)):  # c misaligned, or rows of n % 8 != 0
-        gpu.launches.clear()
-        dense_gemm_bf16_pipelined(gpu, kern, _p(0), _weight(n, 512), c, 4096, n, 512, 0,
-                                  path="tma_store")
-        assert gpu.kernel_of(gpu.launches[0]) == ("gemm", "dense_gemm_bf16_tma"), (c, n)
 
 
 @pytest.mark.parametrize("a_off, w_off, k", [(2, 0, 512), (0, 8, 512), (0, 0, 516)])

@@ -56,12 +56,15 @@ PATHS = ("small", "tiled", "tiled_128x256", "tiled_128x128", "tiled_64x64", "wgm
          "tma_store", "tma_splitk", "simt")
 
 # word-row epilogue twins: dense_gemm_bf16_word picks small / tiled / simt as the contract's kernel
-# does (from m, block and dynamic shared memory), so only wgmma needs its own entry point.
+# does (from m, block and dynamic shared memory), so only the wgmma and TMA paths need their own
+# entry points (WORD_TWINS: path -> twin).
 WORD_KERNEL = "dense_gemm_bf16_word"
 WORD_WGMMA_KERNEL = "dense_gemm_bf16_word_wgmma"
 WORD_TMA_KERNEL = "dense_gemm_bf16_word_tma"
 WORD_SPLITK_KERNEL = "dense_gemm_bf16_word_tma_splitk"
 WORD_TMA_STORE_KERNEL = "dense_gemm_bf16_word_tma_store"
+WORD_TWINS = {"wgmma": WORD_WGMMA_KERNEL, "tma": WORD_TMA_KERNEL, "tma_store": WORD_TMA_STORE_KERNEL,
+              "tma_splitk": WORD_SPLITK_KERNEL}
 
 THREADS = 256
 WARPS = THREADS // 32
@@ -258,14 +261,8 @@ def word_plan(m: int, n: int, k: int, path: str | None = None, *, wgmma: bool = 
     ``tiled*`` m > 64; anything else is refused rather than silently running another path.
     """
     p = plan(m, n, k, path, wgmma=wgmma, tma=tma, tma_store=tma_store, sms=sms)
-    if p.path == "wgmma":
-        return GemmPlan(p.path, WORD_WGMMA_KERNEL, p.grid, p.shared_mem)
-    if p.path == "tma":
-        return GemmPlan(p.path, WORD_TMA_KERNEL, p.grid, p.shared_mem, p.threads)
-    if p.path == "tma_splitk":
-        return GemmPlan(p.path, WORD_SPLITK_KERNEL, p.grid, p.shared_mem, p.threads)
-    if p.path == "tma_store":
-        return GemmPlan(p.path, WORD_TMA_STORE_KERNEL, p.grid, p.shared_mem, p.threads)
+    if p.path in WORD_TWINS:
+        return GemmPlan(p.path, WORD_TWINS[p.path], p.grid, p.shared_mem, p.threads)
     small = m <= SMALL_MAX_ROWS
     if (p.path == "small" and not small) or (p.path.startswith("tiled_") and small):
         raise ValueError(f"{WORD_KERNEL}: path {path!r} cannot be forced for m = {m} (small needs "

@@ -91,17 +91,20 @@ constexpr uint32_t kTmaStoreStages = 3;
 constexpr uint32_t kTmaStagingBytes = 64 * kWgBN * 2;
 constexpr uint32_t kTmaStoreSmem = kTmaStoreStages * kWgStageBytes + kTmaConsumers * kTmaStagingBytes + 1024 + 16 * kTmaStoreStages;
 
-// TMA split-K path (swap-AB): tiles of 64 w rows x 64 tokens; k split over a cluster of kSplitK
-// CTAs and, inside a CTA, between its consumers (a stage holds one 64-wide k box per consumer)
+// TMA split-K path (swap-AB): tiles of 64 w rows x 64 tokens (m <= 64) or 128 tokens (m > 64,
+// so that w is read once for m <= 128); k split over a cluster of kSplitK CTAs and, inside a CTA,
+// between its consumers (a stage holds one 64-wide k box of w and of a per consumer)
 constexpr uint32_t kSplitK = 2;
-constexpr uint32_t kSplitBN = 64;   // w rows (columns of c) per tile: one m64 wgmma
-constexpr uint32_t kSplitBM = 64;   // tokens (rows of c) per tile
+constexpr uint32_t kSplitBN = 64;       // w rows (columns of c) per tile: one m64 wgmma
+constexpr uint32_t kSplitBM = 64;       // tokens (rows of c) per tile for m <= kSplitBM ...
+constexpr uint32_t kSplitWideBM = 128;  // ... and above
 constexpr uint32_t kSplitBK = kTmaConsumers * kWgBK;  // k per stage
-constexpr uint32_t kSplitStages = 4;
-constexpr uint32_t kSplitStageBytes = (kSplitBN + kSplitBM) * kSplitBK * 2;
-constexpr uint32_t kSplitRedStride = kSplitBM + 4;  // floats per partial row
-constexpr uint32_t kSplitRedBytes = kTmaConsumers * kSplitBN * kSplitRedStride * 4;  // a partial tile per consumer
-constexpr uint32_t kSplitSmem = 1024 + kSplitStages * kSplitStageBytes + kSplitRedBytes + 16 * kSplitStages;
+constexpr uint32_t kSplitStages = 4;      // ring depth of the 64-token tiles (32 KB stages) ...
+constexpr uint32_t kSplitWideStages = 3;  // ... and of the 128-token tiles (48 KB stages)
+// Both tiles' shared memory: the ring, one fp32 partial tile per consumer (rows padded by 4
+// floats), 2 mbarriers a stage. A launch gives the wide tile's, the larger.
+constexpr uint32_t kSplitNarrowSmem = 1024 + kSplitStages * (kSplitBN + kSplitBM) * kSplitBK * 2 + kTmaConsumers * kSplitBN * (kSplitBM + 4) * 4 + 16 * kSplitStages;
+constexpr uint32_t kSplitSmem = 1024 + kSplitWideStages * (kSplitBN + kSplitWideBM) * kSplitBK * 2 + kTmaConsumers * kSplitBN * (kSplitWideBM + 4) * 4 + 16 * kSplitWideStages;
 #endif
 
 // The small path's n8 tiles of a rows per work item, its ring depth and its shared memory.

@@ -2,14 +2,16 @@
 // m <= 64, and the skinny prefill shapes), sm_90a only.
 //
 // Swap-AB: the tokens are few, so w takes wgmma's M side (64 rows per tile, one m64 wgmma) and the
-// tokens its N side (64 per tile, zero-filled by TMA past m): a tile is 64 columns of c by 64 rows
-// of c. n = 4096 has only 64 such tiles, so k is split twice: over a cluster of kSplitK CTAs (CTA
-// r runs k-stages r*q .. r*q+q-1) and, inside each CTA, between its two consumer warpgroups (a
-// stage holds two 64-wide k boxes of w and of a; consumer h takes box h). One CTA per SM and
-// clusters of two: 64 tiles are 128 CTAs, one wave (four-CTA clusters of 128-row tiles measured
-// 30 resident clusters for a 32-cluster launch, a second wave).
-// Per CTA: warpgroup 0's thread 0 loads the stage's four boxes by TMA into a ring of kSplitStages
-// stages (full / empty mbarriers as in gemm_tma.cuh); warpgroups 1-2 issue wgmma m64n64k16 and
+// tokens its N side (BM per tile, zero-filled by TMA past m): a tile is 64 columns of c by BM rows
+// of c. BM is 64 for m <= 64 and 128 above (m64n128 wgmma, 3 stages), so w is read once for
+// m <= 128 (64-token tiles read it twice, in two waves). n = 4096 has only 64 such tiles, so k is
+// split twice: over a cluster of kSplitK CTAs (CTA r runs k-stages r*q .. r*q+q-1) and, inside
+// each CTA, between its two consumer warpgroups (a stage holds two 64-wide k boxes of w and of a;
+// consumer h takes box h). One CTA per SM and clusters of two: 64 tiles are 128 CTAs, one wave
+// (four-CTA clusters of 128-row tiles measured 30 resident clusters for a 32-cluster launch, a
+// second wave).
+// Per CTA: warpgroup 0's thread 0 loads the stage's boxes by TMA into a ring (full / empty
+// mbarriers as in gemm_tma.cuh); warpgroups 1-2 issue wgmma m64nBMk16 and
 // keep one group in flight. Then each consumer writes its fp32 partial tile to its own block of
 // shared memory, the cluster synchronises (barrier.cluster, release / acquire), and CTA r sums
 // the kSplitK x 2 partials of w rows 32r .. 32r+31 of its tile (columns of c) in a fixed order,
@@ -46,29 +48,45 @@ __device__ __forceinline__ float ld_cluster_f32(uint32_t addr) {
     return v;
 }
 
+// The split-K tile of BM tokens: its ring depth and the layout of its shared memory.
+template <uint32_t BM>
+struct SplitTile {
+    static constexpr uint32_t kStages = BM == kSplitBM ? kSplitStages : kSplitWideStages;
+    static constexpr uint32_t kWBox = kSplitBN * kWgBK * 2;  // a stage: a w box per consumer, ...
+    static constexpr uint32_t kABox = BM * kWgBK * 2;        // ... then an a box (BM / 64 TMA boxes) per consumer
+    static constexpr uint32_t kStageBytes = kTmaConsumers * (kWBox + kABox);
+    static constexpr uint32_t kRedStride = BM + 4;  // floats per partial row: conflict-free stores
+    static constexpr uint32_t kRedBytes = kTmaConsumers * kSplitBN * kRedStride * 4;
+    static constexpr uint32_t kSmem = 1024 + kStages * kStageBytes + kRedBytes + 16 * kStages;
+};
+static_assert(SplitTile<kSplitBM>::kSmem == kSplitNarrowSmem && SplitTile<kSplitWideBM>::kSmem == kSplitSmem &&
+              kSplitNarrowSmem <= kSplitSmem, "the launch's shared memory holds either tile");
+
 __device__ __forceinline__ bool splitk_launch_fits() {
     return blockDim.x == kTmaThreads && blockDim.y == 1 && blockDim.z == 1 &&
            dynamic_smem_bytes() >= kSplitSmem;
 }
 
-// Tiles are (64 columns of c) x (64 rows of c); cluster c_id takes tiles c_id, c_id + clusters, ...
-template <class Ep>
-__device__ __forceinline__ void tma_splitk_gemm(const TensorMap& amap, const TensorMap& wmap,
-                                                bf16* c, uint32_t m, uint32_t n, uint32_t k,
-                                                const Ep& ep) {
+// Tiles are (64 columns of c) x (BM rows of c); cluster c_id takes tiles c_id, c_id + clusters, ...
+template <uint32_t BM, class Ep>
+__device__ __forceinline__ void tma_splitk_tiles(const TensorMap& amap, const TensorMap& wmap,
+                                                 bf16* c, uint32_t m, uint32_t n, uint32_t k,
+                                                 const Ep& ep) {
+    using T = SplitTile<BM>;
     static_assert(kSplitBN == 64 && kSplitBN % (2 * kSplitK) == 0, "one m64 wgmma per tile, row pairs per CTA");
-    constexpr uint32_t kWBox = kSplitBN * kWgBK * 2, kABox = kSplitBM * kWgBK * 2;  // a stage: w boxes, then a boxes
+    static_assert(BM % 64 == 0, "a's boxes are 64 rows");
+    constexpr uint32_t kWBox = T::kWBox, kABox = T::kABox, kStages = T::kStages;
     constexpr uint32_t kRows = kSplitBN / kSplitK;  // w rows of a tile this CTA finishes
     const uint32_t tid = threadIdx.x, wg = tid / 128;
     const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
-    const uint32_t red = base + kSplitStages * kSplitStageBytes;  // [2][kSplitBN][kSplitRedStride] f32
-    const uint32_t full = red + kSplitRedBytes, empty = full + 8 * kSplitStages;
-    init_ring(full, empty, kSplitStages);
+    const uint32_t red = base + kStages * T::kStageBytes;  // [2][kSplitBN][kRedStride] f32
+    const uint32_t full = red + T::kRedBytes, empty = full + 8 * kStages;
+    init_ring(full, empty, kStages);
 
     const uint32_t rank = cluster_rank();
     const uint32_t ktiles = ceil_div(k, kSplitBK), per = ceil_div(ktiles, kSplitK);
     const uint32_t kt0 = min(rank * per, ktiles), kt1 = min(kt0 + per, ktiles);
-    const uint64_t tiles_n = ceil_div(n, kSplitBN), tiles = tiles_n * ceil_div(m, kSplitBM);
+    const uint64_t tiles_n = ceil_div(n, kSplitBN), tiles = tiles_n * ceil_div(m, BM);
     const uint64_t clusters = grid_blocks() / kSplitK;
     const uint32_t lane = tid & 31, wq = (tid >> 5) & 3, g = lane >> 2, t = lane & 3;
     const bool vec = vector_stores(c, n);
@@ -76,52 +94,55 @@ __device__ __forceinline__ void tma_splitk_gemm(const TensorMap& amap, const Ten
 
     for (uint64_t tile = block_rank() / kSplitK; tile < tiles; tile += clusters) {
         const uint32_t n0 = static_cast<uint32_t>(tile % tiles_n) * kSplitBN;
-        const uint32_t m0 = static_cast<uint32_t>(tile / tiles_n) * kSplitBM;
+        const uint32_t m0 = static_cast<uint32_t>(tile / tiles_n) * BM;
         if (wg == 0) {
             if (tid == 0) {
                 for (uint32_t kt = kt0; kt < kt1; ++kt) {
-                    const uint32_t s = (it + kt - kt0) % kSplitStages;
-                    const uint32_t use = (it + kt - kt0) / kSplitStages;
+                    const uint32_t s = (it + kt - kt0) % kStages;
+                    const uint32_t use = (it + kt - kt0) / kStages;
                     mbar_wait(empty + 8 * s, (use & 1) ^ 1);
-                    mbar_expect_tx(full + 8 * s, kSplitStageBytes);
-                    const uint32_t sw = base + s * kSplitStageBytes;
+                    mbar_expect_tx(full + 8 * s, T::kStageBytes);
+                    const uint32_t sw = base + s * T::kStageBytes;
 #pragma unroll
-                    for (uint32_t h = 0; h < kTmaConsumers; ++h) {  // past k: zero-filled boxes
+                    for (uint32_t h = 0; h < kTmaConsumers; ++h) {  // past k or m: zero-filled boxes
                         const uint32_t k0 = kt * kSplitBK + h * kWgBK;
                         tma_load_2d(sw + h * kWBox, wmap, k0, n0, full + 8 * s);
-                        tma_load_2d(sw + kTmaConsumers * kWBox + h * kABox, amap, k0, m0, full + 8 * s);
+#pragma unroll
+                        for (uint32_t q = 0; q < BM / 64; ++q)  // 64-row boxes, back to back: one N = BM operand
+                            tma_load_2d(sw + kTmaConsumers * kWBox + h * kABox + q * 64 * WgmmaLayout::kRowBytes,
+                                        amap, k0, m0 + 64 * q, full + 8 * s);
                     }
                 }
             }
         } else {
             const uint32_t cw = wg - 1;
-            float d[32];
+            float d[BM / 2];
 #pragma unroll
-            for (uint32_t i = 0; i < 32; ++i) d[i] = 0.0f;
+            for (uint32_t i = 0; i < BM / 2; ++i) d[i] = 0.0f;
             for (uint32_t kt = kt0; kt < kt1; ++kt) {
-                const uint32_t i = it + kt - kt0, s = i % kSplitStages;
-                mbar_wait(full + 8 * s, (i / kSplitStages) & 1);
-                const uint32_t sw = base + s * kSplitStageBytes + cw * kWBox;
-                const uint32_t sa = base + s * kSplitStageBytes + kTmaConsumers * kWBox + cw * kABox;
+                const uint32_t i = it + kt - kt0, s = i % kStages;
+                mbar_wait(full + 8 * s, (i / kStages) & 1);
+                const uint32_t sw = base + s * T::kStageBytes + cw * kWBox;
+                const uint32_t sa = base + s * T::kStageBytes + kTmaConsumers * kWBox + cw * kABox;
                 wgmma_k_tile(d, sw, sa);
                 asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
                 wg_fence_operands(d);
-                if (kt > kt0 && lane == 0) mbar_arrive(empty + 8 * ((i - 1) % kSplitStages));
+                if (kt > kt0 && lane == 0) mbar_arrive(empty + 8 * ((i - 1) % kStages));
             }
             asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
             wg_fence_operands(d);
-            if (kt1 > kt0 && lane == 0) mbar_arrive(empty + 8 * ((it + kt1 - kt0 - 1) % kSplitStages));
+            if (kt1 > kt0 && lane == 0) mbar_arrive(empty + 8 * ((it + kt1 - kt0 - 1) % kStages));
             // d[4j + e]: w row 16*wq + g (+8 for e >= 2) of the tile, token 8j + 2t (+1 for odd
             // e): this consumer's partial of c[token, w row], stored [consumer][w row][token].
             const uint32_t row = cw * kSplitBN + wq * 16 + g;
 #pragma unroll
-            for (uint32_t j = 0; j < 8; ++j) {
+            for (uint32_t j = 0; j < BM / 8; ++j) {
                 const uint32_t col = 8 * j + 2 * t;
                 asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n"
-                             :: "r"(red + (row * kSplitRedStride + col) * 4), "f"(d[4 * j]), "f"(d[4 * j + 1])
+                             :: "r"(red + (row * T::kRedStride + col) * 4), "f"(d[4 * j]), "f"(d[4 * j + 1])
                              : "memory");
                 asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n"
-                             :: "r"(red + ((row + 8) * kSplitRedStride + col) * 4), "f"(d[4 * j + 2]),
+                             :: "r"(red + ((row + 8) * T::kRedStride + col) * 4), "f"(d[4 * j + 2]),
                                 "f"(d[4 * j + 3])
                              : "memory");
             }
@@ -129,26 +150,42 @@ __device__ __forceinline__ void tma_splitk_gemm(const TensorMap& amap, const Ten
         it += kt1 - kt0;
         cluster_sync();  // every partial of this tile written, cluster-wide
 
-        // CTA `rank` finishes w rows kRows*rank .. +kRows-1 of the tile: row pairs x 64 tokens, one
+        // CTA `rank` finishes w rows kRows*rank .. +kRows-1 of the tile: row pairs x BM tokens, one
         // pair (two adjacent columns of c) per thread and pass, tokens across adjacent threads;
         // partials summed rank by rank, consumer by consumer.
-        for (uint32_t p = tid; p < kRows / 2 * kSplitBM; p += kTmaThreads) {
-            const uint32_t tok = p % kSplitBM, jr = kRows * rank + 2 * (p / kSplitBM);
-            const uint32_t at = red + (jr * kSplitRedStride + tok) * 4;
+        for (uint32_t p = tid; p < kRows / 2 * BM; p += kTmaThreads) {
+            const uint32_t tok = p % BM, jr = kRows * rank + 2 * (p / BM);
+            const uint32_t at = red + (jr * T::kRedStride + tok) * 4;
             float v0 = 0.0f, v1 = 0.0f;
 #pragma unroll
             for (uint32_t r = 0; r < kSplitK; ++r) {
 #pragma unroll
                 for (uint32_t h = 0; h < kTmaConsumers; ++h) {
-                    const uint32_t peer = peer_smem(at + h * kSplitBN * kSplitRedStride * 4, r);
+                    const uint32_t peer = peer_smem(at + h * kSplitBN * T::kRedStride * 4, r);
                     v0 += ld_cluster_f32(peer);
-                    v1 += ld_cluster_f32(peer + kSplitRedStride * 4);
+                    v1 += ld_cluster_f32(peer + T::kRedStride * 4);
                 }
             }
             const uint32_t crow = m0 + tok;
             if (crow < m) store_pair(c, crow, n0 + jr, n, v0, v1, vec, ep.row(crow, m));
         }
         cluster_sync();  // every peer done reading this CTA's partials
+    }
+}
+
+// 64-token tiles for m <= 64, 128-token tiles above (the host plans the grid the same way).
+template <class Ep>
+__device__ __forceinline__ void tma_splitk_gemm(const TensorMap& amap, const TensorMap& wmap,
+                                                bf16* c, uint32_t m, uint32_t n, uint32_t k,
+                                                const Ep& ep) {
+    if (threadIdx.x == 0) {  // the maps' descriptors on their way before the first TMA needs them
+        asm volatile("prefetch.tensormap [%0];\n" :: "l"(reinterpret_cast<uint64_t>(&amap)) : "memory");
+        asm volatile("prefetch.tensormap [%0];\n" :: "l"(reinterpret_cast<uint64_t>(&wmap)) : "memory");
+    }
+    if (m <= kSplitBM) {
+        tma_splitk_tiles<kSplitBM>(amap, wmap, c, m, n, k, ep);
+    } else {
+        tma_splitk_tiles<kSplitWideBM>(amap, wmap, c, m, n, k, ep);
     }
 }
 

@@ -139,7 +139,8 @@ def test_mid_m_with_a_long_k_runs_splitk_on_sm90a(m, k, path):
     assert gemm.plan(m, 4096, k, wgmma=True, tma=True, tma_store=True).path == path
     if path == "tma_splitk":
         assert gpu.kernel_of(launch) == ("gemm", "dense_gemm_bf16_tma_splitk")
-        assert launch.grid == (64 * -(-m // 64) * 2, 1, 1) and launch.shared_mem == gemm.SPLIT_SMEM
+        tiles = 64 * (1 if m <= 128 else 2)  # 64-token tiles for m <= 64, 128-token tiles above
+        assert launch.grid == (tiles * 2, 1, 1) and launch.shared_mem == gemm.SPLIT_SMEM
     # no tensor maps (an sm_90a backend without them, or a misaligned a): never split-K
     for other, a in ((Sm90aBackend(), _p(0)), (TmaBackend(), DevicePtr(_p(0) + 2))):
         dense_gemm_bf16_pipelined(other, load_kernel(other, "gemm", gemm.KERNEL), a, _weight(4096, k),
@@ -150,13 +151,13 @@ def test_mid_m_with_a_long_k_runs_splitk_on_sm90a(m, k, path):
 def test_forced_splitk_plan_is_whole_clusters_of_its_tiles():
     gpu = TmaBackend()
     kern = load_kernel(gpu, "gemm", gemm.KERNEL)
-    dense_gemm_bf16_pipelined(gpu, kern, _p(0), _weight(4100, 4096), _p(2), 65, 4100, 4096, 0,
+    dense_gemm_bf16_pipelined(gpu, kern, _p(0), _weight(4100, 4096), _p(2), 129, 4100, 4096, 0,
                               path="tma_splitk")
     (launch,) = gpu.launches
     assert gpu.kernel_of(launch) == ("gemm", "dense_gemm_bf16_tma_splitk")
-    assert launch.grid == (65 * 2 * 2, 1, 1) and launch.block == (384, 1, 1)  # 65 x 2 tiles, 2 CTAs each
+    assert launch.grid == (65 * 2 * 2, 1, 1) and launch.block == (384, 1, 1)  # 65 x 2 tiles of 128 tokens, 2 CTAs each
     assert launch.shared_mem == gemm.SPLIT_SMEM <= MAX_SHARED_OPTIN and launch.kinds == "TTPPPUUU"
-    assert launch.args[:2] == [fake_tensor_map(int(_p(0)), 65, 4096, 64, 64),
+    assert launch.args[:2] == [fake_tensor_map(int(_p(0)), 129, 4096, 64, 64),
                                fake_tensor_map(0x200000, 4100, 4096, 64, 64)]
 
 
@@ -220,8 +221,11 @@ def test_launcher_constants_mirror_the_kernel():
     assert (cu["kTmaStoreStages"], cu["kTmaStagingBytes"], cu["kTmaStoreSmem"]) == (
         gemm.TMA_STORE_STAGES, gemm.TMA_STAGING_BYTES, gemm.TMA_STORE_SMEM)
     assert gemm.TMA_STORE_SMEM <= MAX_SHARED_OPTIN
-    assert (cu["kSplitK"], cu["kSplitBN"], cu["kSplitBM"], cu["kSplitStages"], cu["kSplitSmem"]) == (
-        gemm.SPLIT_K, gemm.SPLIT_BN, gemm.SPLIT_BM, gemm.SPLIT_STAGES, gemm.SPLIT_SMEM)
+    assert (cu["kSplitK"], cu["kSplitBN"], cu["kSplitBM"], cu["kSplitWideBM"], cu["kSplitStages"],
+            cu["kSplitWideStages"], cu["kSplitNarrowSmem"], cu["kSplitSmem"]) == (
+        gemm.SPLIT_K, gemm.SPLIT_BN, gemm.SPLIT_BM, gemm.SPLIT_WIDE_BM, gemm.SPLIT_STAGES,
+        gemm.SPLIT_WIDE_STAGES, gemm.SPLIT_NARROW_SMEM, gemm.SPLIT_SMEM)
+    assert gemm.SPLIT_NARROW_SMEM < gemm.SPLIT_SMEM <= MAX_SHARED_OPTIN
     assert "__cluster_dims__(gemm::kSplitK, 1, 1)" in (kernel_dir() / "gemm.cu").read_text()  # one size
     assert gemm.TMA_THREADS == 128 * (1 + gemm.TMA_CONSUMERS)
     # run_tiled takes the largest config the shared memory holds, largest first, as TILE_CONFIGS
@@ -462,9 +466,10 @@ def test_tma_store_kernel_correct_for_any_launch(gpu, rng, m, n, k, grid, block,
 
 
 @pytest.mark.gpu
-# k = 64 and 8: the cluster's second CTA has no k-stage, the second consumer only zero-filled boxes
+# k = 64 and 8: the cluster's second CTA has no k-stage, the second consumer only zero-filled boxes;
+# m > 64: 128-token tiles (m = 100: the second a box half past m; 130: a second tile row)
 @pytest.mark.parametrize("m, n, k", [(64, 1030, 1032), (3, 300, 200), (130, 264, 4104), (5, 70, 64),
-                                     (2, 130, 8)])
+                                     (2, 130, 8), (100, 200, 520), (65, 70, 64)])
 @pytest.mark.parametrize("grid, block, smem", [
     ((2, 1, 1), (384, 1, 1), "plan"),     # one cluster, every tile
     ((6, 1, 1), (384, 1, 1), "plan"),     # three clusters

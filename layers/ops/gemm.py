@@ -19,8 +19,8 @@ Paths:
   cannot take runs ``wgmma``.
 - ``tma_store``  ``tma`` whose consumers stage their results in shared memory for a TMA store and
   go on to the next tile: chosen where c suits a tensor map, else it runs ``tma``.
-- ``tma_splitk``  few rows of a (33 to 256 with k >= 1024, ``use_splitk``): swap-AB wgmma (w rows on the M side, 64 tokens on N),
-  tiles of 64 columns of c, k split over a 2-CTA cluster and the two consumers of each CTA, the
+- ``tma_splitk``  few rows of a (33 to 256 with k >= 1024, ``use_splitk``): swap-AB wgmma (w rows
+  on the M side, 64 tokens on N, or 128 for m > 64), tiles of 64 columns of c, k split over a 2-CTA cluster and the two consumers of each CTA, the
   partials summed in fixed order through distributed shared memory (one rounding, no workspace).
   A forced ``tma_splitk`` whose operands a tensor map cannot describe runs what ``path=None`` would.
 - ``simt``   one output per thread (a check on the others, never chosen automatically).
@@ -101,16 +101,31 @@ TMA_STORE_SMEM = (TMA_STORE_STAGES * (WG_BM + WG_BN) * WG_BK * 2 + TMA_CONSUMERS
                   + 1024 + 16 * TMA_STORE_STAGES)
 SMS = 132  # H100 / H200 SXM: the persistent grid when the backend does not say
 
-# TMA split-K path (gemm.cu: kSplit*): 64 w rows x 64 tokens a tile, k over a cluster of SPLIT_K
-# CTAs and, inside each, over its two consumers (a stage: one 64-wide k box of w and of a for each)
-SPLIT_K, SPLIT_BN, SPLIT_BM, SPLIT_STAGES = 2, 64, 64, 4
+# TMA split-K path (gemm.cu: kSplit*): 64 w rows x 64 tokens a tile for m <= 64, 128 tokens above
+# (``split_rows``); k over a cluster of SPLIT_K CTAs and, inside each, over its two consumers (a
+# stage: one 64-wide k box of w and of a for each). One shared-memory size holds either tile.
+SPLIT_K, SPLIT_BN, SPLIT_BM, SPLIT_WIDE_BM = 2, 64, 64, 128
+SPLIT_STAGES, SPLIT_WIDE_STAGES = 4, 3
 SPLIT_BK = TMA_CONSUMERS * WG_BK
 # path=None takes it for 32 < m <= 256 with k >= 1024 (bench.gemm on the H200: 64x4096x4096 16.2
 # us against small's 24.2, 128x4096x4096 26.9 against tiled's 40.1; below, or with k = 256, the
 # small and tiled paths' shorter start wins)
 SPLIT_AUTO_ROWS, SPLIT_AUTO_MIN_K = (33, 256), 1024
-SPLIT_SMEM = (1024 + SPLIT_STAGES * (SPLIT_BN + SPLIT_BM) * SPLIT_BK * 2
-              + TMA_CONSUMERS * SPLIT_BN * (SPLIT_BM + 4) * 4 + 16 * SPLIT_STAGES)
+
+
+def _split_smem(bm: int, stages: int) -> int:
+    return (1024 + stages * (SPLIT_BN + bm) * SPLIT_BK * 2 + TMA_CONSUMERS * SPLIT_BN * (bm + 4) * 4
+            + 16 * stages)
+
+
+SPLIT_NARROW_SMEM = _split_smem(SPLIT_BM, SPLIT_STAGES)
+SPLIT_SMEM = _split_smem(SPLIT_WIDE_BM, SPLIT_WIDE_STAGES)
+
+
+def split_rows(m: int) -> int:
+    """Tokens (rows of c) per split-K tile: gemm.cu's ``tma_splitk_gemm`` picks the same."""
+    return SPLIT_BM if m <= SPLIT_BM else SPLIT_WIDE_BM
+
 
 _GRID_MAX = (1 << 31) - 1
 _SIMT_BLOCKS_MAX = 1 << 16  # grid-stride beyond this
@@ -230,7 +245,7 @@ def plan(m: int, n: int, k: int, path: str | None = None, *, wgmma: bool = False
 
 
 def _splitk_plan(m: int, n: int) -> GemmPlan:
-    clusters = min(_cdiv(n, SPLIT_BN) * _cdiv(m, SPLIT_BM), _GRID_MAX // SPLIT_K)
+    clusters = min(_cdiv(n, SPLIT_BN) * _cdiv(m, split_rows(m)), _GRID_MAX // SPLIT_K)
     return GemmPlan("tma_splitk", KERNELS["tma_splitk"], clusters * SPLIT_K, SPLIT_SMEM, TMA_THREADS)
 
 
@@ -352,7 +367,8 @@ def _launch_plan(planner, gpu: GpuBackend, a: int, w: DenseWeight, c: int, m: in
                    sms=getattr(gpu, "sm_count", SMS))
 
 
-# rows of a and of w per box of the TMA paths' maps (k: WG_BK); tma_store also maps c (64 x 64)
+# rows of a and of w per box of the TMA paths' maps (k: WG_BK); tma_store also maps c (64 x 64);
+# tma_splitk's 128-token tiles load two a boxes
 _TMA_BOXES = {"tma": (WG_BM, WG_BN), "tma_store": (WG_BM, WG_BN), "tma_splitk": (SPLIT_BM, SPLIT_BN)}
 _C_BOX = 64
 

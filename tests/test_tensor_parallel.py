@@ -119,6 +119,34 @@ def _all_held(weights, dims):
             for c, t in enumerate(weights.tables)]
 
 
+# -- CPU: a rank's part of a Hugging Face folder -----------------------------------------------
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_from_pretrained_reads_and_uploads_only_the_ranks_part(tmp_path, rng, size):
+    from tests.helpers.checkpoint import make_model, weight_bytes, write_model
+    from tests.helpers.logging_backend import LoggingBackend
+
+    model = write_model(tmp_path / "m", make_model(rng, kinds="bf"))
+    dims = model.dims
+    for r in range(size):
+        gpu, ref_gpu = LoggingBackend(), LoggingBackend()
+        shard = NgramShard.of(dims, r, size)
+        with TensorParallelNgramEmbedding.from_pretrained(str(model.path), gpu, r, size, max_rows=8) as tp, \
+                RankWeights.from_numpy(dims, shard, model.word, [t if c in shard.tables else None for c, t in
+                                                                 enumerate(model.numpy_tables())],
+                                       model.projs, ref_gpu) as ref:
+            weights = tp.layer
+            assert weights.shard == shard and tp.dims == dims
+            assert weight_bytes(gpu, weights.word) == weight_bytes(ref_gpu, ref.word)
+            assert [type(t).__name__ for t in weights.tables] == [type(t).__name__ for t in ref.tables]
+            for got, want in zip(weights.tables, ref.tables):
+                if not isinstance(got, NgramTable.Absent):
+                    assert weight_bytes(gpu, got.weight) == weight_bytes(ref_gpu, want.weight)
+            assert [weight_bytes(gpu, p) for p in weights.projs] == [weight_bytes(ref_gpu, p) for p in ref.projs]
+        assert gpu.empty() and ref_gpu.empty()
+    with pytest.raises(ValueError, match="out of range"):
+        TensorParallelNgramEmbedding.from_pretrained(str(model.path), LoggingBackend(), 2, 2)
+
+
 # -- CPU: the launches -------------------------------------------------------------------------
 def test_a_call_is_two_gathers_an_all_reduce_and_the_word_gemm():
     gpu = RecordingBackend()
@@ -365,6 +393,22 @@ def _batch(rng, dims, sequences):
     return contexts, seq_lens
 
 
+def _local_outputs(gpu, rng, ranks, contexts, seq_lens, h):
+    """Every rank's output of one ``embed_all`` over a ``LocalGroup``, each written whole."""
+    rows, size = sum(seq_lens), len(ranks)
+    with ExitStack() as stack:
+        outs = [stack.enter_context(Guarded(gpu, (rows, h), BF16, rng)) for _ in range(size)]
+        for o in outs:
+            o.poison()
+        gpu.synchronize(0)
+        assert embed_all(LocalGroup(gpu, size), ranks, contexts, seq_lens, [o.ptr for o in outs], [0] * size) == rows
+        gpu.synchronize(0)
+        got = [o.read() for o in outs]
+        for o in outs:
+            o.assert_guards_intact()
+    return got
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("size, kinds", [(1, "b"), (2, "bf"), (3, "fb"), (4, "b")])
 def test_local_group_equals_the_single_gpu_fused_path(gpu, rng, size, kinds):
@@ -373,19 +417,29 @@ def test_local_group_equals_the_single_gpu_fused_path(gpu, rng, size, kinds):
     contexts, seq_lens = _batch(rng, dims, 5)
     want = _fused_reference(gpu, rng, host, contexts, seq_lens, 128)
     ranks = _ranks(gpu, host, size, max_rows=128)
-    group = LocalGroup(gpu, size)
-    rows, h = sum(seq_lens), dims.hidden_size
     try:
-        with ExitStack() as stack:
-            outs = [stack.enter_context(Guarded(gpu, (rows, h), BF16, rng)) for _ in range(size)]
-            for o in outs:
-                o.poison()
-            gpu.synchronize(0)
-            assert embed_all(group, ranks, contexts, seq_lens, [o.ptr for o in outs], [0] * size) == rows
-            gpu.synchronize(0)
-            for r, o in enumerate(outs):
-                assert np.array_equal(bits(o.read()), bits(want)), f"rank {r} of {size}"
-                o.assert_guards_intact()
+        got = _local_outputs(gpu, rng, ranks, contexts, seq_lens, dims.hidden_size)
+        for r in range(size):
+            assert np.array_equal(bits(got[r]), bits(want)), f"rank {r} of {size}"
+    finally:
+        for r in ranks:
+            r.close()
+
+
+@pytest.mark.gpu
+def test_pretrained_ranks_equal_the_pretrained_fused_path(gpu, rng, tmp_path):
+    from tests.helpers.checkpoint import make_model, write_model
+
+    model = write_model(tmp_path / "m", make_model(rng, kinds="bf"))
+    dims, path = model.dims, str(model.path)
+    contexts, seq_lens = _batch(rng, dims, 4)
+    with FusedNgramEmbedding.from_pretrained(path, gpu, max_rows=64) as fused:
+        want = run_on_poisoned(gpu, rng, lambda o: fused.embed_batch(contexts, seq_lens, o, gpu), sum(seq_lens),
+                               dims.hidden_size)
+    ranks = [TensorParallelNgramEmbedding.from_pretrained(path, gpu, r, 2, max_rows=64) for r in range(2)]
+    try:
+        got = _local_outputs(gpu, rng, ranks, contexts, seq_lens, dims.hidden_size)
+        assert all(np.array_equal(bits(g), bits(want)) for g in got)
     finally:
         for r in ranks:
             r.close()

@@ -111,6 +111,12 @@ class RankWeights:
     def close(self) -> None:
         self._owned.close()
 
+    def __enter__(self) -> "RankWeights":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 class TensorParallelNgramEmbedding(FusedNgramEmbedding):
     """Rank ``weights.shard.rank`` of the group; ``collective`` (its end of the communicator)
@@ -136,6 +142,34 @@ class TensorParallelNgramEmbedding(FusedNgramEmbedding):
                    collective: Collective | None = None) -> "TensorParallelNgramEmbedding":
         """``RankWeights.from_numpy`` wrapped in a rank, which owns them: ``close()`` frees both."""
         weights = RankWeights.from_numpy(dims, shard, word, tables, projs, gpu, stream)
+        return cls._owning(weights, max_rows, gpu, stream, collective)
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str, gpu: GpuBackend, rank: int, size: int, *, max_rows: int = 8192,
+                        stream: int = 0, collective: Collective | None = None,
+                        **layer_args: Any) -> "TensorParallelNgramEmbedding":
+        """Rank ``rank`` of ``size`` from a Hugging Face model folder (``NgramEmbedding.from_pretrained``'s
+        folders and ``layer_args``: placement, eos_id, table_dir, cache_rows): only its word rows
+        and tables are read and uploaded (a ``DeviceBudget`` counts only those). Owns them:
+        ``close()`` frees both. Refusals come before any upload."""
+        from ..ngram_embed.checkpoint import NgramCheckpoint
+        from ..ngram_embed.fused import check_servable
+        from ..ngram_embed.pretrained import load_weights
+
+        dims = NgramCheckpoint.open(model_dir, eos_id=layer_args.get("eos_id"), parts="dense").dims
+        check_servable(dims, max_rows)
+        shard = NgramShard.of(dims, rank, size)
+        if collective is not None:
+            _check_collective(collective, shard)
+        weights = load_weights(model_dir, gpu, stream=stream, max_tokens=max_rows, part=lambda _: shard,
+                               build=lambda d, word, tables, projs: RankWeights(d, shard, word, tables, projs, gpu),
+                               **layer_args)
+        return cls._owning(weights, max_rows, gpu, stream, collective)
+
+    @classmethod
+    def _owning(cls, weights: RankWeights, max_rows: int, gpu: GpuBackend, stream: int,
+                collective: Collective | None) -> "TensorParallelNgramEmbedding":
+        """A rank over ``weights`` that closes them with itself (they are closed if it cannot be built)."""
         try:
             rank = cls(weights, max_rows, gpu, stream, collective=collective)
         except BaseException:

@@ -17,8 +17,9 @@ from layers.ngram_embed import NgramTable
 from layers.ngram_embed.fused import FusedNgramEmbedding
 from layers.ngram_embed.tables import check_table, gather_entry
 from layers.ops.ngram_fused import ABSENT
-from layers.tensor_parallel import (LocalGroup, NgramShard, RankWeights, TensorParallelNgramEmbedding,
-                                    embed_all, reduce_bytes)
+from layers.tensor_parallel import (LocalGroup, NgramShard, RankWeights, TensorParallelNgramDecoder,
+                                    TensorParallelNgramEmbedding, embed_all, reduce_bytes)
+import tests.test_ngram_decoder as decoder_tests
 from tests.fakes import RecordingBackend
 from layers.weight_map import BF16
 from tests.helpers import Guarded, bits, run_on_poisoned
@@ -221,6 +222,41 @@ def test_embed_all_stages_every_rank_then_sums_then_projects():
     assert gpu.launches == [] and len(group.calls) == 1
     for r in ranks:
         r.close()
+
+
+def _rank_weights(gpu, host, rank=0, size=1):
+    return RankWeights.from_numpy(host.dims, NgramShard.of(host.dims, rank, size), host.word,
+                                  [t if s is None else (t, s) for t, s in host.tables], host.projs, gpu)
+
+
+def test_a_decoder_step_is_its_gather_the_word_shard_the_all_reduce_and_the_gemm():
+    gpu = RecordingBackend()
+    dims = small_dims(max_ngram=3, splits=2, eos_id=7)
+    calls = []
+    weights = _rank_weights(gpu, random_layer(np.random.default_rng(6), dims, "bf"), 1, 2)
+    dec = TensorParallelNgramDecoder(weights, collective=FakeCollective(1, 2, calls), max_seqs=4, max_rows=32,
+                                     gpu=gpu, max_draft=1)
+    h, k = dims.hidden_size, dims.num_tables() * dims.table_dim()
+    gpu.launches.clear()
+    dec.step(DevicePtr(0x1000), DevicePtr(0x2000), 3, OUT, stream=5, k=2)
+    names = [gpu.kernel_of(launch)[1] for launch in gpu.launches]
+    assert names == ["ngram_decode_gather", "batched_embed_shard", "dense_gemm_bf16_word"]
+    gather, shard, gemm = gpu.launches
+    buf, rows = int(dec.fused.gather_buf), 6
+    assert buf + rows * h * 2 in gather.args and int(dec.word_ids) in gather.args
+    assert shard.args == [int(dec.word_ids), int(weights.word.weight), buf, rows, h, 250, 250]
+    assert calls == [("allreduce", buf, rows * (h + k), 5)]
+    assert gemm.args[0] == buf + rows * h * 2 and gemm.args[6:8] == [int(dec.fused.row_ids), buf]
+    with pytest.raises(TypeError, match="Collective"):
+        TensorParallelNgramDecoder(weights, collective=None, max_seqs=4, max_rows=32, gpu=gpu)
+    calls[-1:] = []
+    dec.fused.collective.closed = True
+    gpu.launches.clear()
+    with pytest.raises(Exception, match="closed"):
+        dec.step(DevicePtr(0x1000), DevicePtr(0x2000), 3, OUT, stream=5)
+    assert gpu.launches == [] and calls == []
+    dec.close()
+    weights.close()
 
 
 class CopyingBackend(RecordingBackend, DeviceCopies):
@@ -443,6 +479,45 @@ def test_pretrained_ranks_equal_the_pretrained_fused_path(gpu, rng, tmp_path):
     finally:
         for r in ranks:
             r.close()
+
+
+class _RankWorld(decoder_tests.World):
+    """``test_ngram_decoder``'s world with its decoder replaced by a one-rank tensor-parallel one
+    (a collective of one: the all-reduce adds nothing), checked against the same fused path."""
+
+    def __init__(self, gpu, rng, collective):
+        super().__init__(gpu, rng)
+        self.dec.close()
+        self.weights = _rank_weights(gpu, self.host)
+        gpu.synchronize(0)
+        self.dec = TensorParallelNgramDecoder(self.weights, collective=collective, max_seqs=6, max_rows=96, gpu=gpu,
+                                              stream=self.stream, max_draft=3)
+
+    def close(self):
+        super().close()
+        self.weights.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("body", ["test_ragged_and_chunked_prefill_equal_the_fused_path",
+                                  "test_graph_replayed_decode_steps_with_resets_and_reuse",
+                                  "test_k_token_steps_with_rollbacks"])
+def test_a_one_rank_decoder_is_the_decoder(gpu, rng, body):
+    world = _RankWorld(gpu, rng, FakeCollective())
+    try:
+        getattr(decoder_tests, body)(world)
+    finally:
+        world.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bad", ["token", "slot", "seqlens", "rollback"])
+def test_a_one_rank_decoder_contains_bad_device_values(gpu, rng, bad):
+    world = _RankWorld(gpu, rng, FakeCollective())
+    try:
+        decoder_tests.test_bad_device_values_are_flagged_and_contained(world, bad)
+    finally:
+        world.close()
 
 
 # -- GPU: NCCL (the multi-gpu extra) --------------------------------------------------------------

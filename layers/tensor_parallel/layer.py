@@ -129,7 +129,7 @@ class TensorParallelNgramEmbedding(FusedNgramEmbedding):
             raise TypeError(f"{_WHAT}: expected RankWeights, got {type(weights).__name__}")
         self.shard = weights.shard
         if collective is not None:
-            _check_collective(collective, self.shard)
+            check_collective(collective, self.shard)
         self.collective = collective
         super().__init__(weights, max_rows, gpu, stream)  # type: ignore[arg-type]  (shaped like a layer)
         self.word_rows = weights.word
@@ -160,7 +160,7 @@ class TensorParallelNgramEmbedding(FusedNgramEmbedding):
         check_servable(dims, max_rows)
         shard = NgramShard.of(dims, rank, size)
         if collective is not None:
-            _check_collective(collective, shard)
+            check_collective(collective, shard)
         weights = load_weights(model_dir, gpu, stream=stream, max_tokens=max_rows, part=lambda _: shard,
                                build=lambda d, word, tables, projs: RankWeights(d, shard, word, tables, projs, gpu),
                                **layer_args)
@@ -187,14 +187,14 @@ class TensorParallelNgramEmbedding(FusedNgramEmbedding):
 
     # -- one process per GPU: the fused path's calls, with the all-reduce in ``_launch`` --------
     def embed(self, *args: Any, **kwargs: Any) -> None:
-        self._require_collective()
+        self.require_collective()
         super().embed(*args, **kwargs)
 
     def embed_batch(self, *args: Any, **kwargs: Any) -> None:
-        self._require_collective()
+        self.require_collective()
         super().embed_batch(*args, **kwargs)
 
-    def _require_collective(self) -> None:
+    def require_collective(self) -> None:
         if self.collective is None:
             raise ValueError(f"{_WHAT}: this rank has no collective (built for embed_all); pass "
                              f"collective= to serve embed and embed_batch")
@@ -202,6 +202,11 @@ class TensorParallelNgramEmbedding(FusedNgramEmbedding):
 
     def _launch(self, rows: int, out: int, stream: int) -> None:
         self._gather_rows(rows, stream)
+        self.reduce_and_project(rows, out, stream)
+
+    def reduce_and_project(self, rows: int, out: int, stream: int) -> None:
+        """A gathered call's all-reduce through this rank's collective, then its GEMM (the
+        decoder's second half too)."""
         self.collective.allreduce_bf16(int(self.gather_buf), self.reduce_count(rows), stream)
         self._project(rows, out, stream)
 
@@ -249,7 +254,8 @@ class TensorParallelNgramEmbedding(FusedNgramEmbedding):
                                       self.inv_scale, stream)
 
 
-def _check_collective(collective: Any, shard: NgramShard) -> None:
+def check_collective(collective: Any, shard: NgramShard) -> None:
+    """``collective`` is an open ``Collective`` of the shard's rank and size."""
     if not isinstance(collective, Collective):
         raise TypeError(f"{_WHAT}: collective must be a Collective (allreduce_bf16, rank, size), "
                         f"got {type(collective).__name__}")

@@ -17,8 +17,9 @@ from layers.ngram_embed import NgramTable
 from layers.ngram_embed.fused import FusedNgramEmbedding
 from layers.ngram_embed.tables import check_table, gather_entry
 from layers.ops.ngram_fused import ABSENT
-from layers.tensor_parallel import (LocalGroup, NgramShard, RankWeights, TensorParallelNgramEmbedding,
-                                    embed_all, reduce_bytes)
+from layers.tensor_parallel import (LocalGroup, NgramShard, RankWeights, TensorParallelNgramDecoder,
+                                    TensorParallelNgramEmbedding, embed_all, reduce_bytes)
+import tests.test_ngram_decoder as decoder_tests
 from tests.fakes import RecordingBackend
 from layers.weight_map import BF16
 from tests.helpers import Guarded, bits, run_on_poisoned
@@ -119,6 +120,34 @@ def _all_held(weights, dims):
             for c, t in enumerate(weights.tables)]
 
 
+# -- CPU: a rank's part of a Hugging Face folder -----------------------------------------------
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_from_pretrained_reads_and_uploads_only_the_ranks_part(tmp_path, rng, size):
+    from tests.helpers.checkpoint import make_model, weight_bytes, write_model
+    from tests.helpers.logging_backend import LoggingBackend
+
+    model = write_model(tmp_path / "m", make_model(rng, kinds="bf"))
+    dims = model.dims
+    for r in range(size):
+        gpu, ref_gpu = LoggingBackend(), LoggingBackend()
+        shard = NgramShard.of(dims, r, size)
+        with TensorParallelNgramEmbedding.from_pretrained(str(model.path), gpu, r, size, max_rows=8) as tp, \
+                RankWeights.from_numpy(dims, shard, model.word, [t if c in shard.tables else None for c, t in
+                                                                 enumerate(model.numpy_tables())],
+                                       model.projs, ref_gpu) as ref:
+            weights = tp.layer
+            assert weights.shard == shard and tp.dims == dims
+            assert weight_bytes(gpu, weights.word) == weight_bytes(ref_gpu, ref.word)
+            assert [type(t).__name__ for t in weights.tables] == [type(t).__name__ for t in ref.tables]
+            for got, want in zip(weights.tables, ref.tables):
+                if not isinstance(got, NgramTable.Absent):
+                    assert weight_bytes(gpu, got.weight) == weight_bytes(ref_gpu, want.weight)
+            assert [weight_bytes(gpu, p) for p in weights.projs] == [weight_bytes(ref_gpu, p) for p in ref.projs]
+        assert gpu.empty() and ref_gpu.empty()
+    with pytest.raises(ValueError, match="out of range"):
+        TensorParallelNgramEmbedding.from_pretrained(str(model.path), LoggingBackend(), 2, 2)
+
+
 # -- CPU: the launches -------------------------------------------------------------------------
 def test_a_call_is_two_gathers_an_all_reduce_and_the_word_gemm():
     gpu = RecordingBackend()
@@ -193,6 +222,41 @@ def test_embed_all_stages_every_rank_then_sums_then_projects():
     assert gpu.launches == [] and len(group.calls) == 1
     for r in ranks:
         r.close()
+
+
+def _rank_weights(gpu, host, rank=0, size=1):
+    return RankWeights.from_numpy(host.dims, NgramShard.of(host.dims, rank, size), host.word,
+                                  [t if s is None else (t, s) for t, s in host.tables], host.projs, gpu)
+
+
+def test_a_decoder_step_is_its_gather_the_word_shard_the_all_reduce_and_the_gemm():
+    gpu = RecordingBackend()
+    dims = small_dims(max_ngram=3, splits=2, eos_id=7)
+    calls = []
+    weights = _rank_weights(gpu, random_layer(np.random.default_rng(6), dims, "bf"), 1, 2)
+    dec = TensorParallelNgramDecoder(weights, collective=FakeCollective(1, 2, calls), max_seqs=4, max_rows=32,
+                                     gpu=gpu, max_draft=1)
+    h, k = dims.hidden_size, dims.num_tables() * dims.table_dim()
+    gpu.launches.clear()
+    dec.step(DevicePtr(0x1000), DevicePtr(0x2000), 3, OUT, stream=5, k=2)
+    names = [gpu.kernel_of(launch)[1] for launch in gpu.launches]
+    assert names == ["ngram_decode_gather", "batched_embed_shard", "dense_gemm_bf16_word"]
+    gather, shard, gemm = gpu.launches
+    buf, rows = int(dec.fused.gather_buf), 6
+    assert buf + rows * h * 2 in gather.args and int(dec.word_ids) in gather.args
+    assert shard.args == [int(dec.word_ids), int(weights.word.weight), buf, rows, h, 250, 250]
+    assert calls == [("allreduce", buf, rows * (h + k), 5)]
+    assert gemm.args[0] == buf + rows * h * 2 and gemm.args[6:8] == [int(dec.fused.row_ids), buf]
+    with pytest.raises(TypeError, match="Collective"):
+        TensorParallelNgramDecoder(weights, collective=None, max_seqs=4, max_rows=32, gpu=gpu)
+    calls[-1:] = []
+    dec.fused.collective.closed = True
+    gpu.launches.clear()
+    with pytest.raises(Exception, match="closed"):
+        dec.step(DevicePtr(0x1000), DevicePtr(0x2000), 3, OUT, stream=5)
+    assert gpu.launches == [] and calls == []
+    dec.close()
+    weights.close()
 
 
 class CopyingBackend(RecordingBackend, DeviceCopies):
@@ -365,6 +429,22 @@ def _batch(rng, dims, sequences):
     return contexts, seq_lens
 
 
+def _local_outputs(gpu, rng, ranks, contexts, seq_lens, h):
+    """Every rank's output of one ``embed_all`` over a ``LocalGroup``, each written whole."""
+    rows, size = sum(seq_lens), len(ranks)
+    with ExitStack() as stack:
+        outs = [stack.enter_context(Guarded(gpu, (rows, h), BF16, rng)) for _ in range(size)]
+        for o in outs:
+            o.poison()
+        gpu.synchronize(0)
+        assert embed_all(LocalGroup(gpu, size), ranks, contexts, seq_lens, [o.ptr for o in outs], [0] * size) == rows
+        gpu.synchronize(0)
+        got = [o.read() for o in outs]
+        for o in outs:
+            o.assert_guards_intact()
+    return got
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("size, kinds", [(1, "b"), (2, "bf"), (3, "fb"), (4, "b")])
 def test_local_group_equals_the_single_gpu_fused_path(gpu, rng, size, kinds):
@@ -373,22 +453,71 @@ def test_local_group_equals_the_single_gpu_fused_path(gpu, rng, size, kinds):
     contexts, seq_lens = _batch(rng, dims, 5)
     want = _fused_reference(gpu, rng, host, contexts, seq_lens, 128)
     ranks = _ranks(gpu, host, size, max_rows=128)
-    group = LocalGroup(gpu, size)
-    rows, h = sum(seq_lens), dims.hidden_size
     try:
-        with ExitStack() as stack:
-            outs = [stack.enter_context(Guarded(gpu, (rows, h), BF16, rng)) for _ in range(size)]
-            for o in outs:
-                o.poison()
-            gpu.synchronize(0)
-            assert embed_all(group, ranks, contexts, seq_lens, [o.ptr for o in outs], [0] * size) == rows
-            gpu.synchronize(0)
-            for r, o in enumerate(outs):
-                assert np.array_equal(bits(o.read()), bits(want)), f"rank {r} of {size}"
-                o.assert_guards_intact()
+        got = _local_outputs(gpu, rng, ranks, contexts, seq_lens, dims.hidden_size)
+        for r in range(size):
+            assert np.array_equal(bits(got[r]), bits(want)), f"rank {r} of {size}"
     finally:
         for r in ranks:
             r.close()
+
+
+@pytest.mark.gpu
+def test_pretrained_ranks_equal_the_pretrained_fused_path(gpu, rng, tmp_path):
+    from tests.helpers.checkpoint import make_model, write_model
+
+    model = write_model(tmp_path / "m", make_model(rng, kinds="bf"))
+    dims, path = model.dims, str(model.path)
+    contexts, seq_lens = _batch(rng, dims, 4)
+    with FusedNgramEmbedding.from_pretrained(path, gpu, max_rows=64) as fused:
+        want = run_on_poisoned(gpu, rng, lambda o: fused.embed_batch(contexts, seq_lens, o, gpu), sum(seq_lens),
+                               dims.hidden_size)
+    ranks = [TensorParallelNgramEmbedding.from_pretrained(path, gpu, r, 2, max_rows=64) for r in range(2)]
+    try:
+        got = _local_outputs(gpu, rng, ranks, contexts, seq_lens, dims.hidden_size)
+        assert all(np.array_equal(bits(g), bits(want)) for g in got)
+    finally:
+        for r in ranks:
+            r.close()
+
+
+class _RankWorld(decoder_tests.World):
+    """``test_ngram_decoder``'s world with its decoder replaced by a one-rank tensor-parallel one
+    (a collective of one: the all-reduce adds nothing), checked against the same fused path."""
+
+    def __init__(self, gpu, rng, collective):
+        super().__init__(gpu, rng)
+        self.dec.close()
+        self.weights = _rank_weights(gpu, self.host)
+        gpu.synchronize(0)
+        self.dec = TensorParallelNgramDecoder(self.weights, collective=collective, max_seqs=6, max_rows=96, gpu=gpu,
+                                              stream=self.stream, max_draft=3)
+
+    def close(self):
+        super().close()
+        self.weights.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("body", ["test_ragged_and_chunked_prefill_equal_the_fused_path",
+                                  "test_graph_replayed_decode_steps_with_resets_and_reuse",
+                                  "test_k_token_steps_with_rollbacks"])
+def test_a_one_rank_decoder_is_the_decoder(gpu, rng, body):
+    world = _RankWorld(gpu, rng, FakeCollective())
+    try:
+        getattr(decoder_tests, body)(world)
+    finally:
+        world.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bad", ["token", "slot", "seqlens", "rollback"])
+def test_a_one_rank_decoder_contains_bad_device_values(gpu, rng, bad):
+    world = _RankWorld(gpu, rng, FakeCollective())
+    try:
+        decoder_tests.test_bad_device_values_are_flagged_and_contained(world, bad)
+    finally:
+        world.close()
 
 
 # -- GPU: NCCL (the multi-gpu extra) --------------------------------------------------------------

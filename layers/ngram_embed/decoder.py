@@ -82,7 +82,7 @@ class NgramDecoder:
         self.rollback_k = load_kernel(gpu, decode_ops.MODULE, decode_ops.ROLLBACK)
         self._resources = own = Resources(gpu)  # the fused layer, then the state: closed in reverse
         try:
-            self.fused = own.adopt(FusedNgramEmbedding(layer, max_rows, gpu, stream))  # gather buffer
+            self.fused = own.adopt(self._make_fused(layer, max_rows, gpu, stream))  # gather buffer
             self.hist = own.alloc(max_seqs * self.hist_len * 4)
             self.state = own.alloc(max_seqs * 2 * 4)
             self.ctrl = own.alloc(2 * 4)
@@ -93,6 +93,10 @@ class NgramDecoder:
         except BaseException:
             own.close()
             raise
+
+    def _make_fused(self, layer: NgramEmbedding, max_rows: int, gpu: GpuBackend, stream: int) -> FusedNgramEmbedding:
+        """The fused layer whose weights, table descriptors and gather buffer the calls use."""
+        return FusedNgramEmbedding(layer, max_rows, gpu, stream)
 
     @classmethod
     def from_pretrained(cls, model_dir: str, gpu: GpuBackend, *, max_seqs: int, max_rows: int = 8192,
@@ -240,6 +244,14 @@ class NgramDecoder:
         if rows == 0:
             return
         self.launch_gather(tokens, cu_seqlens, slots, num_seqs, rows, per_seq, stream)
+        self._finish(rows, out, stream)
+
+    def _gathered_rows(self, rows: int) -> int:
+        """Where ``launch_gather`` writes a call's ``[rows, T*td]`` gathered rows."""
+        return self.fused.gather_buf
+
+    def _finish(self, rows: int, out: int, stream: int) -> None:
+        """The call's second launch: the GEMM with the word-row epilogue."""
         dims, fused = self.dims, self.fused
         gemm_ops.dense_gemm_bf16_word(self.gpu, fused.gemm_k, fused.gather_buf, fused.projs_weight,
                                       out, rows, dims.hidden_size, dims.num_tables() * dims.table_dim(),
@@ -254,6 +266,6 @@ class NgramDecoder:
         dims, fused = self.dims, self.fused
         decode_ops.ngram_decode_gather(
             self.gpu, self.gather_k, tokens, cu_seqlens, slots, self.hist, self.state, fused.desc,
-            fused.pows, fused.gather_buf, self.word_ids, self.ctrl, rows, num_seqs, per_seq,
+            fused.pows, self._gathered_rows(rows), self.word_ids, self.ctrl, rows, num_seqs, per_seq,
             self.max_seqs, self.hist_len, dims.vocab_size, dims.num_tables(), dims.max_ngram,
             dims.splits, dims.table_dim(), dims.eos_id, stream)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -39,55 +39,73 @@ class DeviceBudget:
 
 # ---- placement ---------------------------------------------------------------------------------
 def resolve_placement(placement: Any, dims: NgramDims, table_dtypes: Sequence[str],
-                      max_tokens: int) -> list[str]:
-    """One of ``PLACES`` per table (see the module docstring); refused before any upload."""
+                      max_tokens: int, shard: Any = None) -> list[str]:
+    """One of ``PLACES`` per table (see the module docstring); refused before any upload. With a
+    tensor-parallel ``shard``, a ``DeviceBudget`` counts only its word rows and tables (the
+    others' places are then "device", and unused)."""
     t = dims.num_tables()
     if isinstance(placement, (int, np.integer)) and not isinstance(placement, (bool, np.bool_)):
         placement = DeviceBudget(int(placement))
     if isinstance(placement, DeviceBudget):
         h, td = dims.hidden_size, dims.table_dim()
-        fixed = dims.vocab_size * h * 2 + t * h * td * 2  # word table, projections (bf16)
+        held = range(t) if shard is None else shard.tables
+        word_rows = dims.vocab_size if shard is None else shard.word_rows
+        fixed = word_rows * h * 2 + t * h * td * 2  # word rows, projections (bf16)
         fixed += max_tokens * (4 + 2 * td + 2 * h)  # the layer's staging (ids, gather, projection)
-        fixed += sum(dims.table_rows(c) * 4 for c in range(t) if table_dtypes[c] == "F8_E4M3")
+        fixed += sum(dims.table_rows(c) * 4 for c in held if table_dtypes[c] == "F8_E4M3")
         if fixed > placement.nbytes:
             raise ValueError(f"placement DeviceBudget({placement.nbytes}): the word table, projections, "
                              f"fp8 scales and staging alone take {fixed} bytes of device memory")
         used, places = fixed, []
         for c in range(t):
             rows_bytes = dims.table_rows(c) * td * (1 if table_dtypes[c] == "F8_E4M3" else 2)
-            if used + rows_bytes <= placement.nbytes:
-                used += rows_bytes
-                places.append("device")
-            else:
+            if c in held and used + rows_bytes > placement.nbytes:
                 places.append("host")
+            else:
+                used += rows_bytes if c in held else 0
+                places.append("device")
         return places
     return placements(placement, t, PLACES)  # a DeviceBudget is the other form
 
 
 # ---- building the layer ------------------------------------------------------------------------
-def load_layer(cls: type, model_dir: str | os.PathLike, gpu: Any, *, placement: Any = "device",
-               max_tokens: int = 8192, eos_id: int | None = None, table_dir: str | os.PathLike | None = None,
-               stream: int = 0, cache_rows: int = 1 << 16, refuse_files: str | None = None) -> Any:
-    """``NgramEmbedding.from_pretrained``: everything is read and checked first (config, index,
-    headers, manifest, placement), then uploaded; a failure after the first upload frees what
-    was built. ``refuse_files``: a message for callers that cannot serve ``RowCache`` tables."""
+def load_layer(cls: type, model_dir: str | os.PathLike, gpu: Any, *, max_tokens: int = 8192,
+               **kwargs: Any) -> Any:
+    """``NgramEmbedding.from_pretrained``: ``load_weights`` then ``cls(dims, word, tables, projs,
+    max_tokens, gpu)``, which owns them."""
     validate.positive(max_tokens, "max_tokens")
+    return load_weights(model_dir, gpu, max_tokens=max_tokens, **kwargs,
+                        build=lambda dims, word, tables, projs: cls(dims, word, tables, projs, max_tokens, gpu))
+
+
+def load_weights(model_dir: str | os.PathLike, gpu: Any, *, build: Callable[..., Any],
+                 placement: Any = "device", max_tokens: int = 8192, eos_id: int | None = None,
+                 table_dir: str | os.PathLike | None = None, stream: int = 0, cache_rows: int = 1 << 16,
+                 refuse_files: str | None = None, part: Callable[[NgramDims], Any] | None = None) -> Any:
+    """Everything is read and checked first (config, index, headers, manifest, placement), then
+    uploaded and handed to ``build(dims, word, tables, projs)``, which gets to own it (``own``);
+    a failure after the first upload frees what was built. ``refuse_files``: a message for
+    callers that cannot serve ``RowCache`` tables. ``part(dims)``: a tensor-parallel rank's share
+    (an ``NgramShard``): only its word rows and tables are read and uploaded, the others' tables
+    are ``NgramTable.Absent``."""
     validate.positive(cache_rows, "cache_rows")
     if table_dir is None and isinstance(placement, str) and placement == "files":
         raise ValueError(_NEEDS_TABLE_DIR)
     ckpt = NgramCheckpoint.open(model_dir, eos_id=eos_id, parts="all" if table_dir is None else "dense")
     dims = ckpt.dims
+    shard = part(dims) if part is not None else None
+    held = range(dims.num_tables()) if shard is None else shard.tables
     files = open_table_files(table_dir, dims) if table_dir is not None else None
     dtypes = files.dtypes if files is not None else tuple(t.dtype for t in ckpt.tables)
-    places = resolve_placement(placement, dims, dtypes, max_tokens)
-    if "files" in places:
+    places = resolve_placement(placement, dims, dtypes, max_tokens, shard)
+    if any(places[c] == "files" for c in held):
         if files is None:
             raise ValueError(_NEEDS_TABLE_DIR)
         if refuse_files:
             raise ValueError(refuse_files)
 
     from .row_cache import RowCache  # here: row_cache imports the ops, kept off the import path
-    from .tables import Bf16Table, CachedTable, Fp8Table, HostTable
+    from .tables import AbsentTable, Bf16Table, CachedTable, Fp8Table, HostTable
 
     with closed_on_failure() as owned:
 
@@ -95,12 +113,18 @@ def load_layer(cls: type, model_dir: str | os.PathLike, gpu: Any, *, placement: 
             owned.append(weight)
             return weight
 
-        word = keep(DenseWeight.from_numpy(gpu, ckpt.word_array(), None, stream))
+        word_rows = ckpt.word_array()
+        if shard is not None:
+            word_rows = word_rows[shard.word_lo:shard.word_lo + shard.word_rows]
+        word = keep(DenseWeight.from_numpy(gpu, word_rows, None, stream))
+        del word_rows
         projs = [keep(DenseWeight.from_numpy(gpu, ckpt.proj_array(c), None, stream))
                  for c in range(dims.num_tables())]
         tables = []
         for c, where in enumerate(places):
-            if files is None:
+            if c not in held:
+                tables.append(AbsentTable(dims.table_rows(c), dims.table_dim()))
+            elif files is None:
                 table, scale = ckpt.table_arrays(c)
                 if where == "host":
                     tables.append(HostTable(keep(HostWeight.from_numpy(gpu, table, scale, stream))))
@@ -118,6 +142,6 @@ def load_layer(cls: type, model_dir: str | os.PathLike, gpu: Any, *, placement: 
                     w = keep(DenseWeight.from_numpy(gpu, rows, f.scales, stream))
                     del rows  # the map can close
                 tables.append(Fp8Table(w) if w.dtype == FP8 else Bf16Table(w))
-        layer = cls(dims, word, tables, projs, max_tokens, gpu)
-    layer.own(*owned)
-    return layer
+        built = build(dims, word, tables, projs)
+    built.own(*owned)
+    return built

@@ -111,6 +111,12 @@ class RankWeights:
     def close(self) -> None:
         self._owned.close()
 
+    def __enter__(self) -> "RankWeights":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 class TensorParallelNgramEmbedding(FusedNgramEmbedding):
     """Rank ``weights.shard.rank`` of the group; ``collective`` (its end of the communicator)
@@ -123,7 +129,7 @@ class TensorParallelNgramEmbedding(FusedNgramEmbedding):
             raise TypeError(f"{_WHAT}: expected RankWeights, got {type(weights).__name__}")
         self.shard = weights.shard
         if collective is not None:
-            _check_collective(collective, self.shard)
+            check_collective(collective, self.shard)
         self.collective = collective
         super().__init__(weights, max_rows, gpu, stream)  # type: ignore[arg-type]  (shaped like a layer)
         self.word_rows = weights.word
@@ -136,6 +142,34 @@ class TensorParallelNgramEmbedding(FusedNgramEmbedding):
                    collective: Collective | None = None) -> "TensorParallelNgramEmbedding":
         """``RankWeights.from_numpy`` wrapped in a rank, which owns them: ``close()`` frees both."""
         weights = RankWeights.from_numpy(dims, shard, word, tables, projs, gpu, stream)
+        return cls._owning(weights, max_rows, gpu, stream, collective)
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str, gpu: GpuBackend, rank: int, size: int, *, max_rows: int = 8192,
+                        stream: int = 0, collective: Collective | None = None,
+                        **layer_args: Any) -> "TensorParallelNgramEmbedding":
+        """Rank ``rank`` of ``size`` from a Hugging Face model folder (``NgramEmbedding.from_pretrained``'s
+        folders and ``layer_args``: placement, eos_id, table_dir, cache_rows): only its word rows
+        and tables are read and uploaded (a ``DeviceBudget`` counts only those). Owns them:
+        ``close()`` frees both. Refusals come before any upload."""
+        from ..ngram_embed.checkpoint import NgramCheckpoint
+        from ..ngram_embed.fused import check_servable
+        from ..ngram_embed.pretrained import load_weights
+
+        dims = NgramCheckpoint.open(model_dir, eos_id=layer_args.get("eos_id"), parts="dense").dims
+        check_servable(dims, max_rows)
+        shard = NgramShard.of(dims, rank, size)
+        if collective is not None:
+            check_collective(collective, shard)
+        weights = load_weights(model_dir, gpu, stream=stream, max_tokens=max_rows, part=lambda _: shard,
+                               build=lambda d, word, tables, projs: RankWeights(d, shard, word, tables, projs, gpu),
+                               **layer_args)
+        return cls._owning(weights, max_rows, gpu, stream, collective)
+
+    @classmethod
+    def _owning(cls, weights: RankWeights, max_rows: int, gpu: GpuBackend, stream: int,
+                collective: Collective | None) -> "TensorParallelNgramEmbedding":
+        """A rank over ``weights`` that closes them with itself (they are closed if it cannot be built)."""
         try:
             rank = cls(weights, max_rows, gpu, stream, collective=collective)
         except BaseException:
@@ -153,14 +187,14 @@ class TensorParallelNgramEmbedding(FusedNgramEmbedding):
 
     # -- one process per GPU: the fused path's calls, with the all-reduce in ``_launch`` --------
     def embed(self, *args: Any, **kwargs: Any) -> None:
-        self._require_collective()
+        self.require_collective()
         super().embed(*args, **kwargs)
 
     def embed_batch(self, *args: Any, **kwargs: Any) -> None:
-        self._require_collective()
+        self.require_collective()
         super().embed_batch(*args, **kwargs)
 
-    def _require_collective(self) -> None:
+    def require_collective(self) -> None:
         if self.collective is None:
             raise ValueError(f"{_WHAT}: this rank has no collective (built for embed_all); pass "
                              f"collective= to serve embed and embed_batch")
@@ -168,6 +202,11 @@ class TensorParallelNgramEmbedding(FusedNgramEmbedding):
 
     def _launch(self, rows: int, out: int, stream: int) -> None:
         self._gather_rows(rows, stream)
+        self.reduce_and_project(rows, out, stream)
+
+    def reduce_and_project(self, rows: int, out: int, stream: int) -> None:
+        """A gathered call's all-reduce through this rank's collective, then its GEMM (the
+        decoder's second half too)."""
         self.collective.allreduce_bf16(int(self.gather_buf), self.reduce_count(rows), stream)
         self._project(rows, out, stream)
 
@@ -215,7 +254,8 @@ class TensorParallelNgramEmbedding(FusedNgramEmbedding):
                                       self.inv_scale, stream)
 
 
-def _check_collective(collective: Any, shard: NgramShard) -> None:
+def check_collective(collective: Any, shard: NgramShard) -> None:
+    """``collective`` is an open ``Collective`` of the shard's rank and size."""
     if not isinstance(collective, Collective):
         raise TypeError(f"{_WHAT}: collective must be a Collective (allreduce_bf16, rank, size), "
                         f"got {type(collective).__name__}")

@@ -141,6 +141,32 @@ def one_shape(spec: str, path: str | None) -> None:
                   f"{_max_active_clusters(gpu, chosen)} (the launch has {chosen.grid // gemm.SPLIT_K})")
 
 
+SWEEP_ROWS = (1, 8, 16, 32, 48, 64, 96, 128, 192, 256)
+SWEEP_PATHS = ("small", "tiled", "tma_splitk")
+
+
+def sweep(spec: str) -> None:
+    """``--sweep NxK``: m from SWEEP_ROWS at that n and k, the automatic choice and each skinny
+    path against cuBLAS (microseconds), to place ``use_splitk``'s bounds."""
+    n, k = (int(v) for v in spec.lower().split("x"))
+    rng = np.random.default_rng(0)
+    pool = rng.standard_normal(_POOL_VALUES).astype(np.float32).astype(ml_dtypes.bfloat16)
+    rows = []
+    with CudaBackend() as gpu:
+        tma = gemm.tma_available(gpu)
+        for m in SWEEP_ROWS:
+            sets = _input_sets((m * k + n * k + m * n) * 2, gpu.l2_bytes)
+            chosen = gemm.plan(m, n, k, None, wgmma=gemm.wgmma_available(gpu), tma=tma, tma_store=tma,
+                               sms=gpu.sm_count).path
+            auto = _ours_ms(gpu, m, n, k, sets, pool, None) * 1e3
+            forced = [_ours_ms(gpu, m, n, k, sets, pool, p) * 1e3 for p in SWEEP_PATHS]
+            t_ms = _torch_ms(m, n, k, sets)
+            rows.append((m, chosen, auto, *forced, t_ms * 1e3 if t_ms else None,
+                         t_ms * 1e3 / auto if t_ms else None))
+    print_table(f"m sweep at n = {n}, k = {k} (us)",
+                ["m", "auto path", "auto", *SWEEP_PATHS, "cuBLAS", "cuBLAS/auto"], rows)
+
+
 def _max_active_clusters(gpu: CudaBackend, p: gemm.GemmPlan) -> str:
     """``cuOccupancyMaxActiveClusters`` for a split-K plan: fewer than its clusters means waves."""
     from cuda.bindings import driver as cu
@@ -162,7 +188,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", help="one GEMM, MxNxK, instead of the table")
     parser.add_argument("--path", default=None, help=f"force a path: {', '.join(gemm.PATHS)}")
+    parser.add_argument("--sweep", metavar="NxK", help="m from 1 to 256 at this n and k, each path")
     args = parser.parse_args(argv)
+    if args.sweep:
+        sweep(args.sweep)
+        return
     if args.shape:
         one_shape(args.shape, args.path)
         return

@@ -101,10 +101,10 @@ constexpr uint32_t kSplitWideBM = 128;  // ... and above
 constexpr uint32_t kSplitBK = kTmaConsumers * kWgBK;  // k per stage
 constexpr uint32_t kSplitStages = 4;      // ring depth of the 64-token tiles (32 KB stages) ...
 constexpr uint32_t kSplitWideStages = 3;  // ... and of the 128-token tiles (48 KB stages)
-// Both tiles' shared memory: the ring, one fp32 partial tile per consumer (rows padded by 4
-// floats), 2 mbarriers a stage. A launch gives the wide tile's, the larger.
-constexpr uint32_t kSplitNarrowSmem = 1024 + kSplitStages * (kSplitBN + kSplitBM) * kSplitBK * 2 + kTmaConsumers * kSplitBN * (kSplitBM + 4) * 4 + 16 * kSplitStages;
-constexpr uint32_t kSplitSmem = 1024 + kSplitWideStages * (kSplitBN + kSplitWideBM) * kSplitBK * 2 + kTmaConsumers * kSplitBN * (kSplitWideBM + 4) * 4 + 16 * kSplitWideStages;
+// Both tiles' shared memory: the ring, one fp32 partial tile per consumer (a token's 64 floats
+// padded by 4), 2 mbarriers a stage. A launch gives the wide tile's, the larger.
+constexpr uint32_t kSplitNarrowSmem = 1024 + kSplitStages * (kSplitBN + kSplitBM) * kSplitBK * 2 + kTmaConsumers * kSplitBM * (kSplitBN + 4) * 4 + 16 * kSplitStages;
+constexpr uint32_t kSplitSmem = 1024 + kSplitWideStages * (kSplitBN + kSplitWideBM) * kSplitBK * 2 + kTmaConsumers * kSplitWideBM * (kSplitBN + 4) * 4 + 16 * kSplitWideStages;
 #endif
 
 // The small path's n8 tiles of a rows per work item, its ring depth and its shared memory.

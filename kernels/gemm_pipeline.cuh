@@ -39,13 +39,18 @@ __device__ __forceinline__ void with_load_kind(bool fast, const F& f) {
 
 // One 16-byte slot of shared memory <- elements kk .. kk+7 of `row`, or zeros when !ok.
 // Fast: cp.async (src-size 0 zero-fills and reads nothing; `row` is then any valid address).
+__device__ __noinline__ void load_slot_scalar(uint32_t dst, const bf16* row, bool ok, uint32_t kk,
+                                              uint32_t k) {
+    st_shared16(dst, ok ? load8_scalar(row, kk, k) : make_uint4(0u, 0u, 0u, 0u));
+}
+
 template <bool kFast>
 __device__ __forceinline__ void load_slot(uint32_t dst, const bf16* row, bool ok, uint32_t kk,
                                           uint32_t k) {
     if (kFast) {
         cp_async16(dst, ok ? row + kk : row, ok ? 16u : 0u);
     } else {
-        st_shared16(dst, ok ? load8_scalar(row, kk, k) : make_uint4(0u, 0u, 0u, 0u));
+        load_slot_scalar(dst, row, ok, kk, k);
     }
 }
 
@@ -139,10 +144,11 @@ struct CpAsyncRing {
 
     __device__ __forceinline__ static uint32_t stage(uint32_t kt) { return kt % kStages; }
 
-    // The prologue: k-tiles 0 .. kAhead-1.
+    // The prologue: k-tiles 0 .. kAhead-1 (a loop, not unrolled: it runs once per tile, and
+    // every copy of the loader is code a cold instruction cache has to fetch).
     template <class Load>
     __device__ __forceinline__ void start(const Load& load) const {
-#pragma unroll
+#pragma unroll 1
         for (uint32_t s = 0; s < kAhead; ++s) {
             if (s < tiles) load(s, s);
             cp_async_commit();

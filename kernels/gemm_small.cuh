@@ -77,7 +77,7 @@ __device__ __forceinline__ void small_m_gemm(const bf16* a, const bf16* w, bf16*
         // makes it wait longer.
         const bool first = item == block_rank();
         if (first) {
-#pragma unroll
+#pragma unroll 1
             for (uint32_t s = 0; s < kStages - 1; ++s)
                 if (s < mine) load(s, s, 1);
             pdl_wait();

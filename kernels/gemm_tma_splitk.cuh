@@ -42,9 +42,9 @@ __device__ __forceinline__ uint32_t peer_smem(uint32_t addr, uint32_t rank) {
     return out;
 }
 
-__device__ __forceinline__ float ld_cluster_f32(uint32_t addr) {
-    float v;
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
+__device__ __forceinline__ float2 ld_cluster_f32x2(uint32_t addr) {
+    float2 v;
+    asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(addr) : "memory");
     return v;
 }
 
@@ -55,8 +55,8 @@ struct SplitTile {
     static constexpr uint32_t kWBox = kSplitBN * kWgBK * 2;  // a stage: a w box per consumer, ...
     static constexpr uint32_t kABox = BM * kWgBK * 2;        // ... then an a box (BM / 64 TMA boxes) per consumer
     static constexpr uint32_t kStageBytes = kTmaConsumers * (kWBox + kABox);
-    static constexpr uint32_t kRedStride = BM + 4;  // floats per partial row: conflict-free stores
-    static constexpr uint32_t kRedBytes = kTmaConsumers * kSplitBN * kRedStride * 4;
+    static constexpr uint32_t kRedStride = kSplitBN + 4;  // floats per token of a partial tile
+    static constexpr uint32_t kRedBytes = kTmaConsumers * BM * kRedStride * 4;
     static constexpr uint32_t kSmem = 1024 + kStages * kStageBytes + kRedBytes + 16 * kStages;
 };
 static_assert(SplitTile<kSplitBM>::kSmem == kSplitNarrowSmem && SplitTile<kSplitWideBM>::kSmem == kSplitSmem &&
@@ -79,7 +79,7 @@ __device__ __forceinline__ void tma_splitk_tiles(const TensorMap& amap, const Te
     constexpr uint32_t kRows = kSplitBN / kSplitK;  // w rows of a tile this CTA finishes
     const uint32_t tid = threadIdx.x, wg = tid / 128;
     const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
-    const uint32_t red = base + kStages * T::kStageBytes;  // [2][kSplitBN][kRedStride] f32
+    const uint32_t red = base + kStages * T::kStageBytes;  // [2][BM][kRedStride] f32
     const uint32_t full = red + T::kRedBytes, empty = full + 8 * kStages;
     init_ring(full, empty, kStages);
 
@@ -133,37 +133,37 @@ __device__ __forceinline__ void tma_splitk_tiles(const TensorMap& amap, const Te
             wg_fence_operands(d);
             if (kt1 > kt0 && lane == 0) mbar_arrive(empty + 8 * ((it + kt1 - kt0 - 1) % kStages));
             // d[4j + e]: w row 16*wq + g (+8 for e >= 2) of the tile, token 8j + 2t (+1 for odd
-            // e): this consumer's partial of c[token, w row], stored [consumer][w row][token].
-            const uint32_t row = cw * kSplitBN + wq * 16 + g;
+            // e): this consumer's partial of c[token, w row], stored [consumer][token][w row]
+            // (rows of kRedStride floats: the warp's 32 stores of each fall in 32 banks).
+            const uint32_t wrow = wq * 16 + g, part = red + cw * BM * T::kRedStride * 4;
 #pragma unroll
             for (uint32_t j = 0; j < BM / 8; ++j) {
-                const uint32_t col = 8 * j + 2 * t;
-                asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n"
-                             :: "r"(red + (row * T::kRedStride + col) * 4), "f"(d[4 * j]), "f"(d[4 * j + 1])
-                             : "memory");
-                asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n"
-                             :: "r"(red + ((row + 8) * T::kRedStride + col) * 4), "f"(d[4 * j + 2]),
-                                "f"(d[4 * j + 3])
-                             : "memory");
+#pragma unroll
+                for (uint32_t e = 0; e < 4; ++e) {
+                    const uint32_t tok = 8 * j + 2 * t + (e & 1), col = wrow + 8 * (e >> 1);
+                    asm volatile("st.shared.f32 [%0], %1;\n" :: "r"(part + (tok * T::kRedStride + col) * 4),
+                                 "f"(d[4 * j + e]) : "memory");
+                }
             }
         }
         it += kt1 - kt0;
         cluster_sync();  // every partial of this tile written, cluster-wide
 
-        // CTA `rank` finishes w rows kRows*rank .. +kRows-1 of the tile: row pairs x BM tokens, one
-        // pair (two adjacent columns of c) per thread and pass, tokens across adjacent threads;
-        // partials summed rank by rank, consumer by consumer.
+        // CTA `rank` finishes w rows kRows*rank .. +kRows-1 of the tile (columns of c) for its BM
+        // tokens: one column pair per thread and pass, the pairs of a token across adjacent
+        // threads (a warp stores two 64-byte row pieces of c); partials summed rank by rank,
+        // consumer by consumer.
         for (uint32_t p = tid; p < kRows / 2 * BM; p += kTmaThreads) {
-            const uint32_t tok = p % BM, jr = kRows * rank + 2 * (p / BM);
-            const uint32_t at = red + (jr * T::kRedStride + tok) * 4;
+            const uint32_t tok = p / (kRows / 2), jr = kRows * rank + 2 * (p % (kRows / 2));
+            const uint32_t at = red + (tok * T::kRedStride + jr) * 4;
             float v0 = 0.0f, v1 = 0.0f;
 #pragma unroll
             for (uint32_t r = 0; r < kSplitK; ++r) {
 #pragma unroll
                 for (uint32_t h = 0; h < kTmaConsumers; ++h) {
-                    const uint32_t peer = peer_smem(at + h * kSplitBN * T::kRedStride * 4, r);
-                    v0 += ld_cluster_f32(peer);
-                    v1 += ld_cluster_f32(peer + T::kRedStride * 4);
+                    const float2 v = ld_cluster_f32x2(peer_smem(at + h * BM * T::kRedStride * 4, r));
+                    v0 += v.x;
+                    v1 += v.y;
                 }
             }
             const uint32_t crow = m0 + tok;

@@ -114,7 +114,7 @@ SPLIT_AUTO_ROWS, SPLIT_AUTO_MIN_K = (33, 256), 1024
 
 
 def _split_smem(bm: int, stages: int) -> int:
-    return (1024 + stages * (SPLIT_BN + bm) * SPLIT_BK * 2 + TMA_CONSUMERS * SPLIT_BN * (bm + 4) * 4
+    return (1024 + stages * (SPLIT_BN + bm) * SPLIT_BK * 2 + TMA_CONSUMERS * bm * (SPLIT_BN + 4) * 4
             + 16 * stages)
 
 

@@ -99,6 +99,7 @@ constexpr uint32_t kSplitBN = 64;       // w rows (columns of c) per tile: one m
 constexpr uint32_t kSplitBM = 64;       // tokens (rows of c) per tile for m <= kSplitBM ...
 constexpr uint32_t kSplitWideBM = 128;  // ... and above
 constexpr uint32_t kSplitBK = kTmaConsumers * kWgBK;  // k per stage
+constexpr uint32_t kSplitShortK = 256;  // up to this k: no split over the cluster (one CTA, one tile)
 constexpr uint32_t kSplitStages = 4;      // ring depth of the 64-token tiles (32 KB stages) ...
 constexpr uint32_t kSplitWideStages = 3;  // ... and of the 128-token tiles (48 KB stages)
 // Both tiles' shared memory: the ring, one fp32 partial tile per consumer (a token's 64 floats

@@ -17,6 +17,8 @@
 // the kSplitK x 2 partials of w rows 32r .. 32r+31 of its tile (columns of c) in a fixed order,
 // reading its peers' shared memory (ld.shared::cluster), applies the epilogue and rounds once; a
 // second cluster barrier keeps every partial alive until all its readers are done.
+// For k <= kSplitShortK the cluster does not split k: each CTA takes 64-token tiles of its own and
+// sums its two consumers' partials in its own shared memory, with CTA barriers.
 // Deterministic (fixed summation order), no workspace, one rounding. Every thread of the CTA
 // takes part in both cluster barriers of every tile, so clusters may loop over tiles.
 #pragma once
@@ -40,6 +42,22 @@ __device__ __forceinline__ uint32_t peer_smem(uint32_t addr, uint32_t rank) {
     uint32_t out;
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(out) : "r"(addr), "r"(rank));
     return out;
+}
+
+__device__ __forceinline__ float2 ld_shared_f32x2(uint32_t addr) {
+    float2 v;
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(addr) : "memory");
+    return v;
+}
+
+// The barrier between a tile's partials and their readers: the CTA's, or the cluster's.
+template <uint32_t kRanks>
+__device__ __forceinline__ void tile_sync() {
+    if constexpr (kRanks > 1) {
+        cluster_sync();
+    } else {
+        __syncthreads();
+    }
 }
 
 __device__ __forceinline__ float2 ld_cluster_f32x2(uint32_t addr) {
@@ -67,32 +85,35 @@ __device__ __forceinline__ bool splitk_launch_fits() {
            dynamic_smem_bytes() >= kSplitSmem;
 }
 
-// Tiles are (64 columns of c) x (BM rows of c); cluster c_id takes tiles c_id, c_id + clusters, ...
-template <uint32_t BM, class Ep>
+// Tiles are (64 columns of c) x (BM rows of c). kRanks = kSplitK: k split over the cluster, cluster
+// c_id takes tiles c_id, c_id + clusters, ...; kRanks = 1: each CTA takes tiles of its own (block
+// b: b, b + blocks, ...), k split only between its consumers, summed in its own shared memory.
+template <uint32_t BM, uint32_t kRanks, class Ep>
 __device__ __forceinline__ void tma_splitk_tiles(const TensorMap& amap, const TensorMap& wmap,
                                                  bf16* c, uint32_t m, uint32_t n, uint32_t k,
                                                  const Ep& ep) {
     using T = SplitTile<BM>;
-    static_assert(kSplitBN == 64 && kSplitBN % (2 * kSplitK) == 0, "one m64 wgmma per tile, row pairs per CTA");
+    static_assert(kSplitBN == 64 && kSplitBN % (2 * kRanks) == 0, "one m64 wgmma per tile, row pairs per CTA");
+    static_assert(kRanks == 1 || kRanks == kSplitK, "k over the whole cluster or inside the CTA");
     static_assert(BM % 64 == 0, "a's boxes are 64 rows");
     constexpr uint32_t kWBox = T::kWBox, kABox = T::kABox, kStages = T::kStages;
-    constexpr uint32_t kRows = kSplitBN / kSplitK;  // w rows of a tile this CTA finishes
+    constexpr uint32_t kRows = kSplitBN / kRanks;  // w rows of a tile this CTA finishes
     const uint32_t tid = threadIdx.x, wg = tid / 128;
     const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
     const uint32_t red = base + kStages * T::kStageBytes;  // [2][BM][kRedStride] f32
     const uint32_t full = red + T::kRedBytes, empty = full + 8 * kStages;
     init_ring(full, empty, kStages);
 
-    const uint32_t rank = cluster_rank();
-    const uint32_t ktiles = ceil_div(k, kSplitBK), per = ceil_div(ktiles, kSplitK);
+    const uint32_t rank = kRanks > 1 ? cluster_rank() : 0;
+    const uint32_t ktiles = ceil_div(k, kSplitBK), per = ceil_div(ktiles, kRanks);
     const uint32_t kt0 = min(rank * per, ktiles), kt1 = min(kt0 + per, ktiles);
     const uint64_t tiles_n = ceil_div(n, kSplitBN), tiles = tiles_n * ceil_div(m, BM);
-    const uint64_t clusters = grid_blocks() / kSplitK;
+    const uint64_t groups = grid_blocks() / kRanks;  // CTAs (groups of kRanks) that share no tile
     const uint32_t lane = tid & 31, wq = (tid >> 5) & 3, g = lane >> 2, t = lane & 3;
     const bool vec = vector_stores(c, n);
     uint32_t it = 0;  // k-tiles through the ring so far, this CTA
 
-    for (uint64_t tile = block_rank() / kSplitK; tile < tiles; tile += clusters) {
+    for (uint64_t tile = block_rank() / kRanks; tile < tiles; tile += groups) {
         const uint32_t n0 = static_cast<uint32_t>(tile % tiles_n) * kSplitBN;
         const uint32_t m0 = static_cast<uint32_t>(tile / tiles_n) * BM;
         if (wg == 0) {
@@ -147,7 +168,7 @@ __device__ __forceinline__ void tma_splitk_tiles(const TensorMap& amap, const Te
             }
         }
         it += kt1 - kt0;
-        cluster_sync();  // every partial of this tile written, cluster-wide
+        tile_sync<kRanks>();  // every partial of this tile written (cluster-wide for kRanks > 1)
 
         // CTA `rank` finishes w rows kRows*rank .. +kRows-1 of the tile (columns of c) for its BM
         // tokens: one column pair per thread and pass, the pairs of a token across adjacent
@@ -158,10 +179,11 @@ __device__ __forceinline__ void tma_splitk_tiles(const TensorMap& amap, const Te
             const uint32_t at = red + (tok * T::kRedStride + jr) * 4;
             float v0 = 0.0f, v1 = 0.0f;
 #pragma unroll
-            for (uint32_t r = 0; r < kSplitK; ++r) {
+            for (uint32_t r = 0; r < kRanks; ++r) {
 #pragma unroll
                 for (uint32_t h = 0; h < kTmaConsumers; ++h) {
-                    const float2 v = ld_cluster_f32x2(peer_smem(at + h * BM * T::kRedStride * 4, r));
+                    const uint32_t own = at + h * BM * T::kRedStride * 4;
+                    const float2 v = kRanks > 1 ? ld_cluster_f32x2(peer_smem(own, r)) : ld_shared_f32x2(own);
                     v0 += v.x;
                     v1 += v.y;
                 }
@@ -169,11 +191,13 @@ __device__ __forceinline__ void tma_splitk_tiles(const TensorMap& amap, const Te
             const uint32_t crow = m0 + tok;
             if (crow < m) store_pair(c, crow, n0 + jr, n, v0, v1, vec, ep.row(crow, m));
         }
-        cluster_sync();  // every peer done reading this CTA's partials
+        tile_sync<kRanks>();  // every reader done with this CTA's partials
     }
 }
 
-// 64-token tiles for m <= 64, 128-token tiles above (the host plans the grid the same way).
+// k <= kSplitShortK: 64-token tiles, one per CTA, k split only between the consumers (the cluster's
+// barriers and remote reads cost more than a short k saves); else k split over the cluster, with
+// 64-token tiles for m <= 64 and 128-token tiles above. The host plans the grid the same way.
 template <class Ep>
 __device__ __forceinline__ void tma_splitk_gemm(const TensorMap& amap, const TensorMap& wmap,
                                                 bf16* c, uint32_t m, uint32_t n, uint32_t k,
@@ -182,10 +206,12 @@ __device__ __forceinline__ void tma_splitk_gemm(const TensorMap& amap, const Ten
         asm volatile("prefetch.tensormap [%0];\n" :: "l"(reinterpret_cast<uint64_t>(&amap)) : "memory");
         asm volatile("prefetch.tensormap [%0];\n" :: "l"(reinterpret_cast<uint64_t>(&wmap)) : "memory");
     }
-    if (m <= kSplitBM) {
-        tma_splitk_tiles<kSplitBM>(amap, wmap, c, m, n, k, ep);
+    if (k <= kSplitShortK) {
+        tma_splitk_tiles<kSplitBM, 1>(amap, wmap, c, m, n, k, ep);
+    } else if (m <= kSplitBM) {
+        tma_splitk_tiles<kSplitBM, kSplitK>(amap, wmap, c, m, n, k, ep);
     } else {
-        tma_splitk_tiles<kSplitWideBM>(amap, wmap, c, m, n, k, ep);
+        tma_splitk_tiles<kSplitWideBM, kSplitK>(amap, wmap, c, m, n, k, ep);
     }
 }
 

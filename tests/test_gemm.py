@@ -161,6 +161,17 @@ def test_forced_splitk_plan_is_whole_clusters_of_its_tiles():
                                fake_tensor_map(0x200000, 4100, 4096, 64, 64)]
 
 
+@pytest.mark.parametrize("m, k, ctas", [
+    (129, 264, 65 * 2 * 2),  # k split over the cluster: a cluster per 128-token tile
+    (129, 256, 196),         # short k: a CTA per 64-token tile (65 x 3), rounded up to whole clusters
+    (64, 8, 66),
+])
+def test_forced_splitk_plan_short_k_takes_a_cta_per_tile(m, k, ctas):
+    p = gemm.plan(m, 4100, k, "tma_splitk", tma=True)
+    assert (p.kernel, p.grid, p.shared_mem) == ("dense_gemm_bf16_tma_splitk", ctas, gemm.SPLIT_SMEM)
+    assert gemm.split_rows(m, k) == (64 if k <= gemm.SPLIT_SHORT_K or m <= 64 else 128)
+
+
 @pytest.mark.parametrize("a_off, w_off, k", [(2, 0, 512), (0, 8, 512), (0, 0, 516)])
 def test_tma_falls_back_to_wgmma_for_operands_a_tensor_map_cannot_describe(a_off, w_off, k):
     """A tensor map needs 16-byte aligned bases and rows of a multiple of 16 bytes."""
@@ -226,6 +237,7 @@ def test_launcher_constants_mirror_the_kernel():
         gemm.SPLIT_K, gemm.SPLIT_BN, gemm.SPLIT_BM, gemm.SPLIT_WIDE_BM, gemm.SPLIT_STAGES,
         gemm.SPLIT_WIDE_STAGES, gemm.SPLIT_NARROW_SMEM, gemm.SPLIT_SMEM)
     assert gemm.SPLIT_NARROW_SMEM < gemm.SPLIT_SMEM <= MAX_SHARED_OPTIN
+    assert cu["kSplitShortK"] == gemm.SPLIT_SHORT_K
     assert "__cluster_dims__(gemm::kSplitK, 1, 1)" in (kernel_dir() / "gemm.cu").read_text()  # one size
     assert gemm.TMA_THREADS == 128 * (1 + gemm.TMA_CONSUMERS)
     # run_tiled takes the largest config the shared memory holds, largest first, as TILE_CONFIGS
@@ -467,9 +479,10 @@ def test_tma_store_kernel_correct_for_any_launch(gpu, rng, m, n, k, grid, block,
 
 @pytest.mark.gpu
 # k = 64 and 8: the cluster's second CTA has no k-stage, the second consumer only zero-filled boxes;
-# m > 64: 128-token tiles (m = 100: the second a box half past m; 130: a second tile row)
+# m > 64: 128-token tiles (m = 100: the second a box half past m; 130: a second tile row); k <= 256:
+# a CTA per 64-token tile
 @pytest.mark.parametrize("m, n, k", [(64, 1030, 1032), (3, 300, 200), (130, 264, 4104), (5, 70, 64),
-                                     (2, 130, 8), (100, 200, 520), (65, 70, 64)])
+                                     (2, 130, 8), (100, 200, 520), (65, 70, 64), (130, 200, 256)])
 @pytest.mark.parametrize("grid, block, smem", [
     ((2, 1, 1), (384, 1, 1), "plan"),     # one cluster, every tile
     ((6, 1, 1), (384, 1, 1), "plan"),     # three clusters

@@ -20,8 +20,10 @@ Paths:
 - ``tma_store``  ``tma`` whose consumers stage their results in shared memory for a TMA store and
   go on to the next tile: chosen where c suits a tensor map, else it runs ``tma``.
 - ``tma_splitk``  few rows of a (33 to 256 with k >= 1024, ``use_splitk``): swap-AB wgmma (w rows
-  on the M side, 64 tokens on N, or 128 for m > 64), tiles of 64 columns of c, k split over a 2-CTA cluster and the two consumers of each CTA, the
-  partials summed in fixed order through distributed shared memory (one rounding, no workspace).
+  on the M side, 64 tokens on N, or 128 for m > 64), tiles of 64 columns of c, k split over a
+  2-CTA cluster and the two consumers of each CTA, the partials summed in fixed order through
+  distributed shared memory (one rounding, no workspace). For k <= 256 the cluster does not split
+  k: each CTA takes a 64-token tile of its own and sums its consumers' partials itself.
   A forced ``tma_splitk`` whose operands a tensor map cannot describe runs what ``path=None`` would.
 - ``simt``   one output per thread (a check on the others, never chosen automatically).
 
@@ -106,6 +108,7 @@ SMS = 132  # H100 / H200 SXM: the persistent grid when the backend does not say
 # stage: one 64-wide k box of w and of a for each). One shared-memory size holds either tile.
 SPLIT_K, SPLIT_BN, SPLIT_BM, SPLIT_WIDE_BM = 2, 64, 64, 128
 SPLIT_STAGES, SPLIT_WIDE_STAGES = 4, 3
+SPLIT_SHORT_K = 256  # up to this k the cluster does not split k: each CTA takes 64-token tiles of its own
 SPLIT_BK = TMA_CONSUMERS * WG_BK
 # path=None takes it for 32 < m <= 256 with k >= 1024 (bench.gemm on the H200: 64x4096x4096 16.2
 # us against small's 24.2, 128x4096x4096 26.9 against tiled's 40.1; below, or with k = 256, the
@@ -122,9 +125,9 @@ SPLIT_NARROW_SMEM = _split_smem(SPLIT_BM, SPLIT_STAGES)
 SPLIT_SMEM = _split_smem(SPLIT_WIDE_BM, SPLIT_WIDE_STAGES)
 
 
-def split_rows(m: int) -> int:
+def split_rows(m: int, k: int) -> int:
     """Tokens (rows of c) per split-K tile: gemm.cu's ``tma_splitk_gemm`` picks the same."""
-    return SPLIT_BM if m <= SPLIT_BM else SPLIT_WIDE_BM
+    return SPLIT_BM if m <= SPLIT_BM or k <= SPLIT_SHORT_K else SPLIT_WIDE_BM
 
 
 _GRID_MAX = (1 << 31) - 1
@@ -224,7 +227,7 @@ def plan(m: int, n: int, k: int, path: str | None = None, *, wgmma: bool = False
         if wgmma and m > SMALL_MAX_ROWS and use_wgmma(m, n):
             return _wgmma_plan(m, n, tma, tma_store, sms)
         if tma and use_splitk(m, k):
-            return _splitk_plan(m, n)
+            return _splitk_plan(m, n, k)
         if m <= SMALL_MAX_ROWS:
             return GemmPlan("small", KERNEL, _small_grid(m, n), small_smem(m))
         bm, bn = pick_tile(m, n)
@@ -238,15 +241,17 @@ def plan(m: int, n: int, k: int, path: str | None = None, *, wgmma: bool = False
     if path in ("wgmma", "tma", "tma_store"):
         return _wgmma_plan(m, n, tma and path != "wgmma", tma_store and path == "tma_store", sms)
     if path == "tma_splitk":
-        return _splitk_plan(m, n) if tma else plan(m, n, k, None, wgmma=wgmma, sms=sms)
+        return _splitk_plan(m, n, k) if tma else plan(m, n, k, None, wgmma=wgmma, sms=sms)
     if path == "simt":
         return GemmPlan(path, KERNELS["simt"], min(_cdiv(m * n, THREADS), _SIMT_BLOCKS_MAX), 0)
     raise ValueError(f"unknown GEMM path {path!r}; one of {PATHS} or None")
 
 
-def _splitk_plan(m: int, n: int) -> GemmPlan:
-    clusters = min(_cdiv(n, SPLIT_BN) * _cdiv(m, split_rows(m)), _GRID_MAX // SPLIT_K)
-    return GemmPlan("tma_splitk", KERNELS["tma_splitk"], clusters * SPLIT_K, SPLIT_SMEM, TMA_THREADS)
+def _splitk_plan(m: int, n: int, k: int) -> GemmPlan:
+    """Whole clusters: one per tile (k split over it), or for a short k one CTA per tile."""
+    tiles = _cdiv(n, SPLIT_BN) * _cdiv(m, split_rows(m, k))
+    ctas = _cdiv(tiles, SPLIT_K) * SPLIT_K if k <= SPLIT_SHORT_K else tiles * SPLIT_K
+    return GemmPlan("tma_splitk", KERNELS["tma_splitk"], min(ctas, _GRID_MAX - 1), SPLIT_SMEM, TMA_THREADS)
 
 
 def _wgmma_plan(m: int, n: int, tma: bool, store: bool, sms: int) -> GemmPlan:

@@ -127,11 +127,13 @@ def test_large_m_runs_tma_with_register_stores_where_c_cannot_be_a_tensor_map(c_
 
 
 @pytest.mark.parametrize("m, k, path", [
-    (32, 4096, "small"), (33, 4096, "tma_splitk"), (64, 1024, "tma_splitk"), (64, 1016, "small"),
-    (128, 4096, "tma_splitk"), (256, 1024, "tma_splitk"), (257, 4096, "tiled_64x64"),
+    (32, 4096, "small"), (33, 4096, "tma_splitk"), (64, 1024, "tma_splitk"), (64, 1016, "tma_splitk"),
+    (32, 512, "small"), (33, 512, "tma_splitk"), (16, 256, "small"), (17, 256, "tma_splitk"),
+    (200, 8, "tma_splitk"), (128, 4096, "tma_splitk"), (256, 1024, "tma_splitk"),
+    (257, 4096, "tiled_64x64"), (257, 256, "tiled_64x64"),
     (1024, 4096, "tma_store"),  # enough 128x256 tiles: the persistent kernel
 ])
-def test_mid_m_with_a_long_k_runs_splitk_on_sm90a(m, k, path):
+def test_mid_m_runs_splitk_on_sm90a(m, k, path):
     gpu = TmaBackend()
     kern = load_kernel(gpu, "gemm", gemm.KERNEL)
     dense_gemm_bf16_pipelined(gpu, kern, _p(0), _weight(4096, k), _p(2), m, 4096, k, 0)
@@ -139,8 +141,11 @@ def test_mid_m_with_a_long_k_runs_splitk_on_sm90a(m, k, path):
     assert gemm.plan(m, 4096, k, wgmma=True, tma=True, tma_store=True).path == path
     if path == "tma_splitk":
         assert gpu.kernel_of(launch) == ("gemm", "dense_gemm_bf16_tma_splitk")
-        tiles = 64 * (1 if m <= 128 else 2)  # 64-token tiles for m <= 64, 128-token tiles above
-        assert launch.grid == (tiles * 2, 1, 1) and launch.shared_mem == gemm.SPLIT_SMEM
+        if k <= 256:  # a CTA per 64-token tile
+            ctas = 64 * -(-m // 64)
+        else:  # a 2-CTA cluster per tile: 64-token tiles for m <= 64, 128-token tiles above
+            ctas = 2 * 64 * (1 if m <= 128 else 2)
+        assert launch.grid == (ctas, 1, 1) and launch.shared_mem == gemm.SPLIT_SMEM
     # no tensor maps (an sm_90a backend without them, or a misaligned a): never split-K
     for other, a in ((Sm90aBackend(), _p(0)), (TmaBackend(), DevicePtr(_p(0) + 2))):
         dense_gemm_bf16_pipelined(other, load_kernel(other, "gemm", gemm.KERNEL), a, _weight(4096, k),

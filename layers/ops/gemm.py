@@ -19,7 +19,7 @@ Paths:
   cannot take runs ``wgmma``.
 - ``tma_store``  ``tma`` whose consumers stage their results in shared memory for a TMA store and
   go on to the next tile: chosen where c suits a tensor map, else it runs ``tma``.
-- ``tma_splitk``  few rows of a (33 to 256 with k >= 1024, ``use_splitk``): swap-AB wgmma (w rows
+- ``tma_splitk``  few rows of a (33 to 256, 17 to 256 for k <= 256: ``use_splitk``): swap-AB wgmma (w rows
   on the M side, 64 tokens on N, or 128 for m > 64), tiles of 64 columns of c, k split over a
   2-CTA cluster and the two consumers of each CTA, the partials summed in fixed order through
   distributed shared memory (one rounding, no workspace). For k <= 256 the cluster does not split
@@ -110,10 +110,11 @@ SPLIT_K, SPLIT_BN, SPLIT_BM, SPLIT_WIDE_BM = 2, 64, 64, 128
 SPLIT_STAGES, SPLIT_WIDE_STAGES = 4, 3
 SPLIT_SHORT_K = 256  # up to this k the cluster does not split k: each CTA takes 64-token tiles of its own
 SPLIT_BK = TMA_CONSUMERS * WG_BK
-# path=None takes it for 32 < m <= 256 with k >= 1024 (bench.gemm on the H200: 64x4096x4096 16.2
-# us against small's 24.2, 128x4096x4096 26.9 against tiled's 40.1; below, or with k = 256, the
-# small and tiled paths' shorter start wins)
-SPLIT_AUTO_ROWS, SPLIT_AUTO_MIN_K = (33, 256), 1024
+# path=None takes it for 16 < m <= 256 with k <= SPLIT_SHORT_K, and 32 < m <= 256 above
+# (bench.gemm --sweep on the H200, n = 4096, us: k = 256, m = 32: 5.47 against small's 5.83,
+# m = 128: 5.80 against tiled's 6.62; k = 512, m = 64: 7.42 against 7.67; k = 4096, m = 64: 14.9
+# against 21.6, m = 128: 18.3 against tiled's 40.8; below those m the small path's start wins)
+SPLIT_AUTO_ROWS, SPLIT_AUTO_SHORT_MIN_ROWS = (33, 256), 17
 
 
 def _split_smem(bm: int, stages: int) -> int:
@@ -192,9 +193,9 @@ def use_wgmma(m: int, n: int) -> bool:
 
 
 def use_splitk(m: int, k: int) -> bool:
-    """The split-K path for the mid-size m with a long k, where it measures faster."""
+    """The split-K path for the mid-size m, where it measures faster than small and tiled."""
     lo, hi = SPLIT_AUTO_ROWS
-    return lo <= m <= hi and k >= SPLIT_AUTO_MIN_K
+    return (SPLIT_AUTO_SHORT_MIN_ROWS if k <= SPLIT_SHORT_K else lo) <= m <= hi
 
 
 def wgmma_available(gpu: GpuBackend) -> bool:

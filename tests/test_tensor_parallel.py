@@ -423,9 +423,11 @@ def _fused_reference(gpu, rng, host, contexts, seq_lens, max_rows):
         free_layer(layer)
 
 
-def _batch(rng, dims, sequences):
+def _batch(rng, dims, sequences, max_rows):
+    """Random contexts of 1-39 tokens; each sequence embeds at most max_rows // sequences of them,
+    so the batch always fits a layer of ``max_rows`` rows."""
     contexts = [rng.integers(0, dims.vocab_size, int(rng.integers(1, 40))) for _ in range(sequences)]
-    seq_lens = [int(rng.integers(1, len(c) + 1)) for c in contexts]
+    seq_lens = [int(rng.integers(1, min(len(c), max_rows // sequences) + 1)) for c in contexts]
     return contexts, seq_lens
 
 
@@ -450,7 +452,7 @@ def _local_outputs(gpu, rng, ranks, contexts, seq_lens, h):
 def test_local_group_equals_the_single_gpu_fused_path(gpu, rng, size, kinds):
     dims = small_dims(max_ngram=3, splits=2, hidden_size=64, table_dim=32, eos_id=3)
     host = random_layer(rng, dims, kinds)
-    contexts, seq_lens = _batch(rng, dims, 5)
+    contexts, seq_lens = _batch(rng, dims, 5, 128)
     want = _fused_reference(gpu, rng, host, contexts, seq_lens, 128)
     ranks = _ranks(gpu, host, size, max_rows=128)
     try:
@@ -468,7 +470,7 @@ def test_pretrained_ranks_equal_the_pretrained_fused_path(gpu, rng, tmp_path):
 
     model = write_model(tmp_path / "m", make_model(rng, kinds="bf"))
     dims, path = model.dims, str(model.path)
-    contexts, seq_lens = _batch(rng, dims, 4)
+    contexts, seq_lens = _batch(rng, dims, 4, 64)
     with FusedNgramEmbedding.from_pretrained(path, gpu, max_rows=64) as fused:
         want = run_on_poisoned(gpu, rng, lambda o: fused.embed_batch(contexts, seq_lens, o, gpu), sum(seq_lens),
                                dims.hidden_size)
@@ -537,7 +539,7 @@ def test_one_rank_nccl_equals_fused_eager_and_in_a_graph(gpu, rng):
     nccl = _nccl_or_skip()
     dims = small_dims(max_ngram=3, splits=2, hidden_size=64, table_dim=32)
     host = random_layer(rng, dims, "bf")
-    contexts, seq_lens = _batch(rng, dims, 3)
+    contexts, seq_lens = _batch(rng, dims, 3, 64)
     want = _fused_reference(gpu, rng, host, contexts, seq_lens, 64)
     comm = nccl.NcclCollective.init(1, 0, nccl.unique_id(), gpu)
     (rank,) = _ranks(gpu, host, 1, collectives=[comm])
@@ -575,7 +577,7 @@ def test_two_gpus_in_one_process_equal_fused_and_repeat_bit_for_bit(rng):
     gpus = [CudaBackend(d) for d in range(2)]
     dims = small_dims(max_ngram=3, splits=4, hidden_size=256, table_dim=32)
     host = random_layer(rng, dims, "bf")
-    contexts, seq_lens = _batch(rng, dims, 8)
+    contexts, seq_lens = _batch(rng, dims, 8, 256)
     want = _fused_reference(gpus[0], rng, host, contexts, seq_lens, 256)
     group = nccl.NcclGroup(gpus)
     ranks = [TensorParallelNgramEmbedding.from_numpy(dims, NgramShard.of(dims, r, 2), host.word,
@@ -649,7 +651,7 @@ def test_two_gpus_one_process_each_equal_fused(gpu, rng):
     _two_gpus_or_skip()
     dims = small_dims(max_ngram=3, splits=4, hidden_size=256, table_dim=32)
     host = random_layer(rng, dims, "b")
-    contexts, seq_lens = _batch(rng, dims, 8)
+    contexts, seq_lens = _batch(rng, dims, 8, 256)
     want = _fused_reference(gpu, rng, host, contexts, seq_lens, 256)
     results = _run_two_processes(host, contexts, seq_lens, fail=False)
     assert [kind for kind, _ in results] == ["ok", "ok"], results
@@ -662,7 +664,7 @@ def test_a_failed_rank_cannot_hang_the_other(rng):
     _two_gpus_or_skip()
     dims = small_dims(max_ngram=3, splits=4, hidden_size=256, table_dim=32)
     host = random_layer(rng, dims, "b")
-    contexts, seq_lens = _batch(rng, dims, 2)
+    contexts, seq_lens = _batch(rng, dims, 2, 256)
     results = _run_two_processes(host, contexts, seq_lens, fail=True)
     assert results[1][0] == "exited"
     assert results[0][0] in ("TimeoutError", "RuntimeError"), results[0]

@@ -19,11 +19,11 @@ Paths:
   cannot take runs ``wgmma``.
 - ``tma_store``  ``tma`` whose consumers stage their results in shared memory for a TMA store and
   go on to the next tile: chosen where c suits a tensor map, else it runs ``tma``.
-- ``tma_splitk``  few rows of a (33 to 256, 17 to 256 for k <= 256: ``use_splitk``): swap-AB wgmma (w rows
-  on the M side, 64 tokens on N, or 128 for m > 64), tiles of 64 columns of c, k split over a
-  2-CTA cluster and the two consumers of each CTA, the partials summed in fixed order through
-  distributed shared memory (one rounding, no workspace). For k <= 256 the cluster does not split
-  k: each CTA takes a 64-token tile of its own and sums its consumers' partials itself.
+- ``tma_splitk``  few rows of a (33 to 256, 17 to 256 for k <= 256: ``use_splitk``): swap-AB
+  wgmma (w rows on the M side, 64 tokens on N, or 128 for m > 64), tiles of 64 columns of c, k
+  split over a 2-CTA cluster and the two consumers of each CTA, the partials summed in fixed order
+  through distributed shared memory (one rounding, no workspace). For k <= 256 the cluster does
+  not split k: each CTA takes a 64-token tile of its own and sums its consumers' partials itself.
   A forced ``tma_splitk`` whose operands a tensor map cannot describe runs what ``path=None`` would.
 - ``simt``   one output per thread (a check on the others, never chosen automatically).
 

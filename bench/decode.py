@@ -33,6 +33,8 @@ Checks (printed before the table): our first step against the numpy fused refere
 against ours, as max abs diff and that over the largest |value| (a bf16 ulp is 2^-8 relative);
 every decoder's ``check_errors`` after its rows.
 Without torch (with CUDA) the torch rows are skipped with a message.
+Then the serving calls (padded batches, adapters, seed, fork) against the plain step:
+bench/decode_serving.py.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from typing import Any, Callable
 import numpy as np
 
 from bench.common import copy_bandwidth, gated_gpu_us, print_table, torch_or_none
+from bench.decode_serving import serving_rows
 from bench.ngram_embed import DIMS, device_weight, torch_view
 from gpu_runtime import CudaBackend, DeviceArray, DevicePtr
 from layers import reference
@@ -460,6 +463,7 @@ def main() -> None:
             if torch is not None:
                 rows += torch_rows(ctx, layer)
                 torch.cuda.synchronize()
+            serving_rows(gpu, stream, layer, rng)
         finally:
             gpu.synchronize(stream)
             layer.close()

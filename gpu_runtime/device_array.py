@@ -1,9 +1,10 @@
 """``DeviceArray``: a typed view of device memory (pointer, shape, numpy dtype).
 
 Launches still take ``DevicePtr``; this exists so tests and engines can move numpy data in and
-out in one line, and hand results to CuPy, Numba or torch without a copy through
-``__cuda_array_interface__`` (v3). bf16 and fp8 export as opaque ``<V2``/``|V1`` typestrs,
-the only spelling the interface has for them.
+out in one line, and hand results to CuPy, Numba, torch or JAX without a copy, through
+``__cuda_array_interface__`` (v3; bf16 and fp8 export as opaque ``<V2``/``|V1`` typestrs, the
+only spelling the interface has for them) or ``__dlpack__`` (bf16 as DLPack's bfloat16). Either
+view is valid until ``free()``; neither keeps the memory alive past it.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from . import dlpack
 from .backend import GpuBackend
 from .pointers import DevicePtr
 
@@ -78,6 +80,25 @@ class DeviceArray:
             "strides": None,
             "stream": self.stream or None,
         }
+
+    def __dlpack__(self, *, stream: int | None = None, max_version: Any = None, dl_device: Any = None,
+                   copy: bool | None = None) -> Any:
+        """An unversioned DLPack capsule over this array (no copy: ``copy=True`` and another
+        ``dl_device`` are refused). A consumer ``stream`` other than this array's own waits for
+        the work queued on it (one synchronisation); -1 or None: none."""
+        if copy:
+            raise BufferError("DeviceArray.__dlpack__: copy=True is not supported (the export is a view)")
+        if dl_device is not None and tuple(dl_device) != self.__dlpack_device__():
+            raise BufferError(f"DeviceArray.__dlpack__: dl_device {tuple(dl_device)} is not this "
+                              f"array's {self.__dlpack_device__()}")
+        if not self.ptr:
+            raise BufferError("DeviceArray.__dlpack__: the array has been freed")
+        if stream is not None and stream != -1 and stream != self.stream:
+            self.gpu.synchronize(self.stream)
+        return dlpack.export(int(self.ptr), self.shape, self.dtype, self.__dlpack_device__()[1], self)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return dlpack.KDL_CUDA, int(getattr(self.gpu, "device", 0))
 
     # -- lifetime ---------------------------------------------------------------------------
     def free(self) -> None:

@@ -42,8 +42,10 @@
 //   dense_gemm_bf16_wgmma      wgmma path (needs >= 197632 bytes of dynamic shared memory);
 //   dense_gemm_bf16_simt       the scalar path.
 // Word-row entry points (the plain signature + const uint32_t* word_ids, const bf16* word [vocab,
-// n] row-major, float scale; same launch plans as their plain twins):
+// n] row-major, const bf16* const* word_over [m] (null, or per row an adapter's replacement word
+// row, null where none), float scale; same launch plans as their plain twins):
 //   dense_gemm_bf16_word       as dense_gemm_bf16_pipelined, with the word epilogue;
+//   dense_gemm_bf16_word_small_m  as dense_gemm_bf16_small_m (any m: batch invariant);
 //   dense_gemm_bf16_word_wgmma as dense_gemm_bf16_wgmma, with the word epilogue.
 // Both may be launched as programmatic dependents of the gather that writes a and word_ids
 // (they wait for it before reading either; the small path requests its first w stages first).
@@ -300,19 +302,36 @@ dense_gemm_bf16_simt(const bf16* a, const bf16* w, bf16* c, uint32_t m, uint32_t
     gemm::gemm_simt(a, w, c, m, n, k, gemm::PlainEpilogue{});
 }
 
-// dense_gemm_bf16_pipelined with the word epilogue: c = bf16((a @ w^T + word[word_ids]) * scale).
+// dense_gemm_bf16_pipelined with the word epilogue: c = bf16((a @ w^T + word row) * scale), the word
+// row word_over[i] where given, else word[word_ids[i]].
 extern "C" __global__ void __launch_bounds__(256, 1)
 dense_gemm_bf16_word(const bf16* a, const bf16* w, bf16* c, uint32_t m, uint32_t n, uint32_t k,
-                     const uint32_t* word_ids, const bf16* word, float scale) {
-    gemm::dependent_gemm(a, w, c, m, n, k, gemm::word_epilogue(word_ids, word, n, scale));
+                     const uint32_t* word_ids, const bf16* word, const bf16* const* word_over,
+                     float scale) {
+    gemm::dependent_gemm(a, w, c, m, n, k, gemm::word_epilogue(word_ids, word, word_over, n, scale));
+}
+
+// dense_gemm_bf16_small_m with the word epilogue, launched as dense_gemm_bf16_word is (a
+// programmatic dependent of the gather): the small path for any m, so each row's sum is computed
+// the same way whatever m is (batch invariance: the n-gram layers' batch_invariant mode).
+extern "C" __global__ void __launch_bounds__(256, 1)
+dense_gemm_bf16_word_small_m(const bf16* a, const bf16* w, bf16* c, uint32_t m, uint32_t n,
+                             uint32_t k, const uint32_t* word_ids, const bf16* word,
+                             const bf16* const* word_over, float scale) {
+    using namespace gemm;
+    const WordEpilogue ep = word_epilogue(word_ids, word, word_over, n, scale);
+    if (run_small(a, w, c, m, n, k, ep)) return;  // it waits itself
+    pdl_wait();
+    gemm_simt(a, w, c, m, n, k, ep);
 }
 
 // dense_gemm_bf16_wgmma with the word epilogue.
 extern "C" __global__ void __launch_bounds__(256, 1)
 dense_gemm_bf16_word_wgmma(const bf16* a, const bf16* w, bf16* c, uint32_t m, uint32_t n,
-                           uint32_t k, const uint32_t* word_ids, const bf16* word, float scale) {
+                           uint32_t k, const uint32_t* word_ids, const bf16* word,
+                           const bf16* const* word_over, float scale) {
     pdl_wait();
-    gemm::wgmma_or_tiled_gemm(a, w, c, m, n, k, gemm::word_epilogue(word_ids, word, n, scale));
+    gemm::wgmma_or_tiled_gemm(a, w, c, m, n, k, gemm::word_epilogue(word_ids, word, word_over, n, scale));
 }
 
 // dense_gemm_bf16_tma with the word epilogue.
@@ -320,10 +339,10 @@ extern "C" __global__ void __launch_bounds__(384, 1)
 dense_gemm_bf16_word_tma(const __grid_constant__ TensorMap a_map,
                          const __grid_constant__ TensorMap w_map, const bf16* a, const bf16* w,
                          bf16* c, uint32_t m, uint32_t n, uint32_t k, const uint32_t* word_ids,
-                         const bf16* word, float scale) {
+                         const bf16* word, const bf16* const* word_over, float scale) {
     pdl_wait();
     gemm::tma_or_simt_gemm<gemm::kTmaLoadOnly>(a_map, w_map, a_map, a, w, c, m, n, k,
-                                  gemm::word_epilogue(word_ids, word, n, scale));
+                                  gemm::word_epilogue(word_ids, word, word_over, n, scale));
 }
 
 // dense_gemm_bf16_tma_store with the word epilogue.
@@ -332,10 +351,11 @@ dense_gemm_bf16_word_tma_store(const __grid_constant__ TensorMap a_map,
                                const __grid_constant__ TensorMap w_map,
                                const __grid_constant__ TensorMap c_map, const bf16* a,
                                const bf16* w, bf16* c, uint32_t m, uint32_t n, uint32_t k,
-                               const uint32_t* word_ids, const bf16* word, float scale) {
+                               const uint32_t* word_ids, const bf16* word, const bf16* const* word_over,
+                     float scale) {
     pdl_wait();
     gemm::tma_or_simt_gemm<gemm::kTmaStoreC>(a_map, w_map, c_map, a, w, c, m, n, k,
-                                 gemm::word_epilogue(word_ids, word, n, scale));
+                                 gemm::word_epilogue(word_ids, word, word_over, n, scale));
 }
 
 // dense_gemm_bf16_tma_splitk with the word epilogue.
@@ -343,8 +363,9 @@ extern "C" __global__ void SPLITK_CLUSTER __launch_bounds__(384, 1)
 dense_gemm_bf16_word_tma_splitk(const __grid_constant__ TensorMap a_map,
                                 const __grid_constant__ TensorMap w_map, const bf16* a,
                                 const bf16* w, bf16* c, uint32_t m, uint32_t n, uint32_t k,
-                                const uint32_t* word_ids, const bf16* word, float scale) {
+                                const uint32_t* word_ids, const bf16* word, const bf16* const* word_over,
+                     float scale) {
     pdl_wait();
     gemm::tma_or_simt_gemm<gemm::kTmaSplitK>(a_map, w_map, a_map, a, w, c, m, n, k,
-                              gemm::word_epilogue(word_ids, word, n, scale));
+                              gemm::word_epilogue(word_ids, word, word_over, n, scale));
 }

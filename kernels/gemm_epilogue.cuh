@@ -19,11 +19,14 @@ struct PlainEpilogue {
     __device__ __forceinline__ Row row(uint64_t, uint32_t) const { return Row{}; }
 };
 
-// (acc + float(word[word_ids[row] * n + col])) * scale: fp32 add, fp32 multiply, no contraction.
-// A word id of kNoWord writes the row as zeros (ngram_decode.cu's rows of bad input).
+// (acc + float(word_row[col])) * scale: fp32 add, fp32 multiply, no contraction, where word_row
+// is over[row] when `over` is given and that entry is not null (an adapter's replacement row, n
+// wide), else word[word_ids[row] * n ...]. A word id of kNoWord (and no replacement) writes the
+// row as zeros (ngram_decode.cu's rows of bad input or padding).
 struct WordEpilogue {
     const uint32_t* ids;
-    const bf16* word;  // [vocab, n] row-major
+    const bf16* word;         // [vocab, n] row-major
+    const bf16* const* over;  // [m] replacement rows (null entries: none), or null
     uint32_t n;
     float scale;
     bool pairs;  // word 4-byte aligned: with n and col even, a pair is one 4-byte load
@@ -52,14 +55,21 @@ struct WordEpilogue {
         }
     };
     __device__ __forceinline__ Row row(uint64_t r, uint32_t m) const {
-        const uint32_t id = r < m ? __ldg(ids + r) : 0u;  // word_ids has m entries
+        const uint32_t id = r < m ? __ldg(ids + r) : 0u;  // word_ids (and over) have m entries
+        const bf16* o = over != nullptr && r < m
+            ? reinterpret_cast<const bf16*>(__ldg(reinterpret_cast<const unsigned long long*>(over) + r))
+            : nullptr;
+        if (o != nullptr) return Row{o, scale, pairs};
         return Row{id == kNoWord ? nullptr : word + static_cast<uint64_t>(id) * n, scale, pairs};
     }
 };
 
+// `pairs` needs every row 4-byte aligned: word's, and the replacement rows' (the caller's
+// promise: OverlaySlots' rows are whole allocations, and with n even each row stays aligned).
 __device__ __forceinline__ WordEpilogue word_epilogue(const uint32_t* ids, const bf16* word,
-                                                      uint32_t n, float scale) {
-    return WordEpilogue{ids, word, n, scale, (reinterpret_cast<uintptr_t>(word) & 3) == 0};
+                                                      const bf16* const* over, uint32_t n,
+                                                      float scale) {
+    return WordEpilogue{ids, word, over, n, scale, (reinterpret_cast<uintptr_t>(word) & 3) == 0};
 }
 
 // c[row, col] and c[row, col + 1] (the second only while < n), through the row's epilogue `er`

@@ -11,27 +11,36 @@
 //
 // ngram_decode_gather: one warp per (row r, table c) pair, as ngram_fused.cu's ngram_gather, with
 // the window read from this call's tokens (rows of the same sequence before r) and the history
-// (positions before the call). Then the last block to finish (a counter in ctrl[1], reset by that
-// block) appends every sequence's tokens to its history: all other blocks have read the history
-// by then, so one launch both reads and updates it.
+// (positions before the call), plus one warp per row for its word row (c == T): the row's flags,
+// its word id and, with adapters, the adapter's replacement row (OverlaySlots' tables). Then the
+// last block to finish (a counter in ctrl[1], reset by that block) appends every sequence's
+// tokens to its history: all other blocks have read the history by then, so one launch both
+// reads and updates it. ngram_decode_seed appends tokens without embedding them (a prefix-cache
+// hit), ngram_decode_fork copies slots (parallel samples), ngram_decode_rollback drops drafts.
 //
-// Bad values only the device sees never make a kernel read or write outside its buffers: a token
-// >= vocab, a slot >= max_seqs, cu_seqlens that are not 0 <= ... <= rows and non-decreasing, or
-// a rollback deeper than the history set a bit of ctrl[0] (atomicOr); the affected rows get zero
-// gathered rows and the word id kNoWord (the GEMM epilogue then writes zeros), a bad token is kept
-// in the history as kNoToken (it ends later tokens' look-back, as a sequence start does), and a
-// bad sequence or rollback leaves its slot untouched. Two sequences of one call on the same slot
-// race on that slot's history (in bounds, result unspecified).
+// A slot of kPadSlot is a padded batch entry: its rows are written as zeros, no history is read
+// or written and no flag is raised, in every kernel. Bad values only the device sees never make a
+// kernel read or write outside its buffers: a token >= vocab, a slot >= max_seqs (not kPadSlot),
+// cu_seqlens that are not 0 <= ... <= rows and non-decreasing, a rollback deeper than the history
+// or an adapter index >= num_adapters (not kNoAdapter) set a bit of ctrl[0] (atomicOr); the
+// affected rows get zero gathered rows and the word id kNoWord (the GEMM epilogue then writes
+// zeros), a bad token is kept in the history as kNoToken (it ends later tokens' look-back, as a
+// sequence start does), and a bad sequence, fork or rollback leaves its slots untouched. Two
+// sequences of one call on the same slot (or a fork whose destination is another pair's source
+// or destination) race on that slot's history (in bounds, result unspecified).
 #include "ngram_hash.cuh"
 
 namespace {
 
 using ngram::kNoToken;
 using ngram::kWarp;
+constexpr uint32_t kPadSlot = 0xffffffffu;    // a padded batch entry (layers: PAD_SLOT)
+constexpr uint32_t kNoAdapter = 0xffffffffu;  // a sequence on the base word table (NO_ADAPTER)
 constexpr uint32_t kErrToken = 1;     // a token >= vocab
 constexpr uint32_t kErrSlot = 2;      // a slot >= max_seqs
 constexpr uint32_t kErrSeqlens = 4;   // cu_seqlens not a partition of 0..rows
 constexpr uint32_t kErrRollback = 8;  // a rollback deeper than the history holds
+constexpr uint32_t kErrAdapter = 16;  // an adapter index >= num_adapters
 
 // Rows [start, end) of sequence s: uniform `per_seq` rows each when cu_seqlens is null.
 struct Span {
@@ -65,6 +74,42 @@ __device__ __forceinline__ void zero_row(bf16* dst, uint32_t td, uint32_t lane) 
     for (uint32_t j = lane; j < td; j += kWarp) dst[j] = __float2bfloat16_rn(0.0f);
 }
 
+// What row r of sequence s (rows sp) may do: `flags` to raise, and `skip` (flagged, or padding):
+// its output row is zeros and it reads no history.
+struct RowCheck {
+    uint32_t flags;
+    bool skip;
+};
+
+__device__ __forceinline__ RowCheck check_row(const Span& sp, uint32_t r, uint32_t rows,
+                                              uint32_t slot, uint32_t token, uint32_t max_seqs,
+                                              uint32_t vocab) {
+    uint32_t flags = sp.sane(rows) && sp.start <= r && r < sp.end ? 0u : kErrSeqlens;
+    if (slot == kPadSlot) return RowCheck{flags, true};
+    if (slot >= max_seqs) flags |= kErrSlot;
+    if (token >= vocab) flags |= kErrToken;
+    return RowCheck{flags, flags != 0};
+}
+
+// OverlaySlots' embedding tables (layers/overlay/slots.py), per adapter slot: the id -> row map
+// (int32[vocab], -1: not overridden), the replacement rows [n, hidden], the count n.
+struct Adapters {
+    const uint32_t* index;  // [num_seqs] each sequence's adapter slot, or null: none at all
+    const int32_t* const* maps;
+    const bf16* const* rows;
+    const int32_t* counts;
+    uint32_t num, hidden;
+
+    // The replacement word row of `token` (< vocab) in adapter slot a (< num), or null.
+    __device__ __forceinline__ const bf16* row_of(uint32_t a, uint32_t token) const {
+        const int32_t* map = maps[a];
+        const bf16* base = rows[a];
+        if (map == nullptr || base == nullptr) return nullptr;
+        const int32_t j = map[token];
+        return j >= 0 && j < counts[a] ? base + static_cast<uint64_t>(j) * hidden : nullptr;
+    }
+};
+
 // Append every sequence's tokens to its slot's history (run by one block, after every read):
 // a thread per sequence, so a batch of up to blockDim.x sequences costs one chain of loads.
 __device__ void commit(const uint32_t* tokens, const uint32_t* cu, const uint32_t* slots,
@@ -76,7 +121,14 @@ __device__ void commit(const uint32_t* tokens, const uint32_t* cu, const uint32_
     for (uint32_t s = threadIdx.x; s < num_seqs; s += blockDim.x) {
         const Span sp = span_of(cu, per_seq, s);
         const uint32_t slot = __ldg(slots + s);
-        if (!sp.sane(rows) || slot >= max_seqs) continue;  // flagged by the gather or above
+        if (!sp.sane(rows)) {
+            atomicOr(errors, kErrSeqlens);
+            continue;
+        }
+        if (slot >= max_seqs) {  // padding; a bad slot (an empty sequence has no row to flag it)
+            if (slot != kPadSlot) atomicOr(errors, kErrSlot);
+            continue;
+        }
         const uint32_t len = sp.end - sp.start;
         const uint32_t pos = state[2 * slot];
         const uint32_t keep = min(len, hist_len);
@@ -90,16 +142,20 @@ __device__ void commit(const uint32_t* tokens, const uint32_t* cu, const uint32_
 }  // namespace
 
 // out[r, c*td:(c+1)*td] = row id_c(r) of table c (r < rows), word_ids[r] = tokens[r] (kNoWord for
-// a bad row), then every sequence's tokens appended to its slot's history.
+// a bad or padded row) and, when adapters are given, word_over[r] = the row's replacement word row
+// (null: the base table's); then every sequence's tokens appended to its slot's history.
 extern "C" __global__ void ngram_decode_gather(
     const uint32_t* tokens, const uint32_t* cu_seqlens, const uint32_t* slots, uint32_t* hist,
     uint32_t* state, const uint64_t* tables, const uint64_t* pows, bf16* out, uint32_t* word_ids,
     uint32_t* ctrl, uint32_t rows, uint32_t num_seqs, uint32_t per_seq, uint32_t max_seqs,
     uint32_t hist_len, uint32_t vocab, uint32_t num_tables, uint32_t max_ngram, uint32_t splits,
-    uint32_t td, uint32_t eos) {
+    uint32_t td, uint32_t eos, const uint32_t* adapters, const int32_t* const* adapter_maps,
+    const bf16* const* adapter_rows, const int32_t* adapter_counts, uint32_t num_adapters,
+    uint32_t hidden, const bf16** word_over) {
     pdl_launch_dependents();  // the GEMM may start streaming its weights (it waits for our rows)
+    const Adapters ad{adapters, adapter_maps, adapter_rows, adapter_counts, num_adapters, hidden};
     const uint32_t lane = threadIdx.x % kWarp;
-    const uint64_t pairs = static_cast<uint64_t>(rows) * num_tables;
+    const uint64_t pairs = static_cast<uint64_t>(rows) * (num_tables + 1);  // + the word pairs
     const uint64_t warps = static_cast<uint64_t>(gridDim.x) * blockDim.x / kWarp;
     uint64_t i = (static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
     for (; i < pairs; i += warps) {  // warp-uniform: the hash's ballots see all 32 lanes
@@ -111,20 +167,31 @@ extern "C" __global__ void ngram_decode_gather(
         const Span sp = span_of(cu_seqlens, per_seq, s);
         const uint32_t slot = __ldg(slots + s);
         const uint32_t token = __ldg(tokens + r);
-        uint32_t bad = 0;
-        if (!(sp.sane(rows) && sp.start <= r && r < sp.end)) bad |= kErrSeqlens;
-        if (slot >= max_seqs) bad |= kErrSlot;
-        if (token >= vocab) bad |= kErrToken;
-        bf16* dst = out + (static_cast<uint64_t>(r) * num_tables + c) * td;
-        if (bad) {
-            if (c == 0 && lane == 0) {
-                atomicOr(ctrl, bad);
-                word_ids[r] = kNoWord;
+        const RowCheck check = check_row(sp, r, rows, slot, token, max_seqs, vocab);
+        if (c == num_tables) {  // the row's word pair: its flags, word id and replacement row
+            if (lane == 0) {
+                uint32_t flags = check.flags, word = check.skip ? kNoWord : token;
+                const bf16* over = nullptr;
+                if (!check.skip && ad.index != nullptr) {
+                    const uint32_t a = __ldg(ad.index + s);
+                    if (a != kNoAdapter && a >= ad.num) {
+                        flags |= kErrAdapter;
+                        word = kNoWord;
+                    } else if (a != kNoAdapter) {
+                        over = ad.row_of(a, token);
+                    }
+                }
+                if (flags) atomicOr(ctrl, flags);
+                word_ids[r] = word;
+                if (word_over != nullptr) word_over[r] = over;
             }
+            continue;
+        }
+        bf16* dst = out + (static_cast<uint64_t>(r) * num_tables + c) * td;
+        if (check.skip) {
             zero_row(dst, td, lane);
             continue;
         }
-        if (c == 0 && lane == 0) word_ids[r] = token;
         const uint32_t at = r - sp.start;  // the row's position in this call's tokens
         const uint32_t* h = hist + static_cast<uint64_t>(slot) * hist_len;
         const ngram::Table t = ngram::load_table(tables, c);
@@ -170,6 +237,65 @@ extern "C" __global__ void ngram_decode_gather(
     if (threadIdx.x == 0) ctrl[1] = 0;  // ready for the next launch
 }
 
+// Append sequence s's tokens (tokens[cu_seqlens[s]:cu_seqlens[s+1]]) to slot slots[s]'s history
+// without embedding them: a prefix-cache hit. One warp per sequence; only the last H tokens of a
+// sequence are read (and checked), so the cost grows with the sequences, not with D or the tokens.
+extern "C" __global__ void ngram_decode_seed(const uint32_t* tokens, const uint32_t* cu_seqlens,
+                                             const uint32_t* slots, uint32_t* hist,
+                                             uint32_t* state, uint32_t* ctrl, uint32_t rows,
+                                             uint32_t num_seqs, uint32_t max_seqs,
+                                             uint32_t hist_len, uint32_t vocab) {
+    const uint32_t lane = threadIdx.x % kWarp;
+    const uint64_t s = (static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
+    if (s == 0 && lane == 0 && (__ldg(cu_seqlens) != 0 || __ldg(cu_seqlens + num_seqs) != rows))
+        atomicOr(ctrl, kErrSeqlens);
+    if (s >= num_seqs) return;  // warp-uniform from here on: s and slot are the warp's
+    const Span sp = span_of(cu_seqlens, 0, static_cast<uint32_t>(s));
+    const uint32_t slot = __ldg(slots + s);
+    if (!sp.sane(rows) || (slot >= max_seqs && slot != kPadSlot)) {
+        if (lane == 0) atomicOr(ctrl, sp.sane(rows) ? kErrSlot : kErrSeqlens);
+        return;
+    }
+    if (slot == kPadSlot) return;
+    const uint32_t len = sp.end - sp.start;
+    const uint32_t keep = min(len, hist_len);
+    const uint32_t pos = state[2 * slot];
+    uint32_t* h = hist + static_cast<uint64_t>(slot) * hist_len;
+    bool bad = false;
+    for (uint32_t e = lane; e < keep; e += kWarp) {
+        const uint32_t token = __ldg(tokens + sp.end - keep + e);
+        bad |= token >= vocab;
+        h[(pos + len - keep + e) % hist_len] = clean(token, vocab);
+    }
+    if (__any_sync(ngram::kFull, bad) && lane == 0) atomicOr(ctrl, kErrToken);
+    __syncwarp();  // every lane has read pos
+    if (lane == 0) state[2 * slot] = state[2 * slot + 1] = pos + len;
+}
+
+// Slot dst_slots[p] becomes a copy of slot src_slots[p] (history and position), p < num: one warp
+// per pair. A padded pair is skipped; a bad slot is flagged and its pair skipped.
+extern "C" __global__ void ngram_decode_fork(const uint32_t* src_slots, const uint32_t* dst_slots,
+                                             uint32_t* hist, uint32_t* state, uint32_t* ctrl,
+                                             uint32_t num, uint32_t max_seqs, uint32_t hist_len) {
+    const uint32_t lane = threadIdx.x % kWarp;
+    const uint64_t p = (static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
+    if (p >= num) return;
+    const uint32_t src = __ldg(src_slots + p), dst = __ldg(dst_slots + p);
+    if (src == kPadSlot || dst == kPadSlot) return;
+    if (src >= max_seqs || dst >= max_seqs) {
+        if (lane == 0) atomicOr(ctrl, kErrSlot);
+        return;
+    }
+    if (src == dst) return;
+    const uint32_t* from = hist + static_cast<uint64_t>(src) * hist_len;
+    uint32_t* to = hist + static_cast<uint64_t>(dst) * hist_len;
+    for (uint32_t e = lane; e < hist_len; e += kWarp) to[e] = from[e];
+    if (lane == 0) {
+        state[2 * dst] = state[2 * src];
+        state[2 * dst + 1] = state[2 * src + 1];
+    }
+}
+
 // Drop the last counts[s] tokens of slots[s]'s history (speculative tokens rejected), s < num_seqs.
 extern "C" __global__ void ngram_decode_rollback(const uint32_t* slots, const uint32_t* counts,
                                                  uint32_t* state, uint32_t* ctrl,
@@ -178,6 +304,7 @@ extern "C" __global__ void ngram_decode_rollback(const uint32_t* slots, const ui
     const uint32_t s = blockIdx.x * blockDim.x + threadIdx.x;
     if (s >= num_seqs) return;
     const uint32_t slot = __ldg(slots + s);
+    if (slot == kPadSlot) return;
     if (slot >= max_seqs) {
         atomicOr(ctrl, kErrSlot);
         return;

@@ -340,3 +340,13 @@ class MemoryBackend(GpuBackend, PinnedHostMemory, MappedHostMemory, Events):
     def event_done(self, event: int) -> bool:
         assert event in self.events
         return True
+
+
+class ForeignArray:
+    """Another library's device array as the layers see it: only ``__cuda_array_interface__``
+    (v3) over ``ptr`` (CuPy, Numba and torch export this)."""
+
+    def __init__(self, ptr: int, shape: tuple[int, ...], typestr: str, readonly: bool = False,
+                 strides: tuple[int, ...] | None = None) -> None:
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "data": (int(ptr), readonly),
+                                         "version": 3, "strides": strides, "stream": None}

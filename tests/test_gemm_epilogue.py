@@ -29,7 +29,7 @@ from tests.fakes import RecordingBackend
 from tests.helpers import Guarded, bf16_ulp, bits, random_bf16
 from tests.helpers.gemm import MAX_SHARED_OPTIN, Sm90aBackend, TmaBackend
 
-KINDS = "PPPUUUPPF"
+KINDS = "PPPUUUPPPF"
 VOCAB = 1000
 SCALE = 1.0 / 17
 
@@ -49,10 +49,10 @@ def _launch(gpu, m: int, n: int, k: int, *, kernel=None, scale=0.25, stream: int
 
 
 # -- CPU: signatures and plans -------------------------------------------------------------------
-def test_word_kernels_take_the_plain_signature_plus_ids_word_scale():
+def test_word_kernels_take_the_plain_signature_plus_ids_word_over_scale():
     sigs = parse_signatures((kernel_dir() / "gemm.cu").read_text())
     assert sigs[gemm.WORD_KERNEL].kinds == sigs[gemm.WORD_WGMMA_KERNEL].kinds == KINDS
-    assert sigs[gemm.KERNEL].kinds + "PPF" == KINDS
+    assert sigs[gemm.KERNEL].kinds + "PPPF" == KINDS
 
 
 @pytest.mark.parametrize("m", [1, 8, 9, 33, 64])
@@ -66,7 +66,7 @@ def test_small_m_launches_the_given_kernel_with_the_plain_plan(m):
     assert launch.kernel == kern and launch.kinds == KINDS and launch.stream == 7
     assert launch.grid == (p.grid, 1, 1) and launch.block == (256, 1, 1)
     assert launch.shared_mem == p.shared_mem == gemm.small_smem(m)
-    assert launch.args == [int(_p(0)), 0x200000, int(_p(2)), m, 4096, 256, int(_p(3)), int(_p(4)), 0.125]
+    assert launch.args == [int(_p(0)), 0x200000, int(_p(2)), m, 4096, 256, int(_p(3)), int(_p(4)), 0, 0.125]
 
 
 @pytest.mark.parametrize("m, n", [(65, 4096), (1000, 2048), (4096, 4096), (300, 72)])
@@ -209,11 +209,20 @@ def test_null_kernel_and_unknown_path_refused():
     _refused(ValueError, "path", *_args(), path="cublas")
 
 
-@pytest.mark.parametrize("m, path", [(65, "small"), (200, "small"), (64, "tiled"), (1, "tiled_64x64")])
+@pytest.mark.parametrize("m, path", [(64, "tiled"), (1, "tiled_64x64")])
 def test_path_the_word_kernel_cannot_run_is_refused(m, path):
-    """dense_gemm_bf16_word picks small or tiled from m: forcing the other would silently run
-    something else (small smem with m > 64 runs tiled; tiled smem with m <= 64 runs simt)."""
+    """dense_gemm_bf16_word picks small or tiled from m: forcing tiled for m <= 64 would silently
+    run something else (tiled smem with m <= 64 runs simt)."""
     _refused(ValueError, f"{path!r}.*m = {m}", *_args(m, 300, 72), path=path)
+
+
+@pytest.mark.parametrize("m", [65, 200, 8192])
+def test_forced_small_above_64_rows_runs_the_small_twin(m):
+    gpu = RecordingBackend()
+    _launch(gpu, m, 300, 72, path="small")
+    (launch,) = gpu.launches
+    assert gpu.kernel_of(launch) == ("gemm", gemm.WORD_SMALL_KERNEL) and launch.kinds == KINDS
+    assert launch.shared_mem == gemm.small_smem(m) and launch.grid == (gemm.plan(m, 300, 72, "small").grid, 1, 1)
 
 
 @pytest.mark.parametrize("m, n, k", [(0, 8, 8), (4, 0, 8), (4, 8, 0)])
@@ -288,26 +297,32 @@ def check_word_gemm(a: np.ndarray, w: np.ndarray, word: np.ndarray, ids: np.ndar
 
 def run_word(gpu, rng, a: np.ndarray, w: np.ndarray, word: np.ndarray, ids: np.ndarray,
              scale: float, *, path: str | None = None, ab_misalign: int = 0, c_misalign: int = 0,
-             word_misalign: int = 0) -> np.ndarray:
-    """The launcher on guarded buffers (c poisoned); checks every guard and that inputs are intact."""
+             word_misalign: int = 0, over: np.ndarray | None = None) -> np.ndarray:
+    """The launcher on guarded buffers (c poisoned); checks every guard and that inputs are intact.
+    ``over`` [m] int: row i adds row ``over[i]`` of ``word`` through ``word_over`` (a separate
+    allocation, as an adapter's rows are) instead of ``word[ids[i]]``; -1: no replacement."""
     (m, k), n = a.shape, w.shape[0]
     kern = load_kernel(gpu, "gemm", gemm.WORD_KERNEL)
     with Guarded(gpu, (m, k), BF16, rng, ab_misalign) as ga, \
          Guarded(gpu, (n, k), BF16, rng, ab_misalign) as gw, \
          Guarded(gpu, (m, n), BF16, rng, c_misalign) as gc, \
          Guarded(gpu, (m,), np.uint32, rng) as gi, \
-         Guarded(gpu, word.shape, BF16, rng, word_misalign) as gt:
+         Guarded(gpu, word.shape, BF16, rng, word_misalign) as gt, \
+         Guarded(gpu, word.shape, BF16, rng) as gr, Guarded(gpu, (m,), np.uint64, rng) as go:
         ga.upload(a)
         gw.upload(w)
         gi.upload(ids)
         gt.upload(word)
+        gr.upload(word)
+        if over is not None:
+            go.upload(np.where(over >= 0, int(gr.ptr) + np.maximum(over, 0) * n * 2, 0).astype(np.uint64))
         gc.poison()
         dense_gemm_bf16_word(gpu, kern, ga.ptr, DenseWeight(gw.ptr, (n, k), BF16), gc.ptr, m, n, k,
-                             gi.ptr, gt.ptr, scale, 0, path=path)
+                             gi.ptr, gt.ptr, scale, 0, path=path, word_over=0 if over is None else go.ptr)
         got = gc.read()
-        for g in (gc, ga, gw, gi, gt):
+        for g in (gc, ga, gw, gi, gt, gr, go):
             g.assert_guards_intact()
-        for g, host in ((ga, a), (gw, w), (gi, ids), (gt, word)):
+        for g, host in ((ga, a), (gw, w), (gi, ids), (gt, word), (gr, word)):
             np.testing.assert_array_equal(bits(g.read()), bits(host))
     return got
 
@@ -335,7 +350,7 @@ def test_word_gemm_matches_reference(gpu, rng, m, n, k):
 def _paths(m: int) -> list[str | None]:
     """The paths the word launcher runs for this m (small needs m <= 64, tiled m > 64)."""
     fixed = ["small"] if m <= gemm.SMALL_MAX_ROWS else [
-        "tiled", "tiled_128x256", "tiled_128x128", "tiled_64x64"]
+        "small", "tiled", "tiled_128x256", "tiled_128x128", "tiled_64x64"]
     return [None, *fixed, "wgmma", "tma", "tma_store", "tma_splitk", "simt"]
 
 
@@ -362,16 +377,20 @@ def test_every_path_matches_reference(gpu, rng, m, n, k, path, alignment):
                                            [(1, 40, 7), (5, 72, 4096), (64, 96, 1032),
                                             (200, 264, 2048), (129, 257, 4104)]
                                            for p in _paths(m)])
-@pytest.mark.parametrize("word_off", [0, 2])
-def test_exact_sums_are_bit_exact(gpu, rng, m, n, k, path, word_off):
+@pytest.mark.parametrize("word_off, replaced", [(0, False), (2, False), (0, True)])
+def test_exact_sums_are_bit_exact(gpu, rng, m, n, k, path, word_off, replaced):
     """Integers in [-8, 8]: acc is exact in fp32 in any order, so the epilogue (fp32 add, fp32
-    multiply, one nearest-even rounding) must reproduce the reference bit for bit."""
+    multiply, one nearest-even rounding) must reproduce the reference bit for bit. ``replaced``:
+    about half the rows take a replacement word row through ``word_over`` (an adapter's row), bit
+    for bit as if the word table held it at their id."""
     a = rng.integers(-8, 9, (m, k)).astype(np.float32).astype(BF16)
     w = rng.integers(-8, 9, (n, k)).astype(np.float32).astype(BF16)
     word = random_bf16(rng, (VOCAB, n), scale=8.0)
     ids = rng.integers(0, VOCAB, m).astype(np.uint32)
-    got = run_word(gpu, rng, a, w, word, ids, SCALE, path=path, word_misalign=word_off)
-    np.testing.assert_array_equal(bits(got), bits(word_gemm_ref(a, w, word, ids, SCALE)))
+    over = np.where(rng.random(m) < 0.5, rng.integers(0, VOCAB, m), -1) if replaced else None
+    got = run_word(gpu, rng, a, w, word, ids, SCALE, path=path, word_misalign=word_off, over=over)
+    used = ids if over is None else np.where(over >= 0, over, ids)
+    np.testing.assert_array_equal(bits(got), bits(word_gemm_ref(a, w, word, used, SCALE)))
 
 
 @pytest.mark.gpu
@@ -383,6 +402,21 @@ def test_repeated_and_extreme_ids(gpu, rng):
         for path in (None, "wgmma", "tma", "tma_store", "tma_splitk", "simt"):
             got = run_word(gpu, rng, a, w, word, ids, SCALE, path=path)
             check_word_gemm(a, w, word, ids, SCALE, got)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [96, 4096])
+def test_the_small_path_is_batch_invariant(gpu, rng, k):
+    """path="small": every row's bits are the same whatever m (and so whatever rows share its
+    launch): rows of m = 1, 7, 64 and 300 against the same rows of one m = 300 launch."""
+    n, m = 264, 300
+    a, w, word, ids = _inputs(rng, m, n, k)
+    over = np.where(rng.random(m) < 0.3, rng.integers(0, VOCAB, m), -1)
+    whole = run_word(gpu, rng, a, w, word, ids, SCALE, path="small", over=over)
+    check_word_gemm(a, w, word, np.where(over >= 0, over, ids), SCALE, whole)
+    for lo, hi in ((0, 1), (5, 12), (100, 164), (0, 300)):
+        part = run_word(gpu, rng, a[lo:hi], w, word, ids[lo:hi], SCALE, path="small", over=over[lo:hi])
+        np.testing.assert_array_equal(bits(part), bits(whole[lo:hi]), err_msg=f"rows {lo}..{hi}")
 
 
 # -- GPU: the word kernel launched with other launch shapes (scalar fallback honours the epilogue) --
@@ -410,7 +444,7 @@ def test_word_kernel_correct_for_any_launch(gpu, rng, m, n, k, grid, block, smem
         gc.poison()
         (KernelLaunch(gpu, kern).grid(list(grid)).block(list(block)).shared_mem(shared)
          .arg_ptr(ga.ptr).arg_ptr(gw.ptr).arg_ptr(gc.ptr).arg_u32(m).arg_u32(n).arg_u32(k)
-         .arg_ptr(gi.ptr).arg_ptr(gt.ptr).arg_f32(SCALE).launch(0))
+         .arg_ptr(gi.ptr).arg_ptr(gt.ptr).arg_ptr(0).arg_f32(SCALE).launch(0))
         got = gc.read()
         gc.assert_guards_intact()
     np.testing.assert_array_equal(bits(got), bits(word_gemm_ref(a, w, word, ids, SCALE)))

@@ -12,11 +12,10 @@ import pytest
 from gpu_runtime import ClosedError, DeviceArray, DevicePtr
 from layers import reference as ref
 from layers.ngram_embed.decoder import DecodeError, NgramDecoder
-from layers.ngram_embed.fused import FusedNgramEmbedding
-from layers.weight_map import BF16
 from tests.fakes import RecordingBackend
-from tests.helpers import Guarded, bits
-from tests.helpers.ngram import device_layer, free_layer, random_layer, small_dims
+from tests.helpers import bits
+from tests.helpers.decoder import World, u32
+from tests.helpers.ngram import device_layer, random_layer, small_dims
 
 P = [DevicePtr(0x100000 * (i + 1)) for i in range(6)]
 
@@ -120,77 +119,6 @@ def test_cached_tables_and_closed_objects_are_refused():
 
 
 # -- GPU --------------------------------------------------------------------------------------
-def u32(gpu, values, stream=0):
-    return DeviceArray.from_numpy(gpu, np.asarray(values, np.uint32), stream)
-
-
-class World:
-    """A decoder and, beside it, the fused path fed the full host-side context of every slot:
-    every decoder output must equal the fused path's rows for the same tokens, bit for bit."""
-
-    def __init__(self, gpu, rng, *, max_seqs=6, max_rows=96, max_draft=3, kinds="bf", eos=True,
-                 max_ngram=3, splits=2):
-        dims = small_dims(max_ngram=max_ngram, splits=splits, table_dim=24, hidden_size=72,
-                          base_rows=997, vocab_size=600, eos_id=5 if eos else None)
-        self.gpu, self.rng, self.dims = gpu, rng, dims
-        self.host = random_layer(rng, dims, kinds)
-        self.layer = device_layer(gpu, self.host, max_tokens=max_rows)
-        gpu.synchronize(0)  # uploaded on the default stream; the decoder and fused path read them on ours
-        self.stream = gpu.create_stream()
-        self.dec = NgramDecoder(self.layer, max_seqs=max_seqs, max_rows=max_rows, gpu=gpu,
-                                stream=self.stream, max_draft=max_draft)
-        self.fused = FusedNgramEmbedding(self.layer, max_rows, gpu, self.stream)
-        self.ctx: dict[int, list[int]] = {s: [] for s in range(max_seqs)}
-        self.out = Guarded(gpu, (max_rows, dims.hidden_size), BF16, rng)
-
-    def tokens(self, n):
-        t = self.rng.integers(0, self.dims.vocab_size, n)
-        t[self.rng.random(n) < 0.1] = 5  # EOS inside prompts and among decoded tokens
-        return t.astype(np.uint32)
-
-    def read(self, rows):
-        self.gpu.synchronize(self.stream)
-        got = self.out.read()[:rows]
-        self.out.assert_guards_intact()
-        return got
-
-    def expect(self, slots, lens, rows):
-        """The fused path's rows for the last lens[i] tokens of each slot's context."""
-        contexts = [np.asarray(self.ctx[s], np.int64) for s in slots]
-        with Guarded(self.gpu, (max(rows, 1), self.dims.hidden_size), BF16, self.rng) as want:
-            want.poison()
-            self.gpu.synchronize(0)
-            self.fused.embed_batch(contexts, lens, want.ptr, self.gpu, self.stream)
-            self.gpu.synchronize(self.stream)
-            return want.read()[:rows]
-
-    def prefill(self, slots, lens):
-        toks = [self.tokens(n) for n in lens]
-        flat = np.concatenate(toks) if toks else np.zeros(0, np.uint32)
-        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.uint32)
-        for s, t in zip(slots, toks):
-            self.ctx[s].extend(int(x) for x in t)
-        self.out.poison()
-        self.gpu.synchronize(0)
-        with u32(self.gpu, flat if flat.size else [0]) as d_tok, u32(self.gpu, cu) as d_cu, \
-                u32(self.gpu, slots) as d_slots:
-            self.gpu.synchronize(0)
-            self.dec.prefill(d_tok, d_cu, d_slots, len(slots), int(flat.size), self.out.ptr, self.stream)
-            got = self.read(flat.size)
-        return got, self.expect(slots, lens, flat.size)
-
-    def reset(self, slot):
-        self.dec.reset(slot, self.stream)
-        self.ctx[slot] = []
-
-    def close(self):
-        self.out.free()
-        self.fused.close()
-        self.dec.close()
-        free_layer(self.layer)
-        self.gpu.destroy_stream(self.stream)
-
-
 @pytest.fixture
 def world(gpu, rng):
     w = World(gpu, rng)

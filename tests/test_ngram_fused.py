@@ -47,7 +47,7 @@ def test_two_launches_and_one_upload_per_call():
     assert packed[9:].tolist() == [9, 11, 13]  # word ids
     assert all(launch.stream == 4 for launch in gpu.launches)
     gemm = gpu.launches[1]
-    assert gemm.args[3:6] == [3, h, t * td] and gemm.args[8] == float(np.float32(1) / np.float32(1 + t))
+    assert gemm.args[3:6] == [3, h, t * td] and gemm.args[8] == 0 and gemm.args[9] == float(np.float32(1) / np.float32(1 + t))
 
 
 def test_windows_pad_before_the_start_and_read_only_tails():

@@ -48,6 +48,15 @@ class CudaBackend(CudaLaunch, CudaMemory, CudaHostMemory, CudaStreams, CudaGraph
         ``register_host`` ranges (for leak tests)."""
         return self._staging.buffers + len(self._host) + len(self._registered)
 
+    def held(self) -> dict[str, int]:
+        """What this backend holds for its callers now, for leak checks: device allocations and
+        their bytes, graphs, streams, events, and host buffers from ``alloc_host`` and
+        ``register_host`` (not the upload staging pool, which is recycled and kept until close)."""
+        with self._lock:
+            return {"allocations": len(self._allocs), "bytes": sum(self._allocs.values()),
+                    "graphs": len(self._graphs), "streams": len(self._streams),
+                    "events": len(self._events), "host buffers": len(self._host) + len(self._registered)}
+
     def close(self) -> None:
         """Wait for the device, then free everything this backend handed out; idempotent."""
         if self._closed:

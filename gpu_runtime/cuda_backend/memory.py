@@ -100,6 +100,14 @@ class CudaMemory(CudaContext):
             p.WidthInBytes, p.Height = width, height
             call(cu.cuMemcpy2DAsync, p, stream)
 
+    def pointer_device(self, ptr: int) -> int | None:
+        """The ordinal of the CUDA device ``ptr`` belongs to, or None where the driver knows no
+        allocation there (host memory, a stale address)."""
+        self._live()
+        attr = cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+        err, value = cu.cuPointerGetAttribute(attr, int(ptr))
+        return int(value) if err == cu.CUresult.CUDA_SUCCESS else None
+
     def mem_info(self) -> tuple[int, int]:
         """(free, total) device memory in bytes."""
         self._live()

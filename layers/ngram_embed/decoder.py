@@ -4,20 +4,27 @@ that capture their whole decode step in one CUDA graph.
 ``FusedNgramEmbedding`` builds each new token's look-back window on the host and uploads it per
 call. Here every slot (one live request) keeps its last ``N - 1`` tokens (plus ``max_draft``, so
 rejected speculative tokens can be rolled back) in device memory, and one kernel both reads the
-windows from that history and appends the call's tokens to it. ``prefill`` and ``step`` take
-device pointers only and do no host synchronisation, allocation or upload: both can be recorded
-inside the caller's stream capture and replayed with new token values written to the same
-device buffers (for example by ``embed_from_argmax``, whose ids feed ``step`` directly).
+windows from that history and appends the call's tokens to it. Every call takes device buffers
+only and does no host synchronisation, allocation or upload: each can be recorded inside the
+caller's stream capture and replayed with new values written to the same device buffers (for
+example by ``embed_from_argmax``, whose ids feed ``step`` directly).
 
-Per call: ``ngram_decode_gather`` (hash, gather of all T tables' rows, history update) and the
-fused path's GEMM with the word-row epilogue: the same function and roundings as
-``FusedNgramEmbedding``, so the two agree bit for bit on the same tokens.
+The calls, for what an engine does:
+  ``prefill`` / ``step``  embed new tokens (ragged prompts / k tokens per sequence): the gather
+                          (hash, every table's row, the word row or an adapter's, history update)
+                          and the fused path's GEMM, bit for bit ``FusedNgramEmbedding``;
+  ``seed``                a prefix-cache hit: the history only, no gather, no GEMM;
+  ``fork``                parallel samples and beams: slot to slot copies on the device;
+  ``rollback``            rejected drafts dropped; ``reset``: a new request in a slot.
+A slot of ``PAD_SLOT`` is a padded entry of a graph's batch: zero rows, no history, no flag.
+Per-sequence adapters (``adapters=``, ``NO_ADAPTER`` for none) take an overridden token's word
+row from ``OverlaySlots`` inside the n-gram sum, before the scale and the single rounding.
 
-Static under capture: the argument values of the captured call (pointers, ``num_seqs``,
-``num_tokens``, ``k``). ``max_seqs``, ``max_rows`` and ``max_draft`` are fixed at construction.
-Token values, slots, ``cu_seqlens`` and rollback counts are read on the device each replay; bad
-ones never make a kernel touch memory outside its buffers: they set a flag that ``check_errors``
-reads (one small copy, outside the hot path), and the affected rows come out as zeros.
+Static under capture: the argument values of the captured call (addresses, ``num_seqs``,
+``num_tokens``, ``k``, whether ``adapters`` is given). Token values, slots, ``cu_seqlens``,
+counts and adapter indices are read on the device each replay; bad ones never make a kernel
+touch memory outside its buffers: they set a flag that ``check_errors`` reads (one small copy,
+outside the hot path), and the affected rows come out as zeros.
 
 Tables: resident bf16 and fp8, and host-memory tables (read in place over PCIe). ``RowCache``
 tables need the host to resolve every step and are refused: serve them with the fused path.
@@ -28,19 +35,24 @@ Like the fused path, one decoder must not run on two streams at once (it has one
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import numpy as np
 
-from gpu_runtime import DeviceArray, GpuBackend, validate
+from gpu_runtime import GpuBackend, interop, validate
 
 from ..kernel_files import load_kernel
 from ..ops import gemm as gemm_ops
 from ..ops import ngram_decode as decode_ops
+from ..ops.ngram_decode import NO_ADAPTER, NO_ADAPTERS, PAD_SLOT, AdapterTables
+from ..overlay.slots import OverlaySlots
 from .embedding import NgramEmbedding
-from .front import require_open, require_out
-from .fused import FusedNgramEmbedding, check_layer
+from .front import require_open
+from .fused import FusedNgramEmbedding, check_adapter_slots, check_layer, gemm_path
 from .resources import Resources
 from .tables import CachedTable
+
+__all__ = ["DecodeError", "NO_ADAPTER", "NgramDecoder", "PAD_SLOT"]
 
 
 class DecodeError(enum.IntFlag):
@@ -51,9 +63,12 @@ class DecodeError(enum.IntFlag):
     SLOT = 2      # a slot >= max_seqs: that sequence's rows were zeroed, no history touched
     SEQLENS = 4   # cu_seqlens not 0 <= ... <= num_tokens, non-decreasing: rows left out zeroed
     ROLLBACK = 8  # a rollback count deeper than the history (over max_draft): slot unchanged
+    ADAPTER = 16  # an adapter index >= the adapter slots (not NO_ADAPTER): its rows zeroed
 
 
-Buffer = int | DeviceArray  # a device address, or a DeviceArray of uint32
+# A device buffer: an address (int, DevicePtr, DeviceBuffer), a DeviceArray, or any array with
+# __cuda_array_interface__ or __dlpack__ (CuPy, torch, JAX), checked by gpu_runtime.interop.
+Buffer = Any
 
 _WHAT = "NgramDecoder"
 _NO_ROW_CACHE = ("NgramDecoder: RowCache tables need host work every step; serve them with "
@@ -67,18 +82,29 @@ def _check_sizes(max_seqs: int, max_rows: int, max_draft: int) -> tuple[int, int
 
 
 class NgramDecoder:
+    """Per-slot token histories on the device and the capturable calls over them (module doc).
+    ``adapter_slots``: the ``OverlaySlots`` whose embedding rows ``adapters=`` selects (its
+    vocab and row width must be the model's). ``batch_invariant``: every row's bits the same
+    whatever else is in its call (and equal to the fused path's alone, ``fused.gemm_path``)."""
+
     def __init__(self, layer: NgramEmbedding, *, max_seqs: int, max_rows: int, gpu: GpuBackend,
-                 stream: int = 0, max_draft: int = 0) -> None:
+                 stream: int = 0, max_draft: int = 0, adapter_slots: OverlaySlots | None = None,
+                 batch_invariant: bool = False) -> None:
         if any(isinstance(t, CachedTable) for t in layer.tables):
             raise ValueError(_NO_ROW_CACHE)
         max_seqs, max_rows, max_draft = _check_sizes(max_seqs, max_rows, max_draft)
         check_layer(_WHAT, layer, gpu)
+        check_adapter_slots(_WHAT, adapter_slots, layer.dims, gpu)
         self._owned_layer: NgramEmbedding | None = None  # set by from_pretrained: closed with this
         dims = layer.dims
         self.dims, self.gpu, self.stream = dims, gpu, stream
         self.max_seqs, self.max_rows, self.max_draft = max_seqs, max_rows, max_draft
+        self.adapter_slots = adapter_slots
+        self.gemm_path = gemm_path(batch_invariant)
         self.hist_len = max(dims.max_ngram - 1 + max_draft, 1)
         self.gather_k = load_kernel(gpu, decode_ops.MODULE, decode_ops.GATHER)
+        self.seed_k = load_kernel(gpu, decode_ops.MODULE, decode_ops.SEED)
+        self.fork_k = load_kernel(gpu, decode_ops.MODULE, decode_ops.FORK)
         self.rollback_k = load_kernel(gpu, decode_ops.MODULE, decode_ops.ROLLBACK)
         self._resources = own = Resources(gpu)  # the fused layer, then the state: closed in reverse
         try:
@@ -87,6 +113,8 @@ class NgramDecoder:
             self.state = own.alloc(max_seqs * 2 * 4)
             self.ctrl = own.alloc(2 * 4)
             self.word_ids = own.alloc(max_rows * 4)
+            # each row's adapter word row (u64 address, 0: the base table's), for the GEMM
+            self.word_over = own.alloc(max_rows * 8) if adapter_slots is not None else None
             gpu.memset(self.hist, 0xFF, max_seqs * self.hist_len * 4, stream)
             gpu.memset(self.state, 0, max_seqs * 2 * 4, stream)
             gpu.memset(self.ctrl, 0, 2 * 4, stream)
@@ -123,32 +151,66 @@ class NgramDecoder:
 
     # -- calls (capturable) -----------------------------------------------------------------------
     def prefill(self, tokens: Buffer, cu_seqlens: Buffer, slots: Buffer, num_seqs: int,
-                num_tokens: int, out: int, stream: int = 0) -> None:
+                num_tokens: int, out: Buffer, stream: int = 0, *, adapters: Buffer | None = None) -> None:
         """Embed a ragged batch: sequence ``s`` is ``tokens[cu_seqlens[s]:cu_seqlens[s+1]]`` and
         continues the history of slot ``slots[s]`` (after ``reset`` for a new request; a later
         chunk of the same prompt just continues it). ``out [num_tokens, D]`` bf16, rows in order.
-        ``tokens`` u32 [num_tokens], ``cu_seqlens`` u32 [num_seqs + 1], ``slots`` u32 [num_seqs]."""
+        ``tokens`` [num_tokens], ``cu_seqlens`` [num_seqs + 1], ``slots`` [num_seqs] and
+        ``adapters`` [num_seqs] (each sequence's adapter slot, ``NO_ADAPTER`` for none) are u32
+        (or int32, read as its bits)."""
         num_seqs, num_tokens = self._sizes(num_seqs, num_tokens)
-        self._run(self._ptr(tokens, num_tokens, "tokens"), self._ptr(cu_seqlens, num_seqs + 1, "cu_seqlens"),
-                  self._ptr(slots, num_seqs, "slots"), num_seqs, num_tokens, 0, out, stream)
+        args = (self._index(tokens, num_tokens, "tokens"), self._index(cu_seqlens, num_seqs + 1, "cu_seqlens"),
+                self._index(slots, num_seqs, "slots"))
+        self._run(*args, num_seqs, num_tokens, 0, out, stream, adapters)
 
-    def step(self, tokens: Buffer, slots: Buffer, num_seqs: int, out: int, stream: int = 0, *,
-             k: int = 1) -> None:
+    def step(self, tokens: Buffer, slots: Buffer, num_seqs: int, out: Buffer, stream: int = 0, *,
+             k: int = 1, adapters: Buffer | None = None) -> None:
         """``k`` new tokens for each of ``num_seqs`` sequences (k > 1: speculative drafts, to be
-        verified and the rejected ones dropped with ``rollback``): ``tokens [num_seqs, k]`` u32,
-        ``slots [num_seqs]`` u32, ``out [num_seqs * k, D]`` bf16."""
+        verified and the rejected ones dropped with ``rollback``): ``tokens [num_seqs, k]``,
+        ``slots [num_seqs]``, ``adapters [num_seqs]`` as in ``prefill``; ``out [num_seqs * k, D]``
+        bf16. A padded entry (slot ``PAD_SLOT``) writes its k rows as zeros."""
         k = validate.positive(k, "NgramDecoder.step: k", limit=1 << 32)
         num_seqs, rows = self._sizes(num_seqs, validate.u32(num_seqs, "NgramDecoder: num_seqs") * k)
-        self._run(self._ptr(tokens, rows, "tokens"), 0, self._ptr(slots, num_seqs, "slots"),
-                  num_seqs, rows, k, out, stream)
+        args = (self._index(tokens, rows, "tokens"), 0, self._index(slots, num_seqs, "slots"))
+        self._run(*args, num_seqs, rows, k, out, stream, adapters)
+
+    def seed(self, tokens: Buffer, cu_seqlens: Buffer, slots: Buffer, num_seqs: int,
+             num_tokens: int, stream: int = 0) -> None:
+        """A prefix-cache hit: append each sequence's tokens (ragged as in ``prefill``) to its
+        slot's history without embedding them, so the next call's n-grams reach back into them.
+        One launch; it reads only each sequence's last ``N - 1 + max_draft`` tokens (those are
+        checked), so its cost grows with the sequences, not with the tokens or D."""
+        num_seqs, num_tokens = self._sizes(num_seqs, num_tokens, limit_rows=False)
+        tokens = self._index(tokens, num_tokens, "tokens")
+        cu_seqlens = self._index(cu_seqlens, num_seqs + 1, "cu_seqlens")
+        slots = self._index(slots, num_seqs, "slots")
+        self._open()
+        decode_ops.ngram_decode_seed(self.gpu, self.seed_k, tokens, cu_seqlens, slots, self.hist,
+                                     self.state, self.ctrl, num_tokens, num_seqs, self.max_seqs,
+                                     self.hist_len, self.dims.vocab_size, stream)
+
+    def fork(self, src_slots: Buffer, dst_slots: Buffer, num: int, stream: int = 0) -> None:
+        """Slot ``dst_slots[p]`` becomes a copy of slot ``src_slots[p]`` (its history and
+        position, so drafts roll back alike), ``p < num``: parallel samples, beam search. One
+        launch. A pair with a ``PAD_SLOT`` is skipped; a bad slot is flagged (``SLOT``) and its
+        pair skipped. A destination that is also a source or destination of another pair of the
+        same call races (in bounds, result unspecified)."""
+        num = validate.u32(num, "NgramDecoder.fork: num")
+        src = self._index(src_slots, num, "src_slots")
+        dst = self._index(dst_slots, num, "dst_slots")
+        self._open()
+        decode_ops.ngram_decode_fork(self.gpu, self.fork_k, src, dst, self.hist, self.state, self.ctrl,
+                                     num, self.max_seqs, self.hist_len, stream)
 
     def rollback(self, slots: Buffer, counts: Buffer, num_seqs: int, stream: int = 0) -> None:
         """Drop the last ``counts[s]`` tokens (u32, on the device) of slot ``slots[s]``'s history;
-        at most ``max_draft`` beyond what later steps wrote (deeper: ``DecodeError.ROLLBACK``)."""
-        self._open()
+        at most ``max_draft`` beyond what later steps wrote (deeper: ``DecodeError.ROLLBACK``).
+        A ``PAD_SLOT`` entry is skipped."""
         num_seqs, _ = self._sizes(num_seqs, 0)
-        decode_ops.ngram_decode_rollback(self.gpu, self.rollback_k, self._ptr(slots, num_seqs, "slots"),
-                                         self._ptr(counts, num_seqs, "counts"), self.state, self.ctrl,
+        slots = self._index(slots, num_seqs, "slots")
+        counts = self._index(counts, num_seqs, "counts")
+        self._open()
+        decode_ops.ngram_decode_rollback(self.gpu, self.rollback_k, slots, counts, self.state, self.ctrl,
                                          num_seqs, self.max_seqs, self.max_draft, stream)
 
     def reset(self, slot: int, stream: int = 0) -> None:
@@ -210,56 +272,67 @@ class NgramDecoder:
     def _open(self) -> None:
         require_open(_WHAT, self, self.fused.layer)
 
-    def _sizes(self, num_seqs: int, rows: int) -> tuple[int, int]:
+    def _sizes(self, num_seqs: int, rows: int, *, limit_rows: bool = True) -> tuple[int, int]:
         num_seqs = validate.u32(num_seqs, "NgramDecoder: num_seqs")
         rows = validate.u32(rows, "NgramDecoder: num_tokens")
         if num_seqs > self.max_seqs:
             raise ValueError(f"NgramDecoder: num_seqs {num_seqs} over max_seqs {self.max_seqs}")
-        if rows > self.max_rows:
+        if limit_rows and rows > self.max_rows:
             raise ValueError(f"NgramDecoder: {rows} rows over max_rows {self.max_rows}")
         if rows and not num_seqs:
             raise ValueError(f"NgramDecoder: {rows} tokens in no sequence")
         return num_seqs, rows
 
-    @staticmethod
-    def _ptr(buf: Buffer, count: int, what: str) -> int:
-        """The address of a u32 device buffer of at least ``count`` entries: a ``DeviceArray``
-        (its dtype and size checked) or an address (an int, a ``DevicePtr``, a ``DeviceBuffer``)."""
-        if isinstance(buf, DeviceArray):
-            if buf.dtype != np.uint32:
-                raise TypeError(f"NgramDecoder {what}: dtype {buf.dtype}, expected uint32")
-            if buf.size < count:
-                raise ValueError(f"NgramDecoder {what}: {buf.size} entries, the call needs {count}")
-            buf = buf.ptr
-        try:
-            return validate.pointer(buf, f"NgramDecoder {what}")
-        except TypeError:
-            raise TypeError(f"NgramDecoder {what}: expected a device address or DeviceArray, "
-                            f"got {buf!r}") from None
+    def _index(self, buf: Buffer, count: int, what: str) -> int:
+        """The address of a u32 (or int32) device buffer of at least ``count`` entries
+        (``gpu_runtime.interop``: an address, a ``DeviceArray``, or a foreign array)."""
+        return interop.device_address(buf, f"NgramDecoder {what}", dtypes=interop.INDEX, count=count,
+                                      gpu=self.gpu)
+
+    def _out(self, out: Buffer, rows: int) -> int:
+        """The address of ``out``: bf16, ``rows`` rows of D, writable."""
+        return interop.device_address(out, "NgramDecoder out", dtypes=(interop.BF16,),
+                                      count=rows * self.dims.hidden_size, gpu=self.gpu,
+                                      cols=self.dims.hidden_size, writable=True)
+
+    def _adapter_tables(self, adapters: Buffer | None, num_seqs: int) -> AdapterTables:
+        """The gather's adapter arguments for a call's ``adapters`` (None: none)."""
+        if adapters is None:
+            return NO_ADAPTERS
+        slots = self.adapter_slots
+        if slots is None:
+            raise ValueError("NgramDecoder: adapters given, but the decoder was built without "
+                             "adapter_slots (NgramDecoder(..., adapter_slots=OverlaySlots(...)))")
+        index = self._index(adapters, num_seqs, "adapters")
+        assert self.word_over is not None
+        return AdapterTables(index, slots.embed_slot_map_tab, slots.embed_rows_tab, slots.embed_n_tab,
+                             slots.num_slots, self.dims.hidden_size, self.word_over)
 
     def _run(self, tokens: int, cu_seqlens: int, slots: int, num_seqs: int, rows: int,
-             per_seq: int, out: int, stream: int) -> None:
+             per_seq: int, out: Buffer, stream: int, adapters: Buffer | None) -> None:
         self._open()
-        require_out(out, _WHAT)
+        out = self._out(out, rows)
+        tables = self._adapter_tables(adapters, num_seqs)
         if rows == 0:
             return
-        self.launch_gather(tokens, cu_seqlens, slots, num_seqs, rows, per_seq, stream)
-        self._finish(rows, out, stream)
+        self.launch_gather(tokens, cu_seqlens, slots, num_seqs, rows, per_seq, stream, tables)
+        self._finish(rows, out, stream, tables.word_over)
 
     def _gathered_rows(self, rows: int) -> int:
         """Where ``launch_gather`` writes a call's ``[rows, T*td]`` gathered rows."""
         return self.fused.gather_buf
 
-    def _finish(self, rows: int, out: int, stream: int) -> None:
-        """The call's second launch: the GEMM with the word-row epilogue."""
+    def _finish(self, rows: int, out: int, stream: int, word_over: int) -> None:
+        """The call's second launch: the GEMM with the word-row epilogue (``word_over``: each
+        row's adapter word row, 0 for none at all)."""
         dims, fused = self.dims, self.fused
         gemm_ops.dense_gemm_bf16_word(self.gpu, fused.gemm_k, fused.gather_buf, fused.projs_weight,
                                       out, rows, dims.hidden_size, dims.num_tables() * dims.table_dim(),
                                       self.word_ids, fused.layer.word.weight, fused.inv_scale, stream,
-                                      overlap=True)
+                                      overlap=True, path=self.gemm_path, word_over=word_over)
 
     def launch_gather(self, tokens: int, cu_seqlens: int, slots: int, num_seqs: int, rows: int,
-                      per_seq: int, stream: int) -> None:
+                      per_seq: int, stream: int, adapters: AdapterTables = NO_ADAPTERS) -> None:
         """The first of a call's two launches alone: hash, gather into the fused layer's gather
         buffer, append the tokens to the histories (``prefill`` / ``step`` check their arguments
         before it; benchmarks time it by itself). Addresses as ``prefill`` takes them."""
@@ -268,4 +341,5 @@ class NgramDecoder:
             self.gpu, self.gather_k, tokens, cu_seqlens, slots, self.hist, self.state, fused.desc,
             fused.pows, self._gathered_rows(rows), self.word_ids, self.ctrl, rows, num_seqs, per_seq,
             self.max_seqs, self.hist_len, dims.vocab_size, dims.num_tables(), dims.max_ngram,
-            dims.splits, dims.table_dim(), dims.eos_id, stream)
+            dims.splits, dims.table_dim(), dims.eos_id, stream, adapters)
+

@@ -27,17 +27,19 @@ not run on two streams at once (its staging is shared).
 from __future__ import annotations
 
 from functools import partial
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
-from gpu_runtime import Events, GpuBackend, Graphs, PitchedCopies, validate
+from gpu_runtime import Events, GpuBackend, Graphs, PitchedCopies, interop, validate
 
 from ..kernel_files import load_kernel
 from ..ops import gemm as gemm_ops
 from ..ops import ngram_fused as fused_ops
+from ..ops.ngram_decode import NO_ADAPTER
+from ..overlay.slots import OverlaySlots
 from ..weight_map import BF16, DenseWeight
-from .front import (check_tokens, context_tail, require_backend, require_open, require_out, window_index,
+from .front import (check_tokens, context_tail, require_backend, require_open, window_index,
                     windows as front_windows)
 from .cached_rows import CachedRows
 from .embedding import NgramEmbedding
@@ -61,6 +63,39 @@ def check_servable(dims, max_rows: int) -> int:
     return max_rows
 
 
+def check_adapter_slots(what: str, slots: OverlaySlots | None, dims: Any, gpu: GpuBackend) -> None:
+    """``slots`` (None: no adapters) can route this model's word rows: open ``OverlaySlots`` on
+    ``gpu`` whose vocab and row width are the model's (an adapter of another width is refused
+    when it is loaded into them)."""
+    if slots is None:
+        return
+    if not isinstance(slots, OverlaySlots):
+        raise TypeError(f"{what}: adapter_slots must be an OverlaySlots, got {type(slots).__name__}")
+    validate.require_open(slots.closed, f"{what}: its adapter_slots")
+    if slots.gpu is not gpu:
+        raise ValueError(f"{what}: adapter_slots live on another backend than the layer")
+    if (slots.vocab, slots.h) != (dims.vocab_size, dims.hidden_size):
+        raise ValueError(f"{what}: adapter_slots hold vocab {slots.vocab} x {slots.h}, the model's "
+                         f"word table is {dims.vocab_size} x {dims.hidden_size}")
+
+
+def gemm_path(batch_invariant: bool) -> str | None:
+    """The word GEMM's path: the GEMM's paths sum a row in different orders, so which one m picks
+    can move a row's rounding; the small path, forced for every m, sums each row the same way
+    whatever else is in the batch (slower for large m: bench.decode's batch-invariant rows)."""
+    return "small" if validate.boolean(batch_invariant, "batch_invariant") else None
+
+
+def adapter_index(value: Any, num_slots: int, what: str) -> int | None:
+    """One sequence's adapter slot as given on the host: None for ``NO_ADAPTER`` (or -1)."""
+    a = validate.integer(value, what)
+    if a in (NO_ADAPTER, -1):
+        return None
+    if not 0 <= a < num_slots:
+        raise ValueError(f"{what}: adapter slot {a} outside 0..{num_slots - 1} (NO_ADAPTER: none)")
+    return a
+
+
 def check_layer(what: str, layer: NgramEmbedding, gpu: GpuBackend) -> None:
     """A layer the fused path (or the decoder over it) can be built on, with ``gpu``: open, on
     this very backend (every upload and launch goes through the one given at construction: the
@@ -73,10 +108,18 @@ def check_layer(what: str, layer: NgramEmbedding, gpu: GpuBackend) -> None:
 
 
 class FusedNgramEmbedding:
-    def __init__(self, layer: NgramEmbedding, max_rows: int, gpu: GpuBackend, stream: int = 0) -> None:
+    """The fused path over ``layer`` (module doc); ``adapter_slots``: the ``OverlaySlots`` whose
+    embedding rows ``embed_batch(..., adapters=)`` selects inside the n-gram sum;
+    ``batch_invariant``: every row's bits independent of the batch it is in (``GEMM_PATH``)."""
+
+    def __init__(self, layer: NgramEmbedding, max_rows: int, gpu: GpuBackend, stream: int = 0, *,
+                 adapter_slots: OverlaySlots | None = None, batch_invariant: bool = False) -> None:
         dims = layer.dims
         max_rows = check_servable(dims, max_rows)
         check_layer("FusedNgramEmbedding", layer, gpu)
+        check_adapter_slots("FusedNgramEmbedding", adapter_slots, dims, gpu)
+        self.adapter_slots = adapter_slots
+        self.gemm_path = gemm_path(batch_invariant)
         t, n, h, td = dims.num_tables(), dims.max_ngram, dims.hidden_size, dims.table_dim()
         self._owned_layer: NgramEmbedding | None = None  # set by from_pretrained: closed with this
         self.layer, self.dims, self.gpu, self.max_rows = layer, dims, gpu, max_rows
@@ -88,9 +131,11 @@ class FusedNgramEmbedding:
         self._rows = CachedRows(layer.tables, grouped=True)
         self.cached = self._rows.columns
         self._ids_plan = window_plan(dims, tuple(self.cached)) if self.cached else None
-        self._row_words = n + 1 + (t if self.cached else 0)  # u32 words uploaded per output row
+        # u32 words uploaded per output row: window, word id, cached tables' slots, and (with
+        # adapter slots) the u64 address of its replacement word row, after an alignment word
+        self._row_words = n + 1 + (t if self.cached else 0) + (3 if adapter_slots is not None else 0)
         self._can_graph = isinstance(gpu, Graphs)
-        self._graphs: dict[tuple[int, int, int], int] = {}
+        self._graphs: dict[tuple[int, int, int, bool], int] = {}
         self._host = None  # pinned packed-upload buffer, made with the first graph
         self._resources = own = Resources(gpu)  # every buffer, event, graph: released by close()
         try:
@@ -151,13 +196,13 @@ class FusedNgramEmbedding:
 
     @property
     def captured_graphs(self) -> int:
-        """How many call shapes (rows, out, stream) have a captured graph (``graph=True``)."""
+        """How many call shapes (rows, out, stream, adapters) have a captured graph (``graph=True``)."""
         return len(self._graphs)
 
-    def captured_graph(self, rows: int, out: int, stream: int) -> int | None:
-        """The graph captured for calls of ``rows`` rows into ``out`` on ``stream``, if any (a
-        benchmark replays it alone to time the GPU's work)."""
-        return self._graphs.get((rows, int(out), int(stream)))
+    def captured_graph(self, rows: int, out: int, stream: int, adapters: bool = False) -> int | None:
+        """The graph captured for calls of ``rows`` rows into ``out`` on ``stream`` (with or
+        without adapters), if any (a benchmark replays it alone to time the GPU's work)."""
+        return self._graphs.get((rows, int(out), int(stream), adapters))
 
     def embed(self, ctx_tokens: Sequence[int] | np.ndarray, seq_len: int, out: int, gpu: GpuBackend,
               stream: int = 0, *, graph: bool = False) -> None:
@@ -176,7 +221,7 @@ class FusedNgramEmbedding:
         False, having done nothing, for anything else (the general path then serves or refuses
         it: a seq_len that is not a plain int, an unknown shape, a foreign backend, a closed
         layer)."""
-        exe = self._graphs.get((seq_len, out, stream)) if type(seq_len) is int else None
+        exe = self._graphs.get((seq_len, out, stream, False)) if type(seq_len) is int and isinstance(out, int) else None
         if exe is None or gpu is not self.gpu or self.layer.closed:
             return False
         n = self.dims.max_ngram
@@ -193,20 +238,27 @@ class FusedNgramEmbedding:
         return True
 
     def embed_batch(self, contexts: Sequence[Sequence[int] | np.ndarray], seq_lens: Sequence[int],
-                    out: int, gpu: GpuBackend, stream: int = 0, *, graph: bool = False) -> None:
-        """Sequence i's last ``seq_lens[i]`` tokens, rows in order, into ``out [sum S_i, D]`` bf16;
-        ``gpu`` must be the backend the layer was built with. Everything is validated before
-        anything is uploaded or launched; cached tables' rows are unpinned after the launches,
-        or after a failure (``CachedRows.batch``)."""
+                    out: Any, gpu: GpuBackend, stream: int = 0, *, graph: bool = False,
+                    adapters: Sequence[int] | None = None) -> None:
+        """Sequence i's last ``seq_lens[i]`` tokens, rows in order, into ``out [sum S_i, D]`` bf16
+        (an address, a ``DeviceArray`` or a CuPy / torch / JAX array: ``gpu_runtime.interop``);
+        ``gpu`` must be the backend the layer was built with. ``adapters[i]``: sequence i's
+        adapter slot in ``adapter_slots`` (``NO_ADAPTER`` or -1: none); an overridden token's word
+        row is the adapter's, inside the sum (as if the word table held it). Everything is
+        validated before anything is uploaded or launched; cached tables' rows are unpinned
+        after the launches, or after a failure (``CachedRows.batch``)."""
         require_open(_WHAT, self, self.layer)
         require_backend(_WHAT, gpu, self.gpu)
         windows = self.windows(contexts, seq_lens)
+        over = self._word_over(adapters, seq_lens, windows)
         rows = windows.shape[0]
         if rows == 0:
             return
         if rows > self.max_rows:
             raise ValueError(f"fused ngram embed: {rows} rows over max_rows {self.max_rows}")
-        require_out(out, _WHAT)
+        h = self.dims.hidden_size
+        out = interop.device_address(out, f"{_WHAT} out", dtypes=(interop.BF16,), count=rows * h,
+                                     gpu=self.gpu, cols=h, writable=True)
         if graph:
             if not stream:
                 raise ValueError("fused ngram embed: graph=True needs a created stream, not the default "
@@ -215,13 +267,33 @@ class FusedNgramEmbedding:
                 raise TypeError(f"fused ngram embed: graph=True needs a backend with CUDA graphs "
                                 f"(gpu_runtime.Graphs); {type(self.gpu).__name__} has none")
         with self._rows.batch():
-            packed = self.pack(windows)  # resolves cached tables: the last step before the launches
+            packed = self.pack(windows, over)  # resolves cached tables: the last step before the launches
             if graph:
-                self._replay(packed, rows, out, stream)
+                self._replay(packed, rows, out, stream, over is not None)
             else:
                 self.gpu.copy_h2d_async(packed, self.staging, stream)
-                self._launch(rows, out, stream)
+                self._launch(rows, out, stream, over is not None)
                 self.gpu.record_event(self._done, stream)
+
+    def _word_over(self, adapters: Sequence[int] | None, seq_lens: Sequence[int],
+                   windows: np.ndarray) -> np.ndarray | None:
+        """Each row's replacement word row address (0: the base table's) for ``adapters``,
+        checked; None without adapters."""
+        if adapters is None:
+            return None
+        slots = self.adapter_slots
+        if slots is None:
+            raise ValueError(f"{_WHAT}: adapters given, but the layer was built without adapter_slots")
+        if len(adapters) != len(seq_lens):
+            raise ValueError(f"{_WHAT}: {len(adapters)} adapters for {len(seq_lens)} sequences")
+        index = [adapter_index(a, slots.num_slots, f"{_WHAT}: adapters[{i}]") for i, a in enumerate(adapters)]
+        over = np.zeros(windows.shape[0], np.uint64)
+        start = 0
+        for a, n in zip(index, seq_lens):
+            if a is not None and n:
+                over[start:start + n] = slots.embed_row_addresses(a, windows[start:start + n, 0])
+            start += int(n)
+        return over
 
     def prefetch_batch(self, contexts: Sequence[Sequence[int] | np.ndarray], seq_lens: Sequence[int]) -> int:
         """Start reading ahead the cached tables' rows of a later ``embed_batch`` (as soon as its
@@ -241,14 +313,18 @@ class FusedNgramEmbedding:
             raise ValueError(f"fused ngram embed: {len(contexts)} contexts, {len(seq_lens)} seq_lens")
         return front_windows(self.dims, contexts, seq_lens, _WHAT)
 
-    def pack(self, windows: np.ndarray) -> np.ndarray:
+    def pack(self, windows: np.ndarray, over: np.ndarray | None = None) -> np.ndarray:
         """What a call uploads, as one u32 buffer: ``windows`` [R, N], word ids [R], then (cached
         tables) the arena slots [R, T], resolved here: their rows stay pinned until the
-        ``batch()`` this is called in ends."""
+        ``batch()`` this is called in ends; then (``over``, with adapter slots) each row's
+        replacement word row address, u64 [R] at ``_over_offset(R)``."""
         rows, n, t = windows.shape[0], self.dims.max_ngram, self.dims.num_tables()
         packed = np.empty(rows * self._row_words, np.uint32)
         packed[:rows * n] = windows.reshape(-1)
         packed[rows * n:rows * (n + 1)] = windows[:, 0]
+        if over is not None:
+            at = self._over_offset(rows) // 4
+            packed[at:at + 2 * rows] = over.view(np.uint32)
         if self.cached:
             # [len(cached), R] ids of every cached table in one pass over the windows, which
             # ``windows`` built and checked; each is its hash modulo the table's rows (in range).
@@ -262,7 +338,12 @@ class FusedNgramEmbedding:
         return self._rows.batch()
 
     # -- launches ------------------------------------------------------------------------------
-    def _launch(self, rows: int, out: int, stream: int) -> None:
+    def _over_offset(self, rows: int) -> int:
+        """Byte offset in the staging of a call's u64 word-row addresses (8-byte aligned)."""
+        words = rows * (self.dims.max_ngram + 1 + (self.dims.num_tables() if self.cached else 0))
+        return -(-words * 4 // 8) * 8
+
+    def _launch(self, rows: int, out: int, stream: int, over: bool = False) -> None:
         dims, n, t, td = self.dims, self.dims.max_ngram, self.dims.num_tables(), self.dims.table_dim()
         words = self.staging.offset(rows * n * 4)
         slots = self.staging.offset(rows * (n + 1) * 4) if self.cached else 0
@@ -270,9 +351,10 @@ class FusedNgramEmbedding:
                                self.gather_buf, 0, rows, t, n, dims.splits, td, dims.eos_id, stream)
         gemm_ops.dense_gemm_bf16_word(self.gpu, self.gemm_k, self.gather_buf, self.projs_weight, out, rows,
                                       dims.hidden_size, t * td, words, self.layer.word.weight,
-                                      self.inv_scale, stream, overlap=True)
+                                      self.inv_scale, stream, overlap=True, path=self.gemm_path,
+                                      word_over=self.staging.offset(self._over_offset(rows)) if over else 0)
 
-    def _replay(self, packed: np.ndarray, rows: int, out: int, stream: int) -> None:
+    def _replay(self, packed: np.ndarray, rows: int, out: int, stream: int, over: bool = False) -> None:
         gpu = self.gpu
         if self._host is None:
             self._host = gpu.alloc_host(self.max_rows * self._row_words * 4)
@@ -280,18 +362,18 @@ class FusedNgramEmbedding:
         gpu.event_synchronize(self._done)  # the previous call (and its upload) is done with the buffer
         host = self._host[:packed.nbytes]
         host.view(np.uint32)[:] = packed
-        key = (rows, int(out), int(stream))
+        key = (rows, int(out), int(stream), over)
         exe = self._graphs.get(key)
         if exe is None:
             # A new shape runs eagerly once (loading kernels and setting their attributes,
             # which a capture must not do), then is captured for the next calls.
             gpu.upload_pinned_async(host, self.staging, stream)
-            self._launch(rows, out, stream)
+            self._launch(rows, out, stream, over)
             gpu.record_event(self._done, stream)
             gpu.begin_capture(stream)
             try:
                 gpu.upload_pinned_async(host, self.staging, stream)
-                self._launch(rows, out, stream)
+                self._launch(rows, out, stream, over)
             except BaseException:
                 gpu.abort_capture(stream)
                 raise

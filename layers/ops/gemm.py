@@ -30,6 +30,8 @@ Paths:
 ``dense_gemm_bf16_word`` is the same GEMM with the fused n-gram embedding's epilogue,
 ``c[i, j] = bf16((acc[i, j] + float(word[word_ids[i], j])) * scale)`` (fp32 add, fp32 multiply, one
 rounding). Its kernels share every path and launch plan with their plain twins (``word_plan``).
+The paths sum a row's products in different orders, so a row's bits may depend on the path m
+picks; ``path="small"`` (any m) sums every row the same way whatever m is (batch invariance).
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ PATHS = ("small", "tiled", "tiled_128x256", "tiled_128x128", "tiled_64x64", "wgm
 # does (from m, block and dynamic shared memory), so only the wgmma and TMA paths need their own
 # entry points (WORD_TWINS: path -> twin).
 WORD_KERNEL = "dense_gemm_bf16_word"
+WORD_SMALL_KERNEL = "dense_gemm_bf16_word_small_m"  # a forced small path for m > 64
 WORD_WGMMA_KERNEL = "dense_gemm_bf16_word_wgmma"
 WORD_TMA_KERNEL = "dense_gemm_bf16_word_tma"
 WORD_SPLITK_KERNEL = "dense_gemm_bf16_word_tma_splitk"
@@ -276,18 +279,22 @@ def word_plan(m: int, n: int, k: int, path: str | None = None, *, wgmma: bool = 
               tma: bool = False, tma_store: bool = False, sms: int = SMS) -> GemmPlan:
     """``plan`` for the word-epilogue kernels: same path, grid and shared memory, run by
     ``dense_gemm_bf16_word`` (small for m <= 64, tiled above, simt when launched with no shared
-    memory) or, for the wgmma and TMA paths, their ``dense_gemm_bf16_word_*`` twins.
+    memory) or, for the wgmma and TMA paths and a forced ``small`` with m > 64, their
+    ``dense_gemm_bf16_word_*`` twins.
 
-    That kernel chooses small or tiled from m, so a forced ``small`` needs m <= 64 and a forced
-    ``tiled*`` m > 64; anything else is refused rather than silently running another path.
+    That kernel chooses small or tiled from m, so a forced ``tiled*`` needs m > 64 and is refused
+    for smaller m rather than silently running another path. A forced ``small`` runs every m the
+    same way (each row's sum in the same order whatever m is: batch invariance).
     """
     p = plan(m, n, k, path, wgmma=wgmma, tma=tma, tma_store=tma_store, sms=sms)
     if p.path in WORD_TWINS:
         return GemmPlan(p.path, WORD_TWINS[p.path], p.grid, p.shared_mem, p.threads)
     small = m <= SMALL_MAX_ROWS
-    if (p.path == "small" and not small) or (p.path.startswith("tiled_") and small):
-        raise ValueError(f"{WORD_KERNEL}: path {path!r} cannot be forced for m = {m} (small needs "
-                         f"m <= {SMALL_MAX_ROWS}, tiled m > {SMALL_MAX_ROWS})")
+    if p.path == "small" and not small:
+        return GemmPlan(p.path, WORD_SMALL_KERNEL, p.grid, p.shared_mem)
+    if p.path.startswith("tiled_") and small:
+        raise ValueError(f"{WORD_KERNEL}: path {path!r} cannot be forced for m = {m} (tiled needs "
+                         f"m > {SMALL_MAX_ROWS})")
     return GemmPlan(p.path, WORD_KERNEL, p.grid, p.shared_mem)
 
 
@@ -339,7 +346,7 @@ def dense_gemm_bf16_pipelined(gpu: GpuBackend, kernel: KernelHandle, a: int, w: 
 
 def dense_gemm_bf16_word(gpu: GpuBackend, kernel: KernelHandle, a: int, w: DenseWeight, c: int,
                          m: int, n: int, k: int, word_ids: int, word: int, scale: float, stream: int,
-                         *, path: str | None = None, overlap: bool = False) -> None:
+                         *, path: str | None = None, overlap: bool = False, word_over: int = 0) -> None:
     """``c[i, j] = bf16((sum_k a[i, k] w[j, k] + float(word[word_ids[i], j])) * scale)``: the
     fused n-gram embedding (a the gathered rows [S, T*td], w the T projections concatenated
     [D, T*td], word the bf16 [vocab, n] table, word_ids u32 [m], scale 1/(1+T)), one rounding.
@@ -349,7 +356,9 @@ def dense_gemm_bf16_word(gpu: GpuBackend, kernel: KernelHandle, a: int, w: Dense
     Every check runs before any launch; m, n or k == 0 is a no-op. word_ids must be < vocab, or
     0xFFFFFFFF for a row written as zeros: the kernel cannot check them. ``overlap=True`` launches
     it as a programmatic dependent of the kernel before it on the stream (the gather that writes
-    ``a`` and ``word_ids``): it streams its weights while that kernel runs.
+    ``a`` and ``word_ids``): it streams its weights while that kernel runs. ``word_over`` (0: none)
+    is ``[m]`` u64 device addresses: where one is not 0, row i adds that n-wide bf16 row (an
+    adapter's replacement word row, 4-byte aligned when n is even) instead of ``word[word_ids[i]]``.
     """
     m, n, k = _check_gemm(WORD_KERNEL, kernel, w, m, n, k, path)
     scale = validate.real32(scale, f"{WORD_KERNEL} scale")
@@ -360,7 +369,7 @@ def dense_gemm_bf16_word(gpu: GpuBackend, kernel: KernelHandle, a: int, w: Dense
     maps = _tensor_maps(gpu, p.path, a, w, c, m, n, k) if p.path in _TMA_BOXES else {}
     _SPECS[p.kernel].launch(gpu, handle, (p.grid, 1, 1), (p.threads, 1, 1), stream, **maps, a=a,
                             w=w.weight, c=c, m=m, n=n, k=k, word_ids=word_ids, word=word,
-                            scale=scale, shared_mem=p.shared_mem, overlap=overlap)
+                            word_over=word_over, scale=scale, shared_mem=p.shared_mem, overlap=overlap)
 
 
 def _launch_plan(planner, gpu: GpuBackend, a: int, w: DenseWeight, c: int, m: int, n: int, k: int,

@@ -23,7 +23,7 @@ EMBED_FROM_ARGMAX = KernelSpec("embed_from_argmax_bf16", logits="P", vocab="U", 
 
 # -- gemm.cu: every plain GEMM takes (a, w, c, m, n, k); the word GEMMs add the word epilogue --
 _GEMM = dict(a="P", w="P", c="P", m="U", n="U", k="U")
-_WORD = dict(_GEMM, word_ids="P", word="P", scale="F")
+_WORD = dict(_GEMM, word_ids="P", word="P", word_over="P?", scale="F")
 GEMM_PIPELINED = KernelSpec("dense_gemm_bf16_pipelined", **_GEMM)
 GEMM_SMALL_M = KernelSpec("dense_gemm_bf16_small_m", **_GEMM)
 GEMM_TILED = KernelSpec("dense_gemm_bf16_tiled", **_GEMM)
@@ -31,6 +31,7 @@ GEMM_WGMMA = KernelSpec("dense_gemm_bf16_wgmma", **_GEMM)
 GEMM_SIMT = KernelSpec("dense_gemm_bf16_simt", **_GEMM)
 GEMM_WORD = KernelSpec("dense_gemm_bf16_word", **_WORD)
 GEMM_WORD_WGMMA = KernelSpec("dense_gemm_bf16_word_wgmma", **_WORD)
+GEMM_WORD_SMALL_M = KernelSpec("dense_gemm_bf16_word_small_m", **_WORD)
 # the TMA twins take a and w as tensor maps too (and by pointer, for their fallback)
 GEMM_TMA = KernelSpec("dense_gemm_bf16_tma", a_map="T", w_map="T", **_GEMM)
 GEMM_WORD_TMA = KernelSpec("dense_gemm_bf16_word_tma", a_map="T", w_map="T", **_WORD)
@@ -44,7 +45,14 @@ GEMM_WORD_TMA_SPLITK = KernelSpec("dense_gemm_bf16_word_tma_splitk", a_map="T", 
 NGRAM_DECODE_GATHER = KernelSpec(
     "ngram_decode_gather", tokens="P", cu_seqlens="P?", slots="P", hist="P", state="P", tables="P",
     pows="P", out="P", word_ids="P", ctrl="P", rows="U", num_seqs="U", per_seq="U", max_seqs="U",
-    hist_len="U", vocab="U", num_tables="U", max_ngram="U", splits="U", td="U", eos="U")
+    hist_len="U", vocab="U", num_tables="U", max_ngram="U", splits="U", td="U", eos="U",
+    adapters="P?", adapter_maps="P?", adapter_rows="P?", adapter_counts="P?", num_adapters="U",
+    hidden="U", word_over="P?")
+NGRAM_DECODE_SEED = KernelSpec("ngram_decode_seed", tokens="P", cu_seqlens="P", slots="P", hist="P",
+                               state="P", ctrl="P", rows="U", num_seqs="U", max_seqs="U",
+                               hist_len="U", vocab="U")
+NGRAM_DECODE_FORK = KernelSpec("ngram_decode_fork", src_slots="P", dst_slots="P", hist="P", state="P",
+                               ctrl="P", num="U", max_seqs="U", hist_len="U")
 NGRAM_DECODE_ROLLBACK = KernelSpec("ngram_decode_rollback", slots="P", counts="P", state="P",
                                    ctrl="P", num_seqs="U", max_seqs="U", max_draft="U")
 
@@ -81,9 +89,10 @@ def _by_name(*specs: KernelSpec) -> dict[str, KernelSpec]:
 SPECS: dict[str, dict[str, KernelSpec]] = {  # kernel module -> kernel name -> its spec
     "embed_from_argmax": _by_name(BATCHED_EMBED, BATCHED_EMBED_FP8, BATCHED_EMBED_SHARD, EMBED_FROM_ARGMAX),
     "gemm": _by_name(GEMM_PIPELINED, GEMM_SMALL_M, GEMM_TILED, GEMM_WGMMA, GEMM_SIMT, GEMM_WORD,
-                     GEMM_WORD_WGMMA, GEMM_TMA, GEMM_WORD_TMA, GEMM_TMA_SPLITK,
+                     GEMM_WORD_WGMMA, GEMM_WORD_SMALL_M, GEMM_TMA, GEMM_WORD_TMA, GEMM_TMA_SPLITK,
                      GEMM_WORD_TMA_SPLITK, GEMM_TMA_STORE, GEMM_WORD_TMA_STORE),
-    "ngram_decode": _by_name(NGRAM_DECODE_GATHER, NGRAM_DECODE_ROLLBACK),
+    "ngram_decode": _by_name(NGRAM_DECODE_GATHER, NGRAM_DECODE_SEED, NGRAM_DECODE_FORK,
+                             NGRAM_DECODE_ROLLBACK),
     "ngram_fused": _by_name(NGRAM_GATHER),
     "residual_add": _by_name(SCALED_ADD, RESIDUAL_ADD),
     "row_cache": _by_name(SCATTER_ROWS),

@@ -156,6 +156,23 @@ class OverlaySlots:
         entry = self._slots[self._check_slot(slot)]
         return None if entry is None else entry.overlay
 
+    def embed_row_addresses(self, slot: int, ids: Any) -> np.ndarray:
+        """``uint64`` like ``ids``: the device address of each id's replacement embedding row in
+        adapter ``slot``, 0 where the slot's adapter does not override that id (or the slot is
+        empty). The host half of what the n-gram decoder resolves on the device: the fused path
+        hands these to its GEMM's word-row epilogue. Valid until the slot is evicted."""
+        self._live()
+        entry = self._slots[self._check_slot(slot)]
+        ids = np.asarray(ids, np.int64)
+        out = np.zeros(ids.shape, np.uint64)
+        if entry is None or entry.embed_rows is None:
+            return out
+        table = entry.overlay.embed
+        j = np.minimum(np.searchsorted(table.ids, ids), table.n - 1)
+        hit = table.ids[j] == ids
+        out[hit] = int(entry.embed_rows) + j[hit].astype(np.uint64) * np.uint64(self.h * 2)
+        return out
+
     # -- loading and eviction ----------------------------------------------------------------
     def _live(self) -> None:
         validate.require_open(self._closed, "OverlaySlots")

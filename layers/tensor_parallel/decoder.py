@@ -76,7 +76,7 @@ class TensorParallelNgramDecoder(NgramDecoder):
     def _gathered_rows(self, rows: int) -> int:
         return self.fused.gather_buf.offset(rows * self.dims.hidden_size * 2)
 
-    def _finish(self, rows: int, out: int, stream: int) -> None:
+    def _finish(self, rows: int, out: int, stream: int, word_over: int) -> None:  # no adapter_slots here
         fused, shard = self.fused, self.fused.shard
         embed_ops.batched_embed_shard(self.gpu, fused.shard_k, self.word_ids, fused.word_rows.weight,
                                       fused.gather_buf, rows, self.dims.hidden_size, shard.word_lo,

@@ -200,7 +200,7 @@ class TensorParallelNgramEmbedding(FusedNgramEmbedding):
                              f"collective= to serve embed and embed_batch")
         validate.require_open(self.collective.closed, f"{_WHAT}: its collective")
 
-    def _launch(self, rows: int, out: int, stream: int) -> None:
+    def _launch(self, rows: int, out: int, stream: int, over: bool = False) -> None:  # no adapter_slots here
         self._gather_rows(rows, stream)
         self.reduce_and_project(rows, out, stream)
 

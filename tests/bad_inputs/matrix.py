@@ -45,7 +45,7 @@ ROWS = [
     ("FusedNgramEmbedding", "`FusedNgramEmbedding(...)`"),
     ("FusedNgramEmbedding.embed", "`FusedNgramEmbedding.embed` / `embed_batch`"),
     ("NgramDecoder", "`NgramDecoder(...)`"),
-    ("NgramDecoder.calls", "`NgramDecoder.prefill` / `step` / `rollback` / `reset`"),
+    ("NgramDecoder.calls", "`NgramDecoder.prefill` / `step` / `seed` / `fork` / `rollback` / `reset`"),
     ("from_pretrained", "`NgramEmbedding.from_pretrained` (and the fused / decoder twins)"),
     ("overlay_from_peft", "`overlay_from_peft`"),
     ("RowCache", "`RowCache(...)`"),

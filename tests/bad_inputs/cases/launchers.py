@@ -117,7 +117,7 @@ CPU_CASES = [
     L("dense_gemm_bf16_pipelined", "closed", ClosedError, "closed", **CLOSED),
     L("dense_gemm_bf16_pipelined", "empty", None, m=0),
     L("dense_gemm_bf16_word", "dtype", TypeError, "real number", scale="x"),
-    L("dense_gemm_bf16_word", "length", ValueError, "cannot be forced", m=65, path="small"),
+    L("dense_gemm_bf16_word", "length", ValueError, "cannot be forced", m=64, path="tiled"),
     L("dense_gemm_bf16_word", "range", ValueError, "finite", scale=float("inf")),
     L("dense_gemm_bf16_word", "null", ValueError, NULL, word_ids=0),
     L("dense_gemm_bf16_word", "closed", ClosedError, "closed", **CLOSED),

@@ -14,6 +14,7 @@ from layers.ngram_embed.fused import FusedNgramEmbedding
 from layers.weight_map import BF16, FP8, DenseWeight
 from tests.bad_inputs.matrix import NULL, case, expect
 from tests.bad_inputs.world import World
+from tests.fakes import ForeignArray
 from tests.helpers.logging_backend import LoggingBackend
 
 CPU_CASES = [
@@ -111,9 +112,20 @@ CPU_CASES = [
          ValueError, "RowCache tables need host work", detail="cached", needs=("cached_fused",)),
     case("NgramDecoder.calls", "dtype", lambda w: w.decoder.step(w.p[0], 1.5, 2, w.out), TypeError,
          "slots: expected a device address"),
-    case("NgramDecoder.calls", "dtype", lambda w: w.decoder.step(DeviceArray(w.gpu, w.p[0], (8,), np.int32),
+    case("NgramDecoder.calls", "dtype", lambda w: w.decoder.step(DeviceArray(w.gpu, w.p[0], (8,), np.int64),
                                                                  w.p[1], 2, w.out),
-         TypeError, "dtype int32", detail="device-array"),
+         TypeError, "dtype int64, expected uint32 or int32", detail="device-array"),
+    case("NgramDecoder.calls", "dtype", lambda w: w.decoder.step(w.p[0], w.p[1], 2, ForeignArray(w.out, (2, 40),
+                                                                                                 "<f2")),
+         TypeError, "out: dtype float16, expected bfloat16", detail="foreign-out"),
+    case("NgramDecoder.calls", "dtype", lambda w: w.decoder.fork(object(), w.p[1], 2), TypeError,
+         "src_slots: expected a device address", detail="fork"),
+    case("NgramDecoder.calls", "shape", lambda w: w.decoder.step(ForeignArray(w.p[0], (4,), "<u4", strides=(8,)),
+                                                                 w.p[1], 2, w.out),
+         ValueError, "not C-contiguous", detail="strided"),
+    case("NgramDecoder.calls", "shape", lambda w: w.decoder.step(w.p[0], w.p[1], 2, ForeignArray(w.out, (2, 41),
+                                                                                                 "<V2")),
+         ValueError, "rows of 41 values, expected 40", detail="out-cols"),
     case("NgramDecoder.calls", "length", lambda w: w.decoder.step(DeviceArray(w.gpu, w.p[0], (3,), np.uint32),
                                                                   w.p[1], 2, w.out, k=2),
          ValueError, "3 entries, the call needs 4"),
@@ -121,16 +133,34 @@ CPU_CASES = [
          "over max_seqs 4"),
     case("NgramDecoder.calls", "range", lambda w: w.decoder.prefill(w.p[0], w.p[1], w.p[2], 2, 9, w.out),
          ValueError, "9 rows over max_rows 8", detail="rows"),
+    case("NgramDecoder.calls", "length", lambda w: w.decoder.seed(ForeignArray(w.p[0], (5,), "<i4"), w.p[1],
+                                                                  w.p[2], 2, 6),
+         ValueError, "tokens: 5 entries, the call needs 6", detail="seed"),
     case("NgramDecoder.calls", "range", lambda w: w.decoder.reset(4), ValueError,
          r"slot must be in 0\.\.3, got 4", detail="reset"),
+    case("NgramDecoder.calls", "range", lambda w: w.decoder.seed(w.p[0], w.p[1], w.p[2], 5, 6), ValueError,
+         "over max_seqs 4", detail="seed"),
+    case("NgramDecoder.calls", "range", lambda w: w.decoder.step(w.p[0], w.p[1], 2, w.out, adapters=w.p[2]),
+         ValueError, "built without adapter_slots", detail="adapters"),
+    case("NgramDecoder.calls", "range", lambda w: w.decoder.step(w.p[0], w.p[1], 2, ForeignArray(w.out, (2, 40),
+                                                                                                 "<V2", True)),
+         ValueError, "out: a read-only array", detail="read-only-out"),
     case("NgramDecoder.calls", "null", lambda w: w.decoder.prefill(w.p[0], 0, w.p[2], 2, 5, w.out), ValueError,
          NULL),
     case("NgramDecoder.calls", "null", lambda w: w.decoder.rollback(w.p[0], 0, 2), ValueError, NULL,
          detail="rollback"),
+    case("NgramDecoder.calls", "null", lambda w: w.decoder.seed(w.p[0], w.p[1], 0, 2, 5), ValueError, NULL,
+         detail="seed"),
+    case("NgramDecoder.calls", "null", lambda w: w.decoder.fork(w.p[0], 0, 2), ValueError, NULL,
+         detail="fork"),
+    case("NgramDecoder.calls", "null", lambda w: w.decoder.step(w.p[0], w.p[1], 2, ForeignArray(0, (2, 40), "<V2")),
+         ValueError, NULL, detail="foreign-out"),
     case("NgramDecoder.calls", "closed", lambda w: w.closed_decoder.step(w.p[0], w.p[1], 1, w.out),
          ClosedError, "NgramDecoder is closed"),
     case("NgramDecoder.calls", "empty", lambda w: w.decoder.step(w.p[0], w.p[1], 0, w.out)),
     case("NgramDecoder.calls", "empty", lambda w: w.decoder.rollback(w.p[0], w.p[1], 0), detail="rollback"),
+    case("NgramDecoder.calls", "empty", lambda w: w.decoder.seed(w.p[0], w.p[1], w.p[2], 0, 0), detail="seed"),
+    case("NgramDecoder.calls", "empty", lambda w: w.decoder.fork(w.p[0], w.p[1], 0), detail="fork"),
     # -- FusedNgramEmbedding --
     case("FusedNgramEmbedding", "dtype", lambda w: FusedNgramEmbedding(w.layer, 2.0, w.gpu), TypeError,
          "max_rows must be an int"),
@@ -196,8 +226,11 @@ def _after_fused_embed(w: World) -> None:
 def _after_decoder(w: World) -> None:
     before = len(w.gpu.launches)
     w.decoder.step(w.p[0], w.p[1], 2, w.out, k=2)
+    w.decoder.seed(w.p[0], w.p[1], w.p[2], 2, 5)
+    w.decoder.fork(w.p[1], w.p[2], 2)
     w.decoder.rollback(w.p[1], w.p[2], 2)
-    assert w.gpu.launched()[before:] == ["ngram_decode_gather", "dense_gemm_bf16_word", "ngram_decode_rollback"]
+    assert w.gpu.launched()[before:] == ["ngram_decode_gather", "dense_gemm_bf16_word", "ngram_decode_seed",
+                                         "ngram_decode_fork", "ngram_decode_rollback"]
 
 
 AFTER: dict[str, Callable[[World], None]] = {

@@ -1,8 +1,9 @@
-"""Shared fixtures: one CUDA backend per session, fresh (or ``$TEST_SEED``) random generators,
-GPU skips."""
+"""Shared fixtures: one CUDA backend per session, random generators seeded from each test's node
+id (``$TEST_SEED``: a fixed seed, or ``random``), GPU skips."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 import numpy as np
@@ -33,31 +34,41 @@ def gpu():
     backend.close()
 
 
-def _fixed_seed() -> int | None:
-    """``$TEST_SEED`` as a seed (a non-negative integer), or None where it is unset or empty."""
+def _seed_setting() -> int | str | None:
+    """``$TEST_SEED``: a non-negative integer, ``"random"``, or None where it is unset or empty."""
     value = os.environ.get("TEST_SEED", "").strip()
-    if not value:
-        return None
+    if not value or value == "random":
+        return value or None
     try:
         seed = int(value)
     except ValueError:
         seed = -1
     if seed < 0:
-        raise pytest.UsageError(f"TEST_SEED={value!r}: expected a non-negative integer")
+        raise pytest.UsageError(f"TEST_SEED={value!r}: expected a non-negative integer or 'random'")
     return seed
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    _fixed_seed()  # a bad TEST_SEED stops the run before any test
+    _seed_setting()  # a bad TEST_SEED stops the run before any test
+
+
+def node_seed(nodeid: str) -> int:
+    """The default seed of a test: derived from its node id, so every run draws the same inputs."""
+    return int.from_bytes(hashlib.sha256(nodeid.encode()).digest()[:8], "little")
 
 
 @pytest.fixture
 def rng(request: pytest.FixtureRequest) -> np.random.Generator:
-    """A generator with a fresh seed every run, or ``$TEST_SEED`` where it is set (every test's
-    generator then starts from it); the seed is in the test's report on failure."""
-    seed = _fixed_seed()
-    if seed is None:
+    """A generator seeded from the test's node id (the same every run), from ``$TEST_SEED``
+    where it is an integer (every test's generator then starts from it), or freshly with
+    ``TEST_SEED=random`` (exploration); the seed and its replay line are in the test's output."""
+    setting = _seed_setting()
+    if setting == "random":
         seed = int.from_bytes(os.urandom(8), "little")
+    elif setting is None:
+        seed = node_seed(request.node.nodeid)
+    else:
+        seed = int(setting)
     request.node.user_properties.append(("seed", seed))
     print(f"rng seed {seed} (replay: TEST_SEED={seed})")
     return np.random.default_rng(seed)

@@ -18,8 +18,8 @@ import pytest
 
 from gpu_runtime import KernelNotFoundError
 from layers.ops.token_overlay import OverlayKernels
-from layers.overlay import AdapterOverlay, overlay_from_peft
-from layers.peft_adapter import PeftAdapterError, read_peft_adapter
+from layers.overlay import AdapterOverlay
+from layers.peft_adapter import PeftAdapterError, overlay_from_peft, read_peft_adapter
 from layers.weight_map import DenseWeight
 from tests.helpers import bits, random_bf16
 from tests.helpers.overlay import overlay_backend

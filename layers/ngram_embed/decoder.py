@@ -71,11 +71,12 @@ class DecodeError(enum.IntFlag):
 Buffer = Any
 
 _WHAT = "NgramDecoder"
-_NO_ROW_CACHE = ("NgramDecoder: RowCache tables need host work every step; serve them with "
+NO_ROW_CACHE = ("NgramDecoder: RowCache tables need host work every step; serve them with "
                  "FusedNgramEmbedding, or hold the table in host memory (NgramTable.Host)")
 
 
-def _check_sizes(max_seqs: int, max_rows: int, max_draft: int) -> tuple[int, int, int]:
+def check_sizes(max_seqs: int, max_rows: int, max_draft: int) -> tuple[int, int, int]:
+    """A decoder's sizes as ints (its constructor's checks, also run before a model is loaded)."""
     return (validate.positive(max_seqs, "NgramDecoder: max_seqs", limit=1 << 31),
             validate.positive(max_rows, "NgramDecoder: max_rows", limit=1 << 31),
             validate.count(max_draft, "NgramDecoder: max_draft", limit=1 << 31))
@@ -91,8 +92,8 @@ class NgramDecoder:
                  stream: int = 0, max_draft: int = 0, adapter_slots: OverlaySlots | None = None,
                  batch_invariant: bool = False) -> None:
         if any(isinstance(t, CachedTable) for t in layer.tables):
-            raise ValueError(_NO_ROW_CACHE)
-        max_seqs, max_rows, max_draft = _check_sizes(max_seqs, max_rows, max_draft)
+            raise ValueError(NO_ROW_CACHE)
+        max_seqs, max_rows, max_draft = check_sizes(max_seqs, max_rows, max_draft)
         check_layer(_WHAT, layer, gpu)
         check_adapter_slots(_WHAT, adapter_slots, layer.dims, gpu)
         self._owned_layer: NgramEmbedding | None = None  # set by from_pretrained: closed with this
@@ -137,9 +138,9 @@ class NgramDecoder:
         from .pretrained import load_layer
         from .fused import check_servable
 
-        _check_sizes(max_seqs, max_rows, max_draft)
+        check_sizes(max_seqs, max_rows, max_draft)
         check_servable(NgramCheckpoint.open(model_dir, eos_id=layer_args.get("eos_id"), parts="dense").dims, max_rows)
-        layer = load_layer(NgramEmbedding, model_dir, gpu, stream=stream, refuse_files=_NO_ROW_CACHE,
+        layer = load_layer(NgramEmbedding, model_dir, gpu, stream=stream, refuse_files=NO_ROW_CACHE,
                            **layer_args)
         try:
             dec = cls(layer, max_seqs=max_seqs, max_rows=max_rows, gpu=gpu, stream=stream, max_draft=max_draft)

@@ -15,7 +15,7 @@ from gpu_runtime import validate
 from ..weight_map import FP8, DenseWeight
 from .checkpoint import NgramCheckpoint
 from .dims import NgramDims
-from .embedding import placements
+from .placement import placements
 from .host_table import HostWeight
 from .resources import closed_on_failure
 from .table_file import TableFile

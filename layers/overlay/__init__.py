@@ -13,30 +13,15 @@ rows are replacements, not deltas.
 - ``slots``: ``OverlaySlots``, a fixed number of adapter slots, each made device-resident on
   ``load``, and the device pointer tables the routed kernels read.
 
-PEFT adapter folders (``overlay_from_peft`` and the rest of ``layers.peft_adapter``) are
-importable from here too.
+PEFT adapter folders: ``layers.peft_adapter`` (``overlay_from_peft``).
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 from ..ops.token_overlay import OverlayKernels
 from .build import build_overlay, overlay_from_trainable_tokens
 from .model import BF16, F32, AdapterOverlay, TableOverlay
 from .slots import OverlaySlots
 
-__all__ = ["AdapterOverlay", "BF16", "F32", "OverlayKernels", "OverlaySlots", "PeftAdapter",
-           "PeftAdapterError", "TableOverlay", "build_overlay", "overlay_from_peft",
-           "overlay_from_trainable_tokens", "read_peft_adapter"]
-
-_PEFT_EXPORTS = ("overlay_from_peft", "read_peft_adapter", "PeftAdapter", "PeftAdapterError")
-
-
-def __getattr__(name: str) -> Any:
-    """``overlay_from_peft`` and the rest of ``layers.peft_adapter``'s entry points are importable
-    from here too (resolved on first use: that module imports this package)."""
-    if name in _PEFT_EXPORTS:
-        from .. import peft_adapter
-        return getattr(peft_adapter, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__ = ["AdapterOverlay", "BF16", "F32", "OverlayKernels", "OverlaySlots", "TableOverlay", "build_overlay",
+           "overlay_from_trainable_tokens"]

@@ -44,17 +44,17 @@ class TensorParallelNgramDecoder(NgramDecoder):
         """Rank ``rank`` of ``size`` of a model folder (``TensorParallelNgramEmbedding.from_pretrained``'s
         loading), wrapped in a decoder that owns the weights. Refusals come before any upload."""
         from ..ngram_embed.checkpoint import NgramCheckpoint
-        from ..ngram_embed.decoder import _NO_ROW_CACHE, _check_sizes
+        from ..ngram_embed.decoder import NO_ROW_CACHE, check_sizes
         from ..ngram_embed.fused import check_servable
         from ..ngram_embed.pretrained import load_weights
 
-        _check_sizes(max_seqs, max_rows, max_draft)
+        check_sizes(max_seqs, max_rows, max_draft)
         dims = NgramCheckpoint.open(model_dir, eos_id=layer_args.get("eos_id"), parts="dense").dims
         check_servable(dims, max_rows)
         shard = NgramShard.of(dims, rank, size)
         check_collective(collective, shard)
         weights = load_weights(model_dir, gpu, stream=stream, max_tokens=max_rows, part=lambda _: shard,
-                               refuse_files=_NO_ROW_CACHE,
+                               refuse_files=NO_ROW_CACHE,
                                build=lambda d, word, tables, projs: RankWeights(d, shard, word, tables, projs, gpu),
                                **layer_args)
         try:

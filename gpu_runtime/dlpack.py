@@ -19,7 +19,6 @@ import numpy as np
 KDL_CUDA = 2          # DLDeviceType: CUDA device memory
 KDL_CUDA_MANAGED = 13  # CUDA managed memory
 _NAME = b"dltensor"
-_USED = b"used_dltensor"
 
 
 class _Device(ctypes.Structure):

@@ -24,6 +24,7 @@ import numpy as np
 
 from . import dlpack, validate
 from .device_array import DeviceArray
+from .pointers import DevicePtr
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 INDEX = (np.dtype(np.uint32), np.dtype(np.int32))  # u32 index buffers; int32 is read as its bits
@@ -116,6 +117,8 @@ def device_address(obj: Any, what: str, *, dtypes: tuple[np.dtype, ...], count: 
     ``dtypes`` (the first named in errors), C-contiguous, on ``gpu``'s device; with ``cols``, a
     2-D or more array's last extent must be ``cols``; with ``writable``, the array must not be
     read-only. A bare address is taken as it is (not null). Errors name ``what``."""
+    if type(obj) is int or type(obj) is DevicePtr:  # the common case, without the protocol lookups
+        return validate.pointer(obj, what)
     info = array_info(obj)
     if info is None:
         try:

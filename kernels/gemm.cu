@@ -306,8 +306,8 @@ dense_gemm_bf16_simt(const bf16* a, const bf16* w, bf16* c, uint32_t m, uint32_t
 // row word_over[i] where given, else word[word_ids[i]].
 extern "C" __global__ void __launch_bounds__(256, 1)
 dense_gemm_bf16_word(const bf16* a, const bf16* w, bf16* c, uint32_t m, uint32_t n, uint32_t k,
-                     const uint32_t* word_ids, const bf16* word, const bf16* const* word_over,
-                     float scale) {
+                     const uint32_t* word_ids, const bf16* word,
+                     const bf16* const* word_over, float scale) {
     gemm::dependent_gemm(a, w, c, m, n, k, gemm::word_epilogue(word_ids, word, word_over, n, scale));
 }
 
@@ -351,8 +351,8 @@ dense_gemm_bf16_word_tma_store(const __grid_constant__ TensorMap a_map,
                                const __grid_constant__ TensorMap w_map,
                                const __grid_constant__ TensorMap c_map, const bf16* a,
                                const bf16* w, bf16* c, uint32_t m, uint32_t n, uint32_t k,
-                               const uint32_t* word_ids, const bf16* word, const bf16* const* word_over,
-                     float scale) {
+                               const uint32_t* word_ids, const bf16* word,
+                               const bf16* const* word_over, float scale) {
     pdl_wait();
     gemm::tma_or_simt_gemm<gemm::kTmaStoreC>(a_map, w_map, c_map, a, w, c, m, n, k,
                                  gemm::word_epilogue(word_ids, word, word_over, n, scale));
@@ -363,8 +363,8 @@ extern "C" __global__ void SPLITK_CLUSTER __launch_bounds__(384, 1)
 dense_gemm_bf16_word_tma_splitk(const __grid_constant__ TensorMap a_map,
                                 const __grid_constant__ TensorMap w_map, const bf16* a,
                                 const bf16* w, bf16* c, uint32_t m, uint32_t n, uint32_t k,
-                                const uint32_t* word_ids, const bf16* word, const bf16* const* word_over,
-                     float scale) {
+                                const uint32_t* word_ids, const bf16* word,
+                                const bf16* const* word_over, float scale) {
     pdl_wait();
     gemm::tma_or_simt_gemm<gemm::kTmaSplitK>(a_map, w_map, a_map, a, w, c, m, n, k,
                               gemm::word_epilogue(word_ids, word, word_over, n, scale));

@@ -48,7 +48,7 @@ from ..ops.ngram_decode import NO_ADAPTER, NO_ADAPTERS, PAD_SLOT, AdapterTables
 from ..overlay.slots import OverlaySlots
 from .embedding import NgramEmbedding
 from .front import require_open
-from .fused import FusedNgramEmbedding, check_adapter_slots, check_layer, gemm_path
+from .fused import FusedNgramEmbedding, check_adapter_slots, check_layer, gemm_path, out_address
 from .resources import Resources
 from .tables import CachedTable
 
@@ -72,7 +72,7 @@ Buffer = Any
 
 _WHAT = "NgramDecoder"
 NO_ROW_CACHE = ("NgramDecoder: RowCache tables need host work every step; serve them with "
-                 "FusedNgramEmbedding, or hold the table in host memory (NgramTable.Host)")
+                "FusedNgramEmbedding, or hold the table in host memory (NgramTable.Host)")
 
 
 def check_sizes(max_seqs: int, max_rows: int, max_draft: int) -> tuple[int, int, int]:
@@ -290,12 +290,6 @@ class NgramDecoder:
         return interop.device_address(buf, f"NgramDecoder {what}", dtypes=interop.INDEX, count=count,
                                       gpu=self.gpu)
 
-    def _out(self, out: Buffer, rows: int) -> int:
-        """The address of ``out``: bf16, ``rows`` rows of D, writable."""
-        return interop.device_address(out, "NgramDecoder out", dtypes=(interop.BF16,),
-                                      count=rows * self.dims.hidden_size, gpu=self.gpu,
-                                      cols=self.dims.hidden_size, writable=True)
-
     def _adapter_tables(self, adapters: Buffer | None, num_seqs: int) -> AdapterTables:
         """The gather's adapter arguments for a call's ``adapters`` (None: none)."""
         if adapters is None:
@@ -312,7 +306,7 @@ class NgramDecoder:
     def _run(self, tokens: int, cu_seqlens: int, slots: int, num_seqs: int, rows: int,
              per_seq: int, out: Buffer, stream: int, adapters: Buffer | None) -> None:
         self._open()
-        out = self._out(out, rows)
+        out = out_address(out, _WHAT, rows, self.dims, self.gpu)
         tables = self._adapter_tables(adapters, num_seqs)
         if rows == 0:
             return
@@ -343,4 +337,3 @@ class NgramDecoder:
             fused.pows, self._gathered_rows(rows), self.word_ids, self.ctrl, rows, num_seqs, per_seq,
             self.max_seqs, self.hist_len, dims.vocab_size, dims.num_tables(), dims.max_ngram,
             dims.splits, dims.table_dim(), dims.eos_id, stream, adapters)
-

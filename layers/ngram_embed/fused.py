@@ -86,6 +86,14 @@ def gemm_path(batch_invariant: bool) -> str | None:
     return "small" if validate.boolean(batch_invariant, "batch_invariant") else None
 
 
+def out_address(out: Any, what: str, rows: int, dims: Any, gpu: GpuBackend) -> int:
+    """The address of an output of ``rows`` rows of D bf16, writable (an address, a
+    ``DeviceArray`` or a foreign array: ``gpu_runtime.interop``)."""
+    h = dims.hidden_size
+    return interop.device_address(out, f"{what} out", dtypes=(interop.BF16,), count=rows * h, gpu=gpu,
+                                  cols=h, writable=True)
+
+
 def adapter_index(value: Any, num_slots: int, what: str) -> int | None:
     """One sequence's adapter slot as given on the host: None for ``NO_ADAPTER`` (or -1)."""
     a = validate.integer(value, what)
@@ -110,7 +118,7 @@ def check_layer(what: str, layer: NgramEmbedding, gpu: GpuBackend) -> None:
 class FusedNgramEmbedding:
     """The fused path over ``layer`` (module doc); ``adapter_slots``: the ``OverlaySlots`` whose
     embedding rows ``embed_batch(..., adapters=)`` selects inside the n-gram sum;
-    ``batch_invariant``: every row's bits independent of the batch it is in (``GEMM_PATH``)."""
+    ``batch_invariant``: every row's bits independent of the batch it is in (``gemm_path``)."""
 
     def __init__(self, layer: NgramEmbedding, max_rows: int, gpu: GpuBackend, stream: int = 0, *,
                  adapter_slots: OverlaySlots | None = None, batch_invariant: bool = False) -> None:
@@ -133,7 +141,8 @@ class FusedNgramEmbedding:
         self._ids_plan = window_plan(dims, tuple(self.cached)) if self.cached else None
         # u32 words uploaded per output row: window, word id, cached tables' slots, and (with
         # adapter slots) the u64 address of its replacement word row, after an alignment word
-        self._row_words = n + 1 + (t if self.cached else 0) + (3 if adapter_slots is not None else 0)
+        self._base_words = n + 1 + (t if self.cached else 0)
+        self._row_words = self._base_words + (3 if adapter_slots is not None else 0)
         self._can_graph = isinstance(gpu, Graphs)
         self._graphs: dict[tuple[int, int, int, bool], int] = {}
         self._host = None  # pinned packed-upload buffer, made with the first graph
@@ -256,9 +265,7 @@ class FusedNgramEmbedding:
             return
         if rows > self.max_rows:
             raise ValueError(f"fused ngram embed: {rows} rows over max_rows {self.max_rows}")
-        h = self.dims.hidden_size
-        out = interop.device_address(out, f"{_WHAT} out", dtypes=(interop.BF16,), count=rows * h,
-                                     gpu=self.gpu, cols=h, writable=True)
+        out = out_address(out, _WHAT, rows, self.dims, self.gpu)
         if graph:
             if not stream:
                 raise ValueError("fused ngram embed: graph=True needs a created stream, not the default "
@@ -340,8 +347,7 @@ class FusedNgramEmbedding:
     # -- launches ------------------------------------------------------------------------------
     def _over_offset(self, rows: int) -> int:
         """Byte offset in the staging of a call's u64 word-row addresses (8-byte aligned)."""
-        words = rows * (self.dims.max_ngram + 1 + (self.dims.num_tables() if self.cached else 0))
-        return -(-words * 4 // 8) * 8
+        return -(-rows * self._base_words * 4 // 8) * 8
 
     def _launch(self, rows: int, out: int, stream: int, over: bool = False) -> None:
         dims, n, t, td = self.dims, self.dims.max_ngram, self.dims.num_tables(), self.dims.table_dim()

@@ -55,12 +55,11 @@ from bench.common import Events, gpu_time_ms, host_time_us, interleaved_times_us
 from bench.ngram_embed import CONTEXT, DIMS, device_weight
 from gpu_runtime import CudaBackend, DeviceBuffer
 from gpu_runtime.driver import call
-from layers.ngram_embed import NgramEmbedding, NgramTable
-from layers.ngram_embed.fused import FusedNgramEmbedding
+from layers.ngram_embed import FusedNgramEmbedding, NgramEmbedding, NgramTable, NgramWeights
 from layers.ngram_embed.ids import ngram_ids_tail
 from layers.ngram_embed.row_cache import RowCache
 from layers.ngram_embed.table_file import TableFile, TableFormatError, TableHeader, TableWriter
-from layers.weight_map import BF16, DenseWeight
+from layers.dense_weight import BF16, DenseWeight
 
 CAPACITY = 65536  # rows per table in each cache's device arena
 FUSED_BATCHES = (1, 64)  # sequences per fused decode step, one new token each
@@ -152,13 +151,13 @@ def bookkeeping(caches: list[RowCache], ids: list[np.ndarray]) -> None:
         cache.end_batch()
 
 
-def fused_decode(gpu: CudaBackend, resident: NgramEmbedding, layer: NgramEmbedding, caches: list[RowCache],
+def fused_decode(gpu: CudaBackend, resident: NgramWeights, cached: NgramWeights, caches: list[RowCache],
                  out: int, out_ref: int, stream: int, rng: np.random.Generator) -> list[list]:
     """Rows of the fused table: per batch size, the resident and the all-hit cached step."""
     vocab, h = DIMS.vocab_size, DIMS.hidden_size
     rows_max = max(FUSED_BATCHES)
-    fused = {"resident": FusedNgramEmbedding(resident, rows_max, gpu, stream),
-             "cached, all hits": FusedNgramEmbedding(layer, rows_max, gpu, stream)}
+    fused = {"resident": FusedNgramEmbedding(resident, rows_max, stream),
+             "cached, all hits": FusedNgramEmbedding(cached, rows_max, stream)}
     sync = lambda: gpu.synchronize(stream)  # noqa: E731
     table = []
     try:
@@ -166,7 +165,7 @@ def fused_decode(gpu: CudaBackend, resident: NgramEmbedding, layer: NgramEmbeddi
             contexts = [rng.integers(0, vocab, CONTEXT + 1) for _ in range(batch)]
             lens = [1] * batch
             outs = {"resident": out_ref, "cached, all hits": out}  # fixed: each graph is captured once
-            steps = {name: (lambda i, f=f, o=outs[name]: f.embed_batch(contexts, lens, o, gpu, stream, graph=True))
+            steps = {name: (lambda i, f=f, o=outs[name]: f.embed_batch(contexts, lens, o, stream, graph=True))
                      for name, f in fused.items()}
             for step in steps.values():  # the first cached call loads the rows; both capture their graphs
                 step(0)
@@ -270,24 +269,27 @@ def main() -> None:
         word = device_weight(gpu, rng, vocab, h, 1.0)
         projs = [device_weight(gpu, rng, h, td, td**-0.5) for _ in range(t)]
         tables = [upload_table(gpu, p) for p in paths]
-        resident = NgramEmbedding(DIMS, word, [NgramTable.Bf16(w) for w in tables], projs, CONTEXT, gpu)
+        # owns nothing: word and projs are the cached weights' too; release() closes them and the tables
+        resident_weights = NgramWeights(DIMS, word, [NgramTable.Bf16(w) for w in tables], projs, gpu)
+        resident = NgramEmbedding(resident_weights, CONTEXT)
         out = gpu.alloc(CONTEXT * h * 2)
         out_ref = gpu.alloc(max(FUSED_BATCHES) * h * 2)
         only_fused = os.environ.get("CACHED_BENCH", "all") == "fused"
 
         def cached_layer() -> tuple[NgramEmbedding, list[RowCache]]:
             caches = [RowCache(gpu, p, CAPACITY, stream=stream) for p in paths]
-            layer = NgramEmbedding(DIMS, word, [NgramTable.Cached(c) for c in caches], projs, CONTEXT, gpu)
-            return layer, caches
+            weights = NgramWeights(DIMS, word, [NgramTable.Cached(c) for c in caches], projs, gpu)
+            weights.own(*caches)  # not word and projs: the resident weights' too
+            return NgramEmbedding(weights, CONTEXT), caches
 
-        def close(layer: NgramEmbedding, caches: list[RowCache]) -> None:
+        def close(layer: NgramEmbedding) -> None:
             gpu.synchronize(stream)
             layer.close()
-            for c in caches:
-                c.close()
+            layer.weights.close()  # its caches, and what the fused path derived
 
         def release() -> None:
             resident.close()
+            resident_weights.close()
             gpu.free(out)
             gpu.free(out_ref)
             for w in [word, *projs, *tables]:
@@ -296,8 +298,8 @@ def main() -> None:
 
         say("fused decode: resident and cached all-hit, batches " + ", ".join(map(str, FUSED_BATCHES)) + " ...")
         layer, caches = cached_layer()
-        fused_rows = fused_decode(gpu, resident, layer, caches, out, out_ref, stream, rng)
-        close(layer, caches)
+        fused_rows = fused_decode(gpu, resident_weights, layer.weights, caches, out, out_ref, stream, rng)
+        close(layer)
         fused_title = (f"fused decode step, graph=True: B sequences x 1 new token after {CONTEXT} ({t} tables, "
                        f"capacity {CAPACITY})")
         fused_header = ["B", "path", "wall us", "host us", "GPU us", "x res wall", "x res host", "pack us",
@@ -326,7 +328,7 @@ def main() -> None:
         rows.append(["cached: bookkeeping alone", None, None,
                      host_time_us(lambda i: bookkeeping(caches, step_ids), warmup=100, iters=2000),
                      None, None, None, None])
-        close(layer, caches)
+        close(layer)
 
         zipf = np.minimum(rng.zipf(1.2, CONTEXT + STEPS + 1) - 1, vocab - 1)
         for name, prefetch in (("cached, Zipf", False), ("cached, Zipf + prefetch", True)):
@@ -335,7 +337,7 @@ def main() -> None:
             layer, caches = cached_layer()
             walls, hosts, gpus, (hits, misses, fetched) = zipf_decode(gpu, layer, caches, zipf, out,
                                                                       stream, prefetch)
-            close(layer, caches)
+            close(layer)
             rows.append([name, statistics.median(walls), statistics.mean(walls),
                          statistics.median(hosts), statistics.median(gpus), None,
                          misses / (hits + misses), int(fetched)])

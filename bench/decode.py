@@ -52,12 +52,11 @@ from bench.ngram_embed import DIMS, device_weight, torch_view
 from gpu_runtime import CudaBackend, DeviceArray, DevicePtr
 from layers import reference
 from layers.kernel_files import load_kernel
-from layers.ngram_embed import HostWeight, NgramDims, NgramEmbedding, NgramTable
-from layers.ngram_embed.decoder import NgramDecoder
+from layers.ngram_embed import HostWeight, NgramDecoder, NgramDims, NgramTable, NgramWeights
 from layers.ngram_embed.tables import Bf16Table
 from layers.ops.embed import batched_embed
 from layers.ops.residual import scaled_add
-from layers.weight_map import BF16
+from layers.dense_weight import BF16
 
 BATCHES = (1, 64)
 PROMPT = 32          # prefill tokens per sequence
@@ -166,20 +165,20 @@ class DeviceRows:
         return out
 
 
-def reference_check(ctx: Ctx, layer: NgramEmbedding, b: int, first: np.ndarray) -> None:
+def reference_check(ctx: Ctx, weights: NgramWeights, b: int, first: np.ndarray) -> None:
     """Rows 0 and B-1 of our first step against layers.reference.ngram_embed_fused (device
     bf16 tables only; other placements have no rows to fetch this way)."""
-    if not all(isinstance(tb, Bf16Table) for tb in layer.tables):
+    if not all(isinstance(tb, Bf16Table) for tb in weights.tables):
         return
     gpu, s, dims = ctx.gpu, ctx.stream, ctx.dims
     h, td = dims.hidden_size, dims.table_dim()
     projs = []
-    for p in layer.projs:
+    for p in weights.projs:
         host = np.empty(p.shape, BF16)
         gpu.copy_d2h(host, p.weight, s)
         projs.append(host)
-    word = DeviceRows(gpu, layer.word.weight, h, s)
-    tables = [(DeviceRows(gpu, tb.weight.weight, td, s), None) for tb in layer.tables]
+    word = DeviceRows(gpu, weights.word.weight, h, s)
+    tables = [(DeviceRows(gpu, tb.weight.weight, td, s), None) for tb in weights.tables]
     prompts, pool = ctx.inputs(b)
     for i in sorted({0, b - 1}):
         tokens = np.concatenate([prompts[i], pool[0, i:i + 1]]).astype(np.int64)
@@ -215,12 +214,12 @@ def bare_graph_row(ctx: Ctx) -> Row:
         gpu.free(buf)
 
 
-def ours_rows(ctx: Ctx, layer: NgramEmbedding, label: str, row_bytes: int | None = None) -> list[Row]:
-    """One row per batch size for ``layer``'s table placement: a decoder over it, then
+def ours_rows(ctx: Ctx, weights: NgramWeights, label: str, row_bytes: int | None = None) -> list[Row]:
+    """One row per batch size for ``weights``' table placement: a decoder on them, then
     ``decode_row`` for each B. ``row_bytes``: bytes per gathered table row for the floor."""
-    dec = NgramDecoder(layer, max_seqs=MAX_SEQS, max_rows=MAX_ROWS, gpu=ctx.gpu, stream=ctx.stream)
+    dec = NgramDecoder(weights, max_seqs=MAX_SEQS, max_rows=MAX_ROWS, stream=ctx.stream)
     try:
-        rows = [decode_row(ctx, dec, layer, label, b, row_bytes) for b in BATCHES]
+        rows = [decode_row(ctx, dec, label, b, row_bytes) for b in BATCHES]
         err = dec.check_errors()
         print(f"{label}: decoder errors after all steps: {err!r}", flush=True)
         return rows
@@ -229,8 +228,7 @@ def ours_rows(ctx: Ctx, layer: NgramEmbedding, label: str, row_bytes: int | None
         dec.close()
 
 
-def decode_row(ctx: Ctx, dec: NgramDecoder, layer: NgramEmbedding, label: str, b: int,
-               row_bytes: int | None) -> Row:
+def decode_row(ctx: Ctx, dec: NgramDecoder, label: str, b: int, row_bytes: int | None) -> Row:
     gpu, s, dims = ctx.gpu, ctx.stream, ctx.dims
     prompts, pool = ctx.inputs(b)
     exes: list[int] = []
@@ -249,7 +247,7 @@ def decode_row(ctx: Ctx, dec: NgramDecoder, layer: NgramEmbedding, label: str, b
             first = np.empty((b, dims.hidden_size), BF16)
             gpu.copy_d2h(first, ctx.out, s)
             ctx.first[b] = first
-            reference_check(ctx, layer, b, first)
+            reference_check(ctx, dec.weights, b, first)
             for r in range(R):
                 gpu.begin_capture(s)
                 try:
@@ -268,7 +266,7 @@ def decode_row(ctx: Ctx, dec: NgramDecoder, layer: NgramEmbedding, label: str, b
                 gpu.destroy_graph(exe)
 
 
-def torch_rows(ctx: Ctx, layer: NgramEmbedding) -> list[Row]:
+def torch_rows(ctx: Ctx, weights: NgramWeights) -> list[Row]:
     torch, gpu, dims = ctx.torch, ctx.gpu, ctx.dims
     t, n, v = dims.num_tables(), dims.max_ngram, dims.vocab_size
     moduli = [dims.table_rows(c) for c in range(t)]
@@ -277,10 +275,10 @@ def torch_rows(ctx: Ctx, layer: NgramEmbedding) -> list[Row]:
         return []
     gpu.synchronize(ctx.stream)
     gpu.synchronize(0)
-    t_word = torch_view(gpu, layer.word)
-    stacked = torch.cat([torch_view(gpu, tb.weight) for tb in layer.tables])  # one gather, 8 GiB more
+    t_word = torch_view(gpu, weights.word)
+    stacked = torch.cat([torch_view(gpu, tb.weight) for tb in weights.tables])  # one gather, 8 GiB more
     offsets = torch.tensor(np.cumsum([0] + moduli[:-1]), dtype=torch.int64, device="cuda")
-    w_cat_t = torch.cat([torch_view(gpu, p) for p in layer.projs], dim=1).t()  # [T*td, D]
+    w_cat_t = torch.cat([torch_view(gpu, p) for p in weights.projs], dim=1).t()  # [T*td, D]
     mod = torch.tensor(moduli, dtype=torch.int64, device="cuda")
     # pows[c, j] = V**(N-1-j) mod M_c for window position j (oldest first, the new token last),
     # 0 where table c's order c // K + 2 does not reach that far back.
@@ -305,8 +303,6 @@ def torch_rows(ctx: Ctx, layer: NgramEmbedding) -> list[Row]:
         return step
 
     rows = []
-    stream = int(torch.cuda.current_stream().cuda_stream)
-    sync = torch.cuda.current_stream().synchronize
     for b in BATCHES:
         prompts, pool = ctx.inputs(b)
         pool_t = torch.from_numpy(pool.astype(np.int64)).cuda()  # [R, B]
@@ -315,25 +311,34 @@ def torch_rows(ctx: Ctx, layer: NgramEmbedding) -> list[Row]:
         first = step(pool_t[0])
         if b in ctx.first:
             compare(f"torch B={b} vs ours, first step", ctx.first[b], first.float().cpu().numpy())
-        side = torch.cuda.Stream()  # warm-up on a side stream before capture, as torch asks
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for r in range(3):
-                step(pool_t[r])
-        torch.cuda.current_stream().wait_stream(side)
-        graphs = []
-        for r in range(R):  # a private memory pool each: they are replayed in random order
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                out = step(pool_t[r])
-            graphs.append((g, out))
-        seq = [graphs[j][0] for j in ctx.order]
-        mask = ORDER - 1
-        rows.append(measure(ctx, "torch, CUDAGraph replay", b, lambda i: seq[i & mask].replay(),
-                            stream, sync, step_floor_us(dims, b, ctx.bw), is_torch=True))
-        del seq, graphs
-        sync()
+        rows.append(torch_graph_row(ctx, step, pool_t, b))
+        torch.cuda.current_stream().synchronize()  # its graphs and their memory pools are gone
     return rows
+
+
+def torch_graph_row(ctx: Ctx, step: Callable[[Any], Any], pool_t: Any, b: int) -> Row:
+    """``step`` captured in R torch.cuda.CUDAGraphs, graph r over row r of the token pool, timed
+    as ours are (replayed in ``ctx.order``). The graphs live only in this call: its return frees
+    them, and their private memory pools, before the next batch size captures its own."""
+    torch = ctx.torch
+    side = torch.cuda.Stream()  # warm-up on a side stream before capture, as torch asks
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for r in range(3):
+            step(pool_t[r])
+    torch.cuda.current_stream().wait_stream(side)
+    graphs = []
+    for r in range(R):  # a private memory pool each: they are replayed in random order
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = step(pool_t[r])
+        graphs.append((g, out))
+    seq = [graphs[j][0] for j in ctx.order]
+    mask = ORDER - 1
+    current = torch.cuda.current_stream()
+    return measure(ctx, "torch, CUDAGraph replay", b, lambda i: seq[i & mask].replay(),
+                   int(current.cuda_stream), current.synchronize, step_floor_us(ctx.dims, b, ctx.bw),
+                   is_torch=True)
 
 
 # -- table placements -----------------------------------------------------------------------------
@@ -341,12 +346,13 @@ def torch_rows(ctx: Ctx, layer: NgramEmbedding) -> list[Row]:
 PLACEMENTS = ("device", "host")  # RowCache tables: bench.cached (the decoder refuses them)
 
 
-def placement_layer(ctx: Ctx, base: NgramEmbedding,
-                    placement: str) -> tuple[NgramEmbedding, int | None] | None:
-    """(layer, bytes per gathered row for the floor) with ``base``'s word and projections and
-    its tables placed as ``placement`` says. "host": each table copied (device to host) into
-    mapped pinned host memory and read in place over PCIe (``NgramTable.Host``); its floor stays
-    the device floor, so GPU/floor shows what reading the rows over PCIe costs."""
+def placement_weights(ctx: Ctx, base: NgramWeights,
+                      placement: str) -> tuple[NgramWeights, int | None] | None:
+    """(weights, bytes per gathered row for the floor) with ``base``'s word and projections
+    (borrowed) and its tables placed as ``placement`` says. "host": each table copied (device to
+    host) into mapped pinned host memory and read in place over PCIe (``NgramTable.Host``), owned
+    by the new weights; its floor stays the device floor, so GPU/floor shows what reading the
+    rows over PCIe costs."""
     if placement == "device":
         return base, None
     if placement == "host":
@@ -357,21 +363,21 @@ def placement_layer(ctx: Ctx, base: NgramEmbedding,
             gpu.copy_d2h(buf, w.weight, 0)
             tables.append(NgramTable.Host(HostWeight(gpu.host_device_ptr(buf), w.shape, w.dtype,
                                                      DevicePtr(0), gpu, buf)))
-        layer = NgramEmbedding(ctx.dims, base.word, tables, base.projs, MAX_ROWS, gpu)
-        layer.own(*(tb.weight for tb in tables))  # freed with the layer
-        return layer, None
+        weights = NgramWeights(ctx.dims, base.word, tables, base.projs, gpu)
+        weights.own(*(tb.weight for tb in tables))  # freed with these weights; base's stay base's
+        return weights, None
     return None
 
 
 PREFILL = 8192  # tokens of one prompt
 
 
-def prefill_row(ctx: Ctx, layer: NgramEmbedding, placement: str) -> tuple:
+def prefill_row(ctx: Ctx, weights: NgramWeights, placement: str) -> tuple:
     """One PREFILL-token prompt: GPU us of the whole prefill and of its gather kernel alone,
     and the gathered rows' GB/s (T rows of td bf16 per token) in that gather."""
     gpu, dims, s = ctx.gpu, ctx.dims, ctx.stream
     t, td = dims.num_tables(), dims.table_dim()
-    dec = NgramDecoder(layer, max_seqs=1, max_rows=PREFILL, gpu=gpu, stream=s)
+    dec = NgramDecoder(weights, max_seqs=1, max_rows=PREFILL, stream=s)
     tok = DeviceArray.from_numpy(gpu, ctx.rng.integers(0, dims.vocab_size, PREFILL).astype(np.uint32))
     cu = DeviceArray.from_numpy(gpu, np.array([0, PREFILL], np.uint32))
     slot = DeviceArray.from_numpy(gpu, np.zeros(1, np.uint32))
@@ -398,11 +404,11 @@ def prefill_row(ctx: Ctx, layer: NgramEmbedding, placement: str) -> tuple:
     return (placement, PREFILL, full_us, gather_us, moved / (gather_us * 1e-6) / 1e9)
 
 
-def zero_copy_probe(ctx: Ctx, layer: NgramEmbedding) -> float:
+def zero_copy_probe(ctx: Ctx, weights: NgramWeights) -> float:
     """GB/s of the seed's gather kernel (batched_embed) reading PREFILL random rows of every host
     table in place, one launch per table (the same rows, tables and footprint as the prefill's
     gather): the zero-copy rate the host-table prefill is compared with."""
-    gpu, tables = ctx.gpu, [tb.weight for tb in layer.tables]
+    gpu, tables = ctx.gpu, [tb.weight for tb in weights.tables]
     k = load_kernel(gpu, "embed_from_argmax", "batched_embed")
     ids = [DeviceArray.from_numpy(gpu, ctx.rng.integers(0, w.rows, PREFILL).astype(np.uint32))
            for w in tables]
@@ -439,7 +445,8 @@ def main() -> None:
         tables = [NgramTable.Bf16(device_weight(gpu, rng, dims.table_rows(c), td, 1.0)) for c in range(t)]
         projs = [device_weight(gpu, rng, h, td, td**-0.5) for _ in range(t)]
         gpu.synchronize(0)  # uploaded on the default stream; the decoder reads them on `stream`
-        layer = NgramEmbedding(dims, word, tables, projs, MAX_ROWS, gpu)
+        weights = NgramWeights(dims, word, tables, projs, gpu)
+        weights.own(word, *(tb.weight for tb in tables), *projs)  # freed by weights.close()
         out = gpu.alloc(max(BATCHES) * PROMPT * h * 2)
         ctx = Ctx(gpu, stream, dims, bw, rng, out, rng.integers(0, R, ORDER), torch)
         print(f"measured: copy {bw / 1e12:.2f} TB/s; T = {t}, D = {h}, table dim {td}, "
@@ -448,27 +455,28 @@ def main() -> None:
             rows = [bare_graph_row(ctx)]
             prefills, probe = [], None
             for placement in PLACEMENTS:
-                placed = placement_layer(ctx, layer, placement)
+                placed = placement_weights(ctx, weights, placement)
                 if placed is None:
                     print(f"placement {placement!r}: not written yet, skipped")
                     continue
-                p_layer, row_bytes = placed
-                rows += ours_rows(ctx, p_layer, f"ours, {placement} tables, step in caller's graph",
-                                  row_bytes)
-                prefills.append(prefill_row(ctx, p_layer, placement))
-                if placement == "host":
-                    probe = zero_copy_probe(ctx, p_layer)
-                if p_layer is not layer:
-                    p_layer.close()
+                p_weights, row_bytes = placed
+                try:
+                    rows += ours_rows(ctx, p_weights, f"ours, {placement} tables, step in caller's graph",
+                                      row_bytes)
+                    prefills.append(prefill_row(ctx, p_weights, placement))
+                    if placement == "host":
+                        probe = zero_copy_probe(ctx, p_weights)
+                finally:
+                    if p_weights is not weights:
+                        gpu.synchronize(stream)
+                        p_weights.close()  # its host tables and what it derived, not the shared weights
             if torch is not None:
-                rows += torch_rows(ctx, layer)
+                rows += torch_rows(ctx, weights)
                 torch.cuda.synchronize()
-            serving_rows(gpu, stream, layer, rng)
+            serving_rows(gpu, stream, weights, rng)
         finally:
             gpu.synchronize(stream)
-            layer.close()
-            for w in [word, *(tb.weight for tb in tables), *projs]:
-                w.close()
+            weights.close()
             gpu.free(out)
         report(rows)
         print_table(f"prefill of one {PREFILL}-token prompt (GPU us, back to back)",

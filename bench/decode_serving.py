@@ -1,5 +1,5 @@
 """``NgramDecoder``'s serving calls against the plain step, in ``bench.decode``'s run (its dims,
-device, stream and layer; ratios within one run). Each row states its target:
+device, stream and weights; ratios within one run). Each row states its target:
 
   padded 48 in 64   the batch-64 step graph replayed with 48 live entries and 16 PAD_SLOT ones,
                     over the same graph with 64 live entries (target <= 1.05x GPU time)
@@ -26,10 +26,9 @@ import numpy as np
 
 from bench.common import gated_gpu_us, print_table
 from gpu_runtime import DeviceArray
-from layers.ngram_embed import NgramEmbedding
-from layers.ngram_embed.decoder import NO_ADAPTER, PAD_SLOT, DecodeError, NgramDecoder
+from layers.ngram_embed import NO_ADAPTER, PAD_SLOT, DecodeError, NgramDecoder, NgramWeights
 from layers.overlay import AdapterOverlay, OverlaySlots, TableOverlay
-from layers.weight_map import BF16
+from layers.dense_weight import BF16
 
 R = 16                 # graphs per step row
 ORDER = 1 << 10        # replay order over them (a power of two)
@@ -83,13 +82,14 @@ def _adapter_slots(gpu: Any, dims: Any, rng: np.random.Generator, s: int) -> Ove
     return slots
 
 
-def serving_rows(gpu: Any, s: int, layer: NgramEmbedding, rng: np.random.Generator) -> None:
-    """Print the serving rows and the ladder's graph memory for ``layer`` (device tables)."""
-    dims = layer.dims
+def serving_rows(gpu: Any, s: int, weights: NgramWeights, rng: np.random.Generator) -> None:
+    """Print the serving rows and the ladder's graph memory for ``weights`` (device tables):
+    two decoders on them side by side (adapter slots; batch invariant), closed here."""
+    dims = weights.dims
     v = dims.vocab_size
     adapter_slots = _adapter_slots(gpu, dims, rng, s)
-    dec = NgramDecoder(layer, max_seqs=256, max_rows=SEED_TOKENS, gpu=gpu, stream=s, adapter_slots=adapter_slots)
-    inv = NgramDecoder(layer, max_seqs=256, max_rows=SEED_TOKENS, gpu=gpu, stream=s, batch_invariant=True)
+    dec = NgramDecoder(weights, max_seqs=256, max_rows=SEED_TOKENS, stream=s, adapter_slots=adapter_slots)
+    inv = NgramDecoder(weights, max_seqs=256, max_rows=SEED_TOKENS, stream=s, batch_invariant=True)
     out = gpu.alloc(SEED_TOKENS * dims.hidden_size * 2)
     arrays: list[DeviceArray] = []
 

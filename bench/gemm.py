@@ -24,7 +24,7 @@ from gpu_runtime import CudaBackend, DevicePtr
 from layers.kernel_files import load_kernel
 from layers.ops import gemm
 from layers.ops.gemm import dense_gemm_bf16_pipelined
-from layers.weight_map import BF16, DenseWeight
+from layers.dense_weight import BF16, DenseWeight
 
 SHAPES = [(1, 4096, 256), (16, 4096, 256), (128, 4096, 256), (4096, 4096, 256),
           (1, 4096, 4096), (64, 4096, 4096), (128, 4096, 4096), (4096, 4096, 4096),

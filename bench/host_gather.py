@@ -67,7 +67,7 @@ def main() -> None:
               "pinned host memory and in device memory", flush=True)
         host = gpu.alloc_host(nbytes, mapped=True)
         fill_random(host, rng)
-        host_table = gpu.host_device_ptr(host)
+        host_weight = gpu.host_device_ptr(host)
         dev_table = gpu.alloc(nbytes)
         gpu.upload_pinned_async(host, dev_table, 0)  # the same bytes, by one DMA
         out = gpu.alloc(max(n for n, _ in SHAPES) * ROW_BYTES * 2)
@@ -85,14 +85,14 @@ def main() -> None:
             ids_dev = gpu.alloc(ids.nbytes)
             gpu.copy_h2d_async(ids, ids_dev)
             # the two tables give the same bits (one call checked)
-            batched_embed(gpu, k, ids_dev, host_table, out, n, DIM, 0)
+            batched_embed(gpu, k, ids_dev, host_weight, out, n, DIM, 0)
             batched_embed(gpu, k, ids_dev, dev_table, out2, n, DIM, 0)
             a, b = np.empty(n * ROW_BYTES, np.uint8), np.empty(n * ROW_BYTES, np.uint8)
             gpu.copy_d2h(a, out)
             gpu.copy_d2h(b, out2)
             assert np.array_equal(a, b), "host and device gathers differ"
             times = {}
-            for run, (where, table) in enumerate((("host", host_table), ("device", dev_table))):
+            for run, (where, table) in enumerate((("host", host_weight), ("device", dev_table))):
                 first = run * calls
                 us, expired = gated_gpu_us(
                     lambda i, table=table, first=first: batched_embed(

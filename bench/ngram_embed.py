@@ -22,9 +22,9 @@ import numpy as np
 from bench.common import (copy_bandwidth, gated_gpu_us, gpu_time_ms, interleaved_times_us, matmul_rate, print_table,
                           torch_or_none, torch_time_ms, wall_time_us)
 from gpu_runtime import CudaBackend, DeviceArray, DeviceBuffer
-from layers.ngram_embed import NgramDims, NgramEmbedding, NgramTable, ngram_ids_tail
-from layers.ngram_embed.fused import FusedNgramEmbedding
-from layers.weight_map import BF16, DenseWeight
+from layers.ngram_embed import (FusedNgramEmbedding, NgramDims, NgramEmbedding, NgramTable, NgramWeights,
+                                ngram_ids_tail)
+from layers.dense_weight import BF16, DenseWeight
 
 SEQ_LENS = (1, 16, 128, 2048, 8192)
 CONTEXT = 4096
@@ -61,7 +61,9 @@ def main() -> None:
         word = device_weight(gpu, rng, dims.vocab_size, h, 1.0)
         tables = [NgramTable.Bf16(device_weight(gpu, rng, dims.table_rows(c), td, 1.0)) for c in range(t)]
         projs = [device_weight(gpu, rng, h, td, td**-0.5) for _ in range(t)]
-        layer = NgramEmbedding(dims, word, tables, projs, max(SEQ_LENS), gpu)
+        weights = NgramWeights(dims, word, tables, projs, gpu)
+        weights.own(word, *(tb.weight for tb in tables), *projs)
+        layer = NgramEmbedding(weights, max(SEQ_LENS))
         gpu.synchronize(0)  # uploaded on the default stream; the fused path reads them on `stream`
         stream = gpu.create_stream()
         out = gpu.alloc(max(SEQ_LENS) * h * 2)
@@ -108,8 +110,9 @@ def main() -> None:
             print_table("n-gram embedding, seed-faithful path (per call)",
                         ["S", "GPU us", "wall us", "hash us", "torch us", "torch/ours", "floor us",
                          "x floor"], rows)
-        fused_table(gpu, rng, dims, layer, out, stream, bw, rate)
+        fused_table(gpu, rng, dims, weights, out, stream, bw, rate)
         layer.close()
+        weights.close()
 
 
 def floor_us(dims: NgramDims, s: int, bw: float, rate: float | None) -> float:
@@ -118,21 +121,21 @@ def floor_us(dims: NgramDims, s: int, bw: float, rate: float | None) -> float:
     return max(moved / bw, 2 * s * h * td * t / rate if rate else 0.0) * 1e6
 
 
-def fused_table(gpu: CudaBackend, rng: np.random.Generator, dims: NgramDims, layer: NgramEmbedding,
+def fused_table(gpu: CudaBackend, rng: np.random.Generator, dims: NgramDims, weights: NgramWeights,
                 out: int, stream: int, bw: float, rate: float | None) -> None:
-    t, h, td = dims.num_tables(), dims.hidden_size, dims.table_dim()
-    fused = FusedNgramEmbedding(layer, max(SEQ_LENS), gpu, stream)
+    t, td = dims.num_tables(), dims.table_dim()
+    fused = FusedNgramEmbedding(weights, max(SEQ_LENS), stream)
     torch = torch_or_none()
     if torch is not None:
-        stacked = torch.cat([torch_view(gpu, tb.weight) for tb in layer.tables])  # 8 GiB more
+        stacked = torch.cat([torch_view(gpu, tb.weight) for tb in weights.tables])  # 8 GiB more
         offsets = torch.tensor(np.cumsum([0] + [dims.table_rows(c) for c in range(t - 1)]), device="cuda")
-        w_cat = torch.cat([torch_view(gpu, p) for p in layer.projs], dim=1)
-        t_word = torch_view(gpu, layer.word)
+        w_cat = torch.cat([torch_view(gpu, p) for p in weights.projs], dim=1)
+        t_word = torch_view(gpu, weights.word)
     rows = []
     for s in SEQ_LENS:
         contexts = [rng.integers(0, dims.vocab_size, CONTEXT + s) for _ in range(8)]
-        eager = lambda i: fused.embed(contexts[i % 8], s, out, gpu, stream)  # noqa: E731
-        graph = lambda i: fused.embed(contexts[i % 8], s, out, gpu, stream, graph=True)  # noqa: E731
+        eager = lambda i: fused.embed(contexts[i % 8], s, out, stream)  # noqa: E731
+        graph = lambda i: fused.embed(contexts[i % 8], s, out, stream, graph=True)  # noqa: E731
         sync = lambda: gpu.synchronize(stream)  # noqa: E731
         eager_us, late = gated_gpu_us(eager, stream=stream)
         eager_wall = wall_time_us(eager, sync, warmup=3, iters=30)
@@ -162,8 +165,8 @@ def fused_table(gpu: CudaBackend, rng: np.random.Generator, dims: NgramDims, lay
     # Batched decode: 256 sequences, one new token each, one call.
     n_seq = 256
     contexts = [rng.integers(0, dims.vocab_size, CONTEXT + int(rng.integers(0, 512))) for _ in range(n_seq)]
-    batch = lambda i: fused.embed_batch(contexts, [1] * n_seq, out, gpu, stream)  # noqa: E731
-    batch_graph = lambda i: fused.embed_batch(contexts, [1] * n_seq, out, gpu, stream, graph=True)  # noqa: E731
+    batch = lambda i: fused.embed_batch(contexts, [1] * n_seq, out, stream)  # noqa: E731
+    batch_graph = lambda i: fused.embed_batch(contexts, [1] * n_seq, out, stream, graph=True)  # noqa: E731
     sync = lambda: gpu.synchronize(stream)  # noqa: E731
     wall = wall_time_us(batch, sync, warmup=3, iters=30)
     gwall = wall_time_us(batch_graph, sync, warmup=3, iters=30)

@@ -24,7 +24,7 @@ import numpy as np
 
 from bench.common import copy_bandwidth, gated_gpu_us, matmul_rate, print_table
 from gpu_runtime import CudaBackend, DevicePtr
-from layers.ops.loading import try_kernel
+from layers.kernel_files import try_kernel
 from layers.ops.token_overlay import OverlayKernels
 from layers.overlay import AdapterOverlay, OverlaySlots, TableOverlay
 

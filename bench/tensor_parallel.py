@@ -4,9 +4,10 @@ all-reduce's share of the step against its bytes at NCCL's measured bus bandwidt
 
 bench.ngram_embed's configuration (D = 4096, T = 16 tables of 2^20 rows x 256, vocab 128k).
 Times are host wall time per step with both GPUs synchronised (median), the view an engine has
-of one eager call; TP = 1 is ``FusedNgramEmbedding`` on GPU 0. Bus bandwidth is NCCL's
-convention, 2 (P-1)/P x bytes / time, from a 256 MiB all-reduce. Needs two GPUs and the
-``multi-gpu`` extra; prints why and exits 0 without them.
+of one eager call; TP = 1 is ``FusedNgramEmbedding`` over the full ``NgramWeights`` on GPU 0,
+TP = 2 one ``FusedNgramEmbedding`` per GPU over its shard's weights (``shard=``), driven by
+``embed_all``. Bus bandwidth is NCCL's convention, 2 (P-1)/P x bytes / time, from a 256 MiB
+all-reduce. Needs two GPUs and the ``multi-gpu`` extra; prints why and exits 0 without them.
 """
 
 from __future__ import annotations
@@ -16,10 +17,7 @@ import numpy as np
 from bench.common import print_table, wall_time_us
 from bench.ngram_embed import CONTEXT, DIMS, device_weight
 from gpu_runtime import CudaBackend, device_count
-from layers.ngram_embed import NgramEmbedding, NgramTable
-from layers.ngram_embed.fused import FusedNgramEmbedding
-from layers.tensor_parallel import NgramShard, RankWeights, TensorParallelNgramEmbedding, embed_all
-from layers.tensor_parallel.shard import reduce_bytes
+from layers.ngram_embed import FusedNgramEmbedding, NgramShard, NgramTable, NgramWeights, embed_all, reduce_bytes
 
 STEPS = (("decode, batch 1", 1, 1), ("decode, batch 64", 64, 1), ("prefill", 1, 8192))
 MAX_ROWS = 8192
@@ -38,16 +36,19 @@ def _unavailable() -> str | None:
     return None
 
 
-def _weights(gpu: CudaBackend, rng: np.random.Generator, shard: NgramShard | None):
-    """Word rows, tables (Absent where another rank holds them) and projections on ``gpu``."""
+def _weights(gpu: CudaBackend, rng: np.random.Generator, shard: NgramShard | None) -> NgramWeights:
+    """Random weights on ``gpu`` (a rank's: its word rows and tables, Absent where another rank
+    holds them), owning their device buffers."""
     dims, h, td = DIMS, DIMS.hidden_size, DIMS.table_dim()
-    lo, rows = (0, dims.vocab_size) if shard is None else (shard.word_lo, shard.word_rows)
+    rows = dims.vocab_size if shard is None else shard.word_rows
     word = device_weight(gpu, rng, rows, h, 1.0)
     tables = [NgramTable.Bf16(device_weight(gpu, rng, dims.table_rows(c), td, 1.0))
               if shard is None or c in shard.tables else NgramTable.Absent(dims.table_rows(c), td)
               for c in range(dims.num_tables())]
     projs = [device_weight(gpu, rng, h, td, td ** -0.5) for _ in range(dims.num_tables())]
-    return word, tables, projs
+    weights = NgramWeights(dims, word, tables, projs, gpu, shard=shard)
+    weights.own(word, *(t.weight for t in tables if not isinstance(t, NgramTable.Absent)), *projs)
+    return weights
 
 
 def _table_gib(tables) -> float:
@@ -65,14 +66,12 @@ def main() -> None:
     gpus = [CudaBackend(d) for d in range(2)]
     streams = [g.create_stream() for g in gpus]
     dims = DIMS
-    word, tables, projs = _weights(gpus[0], rng, None)
-    single = FusedNgramEmbedding(NgramEmbedding(dims, word, tables, projs, MAX_ROWS, gpus[0]), MAX_ROWS,
-                                 gpus[0], streams[0])
-    ranks = []
-    for r, g in enumerate(gpus):
-        shard = NgramShard.of(dims, r, 2)
-        ranks.append(TensorParallelNgramEmbedding(RankWeights(dims, shard, *_weights(g, rng, shard), g),
-                                                  MAX_ROWS, g, streams[r]))
+    full = _weights(gpus[0], rng, None)
+    shards = [_weights(g, rng, NgramShard.of(dims, r, 2)) for r, g in enumerate(gpus)]
+    for g in gpus:
+        g.synchronize(0)  # uploaded on the default stream; the runners read them on theirs
+    single = FusedNgramEmbedding(full, MAX_ROWS, streams[0])
+    ranks = [FusedNgramEmbedding(w, MAX_ROWS, s) for w, s in zip(shards, streams)]  # embed_all drives them
     group = nccl.NcclGroup(gpus)
     outs = [g.alloc(MAX_ROWS * dims.hidden_size * 2) for g in gpus]
 
@@ -80,8 +79,8 @@ def main() -> None:
         for g, s in zip(gpus, streams):
             g.synchronize(s)
 
-    print(f"tables per GPU: TP = 1 {_table_gib(tables):.2f} GiB; TP = 2 "
-          + ", ".join(f"rank {r} {_table_gib(rank.layer.tables):.2f} GiB" for r, rank in enumerate(ranks)))
+    print(f"tables per GPU: TP = 1 {_table_gib(full.tables):.2f} GiB; TP = 2 "
+          + ", ".join(f"rank {r} {_table_gib(w.tables):.2f} GiB" for r, w in enumerate(shards)))
     big = gpus[0].alloc(BUS_BYTES), gpus[1].alloc(BUS_BYTES)
     bus_us = wall_time_us(lambda i: group.allreduce_bf16_all([(big[r], BUS_BYTES // 2, streams[r]) for r in range(2)]),
                           sync, warmup=3, iters=10)
@@ -93,12 +92,12 @@ def main() -> None:
         contexts = [rng.integers(0, dims.vocab_size, CONTEXT + s) for _ in range(seqs)]
         lens = [s] * seqs
         n = seqs * s
-        tp1 = wall_time_us(lambda i: single.embed_batch(contexts, lens, outs[0], gpus[0], streams[0]), sync,
+        tp1 = wall_time_us(lambda i: single.embed_batch(contexts, lens, outs[0], streams[0]), sync,
                            warmup=3, iters=20)
         tp2 = wall_time_us(lambda i: embed_all(group, ranks, contexts, lens, outs, streams), sync, warmup=3,
                            iters=20)
-        count = ranks[0].reduce_count(n)
-        ar = wall_time_us(lambda i: group.allreduce_bf16_all([(int(rk.gather_buf), count, st)
+        count = ranks[0].projection.reduce_count(n)
+        ar = wall_time_us(lambda i: group.allreduce_bf16_all([(int(rk.projection.buf), count, st)
                                                                for rk, st in zip(ranks, streams)]),
                           sync, warmup=3, iters=20)
         at_bw = 2 * (2 - 1) / 2 * count * 2 / bus_bw * 1e6
@@ -107,10 +106,15 @@ def main() -> None:
     print_table("TP = 2 against TP = 1 (wall us per step, both GPUs synchronised)",
                 ["step", "rows", "TP=1 us", "TP=2 us", "TP1/TP2", "all-reduce KiB", "all-reduce us",
                  "share of TP=2", "at bus bw us"], rows)
+    sync()
     group.close()
-    for rank in ranks:
-        rank.close()
-    single.close()
+    for runner in (*ranks, single):
+        runner.close()
+    for weights in (*shards, full):
+        weights.close()
+    for g, o, b in zip(gpus, outs, big):
+        g.free(o)
+        g.free(b)
 
 
 if __name__ == "__main__":

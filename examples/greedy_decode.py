@@ -8,26 +8,19 @@ splits: T = 4 tables) stands in for an LM. Each step is one captured graph of
 B = 4 sequences are prefilled from random prompts with dec.prefill. Step 0 runs eagerly (it
 loads kernels and sets shared-memory limits, which a capture must not do), then the captured
 step is replayed 32 times. The ids stay on the device (a shift register in the graph) until one
-copy at the end; the first CHECK steps are compared with a numpy re-run of the loop
-(layers.reference). Needs a CUDA GPU: python examples/greedy_decode.py
+copy at the end; the first CHECK steps are compared with a numpy re-run of the loop.
+Needs a CUDA GPU and the package installed (``pip install .``): python examples/greedy_decode.py
 """
 
-import sys
-from pathlib import Path
+import ml_dtypes
+import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+from gpu_runtime import CudaBackend, DeviceArray
+from layers.kernel_files import load_kernel
+from layers.ngram_embed import NgramDecoder, NgramDims, NgramWeights, ngram_ids_tail
+from layers.ops import dense_gemm_bf16_pipelined, embed_from_argmax
 
-import numpy as np  # noqa: E402
-
-from gpu_runtime import CudaBackend, DeviceArray  # noqa: E402
-from layers import reference as ref  # noqa: E402
-from layers.kernel_files import load_kernel  # noqa: E402
-from layers.ngram_embed import NgramDims, NgramEmbedding  # noqa: E402
-from layers.ngram_embed.decoder import NgramDecoder  # noqa: E402
-from layers.ops.embed import embed_from_argmax  # noqa: E402
-from layers.ops.gemm import dense_gemm_bf16_pipelined  # noqa: E402
-from layers.weight_map import BF16  # noqa: E402
-
+BF16 = np.dtype(ml_dtypes.bfloat16)
 V, D, B, PROMPT, STEPS, CHECK = 32000, 1024, 4, 16, 32, 4
 DIMS = NgramDims(vocab_size=V, hidden_size=D, max_ngram=3, splits=2, base_rows=1 << 16)
 T, TD = DIMS.num_tables(), DIMS.table_dim()
@@ -38,17 +31,24 @@ def randn(rng, shape, scale):
 
 
 def reference_ids(word, tables, projs, prompts, steps):
-    """The same loop in numpy: the fused path's embedding of each context's last token, logits
-    bf16(h @ word^T), lowest-index argmax; ``[steps, B]``."""
+    """The same loop in numpy, ``[steps, B]``: each context's last token embedded as the fused
+    path does (its T table rows through their projections, summed exactly, plus its word row in
+    fp32, times 1/(1+T), one rounding to bf16), logits bf16(h @ word^T), lowest-index argmax."""
+    inv = np.float32(1.0) / np.float32(1 + T)
+    word64 = word.astype(np.float64)
     contexts, out = [list(p) for p in prompts], []
     for _ in range(steps):
-        h = np.concatenate([ref.ngram_embed_fused(DIMS, word, tables, projs, np.array(c), 1)
-                            for c in contexts])
-        ids = ref.argmax_ids(ref.gemm_bf16(h, word))
+        ids = []
+        for c in contexts:
+            rows = [table[i] for table, i in zip(tables, ngram_ids_tail(DIMS, c, 1))]  # [1, TD] each
+            acc = sum(r.astype(np.float64) @ p.astype(np.float64).T for r, p in zip(rows, projs))
+            h = ((acc.astype(np.float32) + word[c[-1]].astype(np.float32)) * inv).astype(BF16)
+            logits = (h.astype(np.float64) @ word64.T).astype(np.float32).astype(BF16)
+            ids.append(int(np.argmax(logits[0].astype(np.float32))))  # the first of equal maxima
         for c, i in zip(contexts, ids):
-            c.append(int(i))
+            c.append(i)
         out.append(ids)
-    return np.stack(out)
+    return np.array(out, np.uint32)
 
 
 def main():
@@ -60,8 +60,8 @@ def main():
     prompts = rng.integers(0, V, (B, PROMPT), dtype=np.uint32)
     with CudaBackend() as gpu:
         s = gpu.create_stream()
-        layer = NgramEmbedding.from_numpy(DIMS, word, tables, projs, B * PROMPT, gpu, s)
-        dec = NgramDecoder(layer, max_seqs=B, max_rows=B * PROMPT, gpu=gpu, stream=s)
+        weights = NgramWeights.from_numpy(DIMS, word, tables, projs, gpu, stream=s)
+        dec = NgramDecoder(weights, max_seqs=B, max_rows=B * PROMPT, stream=s)
         argmax_k = load_kernel(gpu, "embed_from_argmax", "embed_from_argmax_bf16")
         gemm_k = load_kernel(gpu, "gemm", "dense_gemm_bf16_pipelined")
         empty = lambda shape, dtype: DeviceArray.empty(gpu, shape, dtype, s)  # noqa: E731
@@ -73,7 +73,7 @@ def main():
         gen, shift = empty((STEPS + 1, B), np.uint32).fill_bytes(0), empty((STEPS + 1, B), np.uint32)
 
         def lm_head():  # tied embeddings: the word table [V, D] is the LM head's weight
-            dense_gemm_bf16_pipelined(gpu, gemm_k, hidden.ptr, layer.word, logits.ptr, B, V, D, s)
+            dense_gemm_bf16_pipelined(gpu, gemm_k, hidden.ptr, weights.word, logits.ptr, B, V, D, s)
 
         for slot in range(B):  # new requests: empty histories
             dec.reset(slot, s)
@@ -84,7 +84,7 @@ def main():
         lm_head()
 
         def step():
-            embed_from_argmax(gpu, argmax_k, logits.ptr, V, layer.word.weight, word_rows.ptr,
+            embed_from_argmax(gpu, argmax_k, logits.ptr, V, weights.word.weight, word_rows.ptr,
                               tokens.ptr, B, D, s)  # word_rows: unused plain embedding
             # gen <- gen[1:] ++ tokens: the same graph every step, yet every step's ids are kept
             gpu.copy_d2d_async(shift.ptr, gen.ptr.offset(B * 4), STEPS * B * 4, s)
@@ -107,13 +107,13 @@ def main():
         print(f"decoder errors: {dec.check_errors()!r}")
         for i in range(B):
             print(f"seq {i}: prompt ...{prompts[i, -3:].tolist()} -> {ids[:, i].tolist()}")
-        want = reference_ids(word, [(t, None) for t in tables], projs, prompts, CHECK)
+        want = reference_ids(word, tables, projs, prompts, CHECK)
         if np.array_equal(ids[:CHECK], want):
             print(f"first {CHECK} steps match the numpy re-run")
         else:  # a 1-ulp difference in the embedding can flip a near-tie of two bf16 logits
             print(f"MISMATCH, first {CHECK} steps:\n gpu   {ids[:CHECK].tolist()}\n numpy {want.tolist()}")
         dec.close()
-        layer.close()  # the backend frees the graph and the buffers on leaving the block
+        weights.close()  # after the decoder; the backend frees the graph and the buffers on leaving the block
 
 
 if __name__ == "__main__":

@@ -20,31 +20,38 @@ flags raised in exactly the steps that had a fault; the out buffer's guard rows 
 the last step, no flag pending and nothing leaked (the backend's allocations, graphs and pinned
 buffers, and no device memory drawn while the loop ran).
 
-Run it on a CUDA GPU: ``python examples/serve_loop.py [--steps 2000] [--seed 0]``
-(tests/test_serve_loop.py runs ``run`` for 2000 steps).
+The model's weights are one ``NgramWeights``; the decoder and the fused path it is checked
+against are two runners on them, side by side (closed first, then the weights).
+
+Run it on a CUDA GPU with the package installed (``pip install .``):
+``python examples/serve_loop.py [--steps 2000] [--seed 0]`` (tests/test_serve_loop.py runs
+``run`` for 2000 steps).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+import ml_dtypes
+import numpy as np
 
-import numpy as np  # noqa: E402
+from gpu_runtime import CudaBackend, DeviceArray
+from layers.ngram_embed import (
+    NO_ADAPTER,
+    PAD_SLOT,
+    DecodeError,
+    FusedNgramEmbedding,
+    NgramDecoder,
+    NgramDims,
+    NgramWeights,
+    ngram_ids_tail,
+)
+from layers.overlay import AdapterOverlay, OverlaySlots, TableOverlay
 
-from gpu_runtime import CudaBackend, DeviceArray, dlpack  # noqa: E402
-from layers import reference as ref  # noqa: E402
-from layers.ngram_embed import NgramDims, NgramEmbedding  # noqa: E402
-from layers.ngram_embed.decoder import NO_ADAPTER, PAD_SLOT, DecodeError, NgramDecoder  # noqa: E402
-from layers.ngram_embed.fused import FusedNgramEmbedding  # noqa: E402
-from layers.overlay import AdapterOverlay, OverlaySlots, TableOverlay  # noqa: E402
-from layers.weight_map import BF16, FP8  # noqa: E402
-
+BF16, FP8 = np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.float8_e4m3fn)
 DIMS = NgramDims(vocab_size=1000, hidden_size=96, max_ngram=4, splits=2, base_rows=2003,
                  row_bias=1, table_dim=16, eos_id=7)
 PLACEMENT = ["device", "device", "host", "device", "device", "device"]  # one table read over PCIe
@@ -110,6 +117,20 @@ def _diff(got: np.ndarray, want: np.ndarray) -> str:
             f"{float(np.max(np.abs(g - w))):.3g}, max |want| {float(np.max(np.abs(w))):.3g}")
 
 
+def fused_reference(word: np.ndarray, tables: list[tuple[np.ndarray, np.ndarray | None]],
+                    projs: list[np.ndarray], ctx: list[int], n: int) -> np.ndarray:
+    """What the fused path computes for the last ``n`` tokens of ``ctx``, in numpy: each table's
+    rows (fp8 ones dequantised to bf16 with their scales) through its projection, summed exactly,
+    then rounded to fp32, plus the word row in fp32, times fp32 1/(1+T), one rounding to bf16."""
+    inv = np.float32(1.0) / np.float32(1 + DIMS.num_tables())
+    acc = np.zeros((n, DIMS.hidden_size), np.float64)
+    for (table, scale), proj, ids in zip(tables, projs, ngram_ids_tail(DIMS, ctx, n)):
+        rows = table[ids] if scale is None else (table[ids].astype(np.float32) * scale[ids][:, None]).astype(BF16)
+        acc += rows.astype(np.float64) @ proj.astype(np.float64).T
+    words = word[np.asarray(ctx[len(ctx) - n:], np.int64)].astype(np.float32)
+    return ((acc.astype(np.float32) + words) * inv).astype(BF16)
+
+
 def random_model(rng: np.random.Generator):
     """Word table, tables (bf16 and fp8 with row scales), projections, adapter overlays."""
     dims = DIMS
@@ -142,16 +163,16 @@ class Engine:
         self.tables = [t if isinstance(t, tuple) else (t, None) for t in tables]  # the reference's form
         self.words = [self.word] + [self._word_with(o) for o in overlays]  # index: adapter + 1
         self.s = s = gpu.create_stream()
-        self.layer = NgramEmbedding.from_numpy(DIMS, self.word, tables, self.projs, MAX_ROWS, gpu, s,
+        self.weights = NgramWeights.from_numpy(DIMS, self.word, tables, self.projs, gpu, stream=s,
                                                placement=PLACEMENT)
         self.slots = OverlaySlots(gpu, ADAPTERS, DIMS.vocab_size, DIMS.hidden_size, stream=s)
         for a, overlay in enumerate(overlays):
             self.slots.load(a, overlay, s)
         # batch invariant: a row's bits do not depend on what else is in its call, so every row
         # can be checked bit for bit against the fused path run on its request alone
-        self.dec = NgramDecoder(self.layer, max_seqs=MAX_SEQS, max_rows=MAX_ROWS, gpu=gpu, stream=s,
+        self.dec = NgramDecoder(self.weights, max_seqs=MAX_SEQS, max_rows=MAX_ROWS, stream=s,
                                 max_draft=MAX_DRAFT, adapter_slots=self.slots, batch_invariant=True)
-        self.fused = FusedNgramEmbedding(self.layer, MAX_ROWS, gpu, s, adapter_slots=self.slots,
+        self.fused = FusedNgramEmbedding(self.weights, MAX_ROWS, s, adapter_slots=self.slots,
                                          batch_invariant=True)
         h = DIMS.hidden_size
         u32 = lambda n: DeviceArray.empty(gpu, (n,), np.uint32, s)  # noqa: E731
@@ -206,15 +227,14 @@ class Engine:
         at, h = 0, DIMS.hidden_size
         for req, n in calls:
             self.fused.embed_batch([np.asarray(req.ctx, np.int64)], [n], self.want.ptr.offset(at * h * 2),
-                                   self.gpu, self.s, adapters=[req.adapter])
+                                   self.s, adapters=[req.adapter])
             at += n
         return self.read(self.want.ptr, at)
 
     def reference(self, req: Request, n: int) -> np.ndarray:
-        """The numpy reference on the context's tail (all the last n rows reach back to)."""
-        tail = req.ctx[-(n + DIMS.max_ngram - 1):]
+        """The numpy reference of the context's last n rows with the request's word table."""
         word = self.words[0 if req.adapter == NO_ADAPTER else req.adapter + 1]
-        return ref.ngram_embed_fused(DIMS, word, self.tables, self.projs, np.asarray(tail), n)
+        return fused_reference(word, self.tables, self.projs, req.ctx, n)
 
     def read(self, ptr: int, rows: int) -> np.ndarray:
         out = np.empty((rows, DIMS.hidden_size), BF16)
@@ -255,10 +275,10 @@ class Engine:
         for a in (self.tokens, self.seq_slots, self.seq_adapters, self.counts, self.p_tokens, self.p_cu,
                   self.p_slots, self.p_adapters, self.f_src, self.f_dst, self.out, self.want):
             a.free()
-        self.fused.close()
+        self.fused.close()  # the runners, then what they read
         self.dec.close()
         self.slots.close(self.s)
-        self.layer.close()
+        self.weights.close()
         self.gpu.destroy_stream(self.s)
 
 
@@ -466,8 +486,8 @@ class Loop:
 
 
 def books(gpu: CudaBackend) -> dict[str, int]:
-    """What the backend holds for us (``CudaBackend.held``) and the DLPack exports alive."""
-    return {**gpu.held(), "dlpack exports": dlpack.live_exports()}
+    """What the backend holds for us (``CudaBackend.held``)."""
+    return gpu.held()
 
 
 def run(gpu: CudaBackend, steps: int = 2000, seed: int = 0) -> Report:

@@ -1,7 +1,15 @@
 """A small CUDA runtime over cuda-python's driver API: memory, streams, NVRTC kernels, launches."""
 
-from .backend import (DeviceCopies, Events, GpuBackend, Graphs, MappedHostMemory, PinnedHostMemory,
-                      PitchedCopies, TensorMaps)
+from .backend import (
+    DeviceCopies,
+    Events,
+    GpuBackend,
+    Graphs,
+    MappedHostMemory,
+    PinnedHostMemory,
+    PitchedCopies,
+    TensorMaps,
+)
 from .buffer import DeviceBuffer
 from .cuda_backend import CudaBackend
 from .device_array import DeviceArray
@@ -11,9 +19,30 @@ from .kernel_args import KernelLaunch
 from .launch_spec import KernelSpec
 from .pointers import DevicePtr, KernelHandle
 
+__version__ = "0.2.0"  # the distribution's version (pyproject.toml reads it from here)
+
 __all__ = [
-    "ClosedError", "CudaBackend", "CudaError", "DeviceArray", "DeviceBuffer", "DeviceCopies",
-    "DevicePtr", "Events", "GpuBackend", "GpuError", "Graphs", "KernelHandle", "KernelLaunch",
-    "KernelNotFoundError", "KernelSpec", "MappedHostMemory", "NoDeviceError", "NvrtcError",
-    "PinnedHostMemory", "PitchedCopies", "TensorMaps", "device_count",
+    "__version__",
+    "ClosedError",
+    "CudaBackend",
+    "CudaError",
+    "DeviceArray",
+    "DeviceBuffer",
+    "DeviceCopies",
+    "DevicePtr",
+    "Events",
+    "GpuBackend",
+    "GpuError",
+    "Graphs",
+    "KernelHandle",
+    "KernelLaunch",
+    "KernelNotFoundError",
+    "KernelSpec",
+    "MappedHostMemory",
+    "NoDeviceError",
+    "NvrtcError",
+    "PinnedHostMemory",
+    "PitchedCopies",
+    "TensorMaps",
+    "device_count",
 ]

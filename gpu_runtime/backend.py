@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -63,17 +64,37 @@ class GpuBackend(ABC):
     def create_stream(self) -> int: ...
 
     @abstractmethod
-    def launch(self, kernel: KernelHandle, grid: tuple[int, int, int], block: tuple[int, int, int],
-               shared_mem: int, stream: int, kinds: str, args: Sequence[int | float]) -> None:
+    def launch(
+        self,
+        kernel: KernelHandle,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        shared_mem: int,
+        stream: int,
+        kinds: str,
+        args: Sequence[int | float | bytes],
+        *,
+        overlap: bool = False,
+    ) -> None:
         """Launch primitive behind ``KernelLaunch``: ``kinds`` has one letter per argument
-        (``P`` pointer, ``U`` u32, ``I`` i32, ``F`` f32, ``L`` u64), already range-checked.
+        (``P`` pointer, ``U`` u32, ``I`` i32, ``F`` f32, ``L`` u64; ``T`` tensor map, as bytes,
+        only from ``launch_spec`` below), already range-checked.
         ``KernelLaunch.launch(stream, overlap=True)`` passes ``overlap=True``: a programmatic
         dependent launch (the kernel may start before the previous one on the stream ends; it
         must wait for it itself). Backends that cannot overlap may run it as a plain launch."""
 
-    def launch_spec(self, spec: "KernelSpec", kernel: KernelHandle, grid: Sequence[int],
-                    block: Sequence[int], shared_mem: int, stream: int, params: int,
-                    values: Sequence[Any], overlap: bool = False) -> None:
+    def launch_spec(
+        self,
+        spec: KernelSpec,
+        kernel: KernelHandle,
+        grid: Sequence[int],
+        block: Sequence[int],
+        shared_mem: int,
+        stream: int,
+        params: int,
+        values: Sequence[Any],
+        overlap: bool = False,
+    ) -> None:
         """Launch primitive behind ``KernelSpec.launch``: the values are packed already (so in
         range) at ``params`` (the ``void*[]`` the driver takes), and given as ``values`` too, in
         the spec's order.
@@ -86,13 +107,12 @@ class GpuBackend(ABC):
         grid, block, shared_mem = launch_config.check(grid, block, shared_mem)
         args = spec.values(values)
         if overlap:
-            self.launch(kernel, grid, block, shared_mem, stream, spec.kinds, args,  # type: ignore[call-arg]
-                        overlap=True)
+            self.launch(kernel, grid, block, shared_mem, stream, spec.kinds, args, overlap=True)
         else:
             self.launch(kernel, grid, block, shared_mem, stream, spec.kinds, args)
 
 
-class _Capability(ABC):
+class _Capability(ABC):  # noqa: B024  # abstract only through its subclasses (ABC for ABCMeta's __subclasshook__)
     """An optional part of the interface. A class has it if it inherits it or defines every
     one of its methods."""
 
@@ -190,8 +210,9 @@ class Graphs(_Capability):
 
 class PitchedCopies(_Capability):
     @abstractmethod
-    def copy_2d_async(self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int,
-                      height: int, stream: int = 0) -> None:
+    def copy_2d_async(
+        self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int, stream: int = 0
+    ) -> None:
         """Device to device: ``height`` rows of ``width`` bytes, rows ``*_pitch`` bytes apart."""
 
 

@@ -31,7 +31,7 @@ class DeviceBuffer:
         self._ptr = DevicePtr(gpu.alloc(nbytes))
 
     @classmethod
-    def upload(cls, gpu: GpuBackend, array: Host, stream: int = 0) -> "DeviceBuffer":
+    def upload(cls, gpu: GpuBackend, array: Host, stream: int = 0) -> DeviceBuffer:
         """A buffer holding a copy of ``array`` (C-contiguous; not empty), queued on ``stream``;
         ``array`` may be reused as soon as this returns."""
         _, nbytes, _ = host_view(array)
@@ -77,7 +77,7 @@ class DeviceBuffer:
             self._gpu.synchronize(stream)
         self._gpu.free(ptr)
 
-    def __enter__(self) -> "DeviceBuffer":
+    def __enter__(self) -> DeviceBuffer:
         return self
 
     def __exit__(self, *exc: Any) -> None:

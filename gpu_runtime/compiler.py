@@ -50,9 +50,7 @@ def cuda_include_dir() -> str:
 
     found = find_nvidia_header_directory("cudart")
     if not found:
-        raise FileNotFoundError(
-            "CUDA runtime headers not found (pip install 'cuda-toolkit[cudart]' or set CUDA_HOME)"
-        )
+        raise FileNotFoundError("CUDA runtime headers not found (pip install 'cuda-toolkit[cudart]' or set CUDA_HOME)")
     return str(found)
 
 
@@ -104,8 +102,9 @@ def _headers(source: str, src_dir: Path, seen: set[Path] | None = None) -> list[
     return out
 
 
-def cache_key(source: bytes, headers: list[tuple[str, bytes]], target: str,
-              options: tuple[str, ...], version: tuple[int, int]) -> str:
+def cache_key(
+    source: bytes, headers: list[tuple[str, bytes]], target: str, options: tuple[str, ...], version: tuple[int, int]
+) -> str:
     h = hashlib.sha256()
     for part in (str(CACHE_SCHEMA), f"{version[0]}.{version[1]}", target, "\0".join(options)):
         h.update(part.encode() + b"\0")
@@ -171,8 +170,9 @@ def _nvrtc_compile(source: bytes, name: str, target: str, options: tuple[str, ..
         nvrtc.nvrtcDestroyProgram(prog)
 
 
-def compile_module(path: Path, target: str, options: tuple[str, ...] = (),
-                   use_cache: bool = True, refresh: bool = False) -> Compiled:
+def compile_module(
+    path: Path, target: str, options: tuple[str, ...] = (), use_cache: bool = True, refresh: bool = False
+) -> Compiled:
     """Compile one ``.cu`` file for ``target`` through the cache (``use_cache=False``: neither
     read nor write it; ``refresh=True``: compile anew and overwrite the entry)."""
     path = Path(path)
@@ -195,7 +195,5 @@ def compile_module(path: Path, target: str, options: tuple[str, ...] = (),
 def evict(path: Path, target: str) -> None:
     """Remove every cache entry of one module and target (used when a cached image fails to load)."""
     for entry in cache_dir().glob(f"{Path(path).stem}-{target}-*.bin"):
-        try:
+        with contextlib.suppress(OSError):
             entry.unlink()
-        except OSError:
-            pass

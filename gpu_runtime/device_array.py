@@ -9,7 +9,8 @@ view is valid until ``free()``; neither keeps the memory alive past it.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -21,8 +22,9 @@ from .pointers import DevicePtr
 class DeviceArray:
     __slots__ = ("gpu", "ptr", "shape", "dtype", "owner", "stream", "__weakref__")
 
-    def __init__(self, gpu: GpuBackend, ptr: int, shape: Sequence[int], dtype: Any,
-                 *, owner: bool = False, stream: int = 0) -> None:
+    def __init__(
+        self, gpu: GpuBackend, ptr: int, shape: Sequence[int], dtype: Any, *, owner: bool = False, stream: int = 0
+    ) -> None:
         self.gpu = gpu
         self.ptr = DevicePtr(ptr)
         self.shape = tuple(int(s) for s in shape)
@@ -32,12 +34,12 @@ class DeviceArray:
 
     # -- construction -----------------------------------------------------------------------
     @classmethod
-    def empty(cls, gpu: GpuBackend, shape: Sequence[int], dtype: Any, stream: int = 0) -> "DeviceArray":
+    def empty(cls, gpu: GpuBackend, shape: Sequence[int], dtype: Any, stream: int = 0) -> DeviceArray:
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
         return cls(gpu, gpu.alloc(max(nbytes, 1)), shape, dtype, owner=True, stream=stream)
 
     @classmethod
-    def from_numpy(cls, gpu: GpuBackend, host: np.ndarray, stream: int = 0) -> "DeviceArray":
+    def from_numpy(cls, gpu: GpuBackend, host: np.ndarray, stream: int = 0) -> DeviceArray:
         host = np.ascontiguousarray(host)
         out = cls.empty(gpu, host.shape, host.dtype, stream)
         gpu.copy_h2d_async(host, out.ptr, stream)
@@ -52,7 +54,7 @@ class DeviceArray:
     def nbytes(self) -> int:
         return self.size * self.dtype.itemsize
 
-    def upload(self, host: np.ndarray) -> "DeviceArray":
+    def upload(self, host: np.ndarray) -> DeviceArray:
         host = np.ascontiguousarray(host, dtype=self.dtype)
         if host.shape != self.shape:
             raise ValueError(f"upload of shape {host.shape} into a DeviceArray of shape {self.shape}")
@@ -64,7 +66,7 @@ class DeviceArray:
         self.gpu.copy_d2h(out, self.ptr, self.stream)
         return out
 
-    def fill_bytes(self, byte: int) -> "DeviceArray":
+    def fill_bytes(self, byte: int) -> DeviceArray:
         """Set every byte (tests poison outputs with 0xFF: a bf16 NaN, an id no table has)."""
         self.gpu.memset(self.ptr, byte, self.nbytes, self.stream)
         return self
@@ -81,16 +83,18 @@ class DeviceArray:
             "stream": self.stream or None,
         }
 
-    def __dlpack__(self, *, stream: int | None = None, max_version: Any = None, dl_device: Any = None,
-                   copy: bool | None = None) -> Any:
+    def __dlpack__(
+        self, *, stream: int | None = None, max_version: Any = None, dl_device: Any = None, copy: bool | None = None
+    ) -> Any:
         """An unversioned DLPack capsule over this array (no copy: ``copy=True`` and another
         ``dl_device`` are refused). A consumer ``stream`` other than this array's own waits for
         the work queued on it (one synchronisation); -1 or None: none."""
         if copy:
             raise BufferError("DeviceArray.__dlpack__: copy=True is not supported (the export is a view)")
         if dl_device is not None and tuple(dl_device) != self.__dlpack_device__():
-            raise BufferError(f"DeviceArray.__dlpack__: dl_device {tuple(dl_device)} is not this "
-                              f"array's {self.__dlpack_device__()}")
+            raise BufferError(
+                f"DeviceArray.__dlpack__: dl_device {tuple(dl_device)} is not this array's {self.__dlpack_device__()}"
+            )
         if not self.ptr:
             raise BufferError("DeviceArray.__dlpack__: the array has been freed")
         if stream is not None and stream != -1 and stream != self.stream:
@@ -106,7 +110,7 @@ class DeviceArray:
             self.gpu.free(self.ptr)
         self.ptr = DevicePtr(0)
 
-    def __enter__(self) -> "DeviceArray":
+    def __enter__(self) -> DeviceArray:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -114,6 +118,3 @@ class DeviceArray:
 
     def __repr__(self) -> str:
         return f"DeviceArray({self.ptr!r}, shape={self.shape}, dtype={self.dtype})"
-
-
-

@@ -16,7 +16,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-KDL_CUDA = 2          # DLDeviceType: CUDA device memory
+KDL_CUDA = 2  # DLDeviceType: CUDA device memory
 KDL_CUDA_MANAGED = 13  # CUDA managed memory
 _NAME = b"dltensor"
 
@@ -30,9 +30,15 @@ class _DataType(ctypes.Structure):
 
 
 class _Tensor(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_void_p), ("device", _Device), ("ndim", ctypes.c_int32),
-                ("dtype", _DataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
-                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device", _Device),
+        ("ndim", ctypes.c_int32),
+        ("dtype", _DataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
 
 
 class _Managed(ctypes.Structure):
@@ -44,24 +50,31 @@ _Managed._fields_ = [("dl_tensor", _Tensor), ("manager_ctx", ctypes.c_void_p), (
 
 # Prototypes of their own (not ctypes.pythonapi's shared attributes, whose argtypes others set).
 _capsule_new = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)(
-    ("PyCapsule_New", ctypes.pythonapi))
+    ("PyCapsule_New", ctypes.pythonapi)
+)
 _capsule_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
-    ("PyCapsule_GetPointer", ctypes.pythonapi))
+    ("PyCapsule_GetPointer", ctypes.pythonapi)
+)
 _capsule_is = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.c_char_p)(
-    ("PyCapsule_IsValid", ctypes.pythonapi))
+    ("PyCapsule_IsValid", ctypes.pythonapi)
+)
 # In a capsule's destructor the capsule is being freed: take it as a bare address (no reference).
-_dying_is = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p)(
-    ("PyCapsule_IsValid", ctypes.pythonapi))
+_dying_is = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p)(("PyCapsule_IsValid", ctypes.pythonapi))
 _dying_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p)(
-    ("PyCapsule_GetPointer", ctypes.pythonapi))
+    ("PyCapsule_GetPointer", ctypes.pythonapi)
+)
 
-# (code, bits) <-> numpy dtype; DLPack's codes: 0 int, 1 uint, 2 float, 4 bfloat, 6 bool.
+# DLPack's type codes (0 int, 1 uint, 2 float, 4 bfloat, 6 bool) and the numpy dtypes of each;
+# (code, bits) <-> numpy dtype, bits being the dtype's size.
+_KINDS = {
+    0: (np.int8, np.int16, np.int32, np.int64),
+    1: (np.uint8, np.uint16, np.uint32, np.uint64),
+    2: (np.float16, np.float32, np.float64),
+    4: (ml_dtypes.bfloat16,),
+    6: (np.bool_,),
+}
 _CODES: dict[tuple[int, int], np.dtype] = {
-    (0, 8): np.dtype(np.int8), (0, 16): np.dtype(np.int16), (0, 32): np.dtype(np.int32),
-    (0, 64): np.dtype(np.int64), (1, 8): np.dtype(np.uint8), (1, 16): np.dtype(np.uint16),
-    (1, 32): np.dtype(np.uint32), (1, 64): np.dtype(np.uint64), (2, 16): np.dtype(np.float16),
-    (2, 32): np.dtype(np.float32), (2, 64): np.dtype(np.float64),
-    (4, 16): np.dtype(ml_dtypes.bfloat16), (6, 8): np.dtype(np.bool_),
+    (code, np.dtype(t).itemsize * 8): np.dtype(t) for code, types in _KINDS.items() for t in types
 }
 _DTYPES = {dtype: code for code, dtype in _CODES.items()}
 
@@ -87,8 +100,9 @@ def read(capsule: Any) -> Tensor:
     shape = tuple(int(t.shape[i]) for i in range(t.ndim))
     strides = tuple(int(t.strides[i]) for i in range(t.ndim)) if t.strides else None
     dtype = _CODES.get((t.dtype.code, t.dtype.bits)) if t.dtype.lanes == 1 else None
-    return Tensor(int(t.data or 0) + int(t.byte_offset), shape, dtype, strides,
-                  int(t.device.device_type), int(t.device.device_id))
+    return Tensor(
+        int(t.data or 0) + int(t.byte_offset), shape, dtype, strides, int(t.device.device_type), int(t.device.device_id)
+    )
 
 
 # -- export ----------------------------------------------------------------------------------------

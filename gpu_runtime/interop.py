@@ -81,8 +81,7 @@ def _from_interface(cai: Any) -> ArrayInfo:
     strides = cai.get("strides")
     strides = None if strides is None else tuple(int(s) for s in strides)
     contiguous = _c_contiguous(shape, strides, dtype.itemsize)
-    return ArrayInfo(int(ptr or 0), shape, dtype, contiguous, None, bool(readonly),
-                     "__cuda_array_interface__")
+    return ArrayInfo(int(ptr or 0), shape, dtype, contiguous, None, bool(readonly), "__cuda_array_interface__")
 
 
 def _from_dlpack(obj: Any) -> ArrayInfo:
@@ -90,15 +89,15 @@ def _from_dlpack(obj: Any) -> ArrayInfo:
     if int(device_type) not in (dlpack.KDL_CUDA, dlpack.KDL_CUDA_MANAGED):
         raise ValueError(f"a DLPack array on device type {int(device_type)}, not CUDA memory")
     t = dlpack.read(obj.__dlpack__())
-    return ArrayInfo(t.ptr, t.shape, t.dtype, _c_contiguous(t.shape, t.strides, 1), t.device_id,
-                     False, "__dlpack__")
+    return ArrayInfo(t.ptr, t.shape, t.dtype, _c_contiguous(t.shape, t.strides, 1), t.device_id, False, "__dlpack__")
 
 
 def array_info(obj: Any) -> ArrayInfo | None:
     """``obj`` read through the array interface or DLPack; None for anything else."""
     if isinstance(obj, DeviceArray):
-        return ArrayInfo(int(obj.ptr), obj.shape, obj.dtype, True, getattr(obj.gpu, "device", None),
-                         False, "DeviceArray")
+        return ArrayInfo(
+            int(obj.ptr), obj.shape, obj.dtype, True, getattr(obj.gpu, "device", None), False, "DeviceArray"
+        )
     cai = _interface(obj)
     if cai is not None:
         return _from_interface(cai)
@@ -111,8 +110,16 @@ def _names(dtypes: tuple[np.dtype, ...]) -> str:
     return " or ".join(str(d) for d in dtypes)
 
 
-def device_address(obj: Any, what: str, *, dtypes: tuple[np.dtype, ...], count: int,
-                   gpu: Any = None, cols: int | None = None, writable: bool = False) -> int:
+def device_address(
+    obj: Any,
+    what: str,
+    *,
+    dtypes: tuple[np.dtype, ...],
+    count: int,
+    gpu: Any = None,
+    cols: int | None = None,
+    writable: bool = False,
+) -> int:
     """The device address of ``obj``, which must hold at least ``count`` elements of one of
     ``dtypes`` (the first named in errors), C-contiguous, on ``gpu``'s device; with ``cols``, a
     2-D or more array's last extent must be ``cols``; with ``writable``, the array must not be
@@ -124,8 +131,10 @@ def device_address(obj: Any, what: str, *, dtypes: tuple[np.dtype, ...], count: 
         try:
             return validate.pointer(obj, what)
         except TypeError:
-            raise TypeError(f"{what}: expected a device address, a DeviceArray, or an array with "
-                            f"__cuda_array_interface__ or __dlpack__; got {type(obj).__name__}") from None
+            raise TypeError(
+                f"{what}: expected a device address, a DeviceArray, or an array with "
+                f"__cuda_array_interface__ or __dlpack__; got {type(obj).__name__}"
+            ) from None
     if info.dtype is None or info.dtype not in dtypes:  # (a dtype compares equal to None: float64)
         raise TypeError(f"{what}: dtype {info.dtype}, expected {_names(dtypes)}")
     if not info.contiguous:
@@ -156,7 +165,6 @@ def _check_device(info: ArrayInfo, what: str, gpu: Any) -> None:
             return
         got = locate(info.ptr)
         if got is None:
-            raise ValueError(f"{what}: 0x{info.ptr:x} ({info.protocol}) is not device memory this "
-                             f"context can use")
+            raise ValueError(f"{what}: 0x{info.ptr:x} ({info.protocol}) is not device memory this context can use")
     if got != want:
         raise ValueError(f"{what}: the array is on CUDA device {got}, the backend on device {want}")

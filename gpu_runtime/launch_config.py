@@ -7,7 +7,7 @@ launch for real, so that they refuse what the device would).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from . import validate
 
@@ -19,11 +19,12 @@ MAX_THREADS = 1024
 def _dims(dims: Sequence[int], limits: tuple[int, int, int], what: str) -> tuple[int, int, int]:
     if len(dims) != 3:
         raise ValueError(f"{what} must have 3 dimensions, got {list(dims)}")
-    out = tuple(validate.integer(d, what) for d in dims)
+    x, y, z = (validate.integer(d, what) for d in dims)  # three: checked above
+    out = (x, y, z)
     for d, limit in zip(out, limits):
         if not 1 <= d <= limit:
             raise ValueError(f"{what} {list(out)}: each dimension must be in 1..{list(limits)}")
-    return out  # type: ignore[return-value]
+    return out
 
 
 def grid_dims(dims: Sequence[int]) -> tuple[int, int, int]:

@@ -2,10 +2,14 @@
 
 ``SCALED_ADD = KernelSpec("bf16_scaled_add", out="P", x="P", scale="F", n="U")`` names the
 kernel's parameters in their C order with their kinds (``P`` pointer, ``P?`` pointer that may be
-null, ``U`` u32, ``I`` i32, ``F`` f32, ``L`` u64, ``T`` a tensor map: 128 ``bytes``). ``SCALED_ADD.launch(gpu, kernel, grid, block,
-stream, out=o, x=x, scale=0.5, n=n)`` takes every argument by keyword, so two swapped
-``uint32_t`` cannot pass: a missing or unknown name is Python's own ``TypeError``, before
-anything runs.
+null, ``U`` u32, ``I`` i32, ``F`` f32, ``L`` u64, ``T`` a tensor map: 128 ``bytes``).
+``SCALED_ADD.launch(gpu, kernel, grid, block, stream, out=o, x=x, scale=0.5, n=n)`` takes every
+argument by keyword, so two swapped ``uint32_t`` cannot pass: a missing or unknown name is
+Python's own ``TypeError``, before anything runs. ``SCALED_ADD.launch_from(gpu, kernel, grid,
+block, stream, locals())`` takes each argument by its name from a mapping instead: a launcher
+whose parameters carry the kernel's names passes its ``locals()``, with no list to keep in step;
+a parameter missing from the mapping is a ``TypeError``, and its other names (the launcher's
+own) are left alone.
 
 A spec is checked against the kernel's source (names and kinds, in order) by a CPU test for
 every kernel, and by ``CudaBackend`` at the first launch of each kernel with it. It lays out its
@@ -25,7 +29,8 @@ import math
 import numbers
 import struct
 import threading
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from . import validate
 from .packing import KIND_NAMES, TENSOR_MAP_BYTES, ArgPlan, layout, struct_format
@@ -38,10 +43,10 @@ _RESERVED = {"shared_mem", "overlap"}  # the launch's own keyword options
 
 class KernelSpec:
     """A kernel's name and parameters (``params``, a ``Signature``; ``nullable``, the pointers
-    that may be null), and ``launch``, which binds them by name. ``offsets`` / ``sizes``: where
-    each argument lies in the packed buffer."""
+    that may be null), and ``launch`` and ``launch_from``, which bind them by name (keywords, or
+    a mapping's entries). ``offsets`` / ``sizes``: where each argument lies in the packed buffer."""
 
-    __slots__ = ("name", "params", "nullable", "kinds", "offsets", "sizes", "packer", "launch")
+    __slots__ = ("name", "params", "nullable", "kinds", "offsets", "sizes", "packer", "launch", "launch_from")
 
     name: str
     params: Signature
@@ -51,12 +56,14 @@ class KernelSpec:
     sizes: list[int]
     packer: struct.Struct
     launch: Callable[..., None]
+    launch_from: Callable[..., None]
 
     def __init__(self, kernel: str, /, **params: str) -> None:
         for pname, kind in params.items():
             if kind not in KIND_NAMES and kind != NULLABLE:
-                raise ValueError(f"KernelSpec {kernel}: {pname}={kind!r} is not a kind "
-                                 f"({', '.join(KIND_NAMES)} or {NULLABLE})")
+                raise ValueError(
+                    f"KernelSpec {kernel}: {pname}={kind!r} is not a kind ({', '.join(KIND_NAMES)} or {NULLABLE})"
+                )
             if pname in _RESERVED or pname.startswith("_") or keyword.iskeyword(pname):
                 raise ValueError(f"KernelSpec {kernel}: {pname!r} cannot name a parameter")
         self.name = kernel
@@ -65,7 +72,7 @@ class KernelSpec:
         self.kinds = self.params.kinds
         self.offsets, self.sizes = layout(self.kinds)
         self.packer = struct.Struct(struct_format(self.kinds))
-        self.launch = _launch_by_name(self)
+        self.launch, self.launch_from = _launchers(self)
 
     def __repr__(self) -> str:
         args = "".join(f", {p.name}={self._kind(p)!r}" for p in self.params)
@@ -81,17 +88,22 @@ class KernelSpec:
         if source == tuple(self.params):
             return
         if len(source) != len(self.params):
-            raise TypeError(f"{where}: the source has {len(source)} parameters ({_show(source)}), "
-                            f"spec {self.name} names {len(self.params)} ({_show(self.params)})")
+            raise TypeError(
+                f"{where}: the source has {len(source)} parameters ({_show(source)}), "
+                f"spec {self.name} names {len(self.params)} ({_show(self.params)})"
+            )
         i = next(i for i, (a, b) in enumerate(zip(source, self.params)) if a != b)
-        raise TypeError(f"{where}: parameter {i} is {_show([source[i]])} in the source, "
-                        f"{_show([self.params[i]])} in spec {self.name}")
+        raise TypeError(
+            f"{where}: parameter {i} is {_show([source[i]])} in the source, "
+            f"{_show([self.params[i]])} in spec {self.name}"
+        )
 
-    def values(self, values: Sequence[Any]) -> list[int | float]:
-        """``values`` (checked already) as the kernel receives them: ints, and floats for f32.
-        What a backend that records launches records."""
-        return [float(v) if p.kind == "F" else bytes(v) if p.kind == "T" else int(v)
-                for p, v in zip(self.params, values)]
+    def values(self, values: Sequence[Any]) -> list[int | float | bytes]:
+        """``values`` (checked already) as the kernel receives them: ints, floats for f32, bytes
+        for a tensor map. What a backend that records launches records."""
+        return [
+            float(v) if p.kind == "F" else bytes(v) if p.kind == "T" else int(v) for p, v in zip(self.params, values)
+        ]
 
     def refusal(self, values: Sequence[Any]) -> Exception:
         """The error for values that failed the launch's checks: the first parameter at fault,
@@ -102,6 +114,10 @@ class KernelSpec:
         except (TypeError, ValueError) as exc:
             return exc
         return TypeError(f"{self.name}: arguments {list(values)!r} do not pack as {self.kinds}")
+
+    def missing(self, exc: KeyError) -> TypeError:
+        """The error for a ``launch_from`` whose mapping lacks the parameter ``exc`` names."""
+        return TypeError(f"{self.name}: no value for parameter {exc.args[0]!r} in the launch's arguments")
 
     def _check(self, param: Param, value: Any) -> None:
         what = f"{self.name} {param.name}"
@@ -122,7 +138,7 @@ class KernelSpec:
                 raise ValueError(f"{what}: a tensor map is {TENSOR_MAP_BYTES} bytes, got {len(value)}")
         elif isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise TypeError(f"{what} must be a real number, got {value!r}")
-        elif math.isfinite(value) and abs(value) > F32_MAX:
+        elif math.isfinite(value) and abs(value) > F32_MAX:  # type: ignore[operator]  # typeshed: abs(Real) lacks >
             raise ValueError(f"{what}: {value!r} overflows f32")
 
 
@@ -130,22 +146,27 @@ def _show(params: Sequence[Param]) -> str:
     return ", ".join(f"{p.name}: {KIND_NAMES[p.kind]}" for p in params)
 
 
-def _launch_by_name(spec: KernelSpec) -> Callable[..., None]:
+def _launchers(spec: KernelSpec) -> tuple[Callable[..., None], Callable[..., None]]:
     """``launch(gpu, kernel, grid, block, stream, /, *, <each parameter>, shared_mem=0,
-    overlap=False)``, written out for this spec: Python itself binds the keywords, the checks
-    are one expression, and the values go to ``pack_into`` as plain positional arguments (a
-    ``**kwargs`` version, or one that unpacks a tuple into ``pack_into``, costs several times as
-    much per launch). What ``pack_into`` checks itself (types, ranges, f32 overflow) it is left
-    to; the expression adds what it lets pass: null pointers, bools for integers, and tensor maps
-    that are not exactly 128 bytes, which ``pack_into`` would pad or cut (one test per parameter,
-    a few ns each: bools for pointers and floats are not looked for)."""
+    overlap=False)`` and ``launch_from(gpu, kernel, grid, block, stream, args, /, *,
+    shared_mem=0, overlap=False)``, written out for this spec: Python itself binds the keywords
+    (``launch_from`` looks each parameter up in ``args``, a missing one a ``TypeError``), the
+    checks are one expression, and the values go to ``pack_into`` as plain positional arguments
+    (a ``**kwargs`` version, or one that unpacks a tuple into ``pack_into``, costs several times
+    as much per launch). What ``pack_into`` checks itself (types, ranges, f32 overflow) it is
+    left to; the expression adds what it lets pass: null pointers, bools for integers, and tensor
+    maps that are not exactly 128 bytes, which ``pack_into`` would pad or cut (one test per
+    parameter, a few ns each: bools for pointers and floats are not looked for)."""
     names = "".join(f"{p.name}, " for p in spec.params)
+    lookups = "".join(f"args[{p.name!r}], " for p in spec.params)
     guards = [f"not {p.name}" for p in spec.params if p.kind == "P" and p.name not in spec.nullable]
     guards += [f"type({p.name}) is bool" for p in spec.params if p.kind in "UIL"]
-    guards += [f"type({p.name}) is not bytes or len({p.name}) != {TENSOR_MAP_BYTES}"  # "128s" pads
-               for p in spec.params if p.kind == "T"]
-    source = (
-        f"def launch(gpu, kernel, grid, block, stream, /, *, {names}shared_mem=0, overlap=False):\n"
+    guards += [
+        f"type({p.name}) is not bytes or len({p.name}) != {TENSOR_MAP_BYTES}"  # "128s" pads
+        for p in spec.params
+        if p.kind == "T"
+    ]
+    body = (  # the values bound to their names: check, pack, hand to the backend
         f"    try:\n"
         f"        plan = local.plan\n"
         f"    except AttributeError:\n"
@@ -161,13 +182,33 @@ def _launch_by_name(spec: KernelSpec) -> Callable[..., None]:
         f"    gpu.launch_spec(spec, kernel, grid, block, shared_mem, stream, plan.params, ({names}),\n"
         f"                    overlap)\n"
     )
+    source = (
+        f"def launch(gpu, kernel, grid, block, stream, /, *, {names}shared_mem=0, overlap=False):\n"
+        f"{body}"
+        f"def launch_from(gpu, kernel, grid, block, stream, args, /, *, shared_mem=0, overlap=False):\n"
+        f"    try:\n"
+        f"        {names}= {lookups}\n"
+        f"    except KeyError as exc:\n"
+        f"        raise spec.missing(exc) from None\n"
+        f"{body}"
+    )
     namespace: dict[str, Any] = {
-        "spec": spec, "local": threading.local(), "ArgPlan": ArgPlan,
-        "pack_into": spec.packer.pack_into, "struct_error": struct.error,
+        "spec": spec,
+        "local": threading.local(),  # one argument buffer a thread, for both
+        "ArgPlan": ArgPlan,
+        "pack_into": spec.packer.pack_into,
+        "struct_error": struct.error,
     }
     exec(compile(source, f"<KernelSpec {spec.name}>", "exec"), namespace)
-    launch = namespace["launch"]
+    launch, launch_from = namespace["launch"], namespace["launch_from"]
     launch.__qualname__ = f"KernelSpec({spec.name!r}).launch"
-    launch.__doc__ = (f"Launch {spec.name}({_show(spec.params)}), every argument by name. "
-                      "``overlap=True``: a programmatic dependent launch (see ``KernelLaunch``).")
-    return launch
+    launch.__doc__ = (
+        f"Launch {spec.name}({_show(spec.params)}), every argument by name. "
+        "``overlap=True``: a programmatic dependent launch (see ``KernelLaunch``)."
+    )
+    launch_from.__qualname__ = f"KernelSpec({spec.name!r}).launch_from"
+    launch_from.__doc__ = (
+        f"Launch {spec.name}({_show(spec.params)}), each argument looked up by its name in the "
+        "mapping ``args``, whose other names are left alone. As ``launch`` otherwise."
+    )
+    return launch, launch_from

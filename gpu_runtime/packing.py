@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import ctypes
 import struct
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 TENSOR_MAP_BYTES = 128
 STRUCT_CODES = {"P": "Q", "U": "I", "I": "i", "F": "f", "L": "Q", "T": f"{TENSOR_MAP_BYTES}s"}

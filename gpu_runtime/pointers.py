@@ -8,13 +8,13 @@ class DevicePtr(int):
 
     __slots__ = ()
 
-    def __new__(cls, value: int = 0) -> "DevicePtr":
+    def __new__(cls, value: int = 0) -> DevicePtr:
         value = int(value)
         if not 0 <= value < 1 << 64:
             raise ValueError(f"device pointer out of range: {value}")
         return super().__new__(cls, value)
 
-    def offset(self, nbytes: int) -> "DevicePtr":
+    def offset(self, nbytes: int) -> DevicePtr:
         """The address ``nbytes`` further on (null stays an error, not a small address)."""
         if not self:
             raise ValueError("offset of a null DevicePtr")

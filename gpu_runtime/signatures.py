@@ -12,8 +12,9 @@ Kinds: ``P`` pointer (any ``T*``), ``U`` u32, ``I`` i32, ``F`` f32, ``L`` u64, `
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable, NamedTuple
+from typing import NamedTuple
 
 # After ``void``, attributes such as ``__launch_bounds__(384, 1)`` or a macro in capitals that
 # expands to one (``SPLITK_CLUSTER``) may precede the kernel's name.
@@ -50,7 +51,7 @@ class Signature(tuple):
 
     __slots__ = ()
 
-    def __new__(cls, params: Iterable[Param] = ()) -> "Signature":
+    def __new__(cls, params: Iterable[Param] = ()) -> Signature:
         return super().__new__(cls, params)
 
     @property

@@ -46,8 +46,11 @@ class PinnedStaging:
             ctypes.memmove(host, src_addr, nbytes)
             try:
                 call(cu.cuMemcpyHtoDAsync, dst, host, nbytes, stream)
-                event = self._events.pop() if self._events else int(
-                    call(cu.cuEventCreate, cu.CUevent_flags.CU_EVENT_DISABLE_TIMING))
+                event = (
+                    self._events.pop()
+                    if self._events
+                    else int(call(cu.cuEventCreate, cu.CUevent_flags.CU_EVENT_DISABLE_TIMING))
+                )
                 call(cu.cuEventRecord, event, stream)
             except BaseException:
                 self._free.setdefault(cls, []).append(host)

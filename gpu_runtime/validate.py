@@ -30,7 +30,7 @@ def integer(value: object, what: str) -> int:
     if isinstance(value, int):
         return value
     try:
-        return operator.index(value)  # type: ignore[arg-type]
+        return operator.index(value)  # type: ignore[arg-type]  # any object: a TypeError is the refusal below
     except TypeError:
         raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r}") from None
 

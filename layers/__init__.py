@@ -1,5 +1,7 @@
-"""Model layers on the gpu_runtime: n-gram embedding and LoRA token overlays."""
+"""Model layers on the gpu_runtime: the hashed n-gram embedding (``layers.ngram_embed``), LoRA
+token overlays (``layers.overlay``, ``layers.peft_adapter``), their launchers (``layers.ops``)
+and numpy references (``layers.reference``)."""
 
-from .ops.loading import try_kernel
+from gpu_runtime import __version__
 
-__all__ = ["try_kernel"]
+__all__ = ["__version__"]

@@ -22,7 +22,7 @@ def kernel_dir() -> Path:
     return _kernel_dir(os.environ.get(KERNEL_DIR_ENV) or None)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _kernel_dir(env: str | None) -> Path:
     """Found once per value of the variable: launchers look kernels up on every call (a GEMM
     picks its path's kernel per shape), and the search touches the file system."""
@@ -40,7 +40,7 @@ def kernel_path(module: str) -> Path:
     return _kernel_path(kernel_dir(), module)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _kernel_path(directory: Path, module: str) -> Path:
     """One ``Path`` object per file, so the backend's kernel table hashes it once."""
     return directory / f"{module}.cu"

@@ -9,7 +9,7 @@ the reference accumulates in fp32 or fp64 and the tests use a tolerance.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import ml_dtypes
 import numpy as np
@@ -71,58 +71,62 @@ def gemm_fp64(a: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 
 # -- the n-gram embedding layer ------------------------------------------------------------
+# ``tables``: per table its rows and, for an fp8 table, its per-row f32 scales (None for bf16)
+NgramTables = list[tuple[np.ndarray, np.ndarray | None]]
+
+
 def gather_table(table: np.ndarray, scale: np.ndarray | None, ids: np.ndarray) -> np.ndarray:
     """What the gather kernel writes for one table: bf16 rows, or fp8 rows times their scale."""
     return batched_embed(table, ids) if scale is None else batched_embed_fp8(table, scale, ids)
 
 
-def ngram_embed(dims, word: np.ndarray, tables: list[tuple[np.ndarray, np.ndarray | None]],
-                projs: list[np.ndarray], ctx_tokens: np.ndarray, seq_len: int) -> np.ndarray:
-    """The seed's algorithm in numpy with its bf16 roundings: zeroed out, then ``scaled_add`` of
-    the word rows, then per table gather -> bf16 GEMM -> ``scaled_add``; scale f32(1/(1+T))."""
+def _last_ids(dims, ctx_tokens: np.ndarray, seq_len: int) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The word ids and every table's n-gram ids of the context's last ``seq_len`` positions."""
     from .ngram_embed.ids import ngram_ids
 
     ctx = np.asarray(ctx_tokens, dtype=np.int64)
-    inv = np.float32(1.0) / np.float32(1 + dims.num_tables())
-    out = np.zeros((seq_len, dims.hidden_size), BF16)
-    out = scaled_add(out, word[ctx[len(ctx) - seq_len:]], inv)
-    for (table, scale), proj, ids in zip(tables, projs, ngram_ids(dims, ctx)):
-        gathered = gather_table(table, scale, ids[len(ids) - seq_len:])
-        out = scaled_add(out, gemm_bf16(gathered, proj), inv)
+    return ctx[len(ctx) - seq_len :], [ids[len(ids) - seq_len :] for ids in ngram_ids(dims, ctx)]
+
+
+def ngram_embed(
+    dims, word: np.ndarray, tables: NgramTables, projs: list[np.ndarray], ctx_tokens: np.ndarray, seq_len: int
+) -> np.ndarray:
+    """The seed's algorithm in numpy with its bf16 roundings: zeroed out, then ``scaled_add`` of
+    the word rows, then per table gather -> bf16 GEMM -> ``scaled_add``; scale f32(1/(1+T))."""
+    words, table_ids = _last_ids(dims, ctx_tokens, seq_len)
+    inv = float(np.float32(1.0) / np.float32(1 + dims.num_tables()))  # f32(1/(1+T)), exact as a float
+    out = scaled_add(np.zeros((seq_len, dims.hidden_size), BF16), word[words], inv)
+    for (table, scale), proj, ids in zip(tables, projs, table_ids):
+        out = scaled_add(out, gemm_bf16(gather_table(table, scale, ids), proj), inv)
     return out
 
 
-def ngram_embed_ideal(dims, word: np.ndarray, tables: list[tuple[np.ndarray, np.ndarray | None]],
-                      projs: list[np.ndarray], ctx_tokens: np.ndarray, seq_len: int) -> np.ndarray:
+def ngram_embed_ideal(
+    dims, word: np.ndarray, tables: NgramTables, projs: list[np.ndarray], ctx_tokens: np.ndarray, seq_len: int
+) -> np.ndarray:
     """The same function in fp64 with no intermediate rounding (table rows dequantised exactly)."""
-    from .ngram_embed.ids import ngram_ids
-
-    ctx = np.asarray(ctx_tokens, dtype=np.int64)
-    acc = word[ctx[len(ctx) - seq_len:]].astype(np.float64)
-    for (table, scale), proj, ids in zip(tables, projs, ngram_ids(dims, ctx)):
-        tail = ids[len(ids) - seq_len:]
-        rows = table[tail].astype(np.float64)
+    words, table_ids = _last_ids(dims, ctx_tokens, seq_len)
+    acc = word[words].astype(np.float64)
+    for (table, scale), proj, ids in zip(tables, projs, table_ids):
+        rows = table[ids].astype(np.float64)
         if scale is not None:
-            rows *= scale[tail].astype(np.float64)[:, None]
+            rows *= scale[ids].astype(np.float64)[:, None]
         acc += rows @ proj.astype(np.float64).T
     return acc / (1 + dims.num_tables())
 
 
-def ngram_embed_fused(dims, word: np.ndarray, tables: list[tuple[np.ndarray, np.ndarray | None]],
-                      projs: list[np.ndarray], ctx_tokens: np.ndarray, seq_len: int) -> np.ndarray:
+def ngram_embed_fused(
+    dims, word: np.ndarray, tables: NgramTables, projs: list[np.ndarray], ctx_tokens: np.ndarray, seq_len: int
+) -> np.ndarray:
     """The fused path's roundings: rows gathered to bf16 (fp8 dequantised once), one fp32 sum
     over all tables (here exact in fp64, then rounded to f32), plus the word row in f32, times
     f32(1/(1+T)), one rounding to bf16."""
-    from .ngram_embed.ids import ngram_ids
-
-    ctx = np.asarray(ctx_tokens, dtype=np.int64)
+    words, table_ids = _last_ids(dims, ctx_tokens, seq_len)
     inv = np.float32(1.0) / np.float32(1 + dims.num_tables())
     acc = np.zeros((seq_len, dims.hidden_size), np.float64)
-    for (table, scale), proj, ids in zip(tables, projs, ngram_ids(dims, ctx)):
-        gathered = gather_table(table, scale, ids[len(ids) - seq_len:])
-        acc += gathered.astype(np.float64) @ proj.astype(np.float64).T
-    words = word[ctx[len(ctx) - seq_len:]].astype(np.float32)
-    return ((acc.astype(np.float32) + words) * inv).astype(BF16)
+    for (table, scale), proj, ids in zip(tables, projs, table_ids):
+        acc += gather_table(table, scale, ids).astype(np.float64) @ proj.astype(np.float64).T
+    return ((acc.astype(np.float32) + word[words].astype(np.float32)) * inv).astype(BF16)
 
 
 # -- token_overlay.cu ----------------------------------------------------------------------
@@ -131,6 +135,9 @@ def ngram_embed_fused(dims, word: np.ndarray, tables: list[tuple[np.ndarray, np.
 # literally. The LM-head dot product follows the kernel's own summation order (``lmhead_dot``):
 # bf16 x bf16 products are exact in fp32, so the GPU's fma chain and numpy's multiply-then-add
 # give the same fp32 value barring overflow or underflow of a product.
+SlotTables = Sequence[np.ndarray | None]  # indexed by slot; None: a null table entry
+
+
 def _f32(a: np.ndarray) -> np.ndarray:
     return np.asarray(a).astype(np.float32)
 
@@ -151,9 +158,16 @@ def row_slots(seq_slot: np.ndarray | None, active: int, count: int) -> np.ndarra
     return np.asarray(seq_slot, np.int64)
 
 
-def embed_overlay_ref(out: np.ndarray, ids: np.ndarray, seq_slot: np.ndarray | None, active: int,
-                      slot_maps: Sequence[np.ndarray | None], slot_rows: Sequence[np.ndarray | None],
-                      n_tab: Sequence[int], vocab: int) -> np.ndarray:
+def embed_overlay_ref(
+    out: np.ndarray,
+    ids: np.ndarray,
+    seq_slot: np.ndarray | None,
+    active: int,
+    slot_maps: SlotTables,
+    slot_rows: SlotTables,
+    n_tab: Sequence[int],
+    vocab: int,
+) -> np.ndarray:
     """``embed_overlay_routed_bf16`` on a gathered ``[tokens, h]`` bf16 array: a copy of ``out``
     with each overridden token's row replaced (bit for bit) by its slot's replacement row."""
     res = np.array(out, copy=True)
@@ -196,11 +210,18 @@ def lmhead_dot(x: np.ndarray, w: np.ndarray, vector: bool) -> np.ndarray:
     return acc[..., 0]
 
 
-def lmhead_overlay_ref(logits: np.ndarray, hidden: np.ndarray, seq_slot: np.ndarray | None,
-                       active: int, slot_rows: Sequence[np.ndarray | None],
-                       slot_ids: Sequence[np.ndarray | None], n_tab: Sequence[int],
-                       max_n_override: int, vocab: int,
-                       vector: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
+def lmhead_overlay_ref(
+    logits: np.ndarray,
+    hidden: np.ndarray,
+    seq_slot: np.ndarray | None,
+    active: int,
+    slot_rows: SlotTables,
+    slot_ids: SlotTables,
+    n_tab: Sequence[int],
+    max_n_override: int,
+    vocab: int,
+    vector: bool | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
     """``lmhead_overlay_routed_{bf16,f32}`` on ``[m, vocab]`` logits (bf16 or float32).
 
     Returns (a copy of ``logits`` with the overridden columns recomputed, a bool mask of the
@@ -225,22 +246,23 @@ def lmhead_overlay_ref(logits: np.ndarray, hidden: np.ndarray, seq_slot: np.ndar
     return res, written
 
 
-def gather_then_overlay_ref(table: np.ndarray, ids: np.ndarray, seq_slot: np.ndarray | None,
-                            active: int, slot_maps: Sequence[np.ndarray | None],
-                            slot_rows: Sequence[np.ndarray | None], n_tab: Sequence[int]) -> np.ndarray:
-    """The adapter-routed embedding: ``table[ids]`` (the plain gather), then the overlay."""
+def gather_then_overlay_ref(
+    table: np.ndarray, ids: np.ndarray, seq_slot, active, slot_maps, slot_rows, n_tab
+) -> np.ndarray:
+    """The adapter-routed embedding: ``table[ids]`` (the plain gather), then the overlay
+    (``embed_overlay_ref``, whose arguments the others are)."""
     ids = np.asarray(ids)
     gathered = np.asarray(table)[ids.astype(np.int64)]
-    return embed_overlay_ref(gathered, ids, seq_slot, active, slot_maps, slot_rows, n_tab,
-                             table.shape[0])
+    return embed_overlay_ref(gathered, ids, seq_slot, active, slot_maps, slot_rows, n_tab, table.shape[0])
 
 
-def logits_then_overlay_ref(hidden: np.ndarray, lm_head: np.ndarray, seq_slot: np.ndarray | None,
-                            active: int, slot_rows: Sequence[np.ndarray | None],
-                            slot_ids: Sequence[np.ndarray | None], n_tab: Sequence[int],
-                            max_n_override: int, dtype: np.dtype = BF16) -> tuple[np.ndarray, np.ndarray]:
+def logits_then_overlay_ref(
+    hidden: np.ndarray, lm_head: np.ndarray, seq_slot, active, slot_rows, slot_ids, n_tab, max_n_override, dtype=BF16
+) -> tuple[np.ndarray, np.ndarray]:
     """The adapter-routed logits: ``hidden @ lm_head^T`` in fp32, cast to ``dtype`` (bf16 or
-    float32), then the LM-head overlay. Returns (logits, mask of the overlay's columns)."""
+    float32), then the LM-head overlay (``lmhead_overlay_ref``, whose arguments the others are).
+    Returns (logits, mask of the overlay's columns)."""
     logits = (_f32(hidden) @ _f32(lm_head).T).astype(dtype)
-    return lmhead_overlay_ref(logits, hidden, seq_slot, active, slot_rows, slot_ids, n_tab,
-                              max_n_override, lm_head.shape[0])
+    return lmhead_overlay_ref(
+        logits, hidden, seq_slot, active, slot_rows, slot_ids, n_tab, max_n_override, lm_head.shape[0]
+    )

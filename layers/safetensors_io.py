@@ -14,10 +14,11 @@ it needs.
 from __future__ import annotations
 
 import json
+import os
 import struct
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping
 
 import ml_dtypes
 import numpy as np
@@ -52,7 +53,7 @@ class TensorInfo:
         return self.end - self.start
 
 
-def read_header(path: str | Path) -> dict[str, TensorInfo]:
+def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
     """The header of one file, read without touching (or mapping) any tensor data: ``{name:
     TensorInfo}``. Checks the header's structure and that every byte range lies inside the file;
     a dtype this reader cannot map is kept by name (``map_tensor`` refuses it), so a shard whose
@@ -65,8 +66,10 @@ def read_header(path: str | Path) -> dict[str, TensorInfo]:
             raise ValueError(f"{path.name}: file is {size} bytes, too short for a safetensors header")
         (header_len,) = struct.unpack("<Q", raw)
         if header_len > size - 8:
-            raise ValueError(f"{path.name}: header length {header_len} runs past the end of the "
-                             f"file ({size} bytes); not a safetensors file?")
+            raise ValueError(
+                f"{path.name}: header length {header_len} runs past the end of the "
+                f"file ({size} bytes); not a safetensors file?"
+            )
         try:
             header = json.loads(f.read(header_len))
         except (UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -80,9 +83,14 @@ def read_header(path: str | Path) -> dict[str, TensorInfo]:
             continue
         try:
             dtype, shape, (start, end) = info["dtype"], info["shape"], info["data_offsets"]
-            ok = (isinstance(dtype, str) and isinstance(shape, list)
-                  and all(type(d) is int and d >= 0 for d in shape)
-                  and type(start) is int and type(end) is int and 0 <= start <= end)
+            ok = (
+                isinstance(dtype, str)
+                and isinstance(shape, list)
+                and all(type(d) is int and d >= 0 for d in shape)
+                and type(start) is int
+                and type(end) is int
+                and 0 <= start <= end
+            )
         except (KeyError, TypeError, ValueError):
             ok = False
         if not ok:
@@ -92,13 +100,15 @@ def read_header(path: str | Path) -> dict[str, TensorInfo]:
             count = int(np.prod(shape, dtype=np.int64))
             ok = end - start == count * DTYPES[dtype].itemsize
         if not ok or base + end > size:
-            raise ValueError(f"{path.name}: tensor {name!r} byte range [{start}, {end}) does not "
-                             f"hold shape {shape} {dtype} (file is {size} bytes)")
+            raise ValueError(
+                f"{path.name}: tensor {name!r} byte range [{start}, {end}) does not "
+                f"hold shape {shape} {dtype} (file is {size} bytes)"
+            )
         out[name] = TensorInfo(name, dtype, shape, base + start, base + end)
     return out
 
 
-def map_tensor(path: str | Path, info: TensorInfo) -> np.ndarray:
+def map_tensor(path: str | os.PathLike, info: TensorInfo) -> np.ndarray:
     """A read-only memory-mapped array of one tensor of ``read_header(path)``."""
     path = Path(path)
     if info.dtype not in DTYPES:
@@ -109,7 +119,7 @@ def map_tensor(path: str | Path, info: TensorInfo) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r", offset=info.start, shape=info.shape)
 
 
-def load(path: str | Path, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
+def load(path: str | os.PathLike, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
     """``{name: read-only memory-mapped array}`` of every tensor in the file (or of ``names``
     only: a missing one is a KeyError naming the file)."""
     header = read_header(path)
@@ -123,15 +133,18 @@ def load(path: str | Path, names: Iterable[str] | None = None) -> dict[str, np.n
     return out
 
 
-def save(path: str | Path, tensors: Mapping[str, np.ndarray]) -> None:
+def save(path: str | os.PathLike, tensors: Mapping[str, np.ndarray]) -> None:
     """Write ``tensors`` (C-contiguous copies are made where needed) as one safetensors file."""
     header, offset, arrays = {}, 0, []
     for name, array in tensors.items():
         array = np.ascontiguousarray(array)
         if array.dtype not in _NAMES:
             raise TypeError(f"tensor {name!r}: dtype {array.dtype} has no safetensors name here")
-        header[name] = {"dtype": _NAMES[array.dtype], "shape": list(array.shape),
-                        "data_offsets": [offset, offset + array.nbytes]}
+        header[name] = {
+            "dtype": _NAMES[array.dtype],
+            "shape": list(array.shape),
+            "data_offsets": [offset, offset + array.nbytes],
+        }
         offset += array.nbytes
         arrays.append(array)
     blob = json.dumps(header, separators=(",", ":")).encode()

@@ -4,7 +4,7 @@ CPU (RowCaches on a host-memory backend): ``ngram_ids_windows`` equals ``ngram_i
 group resolves exactly as its members would one by one (slots, arena rows, stats, index state
 and evictions, step for step through long streams under pressure); every refusal comes before
 any load; ``end_batch`` (of the group or any member) unpins; groups share and take members
-over; the fused layer's packed upload carries the right slots. GPU: the fused path with cached
+over; the fused runner's packed upload carries the right slots. GPU: the fused path with cached
 tables is bit-identical to the resident one, batch 1 and 64, graph=True, all hits and misses.
 """
 
@@ -16,17 +16,16 @@ import numpy as np
 import pytest
 
 from gpu_runtime import ClosedError, KernelHandle
-from layers.ngram_embed import NgramDims, NgramEmbedding, NgramTable
+from layers.ngram_embed import FusedNgramEmbedding, NgramDims, NgramTable, NgramWeights
 from layers.ngram_embed.cache_group import CacheGroup, cache_group
-from layers.ngram_embed.fused import FusedNgramEmbedding
 from layers.ngram_embed.ids import NO_TOKEN, ngram_ids_tail, ngram_ids_windows
 from layers.ngram_embed.row_cache import RowCache
 from layers.ngram_embed.slot_index import SharedSlotIndex, SlotIndex, SlotStore
 from layers.ngram_embed.table_file import write_table
-from layers.weight_map import BF16
-from tests.fakes import MemoryBackend
+from layers.dense_weight import BF16
+from tests.helpers.fakes import MemoryBackend
 from tests.helpers import Guarded, bits
-from tests.helpers.ngram import IdentityCache, device_layer, free_layer, random_layer, small_dims
+from tests.helpers.ngram import IdentityCache, device_weights, random_layer, small_dims
 from tests.helpers.row_cache import (assert_consistent, assert_resident, assign_random_absent, emulate_scatter,
                                       mem_gpu, table_file)
 
@@ -360,7 +359,7 @@ def test_groups_take_members_over_and_keep_their_rows(tmp_path, rng):
         cache.close()
 
 
-# -- the fused layer's host side on the CPU ----------------------------------------------------------
+# -- the fused runner's host side on the CPU ---------------------------------------------------------
 class FusedMemoryBackend(MemoryBackend):
     """MemoryBackend with the fused path's kernels (launches recorded, scatter_rows emulated)
     and no-op pitched copies and graphs."""
@@ -394,7 +393,7 @@ def test_fused_pack_carries_the_slots_of_every_cached_table(tmp_path, rng, layou
     dims = small_dims(max_ngram=3, splits=2, table_dim=8, hidden_size=32, base_rows=300, eos_id=5)
     host = random_layer(rng, dims, "bf")
     t, n = dims.num_tables(), dims.max_ngram
-    base = device_layer(gpu, host, max_tokens=64)
+    base = device_weights(gpu, host)
     tables, caches, files = list(base.tables), {}, {}
     for c, (table, scale) in enumerate(host.tables):
         if layout == "all" or c % 2:
@@ -405,8 +404,8 @@ def test_fused_pack_carries_the_slots_of_every_cached_table(tmp_path, rng, layou
             tables[c] = NgramTable.Cached(caches[c])
         elif c == 2:
             tables[c] = NgramTable.Cached(IdentityCache(base.tables[c].weight))
-    layer = NgramEmbedding(dims, base.word, tables, base.projs, 64, gpu)
-    fused = FusedNgramEmbedding(layer, 64, gpu)
+    weights = NgramWeights(dims, base.word, tables, base.projs, gpu)  # owns nothing: base's and the caches
+    fused = FusedNgramEmbedding(weights, 64)
     grouped = [cache.index for cache in caches.values()]  # one CacheGroup: one store for them all
     assert all(isinstance(i, SharedSlotIndex) for i in grouped) and len({id(i.store) for i in grouped}) == 1
     try:
@@ -420,7 +419,7 @@ def test_fused_pack_carries_the_slots_of_every_cached_table(tmp_path, rng, layou
             rows = sum(lens)
             if rows == 0:
                 continue
-            fused.embed_batch(picked, lens, 0x1000, gpu, 0)
+            fused.embed_batch(picked, lens, 0x1000, 0)
             words = gpu.read_as(fused.staging, rows * (n + 1 + t), np.uint32)  # windows, words, slots
             slots = words[rows * (n + 1):].reshape(rows, t)
             want = tail_ids(dims, picked, lens)
@@ -433,21 +432,23 @@ def test_fused_pack_carries_the_slots_of_every_cached_table(tmp_path, rng, layou
             contexts = [np.append(c, rng.integers(0, dims.vocab_size)) for c in contexts]
         assert all(cache.stats.evictions > 0 and cache.stats.hits > 0 for cache in caches.values())
         # With 40 rows of the last cached table pinned, 64 rows of new ids cannot fit its 70-row
-        # arena: refused before any table loads anything, and the layer ends the batch.
+        # arena: refused before any table loads anything, and the runner ends the batch.
         last = caches[max(caches)]
         last.resolve(np.arange(40), np.empty(40, np.uint32))
         before = [(cache.index.slot_of.tobytes(), cache.stats) for cache in caches.values()], len(gpu.launches)
         wide = [rng.integers(0, dims.vocab_size, 5) for _ in range(64)]
         with pytest.raises(ValueError, match="rows resident at once, the arena holds 70"):
-            fused.embed_batch(wide, [1] * 64, 0x1000, gpu, 0)
+            fused.embed_batch(wide, [1] * 64, 0x1000, 0)
         after = [(cache.index.slot_of.tobytes(), cache.stats) for cache in caches.values()], len(gpu.launches)
         assert after == before  # nothing loaded, uploaded or launched
         assert all(cache.index.n_pinned == 0 for cache in caches.values())
     finally:
         fused.close()
-        layer.close()
+        weights.close()
         for cache in caches.values():
             cache.close()
+        base.close()
+    assert not gpu.mem and not gpu.host and not gpu.events
 
 
 # -- GPU: cached tables on the fused path, bit for bit --------------------------------------------
@@ -460,17 +461,17 @@ def test_fused_cached_tables_equal_resident_with_graphs(gpu, rng, tmp_path, layo
     dims = small_dims(max_ngram=3, splits=2, table_dim=24, hidden_size=72, base_rows=3000, eos_id=7)
     host = random_layer(rng, dims, "bf")
     stream = gpu.create_stream()
-    resident = device_layer(gpu, host, max_tokens=64)
-    gpu.synchronize(0)  # uploaded on the default stream; the fused layers read them on `stream`
+    resident = device_weights(gpu, host)
+    gpu.synchronize(0)  # uploaded on the default stream; the fused runners read them on `stream`
     tables, caches = list(resident.tables), []
     for c, (table, scale) in enumerate(host.tables):
         if layout == "all" or c % 2:
             write_table(tmp_path / f"t{c}.ngt", table, scale)
             caches.append(RowCache(gpu, tmp_path / f"t{c}.ngt", 100, stream=stream, chunk_rows=32))
             tables[c] = NgramTable.Cached(caches[-1])
-    cached = NgramEmbedding(dims, resident.word, tables, resident.projs, 64, gpu)
-    fused_res = FusedNgramEmbedding(resident, 64, gpu, stream)
-    fused_cached = FusedNgramEmbedding(cached, 64, gpu, stream)
+    cached = NgramWeights(dims, resident.word, tables, resident.projs, gpu)  # owns nothing: resident's and the caches
+    fused_res = FusedNgramEmbedding(resident, 64, stream)
+    fused_cached = FusedNgramEmbedding(cached, 64, stream)
     h = dims.hidden_size
     outs = {b: (Guarded(gpu, (b, h), BF16, rng), Guarded(gpu, (b, h), BF16, rng)) for b in (1, 64)}
     try:
@@ -487,7 +488,7 @@ def test_fused_cached_tables_equal_resident_with_graphs(gpu, rng, tmp_path, layo
                 for fused, out in zip((fused_res, fused_cached), outs[batch]):
                     out.poison()
                     gpu.synchronize(0)
-                    fused.embed_batch(ctx, [1] * batch, out.ptr, gpu, stream, graph=True)
+                    fused.embed_batch(ctx, [1] * batch, out.ptr, stream, graph=True)
                     gpu.synchronize(stream)
                     results.append(bits(out.read()).copy())
                     out.assert_guards_intact()
@@ -509,5 +510,5 @@ def test_fused_cached_tables_equal_resident_with_graphs(gpu, rng, tmp_path, layo
         cached.close()
         for cache in caches:
             cache.close()
-        free_layer(resident)
+        resident.close()
         gpu.destroy_stream(stream)

@@ -1,11 +1,13 @@
-"""``NgramEmbedding.from_pretrained`` over Hugging Face model folders.
+"""``NgramWeights.from_pretrained`` over Hugging Face model folders.
 
 CPU, on a host-memory backend: tiny LongCat-Flash-Lite-style checkpoints (sharded with an index
 across shards that also hold unrelated tensors, or one ``model.safetensors``) load to exactly
-the device bytes ``from_numpy`` gives, for every placement; the EOS comes from ``eos_token_id``
-or ``eos_id=``; every bad model folder, config, index, tensor and argument is refused before
-anything is allocated or uploaded; the fused path and the decoder own the layer they load.
-GPU: ``embed`` of a loaded layer equals ``embed`` of the ``from_numpy`` layer, bit for bit."""
+the device bytes ``NgramWeights.from_numpy`` gives, for every placement; a ``DeviceBudget``
+counts exactly the weights' device bytes (a tensor-parallel rank's share only), none of a
+runner's; the EOS comes from ``eos_token_id`` or ``eos_id=``; every bad model folder, config,
+index, tensor and argument is refused before anything is allocated or uploaded; the fused path
+and the decoder run on loaded weights, which they borrow, and refuse bad sizes before they
+allocate. GPU: ``embed`` over loaded weights equals ``embed`` over ``from_numpy``'s, bit for bit."""
 
 from __future__ import annotations
 
@@ -17,22 +19,34 @@ import numpy as np
 import pytest
 
 from layers import safetensors_io
-from layers.ngram_embed import (CheckpointError, DeviceBudget, NgramCheckpoint, NgramDims, NgramEmbedding,
-                                NgramTable)
-from layers.ngram_embed.pretrained import resolve_placement
-from layers.ngram_embed.decoder import NgramDecoder
-from layers.ngram_embed.fused import FusedNgramEmbedding
-from layers.weight_map import BF16
+from layers.ngram_embed import (CheckpointError, DeviceBudget, FusedNgramEmbedding, NgramCheckpoint, NgramDecoder,
+                                NgramDims, NgramEmbedding, NgramShard, NgramTable, NgramWeights)
+from layers.ngram_embed.placement import resolve_placement
+from layers.dense_weight import BF16
 from tests.helpers import Guarded, bits, random_bf16
 from tests.helpers.checkpoint import (PROJ, SCALE, TABLE, WORD, WORD_ALT, layer_bytes, make_model, published_rows,
                                       rewrite_tensor, shard_of, tiny_config, write_model)
 from tests.helpers.logging_backend import LoggingBackend
 
 
-def fixed_device_bytes(dims: NgramDims, max_tokens: int, fp8_rows: int = 0) -> int:
-    """What DeviceBudget counts before any table: word, projections, staging, fp8 scales."""
+def fixed_device_bytes(dims: NgramDims, fp8_rows: int = 0, word_rows: int | None = None) -> int:
+    """What DeviceBudget counts before any table: the word rows (all V, or a rank's), every
+    projection, the held fp8 tables' scales. Nothing of any runner."""
     t, h, td = dims.num_tables(), dims.hidden_size, dims.table_dim()
-    return dims.vocab_size * h * 2 + t * h * td * 2 + max_tokens * (4 + 2 * td + 2 * h) + 4 * fp8_rows
+    word_rows = dims.vocab_size if word_rows is None else word_rows
+    return word_rows * h * 2 + t * h * td * 2 + 4 * fp8_rows
+
+
+def device_bytes(gpu: LoggingBackend) -> int:
+    """Bytes allocated on the (fake) device, mapped host memory left out."""
+    mapped = {dev for dev, _ in gpu.mapped.values()}
+    return sum(buf.size for ptr, buf in gpu.mem.items() if ptr not in mapped)
+
+
+def placed(weights: NgramWeights) -> list[str]:
+    """Each table's place: "host" (NgramTable.Host), "absent" (another rank's) or "device"."""
+    return ["host" if isinstance(tb, NgramTable.Host) else "absent" if isinstance(tb, NgramTable.Absent)
+            else "device" for tb in weights.tables]
 
 
 # ==== CPU: the header-only reader ===================================================================
@@ -98,34 +112,92 @@ def test_loads_what_from_numpy_loads(tmp_path, rng, layout, kinds, placement):
     if placement == "budget":
         fp8_rows = sum(dims.table_rows(c) for c, (_, s) in enumerate(model.tables) if s is not None)
         two = sum(tb.nbytes for tb, _ in model.tables[:2])
-        arg = DeviceBudget(fixed_device_bytes(dims, 8, fp8_rows) + two)
+        arg = DeviceBudget(fixed_device_bytes(dims, fp8_rows) + two)
         expect = ["device", "device", "host", "host"]
     else:
         expect = places[placement]
         arg = expect if placement == "mixed" else placement
     gpu, ref_gpu = LoggingBackend(), LoggingBackend()
-    layer = NgramEmbedding.from_pretrained(str(model.path), gpu, placement=arg, max_tokens=8)
-    ref = NgramEmbedding.from_numpy(dims, model.word, model.numpy_tables(), model.projs, 8, ref_gpu,
-                                    placement=expect)
-    assert layer.dims == dims and layer.dims.eos_id == 2 and layer.max_tokens == 8
-    assert [isinstance(tb, NgramTable.Host) for tb in layer.tables] == [p == "host" for p in expect]
-    assert layer_bytes(gpu, layer) == layer_bytes(ref_gpu, ref)
-    layer.close()
+    weights = NgramWeights.from_pretrained(str(model.path), gpu, placement=arg)
+    ref = NgramWeights.from_numpy(dims, model.word, model.numpy_tables(), model.projs, ref_gpu, placement=expect)
+    assert weights.dims == dims and weights.dims.eos_id == 2 and weights.shard is None
+    assert placed(weights) == expect
+    assert layer_bytes(gpu, weights) == layer_bytes(ref_gpu, ref)
+    if placement == "budget":
+        assert device_bytes(gpu) == arg.nbytes  # the budget is exactly what the weights took
+    weights.close()
     ref.close()
     assert gpu.empty() and ref_gpu.empty()
 
 
 def test_an_int_budget_places_tables_in_order(tmp_path, rng):
     model = write_model(tmp_path / "m", make_model(rng, kinds="b"))
-    fixed = fixed_device_bytes(model.dims, 16)
+    dims = model.dims
+    fixed = fixed_device_bytes(dims)
     sizes = [tb.nbytes for tb, _ in model.tables]
     for budget, expect in [(fixed, ["host"] * 4), (fixed + sizes[0], ["device"] + ["host"] * 3),
                            (fixed + sum(sizes) - 1, ["device"] * 3 + ["host"]), (fixed + sum(sizes), ["device"] * 4)]:
         gpu = LoggingBackend()
-        with NgramEmbedding.from_pretrained(model.path, gpu, placement=budget, max_tokens=16) as layer:
-            assert [("host" if isinstance(tb, NgramTable.Host) else "device") for tb in layer.tables] == expect
-        assert resolve_placement(DeviceBudget(budget), model.dims, ["BF16"] * 4, 16) == expect
+        with NgramWeights.from_pretrained(model.path, gpu, placement=budget) as weights:
+            assert placed(weights) == expect
+            assert device_bytes(gpu) <= budget
+            # no runner's buffers count: one built on top takes device memory beyond the budget
+            with NgramEmbedding(weights, 4096), FusedNgramEmbedding(weights, 4096):
+                assert device_bytes(gpu) > budget
+        assert resolve_placement(DeviceBudget(budget), dims, ["BF16"] * 4, range(4), dims.vocab_size) == expect
         assert gpu.empty()
+    with pytest.raises(ValueError, match=rf"DeviceBudget\({fixed - 1}\): the word table, projections and fp8 "
+                                         rf"scales alone take {fixed} bytes"):
+        resolve_placement(fixed - 1, dims, ["BF16"] * 4, range(4), dims.vocab_size)
+
+
+@pytest.mark.parametrize("kinds", ["b", "bf", "fb"])
+def test_a_budget_is_never_exceeded_and_every_host_table_would_not_have_fit(tmp_path, rng, kinds):
+    """Any budget from the fixed part up to everything: the weights' device bytes stay within it,
+    and each table left in host memory would have overrun it (the greedy rule, in table order)."""
+    model = write_model(tmp_path / "m", make_model(rng, kinds=kinds))
+    dims = model.dims
+    fp8_rows = sum(dims.table_rows(c) for c, (_, s) in enumerate(model.tables) if s is not None)
+    fixed = fixed_device_bytes(dims, fp8_rows)
+    total = fixed + sum(tb.nbytes for tb, _ in model.tables)
+    for budget in sorted({fixed, total, *(int(b) for b in rng.integers(fixed, total + 1, 6))}):
+        gpu = LoggingBackend()
+        with NgramWeights.from_pretrained(model.path, gpu, placement=DeviceBudget(budget)) as weights:
+            used = device_bytes(gpu)
+            assert used <= budget
+            for c, where in enumerate(placed(weights)):
+                if where == "host":
+                    assert used + model.tables[c][0].nbytes > budget, (budget, c)
+            if budget == total:
+                assert placed(weights) == ["device"] * 4 and used == total
+        assert gpu.empty()
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_ranks_budget_counts_its_word_rows_and_tables_only(tmp_path, rng, rank):
+    model = write_model(tmp_path / "m", make_model(rng, kinds="bf"))
+    dims = model.dims
+    shard = NgramShard.of(dims, rank, 2)
+    held = list(shard.tables)
+    fp8_rows = sum(dims.table_rows(c) for c in held if model.tables[c][1] is not None)
+    fixed = fixed_device_bytes(dims, fp8_rows, shard.word_rows)
+    first = model.tables[held[0]][0].nbytes
+    dtypes = ["F8_E4M3" if s is not None else "BF16" for _, s in model.tables]
+    for budget, held_places in [(fixed, ["host", "host"]), (fixed + first, ["device", "host"]),
+                                (fixed + sum(model.tables[c][0].nbytes for c in held), ["device", "device"])]:
+        # the others' tables are "device" (unused) in the resolved list, absent in the weights
+        want = ["device"] * 4
+        for c, where in zip(held, held_places):
+            want[c] = where
+        assert resolve_placement(budget, dims, dtypes, shard.tables, shard.word_rows) == want
+        gpu = LoggingBackend()
+        with NgramWeights.from_pretrained(model.path, gpu, placement=budget, shard=(rank, 2)) as weights:
+            assert placed(weights) == [w if c in held else "absent" for c, w in enumerate(want)]
+            on_device = sum(model.tables[c][0].nbytes for c, w in zip(held, held_places) if w == "device")
+            assert device_bytes(gpu) == fixed + on_device <= budget
+        assert gpu.empty()
+    with pytest.raises(ValueError, match=rf"DeviceBudget\({fixed - 1}\)"):
+        NgramWeights.from_pretrained(model.path, LoggingBackend(), placement=fixed - 1, shard=(rank, 2))
 
 
 def test_only_the_shards_holding_ngram_tensors_are_opened(tmp_path, rng, monkeypatch):
@@ -140,7 +212,7 @@ def test_only_the_shards_holding_ngram_tensors_are_opened(tmp_path, rng, monkeyp
     assert sorted(headers) == [f"model-0000{i}-of-00004.safetensors" for i in (1, 2, 3)] and not mapped
     assert sorted(p.name for p in ckpt.shards) == sorted(headers)
     gpu = LoggingBackend()
-    NgramEmbedding.from_pretrained(model.path, gpu).close()
+    NgramWeights.from_pretrained(model.path, gpu).close()
     assert set(mapped) == set(model.tensors) and len(mapped) == len(model.tensors)
     tables_only = NgramCheckpoint.open(model.path, parts="tables")
     assert tables_only.word is None and not tables_only.projs and len(tables_only.tables) == 4
@@ -153,16 +225,16 @@ def test_word_table_names_and_wide_dense_dtypes(tmp_path, rng):
     model.tensors[WORD_ALT] = word32  # the mlx-lm name, beside the HF one: the HF one wins
     write_model(tmp_path / "both", model)
     gpu = LoggingBackend()
-    with NgramEmbedding.from_pretrained(tmp_path / "both", gpu) as layer:
-        assert gpu.read(layer.word.weight, layer.word.nbytes).tobytes() == model.word.tobytes()
+    with NgramWeights.from_pretrained(tmp_path / "both", gpu) as weights:
+        assert gpu.read(weights.word.weight, weights.word.nbytes).tobytes() == model.word.tobytes()
     del model.tensors[WORD]
     for c, p in enumerate(projs16):
         model.tensors[PROJ.format(c)] = p
     write_model(tmp_path / "alt", model, "single")
-    with NgramEmbedding.from_pretrained(tmp_path / "alt", gpu) as layer:
+    with NgramWeights.from_pretrained(tmp_path / "alt", gpu) as weights:
         want = word32.astype(ml_dtypes.bfloat16)  # round to nearest even
-        assert gpu.read(layer.word.weight, layer.word.nbytes).tobytes() == want.tobytes()
-        for c, proj in enumerate(layer.projs):
+        assert gpu.read(weights.word.weight, weights.word.nbytes).tobytes() == want.tobytes()
+        for c, proj in enumerate(weights.projs):
             want = projs16[c].astype(np.float32).astype(ml_dtypes.bfloat16)
             assert gpu.read(proj.weight, proj.nbytes).tobytes() == want.tobytes()
     assert gpu.empty()
@@ -180,10 +252,9 @@ def test_scale_tensor_forms(tmp_path, rng):
             model.tables[c] = (table, form.astype(np.float32))
     write_model(tmp_path / "m", model)
     gpu, ref_gpu = LoggingBackend(), LoggingBackend()
-    with NgramEmbedding.from_pretrained(model.path, gpu) as layer, \
-            NgramEmbedding.from_numpy(model.dims, model.word, model.numpy_tables(), model.projs, 8192,
-                                      ref_gpu) as ref:
-        assert layer_bytes(gpu, layer) == layer_bytes(ref_gpu, ref)
+    with NgramWeights.from_pretrained(model.path, gpu) as weights, \
+            NgramWeights.from_numpy(model.dims, model.word, model.numpy_tables(), model.projs, ref_gpu) as ref:
+        assert layer_bytes(gpu, weights) == layer_bytes(ref_gpu, ref)
 
 
 @pytest.mark.parametrize("config_eos, override, want", [
@@ -192,9 +263,9 @@ def test_scale_tensor_forms(tmp_path, rng):
 def test_eos_from_config_or_override(tmp_path, rng, config_eos, override, want):
     model = write_model(tmp_path / "m", make_model(rng, tiny_config(eos_token_id=config_eos), "b"))
     gpu = LoggingBackend()
-    with NgramEmbedding.from_pretrained(model.path, gpu, eos_id=override) as layer:
-        assert layer.dims.eos_id == want
-        assert layer.dims == model.dims.replace(eos_id=want)
+    with NgramWeights.from_pretrained(model.path, gpu, eos_id=override) as weights:
+        assert weights.dims.eos_id == want
+        assert weights.dims == model.dims.replace(eos_id=want)
 
 
 def test_row_counts_follow_the_published_formula_for_int_and_float_ratios(tmp_path, rng):
@@ -231,7 +302,7 @@ def _index(edit):
 
 
 def _index_map(name, value):
-    return _index(lambda d: json.dumps({**d, "weight_map": {**d["weight_map"], name: value}}))
+    return _index(lambda d: json.dumps({**d, "dense_weight": {**d["dense_weight"], name: value}}))
 
 
 BAD = [
@@ -272,7 +343,7 @@ BAD = [
     ("config-dims-change", _config(hidden_size=32), r"has shape \[300, 24\], config.json gives \[300, 32\]"),
     # the index
     ("index-not-json", _index("{weight"), "model.safetensors.index.json: not valid JSON"),
-    ("index-no-weight-map", _index(json.dumps({"metadata": {}})), "no 'weight_map' object"),
+    ("index-no-weight-map", _index(json.dumps({"metadata": {}})), "no 'dense_weight' object"),
     ("index-bad-entry", _index_map(TABLE.format(0), 5), "maps to 5, not a file name"),
     ("index-escapes", _index_map(TABLE.format(0), "../elsewhere.safetensors"), "not a file name inside the model folder"),
     ("index-missing-shard", _index_map(TABLE.format(0), "model-00009-of-00009.safetensors"), "shard model-00009-of-00009.safetensors .* does not exist"),
@@ -288,7 +359,7 @@ def test_bad_model_folders_are_refused_before_any_upload(tmp_path, rng, case, mu
     mutate(model)
     gpu = LoggingBackend()
     with pytest.raises(CheckpointError, match=match) as err:
-        NgramEmbedding.from_pretrained(model.path, gpu)
+        NgramWeights.from_pretrained(model.path, gpu)
     assert gpu.log == [] and gpu.empty()
     if case.startswith(("table-", "proj-", "word-", "scale-", "fp8-")):  # the file that holds it
         assert "model-0000" in str(err.value)
@@ -303,8 +374,12 @@ def test_bad_model_folders_are_refused_before_any_upload(tmp_path, rng, case, mu
     (dict(placement=True), TypeError, "placement must be"),
     (dict(placement=1000), ValueError, r"DeviceBudget\(1000\): the word table"),
     (dict(placement=-1), ValueError, "DeviceBudget: nbytes"),
-    (dict(max_tokens=0), ValueError, "max_tokens"),
     (dict(cache_rows=0), ValueError, "cache_rows"),
+    (dict(shard=(2, 2)), ValueError, "rank 2 out of range for size 2"),
+    (dict(shard=(0, 5)), ValueError, "size 5 over the 4 tables"),
+    (dict(shard="0/2"), TypeError, r"\(rank, size\) pair"),
+    (dict(shard=(0, 2), placement=1000), ValueError, r"DeviceBudget\(1000\): the word table"),
+    (dict(shard=(1, 2), placement="files"), ValueError, "pass table_dir="),
     (dict(eos_id=300), CheckpointError, "eos_id must be in 0..V-1"),
     (dict(table_dir="nowhere"), CheckpointError, "no manifest"),
 ])
@@ -312,50 +387,74 @@ def test_bad_arguments_are_refused_before_any_upload(tmp_path, rng, kwargs, exc,
     model = write_model(tmp_path / "m", make_model(rng))
     gpu = LoggingBackend()
     with pytest.raises(exc, match=match):
-        NgramEmbedding.from_pretrained(model.path, gpu, **kwargs)
+        NgramWeights.from_pretrained(model.path, gpu, **kwargs)
     assert gpu.log == [] and gpu.empty()
+
+
+def test_a_bad_gpu_is_refused_before_anything_is_read(tmp_path, rng, monkeypatch):
+    model = write_model(tmp_path / "m", make_model(rng))
+    monkeypatch.setattr(NgramCheckpoint, "open", lambda *a, **k: pytest.fail("the checkpoint was opened"))
+    with pytest.raises(TypeError, match="gpu must be a GpuBackend"):
+        NgramWeights.from_pretrained(model.path, object())
 
 
 def test_a_failure_after_the_first_upload_frees_everything(tmp_path, rng):
     model = write_model(tmp_path / "m", make_model(rng, kinds="bf"))
-    for after in (1, 3, 7, 9, 11):
+    placement = ["host", "device", "device", "host"]
+    # device allocations: the word, 4 projections, table 1 (fp8) and its scales, table 2, table 3's scales
+    for after in (1, 3, 5, 6, 8):  # in the projections, a table, its scales, a host table's scales
         gpu = LoggingBackend(fail_alloc_after=after)
         with pytest.raises(MemoryError):
-            NgramEmbedding.from_pretrained(model.path, gpu, placement=["host", "device", "device", "host"])
+            NgramWeights.from_pretrained(model.path, gpu, placement=placement)
         assert gpu.empty() and gpu.count("alloc") == after
+    gpu = LoggingBackend(fail_alloc_after=9)
+    NgramWeights.from_pretrained(model.path, gpu, placement=placement).close()
+    assert gpu.count("alloc") == 9 and gpu.empty()
 
 
 # ==== CPU: the fused path and the decoder ============================================================
 
-def test_fused_and_decoder_from_pretrained_own_their_layer(tmp_path, rng):
+def test_fused_and_decoder_borrow_loaded_weights(tmp_path, rng):
     model = write_model(tmp_path / "m", make_model(rng, kinds="bf"))
     gpu = LoggingBackend()
-    fused = FusedNgramEmbedding.from_pretrained(model.path, gpu, max_rows=16, placement="host", max_tokens=4)
-    assert isinstance(fused.layer, NgramEmbedding) and fused.max_rows == 16 and fused.layer.max_tokens == 4
-    assert all(isinstance(tb, NgramTable.Host) for tb in fused.layer.tables)
+    weights = NgramWeights.from_pretrained(model.path, gpu, placement="host")
+    assert all(isinstance(tb, NgramTable.Host) for tb in weights.tables)
+    fused = FusedNgramEmbedding(weights, 16)
+    assert fused.weights is weights and fused.max_rows == 16
     # the concatenated projections are the checkpoint's, side by side
-    cat = gpu.read(fused.projs_cat, 24 * 4 * 6 * 2).view(BF16).reshape(24, 24)
+    cat = gpu.read(fused.projection.projs.weight, 24 * 4 * 6 * 2).view(BF16).reshape(24, 24)
     np.testing.assert_array_equal(bits(cat), bits(np.concatenate(model.projs, axis=1)))
     fused.close()
+    assert not weights.closed and not gpu.empty()  # the runner frees its buffers, not the weights
+    weights.close()
     assert gpu.empty()
-    dec = NgramDecoder.from_pretrained(model.path, gpu, max_seqs=4, max_rows=8, max_draft=2, eos_id=5)
-    assert dec.dims.eos_id == 5 and dec.fused.layer.dims.eos_id == 5
+    weights = NgramWeights.from_pretrained(model.path, gpu, eos_id=5)
+    dec = NgramDecoder(weights, max_seqs=4, max_rows=8, max_draft=2)
+    assert dec.dims.eos_id == 5 and dec.weights is weights
     dec.close()
+    assert not weights.closed
+    weights.close()
     assert gpu.empty()
 
 
-@pytest.mark.parametrize("make", [
-    lambda p, g: FusedNgramEmbedding.from_pretrained(p, g, max_rows=0),
-    lambda p, g: NgramDecoder.from_pretrained(p, g, max_seqs=0),
-    lambda p, g: NgramDecoder.from_pretrained(p, g, max_seqs=2, max_draft=-1),
-    lambda p, g: FusedNgramEmbedding.from_pretrained(p, g, placement="gpu"),
+@pytest.mark.parametrize("make, match", [
+    (lambda w: FusedNgramEmbedding(w, 0), "max_rows"),
+    (lambda w: NgramDecoder(w, max_seqs=0, max_rows=8), "max_seqs"),
+    (lambda w: NgramDecoder(w, max_seqs=2, max_rows=8, max_draft=-1), "max_draft"),
+    (lambda w: NgramDecoder(w, max_seqs=2, max_rows=0), "max_rows"),
+    (lambda w: NgramEmbedding(w, 0), "max_tokens"),
 ])
-def test_fused_and_decoder_refusals_come_before_any_upload(tmp_path, rng, make):
+def test_runner_refusals_come_before_the_runner_allocates(tmp_path, rng, make, match):
+    """The runners' sizes are refused before they allocate, upload or launch anything; the loaded
+    weights stay as they were (their refusals before any upload are above)."""
     model = write_model(tmp_path / "m", make_model(rng))
     gpu = LoggingBackend()
-    with pytest.raises(ValueError):
-        make(model.path, gpu)
-    assert gpu.log == [] and gpu.empty()
+    with NgramWeights.from_pretrained(model.path, gpu) as weights:
+        mark = len(gpu.log)
+        with pytest.raises(ValueError, match=match):
+            make(weights)
+        assert gpu.log[mark:] == [] and not weights.closed
+    assert gpu.empty()
 
 
 # ==== GPU ============================================================================================
@@ -364,25 +463,26 @@ def test_fused_and_decoder_refusals_come_before_any_upload(tmp_path, rng, make):
 @pytest.mark.parametrize("placement", ["device", "mixed", "files"])
 def test_from_pretrained_on_the_gpu_embeds_as_from_numpy(gpu, rng, tmp_path, placement):
     """A sharded tiny checkpoint (bf16 and fp8 tables; bf16 only for the converted files) loaded by
-    ``from_pretrained`` gives the same ``embed`` output bits as ``from_numpy`` on the same weights,
-    prefill and decode, with EOS tokens in the context."""
+    ``NgramWeights.from_pretrained`` gives the same ``NgramEmbedding.embed`` output bits as
+    ``NgramWeights.from_numpy`` on the same weights, prefill and decode, with EOS tokens in the
+    context."""
     from layers.ngram_embed.convert import convert
 
     config = tiny_config(vocab_size=500, hidden_size=48, ngram_vocab_size_ratio=0.5, eos_token_id=7)
     model = write_model(tmp_path / "m", make_model(rng, config, "b" if placement == "files" else "bf"))
     t = model.dims.num_tables()
     places = ["device"] * t if placement != "mixed" else ["device", "host"] * (t // 2)
-    kwargs = dict(placement=places, max_tokens=64)
+    kwargs = dict(placement=places)
     if placement == "files":
         convert(model.path, tmp_path / "tables", progress=False)
-        kwargs = dict(placement="files", max_tokens=64, table_dir=str(tmp_path / "tables"), cache_rows=256)
+        kwargs = dict(placement="files", table_dir=str(tmp_path / "tables"), cache_rows=256)
     ctx = rng.integers(0, 500, 60)
     ctx[[5, 6, 30]] = 7  # EOS boundaries, one doubled
     results = []
-    for make in (lambda: NgramEmbedding.from_pretrained(str(model.path), gpu, **kwargs),
-                 lambda: NgramEmbedding.from_numpy(model.dims, model.word, model.numpy_tables(), model.projs,
-                                                   64, gpu, placement=places)):
-        with make() as layer, Guarded(gpu, (60, 48), BF16, rng) as out:
+    for make in (lambda: NgramWeights.from_pretrained(str(model.path), gpu, **kwargs),
+                 lambda: NgramWeights.from_numpy(model.dims, model.word, model.numpy_tables(), model.projs, gpu,
+                                                 placement=places)):
+        with make() as weights, NgramEmbedding(weights, 64) as layer, Guarded(gpu, (60, 48), BF16, rng) as out:
             assert layer.dims == model.dims
             got = []
             for seq_len in (60, 1, 17):

@@ -1,18 +1,19 @@
-"""The table-file converter (``python -m layers.ngram_embed.convert``) and ``from_pretrained`` over
-its output, on the CPU.
+"""The table-file converter (``python -m layers.ngram_embed.convert``) and
+``NgramWeights.from_pretrained`` over its output, on the CPU.
 
 bf16 tables round-trip bit for bit (F16/F32 sources rounded as numpy rounds, fp8 sources
 dequantised as the gathers do); ``--fp8`` files hold exactly the reference quantisation (and
 dequantise within its error bound); a conversion interrupted by an exception or killed outright
 resumes, skipping the tables it had finished, and ends with the same files a clean run writes;
-verification catches a corrupted file and a rerun rewrites it; ``from_pretrained`` serves the
-files as ``RowCache``, registered host tables or device tables, refusing a bad table directory
-before anything is uploaded."""
+verification catches a corrupted file and a rerun rewrites it; ``NgramWeights.from_pretrained``
+serves the files as ``RowCache``, registered host tables or device tables, refusing a bad table
+directory before anything is uploaded; the decoder refuses the ``RowCache`` ones when it is built."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,12 +24,13 @@ import numpy as np
 import pytest
 
 from layers import reference as ref
-from layers.ngram_embed import CheckpointError, NgramEmbedding, NgramTable, TableFile
-from layers.ngram_embed.table_manifest import MANIFEST
+from layers.ngram_embed import (CheckpointError, FusedNgramEmbedding, NgramDecoder, NgramTable, NgramWeights,
+                                TableFile)
 from layers.ngram_embed.convert import NonFiniteRow, VerifyError, convert, main, quantize_fp8_rows, verify_tables
-from layers.ngram_embed.decoder import NgramDecoder
+from layers.ngram_embed.decoder import NO_ROW_CACHE
 from layers.ngram_embed.row_cache import RowCache
-from layers.weight_map import BF16, FP8
+from layers.ngram_embed.table_manifest import MANIFEST
+from layers.dense_weight import BF16, FP8
 from tests.helpers import bits
 from tests.helpers.checkpoint import SCALE, TABLE, layer_bytes, make_model, rewrite_tensor, tiny_config, write_model
 from tests.helpers.logging_backend import LoggingBackend
@@ -277,7 +279,7 @@ def test_command_line(tmp_path, rng, capsys):
     assert "no tensor 'model.ngram_embeddings.embedders.1.weight'" in capsys.readouterr().err
 
 
-# ==== from_pretrained over table files ===============================================================
+# ==== NgramWeights.from_pretrained over table files ===============================================================
 
 @pytest.fixture
 def converted(tmp_path, rng):
@@ -290,13 +292,13 @@ def converted(tmp_path, rng):
 def test_files_placement_serves_row_caches_over_the_table_files(converted, rng):
     model, root = converted
     gpu = LoggingBackend()
-    layer = NgramEmbedding.from_pretrained(model.path, gpu, placement=["files", "host", "device", "files"],
-                                           table_dir=root / "bf16", cache_rows=32, max_tokens=4)
-    kinds = [type(t).__name__ for t in layer.tables]
+    weights = NgramWeights.from_pretrained(model.path, gpu, placement=["files", "host", "device", "files"],
+                                           table_dir=root / "bf16", cache_rows=32)
+    kinds = [type(t).__name__ for t in weights.tables]
     assert kinds == ["CachedTable", "HostTable", "Bf16Table", "CachedTable"]
     assert gpu.count("register_host") == 1  # the host table is the file, registered in place
     for c in (0, 3):
-        cache = layer.tables[c].cache
+        cache = weights.tables[c].cache
         assert isinstance(cache, RowCache) and cache.capacity == 32
         assert cache.file.path == str(root / "bf16" / f"table_00{c}.ngt")
         ids = rng.integers(0, cache.rows, 20)
@@ -306,10 +308,10 @@ def test_files_placement_serves_row_caches_over_the_table_files(converted, rng):
         want = model.tables[c][0] if model.tables[c][1] is None else ref.dequant_fp8(*model.tables[c])
         np.testing.assert_array_equal(arena[slots.astype(np.int64)], want[ids].view(np.uint8).reshape(20, -1))
         cache.end_batch()
-    host = layer.tables[1].weight
+    host = weights.tables[1].weight
     np.testing.assert_array_equal(gpu.read(host.weight, host.nbytes).view(BF16).reshape(host.shape),
                                   ref.dequant_fp8(*model.tables[1]))
-    layer.close()
+    weights.close()
     assert gpu.empty()
 
 
@@ -318,10 +320,10 @@ def test_fp8_table_files_load_as_from_numpy_of_their_contents(converted, placeme
     model, root = converted
     tables = [table_contents(root / "fp8" / f"table_00{c}.ngt") for c in range(4)]
     gpu, ref_gpu = LoggingBackend(), LoggingBackend()
-    with NgramEmbedding.from_pretrained(model.path, gpu, placement=placement, table_dir=root / "fp8") as layer, \
-            NgramEmbedding.from_numpy(model.dims, model.word, tables, model.projs, 8192, ref_gpu,
-                                      placement=placement) as want:
-        assert layer_bytes(gpu, layer) == layer_bytes(ref_gpu, want)
+    with NgramWeights.from_pretrained(model.path, gpu, placement=placement, table_dir=root / "fp8") as weights, \
+            NgramWeights.from_numpy(model.dims, model.word, tables, model.projs, ref_gpu,
+                                    placement=placement) as want:
+        assert layer_bytes(gpu, weights) == layer_bytes(ref_gpu, want)
     assert gpu.empty()
 
 
@@ -332,7 +334,7 @@ def test_table_dir_needs_no_checkpoint_tables(converted):
     rewrite_tensor(model, SCALE.format(1), None)
     rewrite_tensor(model, SCALE.format(3), None)
     gpu = LoggingBackend()
-    NgramEmbedding.from_pretrained(model.path, gpu, placement="host", table_dir=root / "bf16").close()
+    NgramWeights.from_pretrained(model.path, gpu, placement="host", table_dir=root / "bf16").close()
     assert gpu.empty()
 
 
@@ -360,18 +362,28 @@ def test_a_bad_table_dir_is_refused_before_any_upload(converted, damage, match):
     damage(root / "bf16")
     gpu = LoggingBackend()
     with pytest.raises(CheckpointError, match=match):
-        NgramEmbedding.from_pretrained(model.path, gpu, placement="files", table_dir=root / "bf16")
+        NgramWeights.from_pretrained(model.path, gpu, placement="files", table_dir=root / "bf16")
     assert gpu.log == [] and gpu.empty()
 
 
-def test_the_decoder_refuses_row_caches_before_any_upload(converted):
+def test_the_decoder_refuses_row_caches_when_it_is_built(converted):
+    """The weights load ``RowCache`` tables for any runner; the decoder refuses them at its own
+    construction (``NO_ROW_CACHE``), before it allocates or launches anything, and leaves the
+    weights open: the fused path serves them, and closing them frees all they loaded. Host
+    tables from the files it serves."""
     model, root = converted
     gpu = LoggingBackend()
     for placement in ("files", ["host", "files", "device", "device"]):
-        with pytest.raises(ValueError, match="RowCache tables need host work every step"):
-            NgramDecoder.from_pretrained(model.path, gpu, max_seqs=2, placement=placement, table_dir=root / "bf16")
-    assert gpu.log == [] and gpu.empty()
-    dec = NgramDecoder.from_pretrained(model.path, gpu, max_seqs=2, placement="host", table_dir=root / "fp8")
-    assert all(isinstance(t, NgramTable.Host) for t in dec.fused.layer.tables)
-    dec.close()
+        with NgramWeights.from_pretrained(model.path, gpu, placement=placement, table_dir=root / "bf16") as weights:
+            mark = len(gpu.log)
+            with pytest.raises(ValueError, match=re.escape(NO_ROW_CACHE)):
+                NgramDecoder(weights, max_seqs=2, max_rows=8)
+            assert gpu.log[mark:] == [] and not weights.closed
+            FusedNgramEmbedding(weights, 8).close()
+        assert gpu.empty()
+    with NgramWeights.from_pretrained(model.path, gpu, placement="host", table_dir=root / "fp8") as weights:
+        dec = NgramDecoder(weights, max_seqs=2, max_rows=8)
+        assert dec.weights is weights and all(isinstance(t, NgramTable.Host) for t in weights.tables)
+        dec.close()
+        assert not weights.closed
     assert gpu.empty()

@@ -2,7 +2,7 @@
 seeding (prefix-cache hits), per-sequence adapters inside the n-gram sum, and buffers from other
 libraries. On the CPU: the launches and arguments each call makes, and every refusal before any
 launch. On the GPU: every row bit for bit the fused path on the same tokens (with the same
-adapters, and as a layer whose word table holds the adapter's rows), padded rows zeros, flags
+adapters, and on weights whose word table holds the adapter's rows), padded rows zeros, flags
 exactly where a bad value was, and nothing written outside the outputs."""
 
 from __future__ import annotations
@@ -14,15 +14,13 @@ import pytest
 
 from gpu_runtime import ClosedError, DeviceArray, DevicePtr, dlpack
 from layers import reference as ref
-from layers.ngram_embed import NgramEmbedding
-from layers.ngram_embed.decoder import NO_ADAPTER, PAD_SLOT, DecodeError, NgramDecoder
-from layers.ngram_embed.fused import FusedNgramEmbedding
+from layers.ngram_embed import NO_ADAPTER, PAD_SLOT, DecodeError, FusedNgramEmbedding, NgramDecoder, NgramWeights
 from layers.overlay import OverlaySlots
-from layers.weight_map import BF16, DenseWeight
-from tests.fakes import ForeignArray, RecordingBackend
+from layers.dense_weight import BF16, DenseWeight
+from tests.helpers.fakes import ForeignArray, RecordingBackend
 from tests.helpers import Guarded, bits
 from tests.helpers.decoder import World, u32
-from tests.helpers.ngram import device_layer, random_layer, small_dims
+from tests.helpers.ngram import device_weights, random_layer, small_dims
 from tests.helpers.overlay import random_overlay
 
 P = [DevicePtr(0x100000 * (i + 1)) for i in range(8)]
@@ -33,9 +31,9 @@ GEMM_WORD_OVER = 8               # dense_gemm_bf16_word's word_over
 def recording(adapters: int = 0, h: int | None = None):
     gpu = RecordingBackend()
     dims = small_dims(max_ngram=3, splits=2, eos_id=7)
-    layer = device_layer(gpu, random_layer(np.random.default_rng(1), dims, "bf"), max_tokens=8)
+    weights = device_weights(gpu, random_layer(np.random.default_rng(1), dims, "bf"))
     slots = OverlaySlots(gpu, adapters, dims.vocab_size, h or dims.hidden_size) if adapters else None
-    return gpu, NgramDecoder(layer, max_seqs=4, max_rows=32, gpu=gpu, max_draft=2, adapter_slots=slots), slots
+    return gpu, NgramDecoder(weights, max_seqs=4, max_rows=32, max_draft=2, adapter_slots=slots), slots
 
 
 # -- CPU ----------------------------------------------------------------------------------------
@@ -77,7 +75,7 @@ def test_adapters_route_through_the_gather_into_the_gemm():
 def test_adapter_refusals_launch_nothing():
     gpu, dec, _ = recording()
     gpu.launches.clear()
-    with pytest.raises(ValueError, match="built without adapter_slots"):
+    with pytest.raises(ValueError, match="adapters given, but the decoder was built without adapter_slots"):
         dec.step(P[0], P[1], 2, P[2], adapters=P[3])
     with pytest.raises(ValueError, match="vocab 500 x 41, the model's word table is 500 x 40"):
         recording(adapters=2, h=41)
@@ -89,7 +87,7 @@ def test_adapter_refusals_launch_nothing():
     with pytest.raises(ValueError, match="width 41, the served table 40"):  # a wrong adapter, at load
         slots.load(0, random_overlay(np.random.default_rng(2), 500, 41, 3, None))
     with pytest.raises(TypeError, match="adapter_slots must be an OverlaySlots"):
-        NgramDecoder(dec.fused.layer, max_seqs=2, max_rows=4, gpu=gpu, adapter_slots=object())
+        NgramDecoder(dec.weights, max_seqs=2, max_rows=4, adapter_slots=object())
     gpu.launches.clear()
     slots.close()
     with pytest.raises(ClosedError, match="OverlaySlots is closed"):
@@ -397,18 +395,20 @@ def test_seed_then_prefill_equals_prefilling_everything(gpu, rng):
 
 # -- GPU: adapters inside the n-gram sum ----------------------------------------------------------
 @contextmanager
-def _adapter_layers(w: World, count: int):
-    """For each of adapters 0..count-1: the fused path (batch invariant as ``w``'s) of a layer on
-    ``w``'s tables and projections whose word table holds that adapter's rows; closed on exit."""
+def _adapter_runners(w: World, count: int):
+    """For each of adapters 0..count-1: the fused path (batch invariant as ``w``'s) on weights
+    that borrow ``w``'s tables and projections and own a word table holding that adapter's rows;
+    runners, then weights, closed on exit."""
     made = []
     try:
         for a in range(count):
             weight = DenseWeight.from_numpy(w.gpu, w.word_table(a))
-            layer = NgramEmbedding(w.dims, weight, w.layer.tables, w.layer.projs, w.layer.max_tokens, w.gpu)
+            weights = NgramWeights(w.dims, weight, w.weights.tables, w.weights.projs, w.gpu)
+            weights.own(weight)
             w.gpu.synchronize(0)
-            made.append((FusedNgramEmbedding(layer, w.fused.max_rows, w.gpu, w.stream,
-                                             batch_invariant=w.fused.gemm_path is not None), layer, weight))
-        yield [fused for fused, _, _ in made]
+            made.append((FusedNgramEmbedding(weights, w.fused.max_rows, w.stream,
+                                             batch_invariant=w.fused.projection.path is not None), weights))
+        yield [fused for fused, _ in made]
     finally:
         w.gpu.synchronize(w.stream)
         for things in made:
@@ -421,7 +421,7 @@ def _alone(w: World, fused: FusedNgramEmbedding, ctx, n: int) -> np.ndarray:
     with Guarded(w.gpu, (n, w.dims.hidden_size), BF16, w.rng) as out:
         out.poison()
         w.gpu.synchronize(0)
-        fused.embed_batch([np.asarray(ctx)], [n], out.ptr, w.gpu, w.stream)
+        fused.embed_batch([np.asarray(ctx)], [n], out.ptr, w.stream)
         w.gpu.synchronize(w.stream)
         return out.read()
 
@@ -429,13 +429,13 @@ def _alone(w: World, fused: FusedNgramEmbedding, ctx, n: int) -> np.ndarray:
 @pytest.mark.gpu
 def test_adapter_rows_are_used_inside_the_sum(gpu, rng):
     """Each sequence on one of three adapters or none (NO_ADAPTER, or int32 -1): its rows are bit
-    for bit those of a layer whose word table holds that adapter's rows, and of the fused path
+    for bit those of weights whose word table holds that adapter's rows, and of the fused path
     with the same adapters, and within the fused contract of the numpy reference on that table."""
     # a third of the vocabulary overridden; batch invariant: rows are compared with single sequences
     w = World(gpu, rng, max_seqs=6, adapters=3, override=200, batch_invariant=True)
     dec, s = w.dec, w.stream
     try:
-        with _adapter_layers(w, 3) as layers:
+        with _adapter_runners(w, 3) as runners:
             seqs = [0, 1, 2, 3, 4]
             choice = [0, NO_ADAPTER, 2, 1, 0]
             lens = [7, 5, 9, 1, 4]
@@ -445,7 +445,7 @@ def test_adapter_rows_are_used_inside_the_sum(gpu, rng):
             for i, (slot, a) in enumerate(zip(seqs, choice)):
                 rows = got[at[i]:at[i + 1]]
                 if a != NO_ADAPTER:
-                    assert np.array_equal(bits(rows), bits(_alone(w, layers[a], w.ctx[slot], lens[i]))), i
+                    assert np.array_equal(bits(rows), bits(_alone(w, runners[a], w.ctx[slot], lens[i]))), i
                 x = ref.ngram_embed_fused(w.dims, w.word_table(None if a == NO_ADAPTER else a), w.host.tables,
                                           w.host.projs, np.asarray(w.ctx[slot]), lens[i]).astype(np.float64)
                 assert (np.abs(rows.astype(np.float64) - x) <= np.abs(x) * 2.0**-7 + 1e-6).all(), i
@@ -462,7 +462,7 @@ def test_adapter_rows_are_used_inside_the_sum(gpu, rng):
                 assert np.array_equal(bits(got), bits(w.expect(seqs, [2] * 5, 10, adapters=choice))), it
                 for i, (slot, a) in enumerate(zip(seqs, choice)):
                     if a != NO_ADAPTER:
-                        want = _alone(w, layers[a], w.ctx[slot], 2)
+                        want = _alone(w, runners[a], w.ctx[slot], 2)
                         assert np.array_equal(bits(got[2 * i:2 * i + 2]), bits(want)), (it, i)
         assert dec.check_errors() == DecodeError.NONE
         # a bad adapter index: flagged, that sequence's rows zeros, the others unharmed
@@ -486,10 +486,10 @@ def test_adapter_rows_are_used_inside_the_sum(gpu, rng):
 @pytest.mark.parametrize("graph", [False, True])
 def test_fused_embed_batch_takes_adapters(gpu, rng, graph):
     """A batch of three sequences on two adapters or none: each sequence's rows bit for bit those
-    of a layer whose word table holds its adapter's rows, embedding it alone (batch invariant)."""
+    of weights whose word table holds its adapter's rows, embedding it alone (batch invariant)."""
     w = World(gpu, rng, adapters=2, override=150, batch_invariant=True)
     try:
-        with _adapter_layers(w, 2) as layers:
+        with _adapter_runners(w, 2) as runners:
             for it in range(4):
                 contexts = [w.tokens(int(n)) for n in rng.integers(1, 30, 3)]
                 seq_lens = [int(rng.integers(1, len(c) + 1)) for c in contexts]
@@ -498,13 +498,13 @@ def test_fused_embed_batch_takes_adapters(gpu, rng, graph):
                 with Guarded(gpu, (rows, w.dims.hidden_size), BF16, rng) as out:
                     out.poison()
                     gpu.synchronize(0)
-                    w.fused.embed_batch(contexts, seq_lens, out.ptr, gpu, w.stream, graph=graph, adapters=choice)
+                    w.fused.embed_batch(contexts, seq_lens, out.ptr, w.stream, graph=graph, adapters=choice)
                     gpu.synchronize(w.stream)
                     got = out.read()
                     out.assert_guards_intact()
                 at = 0
                 for ctx, n, a in zip(contexts, seq_lens, choice):
-                    want = _alone(w, w.fused if a == NO_ADAPTER else layers[a], ctx, n)
+                    want = _alone(w, w.fused if a == NO_ADAPTER else runners[a], ctx, n)
                     assert np.array_equal(bits(got[at:at + n]), bits(want)), (it, a)
                     at += n
     finally:

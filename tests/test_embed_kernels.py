@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import ExitStack
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -22,6 +24,20 @@ def kernels(gpu):
                          "embed_from_argmax_bf16")}
 
 
+def _run_guarded(gpu, rng, inputs, outputs, launch) -> list[np.ndarray]:
+    """``launch(*pointers)`` on guarded device buffers, the inputs' then the outputs': each input
+    ``(array, misalign)`` uploaded, each output ``(shape, dtype, misalign)`` poisoned. Returns
+    what the outputs hold afterwards, every buffer's guards checked intact."""
+    with ExitStack() as stack:
+        ins = [stack.enter_context(Guarded(gpu, a.shape, a.dtype, rng, mis)).upload(a) for a, mis in inputs]
+        outs = [stack.enter_context(Guarded(gpu, shape, dtype, rng, mis)).poison() for shape, dtype, mis in outputs]
+        launch(*(g.ptr for g in ins + outs))
+        got = [g.read() for g in outs]
+        for g in ins + outs:
+            g.assert_guards_intact()
+    return got
+
+
 @pytest.mark.parametrize("dim", [1, 7, 64, 256, 4096])
 @pytest.mark.parametrize("n", [1, 3, 257])
 @pytest.mark.parametrize("misalign", [0, 2])
@@ -30,13 +46,9 @@ def test_batched_embed_bit_exact(gpu, kernels, rng, dim, n, misalign):
     table = random_bf16(rng, (rows, dim))
     ids = rng.integers(0, rows, n, dtype=np.uint32)
     ids[0] = rows - 1  # the last row, where an off-by-one would read past the table
-    with Guarded(gpu, (rows, dim), BF16, rng, misalign) as t, Guarded(gpu, n, np.uint32, rng) as i, \
-            Guarded(gpu, (n, dim), BF16, rng, misalign) as o:
-        t.upload(table), i.upload(ids), o.poison()
-        batched_embed(gpu, kernels["batched_embed"], i.ptr, t.ptr, o.ptr, n, dim, 0)
-        np.testing.assert_array_equal(bits(o.read()), bits(ref.batched_embed(table, ids)))
-        for g in (t, i, o):
-            g.assert_guards_intact()
+    (got,) = _run_guarded(gpu, rng, [(table, misalign), (ids, 0)], [((n, dim), BF16, misalign)],
+                          lambda t, i, o: batched_embed(gpu, kernels["batched_embed"], i, t, o, n, dim, 0))
+    np.testing.assert_array_equal(bits(got), bits(ref.batched_embed(table, ids)))
 
 
 @pytest.mark.parametrize("dim", [1, 7, 64, 4096])
@@ -52,33 +64,26 @@ def test_batched_embed_shard_gathers_its_rows_and_zeros_the_rest(gpu, kernels, r
     held = (ids >= lo) & (ids < lo + count)
     want = np.zeros((n, dim), BF16)
     want[held] = shard[ids[held] - lo]
-    with Guarded(gpu, (count, dim), BF16, rng, misalign) as t, Guarded(gpu, n, np.uint32, rng) as i, \
-            Guarded(gpu, (n, dim), BF16, rng, misalign) as o:
-        t.upload(shard), i.upload(ids), o.poison()
-        batched_embed_shard(gpu, kernels["batched_embed_shard"], i.ptr, t.ptr, o.ptr, n, dim, lo, count, 0)
-        np.testing.assert_array_equal(bits(o.read()), bits(want))
-        for g in (t, i, o):
-            g.assert_guards_intact()
+    (got,) = _run_guarded(
+        gpu, rng, [(shard, misalign), (ids, 0)], [((n, dim), BF16, misalign)],
+        lambda t, i, o: batched_embed_shard(gpu, kernels["batched_embed_shard"], i, t, o, n, dim, lo, count, 0))
+    np.testing.assert_array_equal(bits(got), bits(want))
 
 
 @pytest.mark.parametrize("dim", [1, 7, 64, 256, 4096])
 @pytest.mark.parametrize("n", [1, 5, 129])
-@pytest.mark.parametrize("misalign", [0, 4])
-def test_batched_embed_fp8_bit_exact(gpu, kernels, rng, dim, n, misalign):
+@pytest.mark.parametrize("table_misalign, out_misalign", [(0, 0), (4, 2)])  # bytes off 16: fp8 table, bf16 out
+def test_batched_embed_fp8_bit_exact(gpu, kernels, rng, dim, n, table_misalign, out_misalign):
     rows = 600
     table = random_fp8(rng, (rows, dim))
     scale = np.exp(rng.uniform(-8, 8, rows)).astype(np.float32)
     scale[:4] = [1e-38, 3e-30, 1e30, 2.5e35]  # subnormal products, and near bf16's range end
     ids = rng.integers(0, rows, n, dtype=np.uint32)
     ids[: min(n, 4)] = np.arange(min(n, 4))
-    with Guarded(gpu, (rows, dim), ml_dtypes.float8_e4m3fn, rng, misalign) as t, \
-            Guarded(gpu, rows, np.float32, rng) as s, Guarded(gpu, n, np.uint32, rng) as i, \
-            Guarded(gpu, (n, dim), BF16, rng, misalign // 2) as o:
-        t.upload(table), s.upload(scale), i.upload(ids), o.poison()
-        batched_embed_fp8(gpu, kernels["batched_embed_fp8"], i.ptr, t.ptr, s.ptr, o.ptr, n, dim, 0)
-        np.testing.assert_array_equal(bits(o.read()), bits(ref.batched_embed_fp8(table, scale, ids)))
-        for g in (t, s, i, o):
-            g.assert_guards_intact()
+    (got,) = _run_guarded(
+        gpu, rng, [(table, table_misalign), (scale, 0), (ids, 0)], [((n, dim), BF16, out_misalign)],
+        lambda t, s, i, o: batched_embed_fp8(gpu, kernels["batched_embed_fp8"], i, t, s, o, n, dim, 0))
+    np.testing.assert_array_equal(bits(got), bits(ref.batched_embed_fp8(table, scale, ids)))
 
 
 def _logits_with_edge_rows(rng, m, vocab):
@@ -106,15 +111,12 @@ def test_embed_from_argmax(gpu, kernels, rng, vocab, m):
     want_ids, want_rows = ref.embed_from_argmax(logits, table)
     if m >= 5 and vocab >= 4:
         assert list(want_ids[:4]) == [1, 0, 1, vocab - 1] and want_ids[4] == 0
-    with Guarded(gpu, (m, vocab), BF16, rng) as lg, Guarded(gpu, (vocab, dim), BF16, rng) as t, \
-            Guarded(gpu, (m, dim), BF16, rng) as o, Guarded(gpu, m, np.uint32, rng) as ids:
-        lg.upload(logits), t.upload(table), o.poison(), ids.poison()
-        embed_from_argmax(gpu, kernels["embed_from_argmax_bf16"], lg.ptr, vocab, t.ptr, o.ptr,
-                          ids.ptr, m, dim, 0)
-        np.testing.assert_array_equal(ids.read(), want_ids)
-        np.testing.assert_array_equal(bits(o.read()), bits(want_rows))
-        for g in (lg, t, o, ids):
-            g.assert_guards_intact()
+    got_rows, got_ids = _run_guarded(
+        gpu, rng, [(logits, 0), (table, 0)], [((m, dim), BF16, 0), (m, np.uint32, 0)],
+        lambda lg, t, o, ids: embed_from_argmax(gpu, kernels["embed_from_argmax_bf16"], lg, vocab, t, o, ids, m,
+                                                dim, 0))
+    np.testing.assert_array_equal(got_ids, want_ids)
+    np.testing.assert_array_equal(bits(got_rows), bits(want_rows))
 
 
 def test_zero_rows_launch_nothing(gpu, kernels, rng):

@@ -16,6 +16,7 @@ round-to-nearest-even).
 from __future__ import annotations
 
 import re
+from functools import partial
 
 import numpy as np
 import pytest
@@ -26,10 +27,10 @@ from layers.reference import gemm_bf16, gemm_fp64
 from layers.ops import gemm
 from layers.ops.gemm import dense_gemm_bf16_pipelined
 from layers.ops.specs import GEMM_TMA, GEMM_TMA_SPLITK, GEMM_TMA_STORE
-from layers.weight_map import BF16, FP8, DenseWeight
-from tests.fakes import RecordingBackend
+from layers.dense_weight import BF16, FP8, DenseWeight
+from tests.helpers.fakes import RecordingBackend
 from tests.helpers import Guarded, bf16_ulp, bits, random_bf16
-from tests.helpers.gemm import MAX_SHARED_OPTIN, Sm90aBackend, TmaBackend, fake_tensor_map
+from tests.helpers.gemm import MAX_SHARED_OPTIN, Sm90aBackend, TmaBackend, assert_refused, fake_tensor_map
 
 
 def _p(i: int) -> DevicePtr:
@@ -256,12 +257,7 @@ def test_launcher_constants_mirror_the_kernel():
 
 
 # -- CPU: bad input, refused before any launch ---------------------------------------------------
-def _refused(exc: type[Exception], match: str, *args, **kwargs) -> None:
-    gpu = RecordingBackend()
-    kern = load_kernel(gpu, "gemm", gemm.KERNEL)
-    with pytest.raises(exc, match=match):
-        dense_gemm_bf16_pipelined(gpu, kern, *args, **kwargs)
-    assert gpu.launches == [] and gpu.ops == []
+_refused = partial(assert_refused, dense_gemm_bf16_pipelined, gemm.KERNEL)
 
 
 def test_wrong_weight_shape_names_both():

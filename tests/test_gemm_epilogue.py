@@ -16,6 +16,8 @@ small-integer a and w every fp32 sum is exact, and the kernel must match bit for
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pytest
 
@@ -24,10 +26,10 @@ from gpu_runtime.signatures import parse_signatures
 from layers.kernel_files import kernel_dir, load_kernel
 from layers.ops import gemm
 from layers.ops.gemm import dense_gemm_bf16_word
-from layers.weight_map import BF16, FP8, DenseWeight
-from tests.fakes import RecordingBackend
+from layers.dense_weight import BF16, FP8, DenseWeight
+from tests.helpers.fakes import RecordingBackend
 from tests.helpers import Guarded, bf16_ulp, bits, random_bf16
-from tests.helpers.gemm import MAX_SHARED_OPTIN, Sm90aBackend, TmaBackend
+from tests.helpers.gemm import MAX_SHARED_OPTIN, Sm90aBackend, TmaBackend, assert_refused
 
 KINDS = "PPPUUUPPPF"
 VOCAB = 1000
@@ -156,12 +158,7 @@ def test_scale_is_passed_as_given():
 
 
 # -- CPU: bad input, refused before any launch ---------------------------------------------------
-def _refused(exc: type[Exception], match: str, *args, **kwargs) -> None:
-    gpu = RecordingBackend()
-    kern = load_kernel(gpu, "gemm", gemm.WORD_KERNEL)
-    with pytest.raises(exc, match=match):
-        dense_gemm_bf16_word(gpu, kern, *args, **kwargs)
-    assert gpu.launches == [] and gpu.ops == []
+_refused = partial(assert_refused, dense_gemm_bf16_word, gemm.WORD_KERNEL)
 
 
 def _args(m=4, n=8, k=8, *, a=None, w=None, c=None, ids=None, word=None, scale=0.5):

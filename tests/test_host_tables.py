@@ -12,16 +12,16 @@ import pytest
 from gpu_runtime import ClosedError, CudaBackend, DevicePtr
 from layers import reference as ref
 from layers.kernel_files import load_kernel
-from layers.ngram_embed import (HostTable, HostWeight, NgramEmbedding, NgramTable, TableFile,
+from layers.ngram_embed import (HostTable, HostWeight, NgramEmbedding, NgramTable, NgramWeights, TableFile,
                                 TableFormatError, gather_entry, ngram_ids_tail, write_table)
 from layers.ngram_embed.tables import check_table
 from layers.ops import embed as embed_ops
 from layers.ops.ngram_fused import CACHED
-from layers.weight_map import BF16, FP8, DenseWeight
-from tests.fakes import MemoryBackend, RecordingBackend
+from layers.dense_weight import BF16, FP8, DenseWeight
+from tests.helpers.fakes import MemoryBackend, RecordingBackend
 from tests.helpers import PAGE, Guarded, bits, page_aligned, random_bf16, random_fp8, run_on_poisoned
 from tests.helpers.logging_backend import LoggingBackend
-from tests.helpers.ngram import IdentityCache, device_layer, free_layer, random_layer, small_dims
+from tests.helpers.ngram import IdentityCache, device_layer, device_weights, free_layer, random_layer, small_dims
 from tests.helpers.row_cache import table_file
 
 OUT = DevicePtr(0x900000)
@@ -207,7 +207,7 @@ def test_gather_entry_of_every_variant(rng):
             gather_entry(NgramTable.Host(hb), rows)
 
 
-# ==== the layer: placement, ownership, the gathers it launches ===================================
+# ==== the weights and the seed's runner: placement, ownership, the gathers it launches ==========
 
 def _tables_arg(host) -> list:
     return [t if s is None else (t, s) for t, s in host.tables]
@@ -226,9 +226,9 @@ def test_bad_placement_is_refused_before_anything_is_uploaded(placement, exc, ma
     dims = small_dims()
     host = random_layer(np.random.default_rng(1), dims, "bf")
     with pytest.raises(exc, match=match):
-        NgramEmbedding.from_numpy(dims, host.word, _tables_arg(host), host.projs, 8, gpu, placement=placement)
+        NgramWeights.from_numpy(dims, host.word, _tables_arg(host), host.projs, gpu, placement=placement)
     with pytest.raises(exc, match=match):  # before the file is even opened
-        NgramEmbedding.from_safetensors(str(tmp_path / "missing.safetensors"), dims, 8, gpu, placement=placement)
+        NgramWeights.from_safetensors(str(tmp_path / "missing.safetensors"), dims, gpu, placement=placement)
     assert gpu.ops == [] and gpu.launches == []
 
 
@@ -237,24 +237,27 @@ def test_host_placement_builds_host_tables_and_gathers_through_them(placement):
     gpu = RecordingBackend()
     dims = small_dims()  # 4 tables, "bf": bf16, fp8, bf16, fp8
     host = random_layer(np.random.default_rng(2), dims, "bf")
-    layer = NgramEmbedding.from_numpy(dims, host.word, _tables_arg(host), host.projs, 16, gpu, placement=placement)
+    weights = NgramWeights.from_numpy(dims, host.word, _tables_arg(host), host.projs, gpu, placement=placement)
+    layer = NgramEmbedding(weights, 16)
     places = [placement] * 4 if isinstance(placement, str) else placement
-    for table, where, (_, scale) in zip(layer.tables, places, host.tables):
+    for table, where, (_, scale) in zip(weights.tables, places, host.tables):
         want = HostTable if where == "host" else (NgramTable.Fp8 if scale is not None else NgramTable.Bf16)
         assert type(table) is want
-    assert sum(isinstance(tb.weight, HostWeight) for tb in layer.tables) == places.count("host")
+    assert sum(isinstance(tb.weight, HostWeight) for tb in weights.tables) == places.count("host")
     assert [op[2] for op in gpu.ops if op[0] == "alloc_host"] == [True] * places.count("host")
     gpu.launches.clear()
     layer.embed(np.arange(10) % dims.vocab_size, 4, OUT, gpu, stream=3)
     gathers = [l for l in gpu.launches if gpu.kernel_of(l)[1].startswith("batched_embed")][1:]  # after the word rows
-    for launch, table in zip(gathers, layer.tables):
+    for launch, table in zip(gathers, weights.tables):
         name, w = gpu.kernel_of(launch)[1], table.weight
         if w.dtype == FP8:
             assert name == "batched_embed_fp8" and launch.args[1:3] == [w.weight, w.row_scale]
         else:
             assert name == "batched_embed" and launch.args[1] == w.weight
     assert all(l.stream == 3 for l in gpu.launches)
-    layer.close()
+    layer.close()  # its staging only: the host tables are the weights'
+    assert sum(op[0] == "free_host" for op in gpu.ops) == 0
+    weights.close()
     assert sum(op[0] == "free_host" for op in gpu.ops) == places.count("host")
 
 
@@ -265,12 +268,12 @@ def test_host_and_device_placements_gather_the_same_rows(rng):
     runs = []
     for placement in ("device", "host", ["host", "device"] * 3):
         gpu = HostMem()
-        with NgramEmbedding.from_numpy(dims, host.word, _tables_arg(host), host.projs, 16, gpu,
-                                       placement=placement) as layer:
+        with NgramWeights.from_numpy(dims, host.word, _tables_arg(host), host.projs, gpu,
+                                     placement=placement) as weights, NgramEmbedding(weights, 16) as layer:
             out = gpu.alloc(16 * dims.hidden_size * 2)
             layer.embed(ctx, 16, out, gpu)
             gpu.free(out)
-        assert gpu.empty(), "the layer left memory behind"
+        assert gpu.empty(), "the runner or its weights left memory behind"
         runs.append(gpu.gathered)
     ids = [i.astype(np.int64) for i in ngram_ids_tail(dims, ctx, 16)]
     for c, (table, scale) in enumerate(host.tables):
@@ -281,28 +284,29 @@ def test_host_and_device_placements_gather_the_same_rows(rng):
             np.testing.assert_array_equal(bits(a), bits(b))
 
 
-def test_a_refused_layer_frees_the_host_tables_it_pinned():
+def test_refused_weights_free_the_host_tables_they_pinned():
     gpu = HostMem()
     dims = small_dims()
     host = random_layer(np.random.default_rng(3), dims, "bf")
     projs = list(host.projs)
     projs[-1] = projs[-1][:, :-1]  # the constructor refuses it, after every table was pinned
     with pytest.raises(ValueError, match="proj 3 must be"):
-        NgramEmbedding.from_numpy(dims, host.word, _tables_arg(host), projs, 8, gpu, placement="host")
+        NgramWeights.from_numpy(dims, host.word, _tables_arg(host), projs, gpu, placement="host")
     assert gpu.count("alloc_host") == 4 and gpu.count("free_host") == 4 and gpu.empty()
 
 
-def test_a_layer_refuses_a_closed_host_table():
+def test_weights_refuse_a_closed_host_table():
     gpu = RecordingBackend()
     dims = small_dims()
     host = random_layer(np.random.default_rng(4), dims, "b")
-    layer = device_layer(gpu, host, 8)
-    tables = list(layer.tables)
+    weights = device_weights(gpu, host)
+    tables = list(weights.tables)
     w = HostWeight.from_numpy(gpu, host.tables[1][0])
     w.close()
     tables[1] = NgramTable.Host(w)
     with pytest.raises(ClosedError, match="table 1: NgramTable.Host's HostWeight is closed"):
-        NgramEmbedding(dims, layer.word, tables, layer.projs, 8, gpu)
+        NgramWeights(dims, weights.word, tables, weights.projs, gpu)
+    weights.close()
 
 
 # ==== GPU =======================================================================================
@@ -312,13 +316,15 @@ def _pinned_held(gpu: CudaBackend) -> int:
     return gpu.pinned_buffers - gpu._staging.buffers
 
 
-def _check_descriptors(gpu, fused, layer) -> None:
-    """The fused layer's table descriptors must be ``gather_entry``'s: checked before any launch,
-    so a fused.py that does not hand host tables to the kernel fails here, not in the kernel."""
-    t = layer.dims.num_tables()
+def _check_descriptors(gpu, fused, weights) -> None:
+    """The fused runner's table descriptors must be ``gather_entry``'s of its weights: checked
+    before any launch, so a weights.py / fused.py that does not hand host tables to the kernel
+    fails here, not in the kernel."""
+    t = weights.dims.num_tables()
     desc = np.empty((t, 4), np.uint64)
-    gpu.copy_d2h(desc, fused.desc)
-    want = np.array([gather_entry(tb, layer.dims.table_rows(c)) for c, tb in enumerate(layer.tables)], np.uint64)
+    gpu.copy_d2h(desc, fused.projection.desc)
+    want = np.array([gather_entry(tb, weights.dims.table_rows(c)) for c, tb in enumerate(weights.tables)],
+                    np.uint64)
     if not np.array_equal(desc, want):
         pytest.fail(f"FusedNgramEmbedding's table descriptors are not gather_entry's:\n{desc}\nwant\n{want}")
 
@@ -401,25 +407,25 @@ def _layers_equal(gpu, rng, a: NgramEmbedding, b: NgramEmbedding, ctx: np.ndarra
         np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"seed path, seq_len {seq}")
     if not fused:
         return
-    fa, fb = FusedNgramEmbedding(a, 64, gpu), FusedNgramEmbedding(b, 64, gpu)
+    fa, fb = FusedNgramEmbedding(a.weights, 64), FusedNgramEmbedding(b.weights, 64)
     stream = gpu.create_stream()
     try:
-        _check_descriptors(gpu, fa, a)
-        _check_descriptors(gpu, fb, b)
+        _check_descriptors(gpu, fa, a.weights)
+        _check_descriptors(gpu, fb, b.weights)
         for seq in (1, 17, 64):
-            x = run_on_poisoned(gpu, rng, lambda o: fa.embed(ctx, seq, o, gpu, 0), seq, h)
-            y = run_on_poisoned(gpu, rng, lambda o: fb.embed(ctx, seq, o, gpu, 0), seq, h)
+            x = run_on_poisoned(gpu, rng, lambda o: fa.embed(ctx, seq, o, 0), seq, h)
+            y = run_on_poisoned(gpu, rng, lambda o: fb.embed(ctx, seq, o, 0), seq, h)
             np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"fused path, seq_len {seq}")
         contexts = [ctx[:int(rng.integers(1, ctx.size))] for _ in range(8)]
         lens = [int(rng.integers(0, min(len(c), 6) + 1)) for c in contexts]
         lens[0] = max(lens[0], 1)
         rows = sum(lens)
-        x = run_on_poisoned(gpu, rng, lambda o: fa.embed_batch(contexts, lens, o, gpu, stream), rows, h, stream)
+        x = run_on_poisoned(gpu, rng, lambda o: fa.embed_batch(contexts, lens, o, stream), rows, h, stream)
         with Guarded(gpu, (rows, h), BF16, rng) as out:
             for step in range(3):  # eager run and capture, then replays of the graph
                 out.poison()
                 gpu.synchronize(0)
-                fb.embed_batch(contexts, lens, out.ptr, gpu, stream, graph=True)
+                fb.embed_batch(contexts, lens, out.ptr, stream, graph=True)
                 gpu.synchronize(stream)
                 np.testing.assert_array_equal(bits(out.read()), bits(x), err_msg=f"fused batch, graph, {step}")
                 out.assert_guards_intact()
@@ -440,10 +446,12 @@ def test_host_tables_equal_device_tables(gpu, rng, kinds):
     ctx = rng.integers(0, dims.vocab_size, 200)
     held = _pinned_held(gpu)
     t = dims.num_tables()
-    make = lambda placement: NgramEmbedding.from_numpy(dims, host.word, _tables_arg(host), host.projs, 64, gpu,  # noqa: E731
-                                                       placement=placement)
-    with make("device") as dev, make("host") as on_host, make(["host", "device"] * (t // 2)) as mixed:
-        assert all(isinstance(tb, HostTable) for tb in on_host.tables)
+    make = lambda placement: NgramWeights.from_numpy(dims, host.word, _tables_arg(host), host.projs, gpu,  # noqa: E731
+                                                     placement=placement)
+    with make("device") as w_dev, make("host") as w_host, make(["host", "device"] * (t // 2)) as w_mixed, \
+            NgramEmbedding(w_dev, 64) as dev, NgramEmbedding(w_host, 64) as on_host, \
+            NgramEmbedding(w_mixed, 64) as mixed:
+        assert all(isinstance(tb, HostTable) for tb in w_host.tables)
         assert _pinned_held(gpu) == held + t + t // 2
         _layers_equal(gpu, rng, dev, on_host, ctx, fused=True)
         _layers_equal(gpu, rng, dev, mixed, ctx, fused=False)
@@ -457,20 +465,23 @@ def test_host_tables_from_table_files_equal_device_tables(gpu, rng, tmp_path):
     host = random_layer(rng, dims, "bf")
     held, registered = _pinned_held(gpu), gpu.host_registrations
     resident = device_layer(gpu, host, max_tokens=64)
-    weights: list[HostWeight] = []
+    host_weights: list[HostWeight] = []
     try:
         for c, (table, scale) in enumerate(host.tables):
             write_table(tmp_path / f"t{c}.ngt", table, scale)
-            weights.append(HostWeight.from_table_file(gpu, tmp_path / f"t{c}.ngt"))
-            assert weights[-1].dtype == table.dtype and weights[-1].shape == table.shape
-        assert gpu.host_registrations == registered + len(weights)
-        on_host = NgramEmbedding(dims, resident.word, [NgramTable.Host(w) for w in weights], resident.projs, 64, gpu)
-        with on_host:
+            host_weights.append(HostWeight.from_table_file(gpu, tmp_path / f"t{c}.ngt"))
+            assert host_weights[-1].dtype == table.dtype and host_weights[-1].shape == table.shape
+        assert gpu.host_registrations == registered + len(host_weights)
+        # weights that own nothing (the word and projections are resident's, the tables host_weights'),
+        # closed for what they derive for the fused path
+        with NgramWeights(dims, resident.weights.word, [NgramTable.Host(w) for w in host_weights],
+                          resident.weights.projs, gpu) as on_host_weights, \
+                NgramEmbedding(on_host_weights, 64) as on_host:
             _layers_equal(gpu, rng, resident, on_host, rng.integers(0, dims.vocab_size, 300), fused=True)
             gpu.synchronize()
     finally:
-        files = [w.file for w in weights]
-        for w in weights:
+        files = [w.file for w in host_weights]
+        for w in host_weights:
             w.close()
         free_layer(resident)
     assert all(f.closed for f in files)

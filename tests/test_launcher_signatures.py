@@ -23,8 +23,8 @@ from layers.kernel_files import kernel_dir, load_kernel
 from layers.ops import embed, gemm, ngram_decode, ngram_fused, residual, row_cache, token_overlay
 from layers.ops.specs import (BATCHED_EMBED, EMBED_OVERLAY_ROUTED, EMBED_ROWDIFF,
                               LMHEAD_OVERLAY_ROUTED, SPECS)
-from layers.weight_map import BF16, DenseWeight
-from tests.fakes import RecordingBackend
+from layers.dense_weight import BF16, DenseWeight
+from tests.helpers.fakes import RecordingBackend
 from tests.helpers.scripted_driver import scripted_device
 
 SEEDS = Path(__file__).parent / "seeds"
@@ -193,6 +193,26 @@ def test_arguments_bound_by_name_land_in_their_positions():
     with pytest.raises(TypeError):  # arguments cannot be given by position
         BATCHED_EMBED.launch(gpu, k, (2, 1, 1), (256, 1, 1), 3, _p(0), _p(1), _p(2), 5, 7)
     assert len(gpu.launches) == 1
+
+
+def test_launch_from_takes_each_argument_by_name_from_a_mapping():
+    """``launch_from`` looks each parameter up by name (a launcher passes its ``locals()``): the
+    same launch as by keywords; a missing name refused before anything is launched, names that
+    are not parameters left alone."""
+    gpu = RecordingBackend()
+    k = load_kernel(gpu, "embed_from_argmax", "batched_embed")
+    args = dict(gpu=gpu, stream=3, dim=7, n=5, out=_p(2), table=_p(1), ids=_p(0))
+    BATCHED_EMBED.launch_from(gpu, k, (2, 1, 1), (256, 1, 1), 3, args)
+    BATCHED_EMBED.launch(gpu, k, (2, 1, 1), (256, 1, 1), 3, dim=7, n=5, out=_p(2), table=_p(1), ids=_p(0))
+    assert gpu.launches[0] == gpu.launches[1]
+    assert str(inspect.signature(BATCHED_EMBED.launch_from)) == (
+        "(gpu, kernel, grid, block, stream, args, /, *, shared_mem=0, overlap=False)")
+    del args["dim"]
+    with pytest.raises(TypeError, match="batched_embed: no value for parameter 'dim'"):
+        BATCHED_EMBED.launch_from(gpu, k, (2, 1, 1), (256, 1, 1), 3, args)
+    with pytest.raises(ValueError, match="batched_embed out: null device pointer"):
+        BATCHED_EMBED.launch_from(gpu, k, (2, 1, 1), (256, 1, 1), 3, {**args, "dim": 7, "out": 0})
+    assert len(gpu.launches) == 2
 
 
 # -- KernelSpec: its own checks and CudaBackend's -----------------------------------------------------------------------------

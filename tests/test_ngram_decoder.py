@@ -2,20 +2,26 @@
 every host-side refusal before any launch; on the GPU, bit for bit the fused path on the same
 tokens through ragged and chunked prefills, 100 graph-replayed decode steps, EOS, slot reuse,
 k-token steps with rollbacks, host-memory reads of the histories, and every device-side bad
-value flagged with the other rows intact and nothing written outside the outputs."""
+value flagged with the other rows intact and nothing written outside the outputs (those checks
+live in ``tests.helpers.decoder_checks``, which test_tensor_parallel.py runs on a one-rank shard's
+decoder too)."""
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import pytest
 
 from gpu_runtime import ClosedError, DeviceArray, DevicePtr
 from layers import reference as ref
-from layers.ngram_embed.decoder import DecodeError, NgramDecoder
-from tests.fakes import RecordingBackend
-from tests.helpers import bits
-from tests.helpers.decoder import World, u32
-from tests.helpers.ngram import device_layer, random_layer, small_dims
+from layers.ngram_embed import NgramDecoder, NgramEmbedding
+from layers.ngram_embed.decoder import NO_ROW_CACHE
+from layers.overlay import OverlaySlots
+from tests.helpers.fakes import RecordingBackend, refused
+from tests.helpers import decoder_checks
+from tests.helpers.decoder import World
+from tests.helpers.ngram import assert_runners_borrow_the_weights, device_weights, random_layer, small_dims
 
 P = [DevicePtr(0x100000 * (i + 1)) for i in range(6)]
 
@@ -23,8 +29,8 @@ P = [DevicePtr(0x100000 * (i + 1)) for i in range(6)]
 def recording_decoder(max_draft=0):
     gpu = RecordingBackend()
     dims = small_dims(max_ngram=3, splits=2, eos_id=7)
-    layer = device_layer(gpu, random_layer(np.random.default_rng(1), dims, "bf"), max_tokens=8)
-    return gpu, NgramDecoder(layer, max_seqs=4, max_rows=32, gpu=gpu, max_draft=max_draft)
+    weights = device_weights(gpu, random_layer(np.random.default_rng(1), dims, "bf"))
+    return gpu, NgramDecoder(weights, max_seqs=4, max_rows=32, max_draft=max_draft)
 
 
 # -- CPU --------------------------------------------------------------------------------------
@@ -71,23 +77,18 @@ def test_reset_is_one_memset_of_the_slot_state():
 ])
 def test_refusals_launch_nothing(call, error, match):
     gpu, dec = recording_decoder()
-    gpu.launches.clear()
-    gpu.ops.clear()
-    with pytest.raises(error, match=match):
+    with refused(gpu, error, match):
         call(dec)
-    assert gpu.launches == [] and gpu.ops == []
 
 
 def test_device_arrays_are_checked_for_dtype_and_size():
     gpu, dec = recording_decoder()
     small = DeviceArray(gpu, P[0], (3,), np.uint32)
     wrong = DeviceArray(gpu, P[1], (8,), np.int64)
-    gpu.launches.clear()
-    with pytest.raises(ValueError, match="3 entries, the call needs 4"):
+    with refused(gpu, ValueError, "3 entries, the call needs 4"):
         dec.step(small, P[1], 4, P[2])
-    with pytest.raises(TypeError, match="dtype int64, expected uint32"):
+    with refused(gpu, TypeError, "dtype int64, expected uint32"):
         dec.step(P[0], wrong, 2, P[2])
-    assert gpu.launches == []
     dec.step(DeviceArray(gpu, P[0], (4,), np.uint32), P[1], 4, P[2])
     assert gpu.launches[0].args[0] == P[0]
 
@@ -95,27 +96,52 @@ def test_device_arrays_are_checked_for_dtype_and_size():
 def test_cached_tables_and_closed_objects_are_refused():
     gpu = RecordingBackend()
     dims = small_dims()
-    cached = device_layer(gpu, random_layer(np.random.default_rng(2), dims, "b"), 8, cached=True)
-    with pytest.raises(ValueError, match="RowCache tables"):
-        NgramDecoder(cached, max_seqs=2, max_rows=4, gpu=gpu)
-    layer = device_layer(gpu, random_layer(np.random.default_rng(3), dims, "b"), 8)
+    cached = device_weights(gpu, random_layer(np.random.default_rng(2), dims, "b"), cached=True)
+    gpu.ops.clear()
+    with pytest.raises(ValueError, match=re.escape(NO_ROW_CACHE)):
+        NgramDecoder(cached, max_seqs=2, max_rows=4)
+    assert gpu.ops == [] and not cached.closed, "refused before anything was built; the weights stay"
+    weights = device_weights(gpu, random_layer(np.random.default_rng(3), dims, "b"))
     for bad, error in ((0, ValueError), (-1, ValueError), (2**31, ValueError), (True, TypeError),
                        (1.0, TypeError)):
         with pytest.raises(error, match="max_seqs"):
-            NgramDecoder(layer, max_seqs=bad, max_rows=4, gpu=gpu)
-    with pytest.raises(ValueError, match="gpu is not the backend this layer was built with"):
-        NgramDecoder(layer, max_seqs=2, max_rows=4, gpu=RecordingBackend())
-    layer.close()
-    with pytest.raises(ClosedError, match=r"NgramDecoder: the layer it serves \(NgramEmbedding\) is closed"):
-        NgramDecoder(layer, max_seqs=2, max_rows=4, gpu=gpu)
+            NgramDecoder(weights, max_seqs=bad, max_rows=4)
+    # What a decoder serves is the weights, not a runner over them (the old argument) ...
+    with NgramEmbedding(weights, 8) as runner, \
+            pytest.raises(TypeError, match="NgramDecoder: weights must be NgramWeights, got NgramEmbedding"):
+        NgramDecoder(runner, max_seqs=2, max_rows=4)
+    # ... and there is no gpu argument to disagree with them: adapter slots on another backend do.
+    with OverlaySlots(RecordingBackend(), 1, dims.vocab_size, dims.hidden_size) as elsewhere, \
+            pytest.raises(ValueError, match="adapter_slots live on another backend than the weights"):
+        NgramDecoder(weights, max_seqs=2, max_rows=4, adapter_slots=elsewhere)
+    weights.close()
+    with pytest.raises(ClosedError, match="NgramDecoder: its NgramWeights is closed"):
+        NgramDecoder(weights, max_seqs=2, max_rows=4)
     gpu, dec = recording_decoder()
-    dec.fused.layer.close()
-    with pytest.raises(ClosedError, match=r"the layer it serves \(NgramEmbedding\) is closed"):
-        dec.step(P[0], P[1], 1, P[2])
+    dec.weights.close()
+    for call in (lambda: dec.step(P[0], P[1], 1, P[2]), lambda: dec.prefill(P[0], P[1], P[2], 1, 1, P[3]),
+                 lambda: dec.seed(P[0], P[1], P[2], 1, 1), lambda: dec.fork(P[0], P[1], 1),
+                 lambda: dec.rollback(P[0], P[1], 1), lambda: dec.reset(0), lambda: dec.check_errors()):
+        with refused(gpu, ClosedError, "NgramDecoder: its NgramWeights is closed"):
+            call()
     dec.close()
     dec.close()  # idempotent
     with pytest.raises(ClosedError, match="NgramDecoder is closed"):
         dec.reset(0)
+
+
+def test_the_decoder_borrows_the_weights():
+    """``close()`` frees the decoder's own buffers only (histories, state, gather buffer): the
+    weights serve another decoder until ``weights.close()``, which frees every upload and what
+    was derived from them (the concatenated projections, the table descriptors)."""
+    gpu = RecordingBackend()
+    weights = device_weights(gpu, random_layer(np.random.default_rng(4), small_dims(eos_id=7), "bf"))
+    word = weights.word.weight
+    _, gemm = assert_runners_borrow_the_weights(
+        gpu, weights, lambda: NgramDecoder(weights, max_seqs=4, max_rows=32),
+        lambda: NgramDecoder(weights, max_seqs=2, max_rows=8, max_draft=1),
+        lambda first: first.step(P[0], P[1], 2, P[2]), ["ngram_decode_gather", "dense_gemm_bf16_word"])
+    assert gemm.args[7] == word
 
 
 # -- GPU --------------------------------------------------------------------------------------
@@ -127,69 +153,12 @@ def world(gpu, rng):
 
 
 @pytest.mark.gpu
-def test_ragged_and_chunked_prefill_equal_the_fused_path(world):
-    lens = [7, 1, 0, 2, 30, 12]  # a slot with no tokens, sequences shorter than N - 1
-    got, want = world.prefill(list(range(6)), lens)
-    assert np.array_equal(bits(got), bits(want))
-    assert np.isfinite(got.astype(np.float32)).all()
-    # Chunked prefill: later chunks continue each slot's history.
-    for _ in range(3):
-        chunk = [int(world.rng.integers(0, 9)) for _ in range(3)]
-        got, want = world.prefill([4, 0, 2], chunk)
-        assert np.array_equal(bits(got), bits(want))
-    for s in range(6):
-        n = world.dims.max_ngram - 1
-        assert world.dec.history(s).tolist() == world.ctx[s][-n:]
-    assert world.dec.check_errors() == DecodeError.NONE
-
-
-@pytest.mark.gpu
-def test_graph_replayed_decode_steps_with_resets_and_reuse(world):
-    gpu, dec, rng = world.gpu, world.dec, world.rng
-    slots = [0, 1, 2, 3]
-    world.prefill(slots, [5, 1, 9, 2])
-    d_tok, d_slots = u32(gpu, np.zeros(4)), u32(gpu, slots)
-    out = world.out
-    gpu.synchronize(0)
-    dec.step(d_tok, d_slots, 4, out.ptr, world.stream)  # eager once: loads kernels, sets attributes
-    gpu.synchronize(world.stream)
-    for s in slots:
-        world.ctx[s].append(0)
-    gpu.begin_capture(world.stream)
-    dec.step(d_tok, d_slots, 4, out.ptr, world.stream)
-    graph = gpu.end_capture(world.stream)
-    try:
-        for step in range(100):
-            if step in (30, 71):  # a request ends; its slot is reused by a new one
-                slot = slots[step % 4]
-                world.reset(slot)
-                new = world.tokens(int(rng.integers(1, 6)))
-                with u32(gpu, new) as t, u32(gpu, [0, new.size]) as cu, u32(gpu, [slot]) as sl:
-                    gpu.synchronize(0)
-                    dec.prefill(t, cu, sl, 1, new.size, out.ptr, world.stream)
-                    gpu.synchronize(world.stream)
-                world.ctx[slot].extend(int(x) for x in new)
-            toks = world.tokens(4)
-            gpu.synchronize(world.stream)
-            gpu.copy_h2d_async(toks, d_tok.ptr, world.stream)
-            out.poison()
-            gpu.synchronize(0)
-            gpu.launch_graph(graph, world.stream)
-            got = world.read(4)
-            for s, t in zip(slots, toks):
-                world.ctx[s].append(int(t))
-            want = world.expect(slots, [1] * 4, 4)
-            assert np.array_equal(bits(got), bits(want)), step
-        assert dec.check_errors() == DecodeError.NONE
-    finally:
-        gpu.destroy_graph(graph)
-        d_tok.free()
-        d_slots.free()
-
-
-@pytest.mark.gpu
-def test_k_token_steps_with_rollbacks(world):
-    _k_steps_with_rollbacks(world, max_k=3)
+@pytest.mark.parametrize("check", decoder_checks.CHECKS)
+def test_decoder_check(world, check):
+    """Ragged and chunked prefills, graph-replayed steps with resets and slot reuse, k-token steps
+    with rollbacks, bad device values: ``decoder_checks``' checks, run on a one-rank shard's
+    decoder too (test_tensor_parallel.py)."""
+    check(world)
 
 
 @pytest.mark.gpu
@@ -198,36 +167,9 @@ def test_long_histories_take_the_unshuffled_window_path(gpu, rng):
     from the ring token by token instead of through one shuffle; drafts of up to 40 roll back."""
     w = World(gpu, rng, max_draft=40, max_rows=160)
     try:
-        _k_steps_with_rollbacks(w, max_k=40)
+        decoder_checks.k_token_steps_with_rollbacks(w)
     finally:
         w.close()
-
-
-def _k_steps_with_rollbacks(world, max_k):
-    gpu, dec, rng = world.gpu, world.dec, world.rng
-    slots = [5, 2, 0]
-    world.prefill(slots, [4, 1, 6])
-    for it in range(12):
-        k = int(rng.integers(1, max_k + 1))
-        toks = world.tokens(3 * k)
-        with u32(gpu, toks) as t, u32(gpu, slots) as sl:
-            world.out.poison()
-            gpu.synchronize(0)
-            dec.step(t, sl, 3, world.out.ptr, world.stream, k=k)
-            got = world.read(3 * k)
-        for i, s in enumerate(slots):
-            world.ctx[s].extend(int(x) for x in toks[i * k:(i + 1) * k])
-        want = world.expect(slots, [k] * 3, 3 * k)
-        assert np.array_equal(bits(got), bits(want)), it
-        counts = rng.integers(0, k + 1, 3)  # drafts rejected
-        with u32(gpu, slots) as sl, u32(gpu, counts) as c:
-            gpu.synchronize(0)
-            dec.rollback(sl, c, 3, world.stream)
-            gpu.synchronize(world.stream)
-        for s, n in zip(slots, counts):
-            if n:
-                del world.ctx[s][-int(n):]
-    assert dec.check_errors() == DecodeError.NONE
 
 
 @pytest.mark.gpu
@@ -243,55 +185,3 @@ def test_outputs_match_the_fused_reference(gpu, rng):
             assert (np.abs(g - x) <= np.abs(x) * 2.0**-7 + 1e-6).all()
     finally:
         w.close()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("bad", ["token", "slot", "seqlens", "rollback"])
-def test_bad_device_values_are_flagged_and_contained(world, bad):
-    gpu, dec, v = world.gpu, world.dec, world.dims.vocab_size
-    world.prefill([0, 1, 2], [6, 3, 4])
-    before = {s: dec.history(s).tolist() for s in range(6)}
-    toks = world.tokens(8)
-    cu = np.array([0, 3, 5, 8], np.uint32)
-    slots = np.array([0, 1, 2], np.uint32)
-    if bad == "token":
-        toks[4] = v + 3  # second sequence, second row
-    elif bad == "slot":
-        slots[1] = 6
-    elif bad == "seqlens":
-        cu[2:] = [7, 5]  # the last sequence runs backwards and the total is not 8
-    world.out.poison()
-    gpu.synchronize(0)
-    if bad == "rollback":
-        with u32(gpu, [0, 1, 2]) as sl, u32(gpu, [0, 3 + 4, 1]) as c:  # 7 > max_draft 3
-            gpu.synchronize(0)
-            dec.rollback(sl, c, 3, world.stream)
-            gpu.synchronize(world.stream)
-        world.ctx[2].pop()
-        assert dec.check_errors() == DecodeError.ROLLBACK
-        assert dec.history(1).tolist() == before[1] and dec.history(2).tolist() == world.ctx[2][-2:]
-        assert dec.check_errors() == DecodeError.NONE
-        return
-    with u32(gpu, toks) as t, u32(gpu, cu) as c, u32(gpu, slots) as sl:
-        gpu.synchronize(0)
-        dec.prefill(t, c, sl, 3, 8, world.out.ptr, world.stream)
-        got = world.read(8)
-    want_flag = {"token": DecodeError.TOKEN, "slot": DecodeError.SLOT, "seqlens": DecodeError.SEQLENS}[bad]
-    assert dec.check_errors() == want_flag
-    assert dec.check_errors() == DecodeError.NONE  # cleared
-    bad_rows = {"token": [4], "slot": [3, 4], "seqlens": [7]}[bad]
-    assert not bits(got[bad_rows]).any(), "rows of bad input are zeros"
-    good = [r for r in range(8) if r not in bad_rows]
-    assert np.isfinite(got[good].astype(np.float32)).all()
-    # The good sequence(s) continued normally; the bad one's slot was left alone or sanitised.
-    world.ctx[0].extend(int(x) for x in toks[:3])
-    want0 = world.expect([0], [3], 3)
-    assert np.array_equal(bits(got[:3]), bits(want0))
-    if bad == "slot":
-        assert dec.history(1).tolist() == before[1]
-    if bad == "seqlens":
-        assert dec.history(2).tolist() == before[2]
-    if bad == "token":
-        assert dec.history(1).tolist() == [int(toks[3]), 0xFFFFFFFF]
-    for s in range(3, 6):
-        assert dec.history(s).tolist() == before[s]

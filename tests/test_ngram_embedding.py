@@ -8,14 +8,13 @@ import pytest
 
 from gpu_runtime import ClosedError, DevicePtr
 from layers import reference as ref
-from layers.ngram_embed import NgramDims, NgramEmbedding, NgramTable, ngram_ids_tail
-from layers.ngram_embed.decoder import NgramDecoder
-from layers.ngram_embed.fused import FusedNgramEmbedding
-from layers.weight_map import DenseWeight
-from tests.fakes import MemoryBackend, RecordingBackend
+from layers.ngram_embed import (FusedNgramEmbedding, NgramDecoder, NgramDims, NgramEmbedding, NgramTable,
+                                NgramWeights, ngram_ids_tail)
+from layers.dense_weight import DenseWeight
+from tests.helpers.fakes import MemoryBackend, RecordingBackend
 from tests.helpers import Guarded, bits, random_fp8
 from tests.helpers.logging_backend import LoggingBackend
-from tests.helpers.ngram import HostLayer, device_layer, free_layer, random_layer, small_dims
+from tests.helpers.ngram import HostLayer, device_layer, device_weights, free_layer, random_layer, small_dims
 
 BF16 = ml_dtypes.bfloat16
 
@@ -49,7 +48,7 @@ def test_cached_branch_resolves_then_ends_batch():
     dims = small_dims(max_ngram=2, splits=1)
     layer = device_layer(gpu, random_layer(np.random.default_rng(2), dims, "b"), 8, cached=True)
     layer.embed([1, 2, 3], 2, DevicePtr(0x900000), gpu)
-    assert layer.tables[0].cache.calls == ["resolve", "end_batch"]
+    assert layer.weights.tables[0].cache.calls == ["resolve", "end_batch"]
     uploads = [op for op in gpu.ops if op[0] == "h2d" and len(op[1]) == 8]
     assert len(uploads) == 2  # new tokens, then the table's slots (its ids would be overwritten)
     assert np.frombuffer(uploads[1][1], np.uint32).tolist() == ngram_ids_tail(dims, [1, 2, 3], 2)[0].tolist()
@@ -80,9 +79,31 @@ def test_constructor_refusals(case, error, match):
         tables[0] = NgramTable.Bf16(DenseWeight.from_numpy(gpu, random_fp8(np.random.default_rng(0), host.tables[0][0].shape), np.ones(host.tables[0][0].shape[0], np.float32)))
     if case.get("table_rows"):
         tables[1] = NgramTable.Bf16(DenseWeight.from_numpy(gpu, host.tables[1][0][:-1]))
-    with pytest.raises(error, match=match):
-        NgramEmbedding(dims, word, tables, projs, case.get("max_tokens", 8), gpu)
+    with pytest.raises(error, match=match):  # the weights check the tables and projections, the runner max_tokens
+        NgramEmbedding(NgramWeights(dims, word, tables, projs, gpu), case.get("max_tokens", 8))
     assert gpu.launches == []
+
+
+def test_the_seed_runner_refuses_weights_it_cannot_serve():
+    """Not ``NgramWeights``, closed weights, a tensor-parallel rank's share: refused before the
+    runner allocates anything."""
+    gpu = RecordingBackend()
+    dims = small_dims()
+    host = random_layer(np.random.default_rng(3), dims, "bf")
+    tables = [t if s is None else (t, s) for t, s in host.tables]
+    weights = device_weights(gpu, host)
+    shard = NgramWeights.from_numpy(dims, host.word, tables, host.projs, gpu, shard=(0, 2))
+    closed = device_weights(gpu, host)
+    closed.close()
+    gpu.ops.clear()
+    for bad, error, match in ((weights.word, TypeError, "weights must be NgramWeights, got DenseWeight"),
+                              (closed, ClosedError, "NgramEmbedding: its NgramWeights is closed"),
+                              (shard, ValueError, "NgramEmbedding: the weights are a tensor-parallel rank's share")):
+        with pytest.raises(error, match=match):
+            NgramEmbedding(bad, 8)
+    assert gpu.ops == [] and gpu.launches == []
+    weights.close()
+    shard.close()
 
 
 @pytest.mark.parametrize("call, error, match", [
@@ -207,11 +228,11 @@ def test_from_safetensors_equals_from_numpy(gpu, rng, tmp_path):
     safetensors_io.save(path, tensors)
     ctx = rng.integers(0, dims.vocab_size, 50)
     results = []
-    for make in (lambda: NgramEmbedding.from_safetensors(str(path), dims, 50, gpu, prefix="model.ngram."),
-                 lambda: NgramEmbedding.from_numpy(
-                     dims, host.word, [t if s is None else (t, s) for t, s in host.tables],
-                     host.projs, 50, gpu)):
-        with make() as layer, Guarded(gpu, (50, dims.hidden_size), BF16, rng) as out:
+    for make in (lambda: NgramWeights.from_safetensors(str(path), dims, gpu, prefix="model.ngram."),
+                 lambda: NgramWeights.from_numpy(
+                     dims, host.word, [t if s is None else (t, s) for t, s in host.tables], host.projs, gpu)):
+        with make() as weights, NgramEmbedding(weights, 50) as layer, \
+                Guarded(gpu, (50, dims.hidden_size), BF16, rng) as out:
             out.poison()
             layer.embed(ctx, 50, out.ptr, gpu)
             results.append(out.read())
@@ -255,76 +276,167 @@ def _held(gpu: LoggingBackend) -> tuple:
 
 
 _BUILDS = {
-    "layer": lambda gpu, layer: NgramEmbedding(layer.dims, layer.word, layer.tables, layer.projs, 8, gpu),
-    "fused": lambda gpu, layer: FusedNgramEmbedding(layer, 8, gpu),
-    "decoder": lambda gpu, layer: NgramDecoder(layer, max_seqs=2, max_rows=8, gpu=gpu, max_draft=1),
+    "layer": lambda weights: NgramEmbedding(weights, 8),
+    "fused": lambda weights: FusedNgramEmbedding(weights, 8),
+    "decoder": lambda weights: NgramDecoder(weights, max_seqs=2, max_rows=8, max_draft=1),
 }
 
 
 @pytest.mark.parametrize("build", list(_BUILDS))
 def test_a_construction_failing_part_way_frees_what_it_built(build):
-    """Every device allocation of the build fails in turn: each failure leaves exactly what was
-    held before (buffers, pinned buffers, events); the build that succeeds frees it all again
-    in ``close``, which a second time does nothing."""
+    """Every device allocation of a runner's build fails in turn: each failure leaves exactly
+    what was held before (buffers, pinned buffers, events); the build that succeeds frees it all
+    again in ``close``, which a second time does nothing. (What the weights derive for the fused
+    runners is the weights', built beforehand here: the next test.)"""
     gpu = LoggingBackend()
-    layer = device_layer(gpu, random_layer(np.random.default_rng(9), small_dims(), "bf"), max_tokens=8)
+    weights = device_weights(gpu, random_layer(np.random.default_rng(9), small_dims(), "bf"))
+    weights.concat_projections()
+    weights.table_descriptors()
     before = _held(gpu)
     for k in range(20):
         gpu.fail_alloc_after = gpu.count("alloc") + k
         try:
-            built = _BUILDS[build](gpu, layer)
+            built = _BUILDS[build](weights)
         except MemoryError:
             assert _held(gpu) == before, k
             continue
         gpu.fail_alloc_after = None
         assert k > 0 and _held(gpu) != before
         built.close()
-        assert built.closed and _held(gpu) == before
+        assert built.closed and _held(gpu) == before and not weights.closed
         mark = len(gpu.log)
         built.close()
         assert gpu.log[mark:] == []
         break
     else:
         pytest.fail("the build never succeeded")
+    weights.close()
+    assert gpu.empty() and not gpu.events
+
+
+def test_the_weights_keep_what_they_derive_until_they_close():
+    """A fused runner's first build derives the concatenated projections and the table
+    descriptors on the weights; with device allocations failing part way through it, a later
+    build succeeds, and a second runner reuses what the weights derived (no new copies). Closing
+    the runners leaves it with the weights; ``weights.close()`` frees it and all they own."""
+    gpu = LoggingBackend()
+    weights = device_weights(gpu, random_layer(np.random.default_rng(13), small_dims(), "bf"))
+    uploaded = set(gpu.mem)
+    fused = None
+    for k in range(20):
+        gpu.fail_alloc_after = gpu.count("alloc") + k
+        try:
+            fused = FusedNgramEmbedding(weights, 8)
+        except MemoryError:
+            continue
+        break
+    gpu.fail_alloc_after = None
+    assert fused is not None and k > 0
+    projs = weights.concat_projections()
+    desc, pows = weights.table_descriptors()
+    assert fused.projection.projs is projs and (fused.projection.desc, fused.projection.pows) == (desc, pows)
+    derived = {int(projs.weight), int(desc), int(pows)}
+    copies = gpu.count("copy2d")
+    dec = NgramDecoder(weights, max_seqs=2, max_rows=8)
+    assert dec.projection.projs is projs and (dec.projection.desc, dec.projection.pows) == (desc, pows)
+    assert gpu.count("copy2d") == copies
+    dec.close()
+    fused.close()
+    assert derived <= set(gpu.mem) and derived.isdisjoint(uploaded) and not weights.closed
+    weights.close()
+    assert weights.closed and gpu.empty() and not gpu.events
 
 
 def test_closing_after_the_backend_frees_nothing_twice():
-    """A closed backend has freed everything: closing a layer, its fused twin and a decoder after
-    it touches the backend no more, and every later call is a ``ClosedError``."""
+    """A closed backend has freed everything: closing the three runners and then their weights
+    after it touches the backend no more, and every later call is a ``ClosedError``."""
     gpu = LoggingBackend()
     host = random_layer(np.random.default_rng(10), small_dims(), "bf")
     tables = [t if s is None else (t, s) for t, s in host.tables]
-    layer = NgramEmbedding.from_numpy(host.dims, host.word, tables, host.projs, 8, gpu)
-    fused = FusedNgramEmbedding(layer, 8, gpu)
-    dec = NgramDecoder(layer, max_seqs=2, max_rows=8, gpu=gpu)
+    weights = NgramWeights.from_numpy(host.dims, host.word, tables, host.projs, gpu)
+    layer = NgramEmbedding(weights, 8)
+    fused = FusedNgramEmbedding(weights, 8)
+    dec = NgramDecoder(weights, max_seqs=2, max_rows=8)
     gpu.closed = True
     mark = len(gpu.log)
-    for obj in (dec, fused, layer):
+    for obj in (dec, fused, layer, weights):
         obj.close()
         assert obj.closed
     assert [op for op, _ in gpu.log[mark:] if op in ("free", "free_host")] == []
     with pytest.raises(ClosedError, match="NgramEmbedding is closed"):
         layer.embed([1, 2, 3], 1, DevicePtr(0x900000), gpu)
     with pytest.raises(ClosedError, match="FusedNgramEmbedding is closed"):
-        fused.embed([1, 2, 3], 1, DevicePtr(0x900000), gpu)
+        fused.embed([1, 2, 3], 1, DevicePtr(0x900000))
     with pytest.raises(ClosedError, match="NgramDecoder is closed"):
         dec.reset_all()
+    with pytest.raises(ClosedError, match="NgramWeights is closed"):
+        weights.own(layer)
 
 
-def test_a_layer_closes_what_it_owns_after_its_staging():
-    """``own`` hands weights over: ``close`` frees the staging, then them, the last handed over
-    first; a closed layer takes nothing more."""
+def test_a_runner_frees_only_its_staging_and_the_weights_what_they_own():
+    """``close`` of the runner frees its staging, not the weights; ``own`` hands weights over
+    to ``NgramWeights``, whose ``close`` frees them, the last handed over first (a weight not
+    handed over stays the caller's); closed weights take nothing more."""
     gpu = LoggingBackend()
-    layer = device_layer(gpu, random_layer(np.random.default_rng(11), small_dims(), "b"), max_tokens=8)
+    host = random_layer(np.random.default_rng(11), small_dims(), "b")
+    word = DenseWeight.from_numpy(gpu, host.word)
+    tables = [NgramTable.Bf16(DenseWeight.from_numpy(gpu, t)) for t, _ in host.tables]
+    projs = [DenseWeight.from_numpy(gpu, p) for p in host.projs]
+    weights = NgramWeights(host.dims, word, tables, projs, gpu)  # owns nothing yet
+    layer = NgramEmbedding(weights, 8)
     staging = [layer.ids_dev, layer.gather_buf, layer.proj_buf]
-    layer.own(layer.word, *layer.projs)
+    weights.own(word, *projs)
     mark = len(gpu.log)
     layer.close()
-    freed = [ptr for op, ptr in gpu.log[mark:] if op == "free"]
-    assert freed == staging[::-1] + [p.weight for p in layer.projs[::-1]] + [layer.word.weight]
-    assert layer.word.closed and all(p.closed for p in layer.projs)
+    assert [ptr for op, ptr in gpu.log[mark:] if op == "free"] == staging[::-1]
+    assert not weights.closed and not word.closed and not any(p.closed for p in projs)
     with pytest.raises(ClosedError, match="NgramEmbedding is closed"):
-        layer.own(layer.word)
+        layer.embed([1, 2, 3], 1, DevicePtr(0x900000), gpu)
+    mark = len(gpu.log)
+    weights.close()
+    freed = [ptr for op, ptr in gpu.log[mark:] if op == "free"]
+    assert freed == [p.weight for p in projs[::-1]] + [word.weight]
+    assert word.closed and all(p.closed for p in projs)
+    assert not any(t.weight.closed for t in tables)  # never handed over: still the caller's
+    with pytest.raises(ClosedError, match="NgramWeights is closed"):
+        weights.own(word)
+    mark = len(gpu.log)
+    weights.close()  # once
+    assert gpu.log[mark:] == []
+    for t in tables:
+        t.weight.close()
+    assert gpu.empty()
+
+
+def test_a_runner_refuses_every_call_once_its_weights_are_closed():
+    """Runners borrow their weights: once those are closed every call is a ``ClosedError``
+    naming them, before anything is uploaded or launched; no runner can be built on them; each
+    runner's ``close`` still frees its own buffers."""
+    gpu = LoggingBackend()
+    weights = device_weights(gpu, random_layer(np.random.default_rng(14), small_dims(), "bf"))
+    layer = NgramEmbedding(weights, 8)
+    fused = FusedNgramEmbedding(weights, 8)
+    dec = NgramDecoder(weights, max_seqs=2, max_rows=8)
+    out = gpu.alloc(8 * weights.dims.hidden_size * 2)
+    weights.close()
+    mark = len(gpu.log)
+    for call, match in ((lambda: layer.embed([1, 2, 3], 1, out, gpu), "ngram embed: its NgramWeights is closed"),
+                        (lambda: fused.embed([1, 2, 3], 1, out), "fused ngram embed: its NgramWeights is closed"),
+                        (lambda: fused.embed_batch([[1, 2], [3]], [1, 1], out),
+                         "fused ngram embed: its NgramWeights is closed"),
+                        (lambda: dec.reset_all(), "NgramDecoder: its NgramWeights is closed")):
+        with pytest.raises(ClosedError, match=match):
+            call()
+    for build, name in ((lambda: NgramEmbedding(weights, 8), "NgramEmbedding"),
+                        (lambda: FusedNgramEmbedding(weights, 8), "FusedNgramEmbedding"),
+                        (lambda: NgramDecoder(weights, max_seqs=2, max_rows=8), "NgramDecoder")):
+        with pytest.raises(ClosedError, match=f"{name}: its NgramWeights is closed"):
+            build()
+    assert gpu.log[mark:] == []
+    for runner in (dec, fused, layer):
+        runner.close()
+    gpu.free(out)
+    assert gpu.empty() and not gpu.events
 
 
 def test_a_dense_weight_frees_only_the_buffers_it_owns():

@@ -1,10 +1,10 @@
 """The n-gram front end (``layers/ngram_embed/front.py``, ``cached_rows.py``) on the CPU.
 
-The faithful and fused paths refuse the same bad context the same way; the ``gpu`` of the call
-(and of the fused path's construction) must be the layer's own backend; a failure between a
-cached table's ``resolve`` and its ``end_batch`` leaves no row pinned, on both paths; the fused
-path's short replay of a decode step uploads what the general path uploads, and refuses what it
-refuses.
+The faithful and fused paths refuse the same bad context the same way; the ``gpu`` of the
+faithful path's call must be the weights' backend (the fused path takes none: it runs on the
+weights'); a failure between a cached table's ``resolve`` and its ``end_batch`` leaves no row
+pinned, on both paths; the fused path's short replay of a decode step uploads what the general
+path uploads, and refuses what it refuses.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 from gpu_runtime import KernelHandle
-from layers.ngram_embed import NgramDims, NgramEmbedding, NgramTable, RowCache, write_table
+from layers.ngram_embed import (FusedNgramEmbedding, NgramDims, NgramEmbedding, NgramTable, NgramWeights, RowCache,
+                                write_table)
 from layers.ngram_embed.cached_rows import CachedRows
-from layers.ngram_embed.fused import FusedNgramEmbedding
-from layers.weight_map import DenseWeight
-from tests.fakes import MemoryBackend
+from layers.dense_weight import DenseWeight
+from tests.helpers.fakes import MemoryBackend
 
 BF16 = ml_dtypes.bfloat16
 DIMS = NgramDims(vocab_size=50, hidden_size=16, max_ngram=3, splits=2, base_rows=61, row_bias=1,
@@ -88,9 +88,9 @@ class FakeGpu(MemoryBackend):
         pass
 
 
-def _layer(gpu, rng, tmp_path, cached: str = "") -> NgramEmbedding:
-    """A layer on ``gpu``: table c a RowCache (capacity 8) where ``cached[c] == "c"``, else
-    bf16; the layer owns its weights and caches (``own``): closing it frees them."""
+def _weights(gpu, rng, tmp_path, cached: str = "") -> NgramWeights:
+    """Weights on ``gpu``: table c a RowCache (capacity 8) where ``cached[c] == "c"``, else
+    bf16; they own their uploads and caches (``own``): closing them frees those."""
     h, td = DIMS.hidden_size, DIMS.table_dim()
     owned: list = []
 
@@ -109,14 +109,21 @@ def _layer(gpu, rng, tmp_path, cached: str = "") -> NgramEmbedding:
             tables.append(NgramTable.Bf16(upload(rows)))
     word = upload(rng.standard_normal((DIMS.vocab_size, h)).astype(BF16))
     projs = [upload(rng.standard_normal((h, td)).astype(BF16)) for _ in tables]
-    layer = NgramEmbedding(DIMS, word, tables, projs, 16, gpu)
-    layer.own(*owned)
-    return layer
+    weights = NgramWeights(DIMS, word, tables, projs, gpu)
+    weights.own(*owned)
+    return weights
+
+
+def _layer(gpu, rng, tmp_path, cached: str = "") -> NgramEmbedding:
+    """The seed's runner over ``_weights``; ``_close(..., layer)`` closes it, then its weights."""
+    return NgramEmbedding(_weights(gpu, rng, tmp_path, cached), 16)
 
 
 def _close(*objs) -> None:
+    """Close runners in order, then the weights of the last (the runners borrow them)."""
     for obj in objs:
         obj.close()
+    objs[-1].weights.close()
 
 
 CTX = [3, 9, 14, 27, 5, 40]
@@ -136,12 +143,12 @@ CTX = [3, 9, 14, 27, 5, 40]
 def test_both_host_paths_refuse_a_bad_context_alike(rng, tmp_path, ctx, seq_len, error, says):
     gpu = FakeGpu()
     layer = _layer(gpu, rng, tmp_path)
-    fused = FusedNgramEmbedding(layer, 16, gpu)
+    fused = FusedNgramEmbedding(layer.weights, 16)
     gpu.launches.clear()
     try:
         messages = []
         for call in (lambda: layer.embed(ctx, seq_len, gpu.out, gpu),
-                     lambda: fused.embed(ctx, seq_len, gpu.out, gpu)):
+                     lambda: fused.embed(ctx, seq_len, gpu.out)):
             with pytest.raises(error, match=says) as err:
                 call()
             messages.append(str(err.value).split(": ", 1)[1].replace("seq_lens[0]", "seq_len")
@@ -153,35 +160,38 @@ def test_both_host_paths_refuse_a_bad_context_alike(rng, tmp_path, ctx, seq_len,
         _close(fused, layer)
 
 
-def test_the_gpu_of_a_call_must_be_the_layers_own(rng, tmp_path):
+def test_the_gpu_of_a_call_must_be_the_weights_own(rng, tmp_path):
+    """The faithful path keeps the seed's ``gpu`` argument: it must be the weights' backend, and
+    another one is refused before anything is uploaded or launched (on either). The fused path
+    takes no backend: built on the weights, it allocates, uploads and launches on theirs only."""
     gpu, other = FakeGpu(), FakeGpu()
     layer = _layer(gpu, rng, tmp_path)
-    with pytest.raises(ValueError, match="FusedNgramEmbedding: gpu is not the backend this layer was built"):
-        FusedNgramEmbedding(layer, 16, other)  # the fused path serves the layer's weights: its backend only
-    assert other.mem == {other.out: other.mem[other.out]} and not other.events
-    fused = FusedNgramEmbedding(layer, 16, gpu)
+    fused = FusedNgramEmbedding(layer.weights, 16)
+    assert fused.gpu is gpu and layer.gpu is gpu and layer.weights.gpu is gpu
     stream = gpu.create_stream()
-    fused.embed(CTX, 1, gpu.out, gpu, stream, graph=True)  # captured: the replay path is armed
+    fused.embed(CTX, 1, gpu.out, stream, graph=True)  # captured: the replay path is armed
     gpu.launches.clear()
     try:
+        replays = gpu.replays
         for call in (lambda: layer.embed(CTX, 2, gpu.out, other),
-                     lambda: fused.embed(CTX, 2, gpu.out, other),
-                     lambda: fused.embed(CTX, 1, gpu.out, other, stream, graph=True),
-                     lambda: fused.embed_batch([CTX, CTX], [1, 2], gpu.out, other)):
-            replays = gpu.replays
-            with pytest.raises(ValueError, match="not the backend this layer was built with"):
+                     lambda: layer.embed(CTX, 1, gpu.out, other, stream)):
+            with pytest.raises(ValueError, match="ngram embed: gpu is not the backend of the weights"):
                 call()
             assert gpu.launches == [] and other.launches == [] and gpu.replays == replays
         layer.embed(CTX, 2, gpu.out, gpu)
-        fused.embed_batch([CTX, CTX], [1, 2], gpu.out, gpu)
+        fused.embed(CTX, 1, gpu.out, stream, graph=True)
+        assert gpu.replays == replays + 1
+        fused.embed_batch([CTX, CTX], [1, 2], gpu.out)
         assert {l["name"] for l in gpu.launches} >= {"batched_embed", "ngram_gather"}
+        assert other.launches == [] and other.replays == 0 and not other.events
+        assert other.mem == {other.out: other.mem[other.out]}
     finally:
         _close(fused, layer)
 
 
 # -- a failure after resolve leaves nothing pinned ----------------------------------------------------
 def _caches(layer) -> list[RowCache]:
-    return [t.cache for t in layer.tables if isinstance(t, NgramTable.Cached)]
+    return [t.cache for t in layer.weights.tables if isinstance(t, NgramTable.Cached)]
 
 
 def _pinned(layer) -> list[int]:
@@ -211,16 +221,16 @@ def test_faithful_path_unpins_after_a_failed_gather(rng, tmp_path):
 def test_fused_path_unpins_after_a_failed_launch(rng, tmp_path, graph):
     gpu = FakeGpu()
     layer = _layer(gpu, rng, tmp_path, cached="cb")  # a grouped RowCache beside a resident table
-    fused = FusedNgramEmbedding(layer, 16, gpu)
+    fused = FusedNgramEmbedding(layer.weights, 16)
     stream = gpu.create_stream()
     try:
         for _ in range(2):  # a shape's first call (eager, then captured), then a replay
             gpu.fail_at = ("ngram_gather", 1)
             with pytest.raises(Injected):
-                fused.embed_batch([CTX, CTX[:4]], [3, 2], gpu.out, gpu, stream, graph=graph)
+                fused.embed_batch([CTX, CTX[:4]], [3, 2], gpu.out, stream, graph=graph)
             assert _pinned(layer) == [0]
             assert _caches(layer)[0].stats.misses > 0
-        fused.embed_batch([CTX, CTX[:4]], [3, 2], gpu.out, gpu, stream, graph=graph)
+        fused.embed_batch([CTX, CTX[:4]], [3, 2], gpu.out, stream, graph=graph)
         assert _pinned(layer) == [0]
     finally:
         _close(fused, layer)
@@ -273,18 +283,18 @@ def test_batch_ends_every_cache_and_keeps_the_first_error():
 def test_replayed_decode_step_uploads_what_the_general_path_packs(rng, tmp_path):
     gpu = FakeGpu()
     layer = _layer(gpu, rng, tmp_path)
-    fused = FusedNgramEmbedding(layer, 16, gpu)
+    fused = FusedNgramEmbedding(layer.weights, 16)
     stream = gpu.create_stream()
     n = DIMS.max_ngram
     words = 2 * (n + 1)  # what one call of 2 rows uploads: windows [2, N], word ids [2]
     try:
-        fused.embed(CTX[:3], 2, gpu.out, gpu, stream, graph=True)  # captures the (2, gpu.out, stream) shape
+        fused.embed(CTX[:3], 2, gpu.out, stream, graph=True)  # captures the (2, gpu.out, stream) shape
         for ctx in (CTX, np.array(CTX, np.int32), CTX[:3], CTX[:2]):
-            fused.embed(ctx, 2, gpu.out, gpu, stream)  # the general path, eager
+            fused.embed(ctx, 2, gpu.out, stream)  # the general path, eager
             want = gpu.read_as(fused.staging, words, np.uint32)
             gpu.memset(fused.staging, 0xAB, words * 4)
             replays = gpu.replays
-            fused.embed(ctx, 2, gpu.out, gpu, stream, graph=True)
+            fused.embed(ctx, 2, gpu.out, stream, graph=True)
             assert gpu.replays == replays + 1
             assert np.array_equal(gpu.read_as(fused.staging, words, np.uint32), want), ctx
             assert want[:2 * n].reshape(2, n)[:, 0].tolist() == list(ctx[-2:])
@@ -294,7 +304,7 @@ def test_replayed_decode_step_uploads_what_the_general_path_packs(rng, tmp_path)
                                  ([1], ValueError, "exceeds the context's 1 tokens")):
             replays = gpu.replays
             with pytest.raises(error, match=says):
-                fused.embed(ctx, 2, gpu.out, gpu, stream, graph=True)
+                fused.embed(ctx, 2, gpu.out, stream, graph=True)
             assert gpu.replays == replays
     finally:
         _close(fused, layer)
@@ -303,7 +313,7 @@ def test_replayed_decode_step_uploads_what_the_general_path_packs(rng, tmp_path)
 def test_prefetch_batch_checks_its_batch_as_embed_batch_does(rng, tmp_path):
     gpu = FakeGpu()
     layer = _layer(gpu, rng, tmp_path, cached="cb")
-    fused = FusedNgramEmbedding(layer, 16, gpu)
+    fused = FusedNgramEmbedding(layer.weights, 16)
     try:
         with pytest.raises(ValueError, match="2 contexts, 1 seq_lens"):
             fused.prefetch_batch([CTX, CTX], [1])

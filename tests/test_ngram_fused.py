@@ -7,37 +7,54 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpu_runtime import DevicePtr
+from gpu_runtime import ClosedError, DevicePtr
 from layers import reference as ref
-from layers.ngram_embed import NgramDims, NgramEmbedding, NgramTable, RowCache, write_table
-from layers.ngram_embed.fused import FusedNgramEmbedding
+from layers.ngram_embed import (
+    FusedNgramEmbedding,
+    NgramDims,
+    NgramEmbedding,
+    NgramTable,
+    NgramWeights,
+    RowCache,
+    write_table,
+)
 from layers.ops.ngram_fused import NO_TOKEN
-from layers.weight_map import BF16
-from tests.fakes import RecordingBackend
+from layers.dense_weight import BF16
+from tests.helpers.fakes import RecordingBackend, refused
 from tests.helpers import Guarded, bits, run_on_poisoned
-from tests.helpers.ngram import device_layer, free_layer, random_layer, small_dims
+from tests.helpers.ngram import assert_runners_borrow_the_weights, device_weights, random_layer, small_dims
 
 OUT = DevicePtr(0x900000)
 
 
 def fused_of(gpu, dims, rng, kinds="bf", max_rows=64):
-    layer = device_layer(gpu, random_layer(rng, dims, kinds), max_tokens=max_rows)
-    return layer, FusedNgramEmbedding(layer, max_rows, gpu)
+    """Random weights (owning their uploads) and the fused runner on them, on the default stream."""
+    weights = device_weights(gpu, random_layer(rng, dims, kinds))
+    return weights, FusedNgramEmbedding(weights, max_rows)
+
+
+def close_all(fused, weights):
+    """The runner first, then the weights it borrows."""
+    fused.close()
+    weights.close()
 
 
 # -- CPU --------------------------------------------------------------------------------------
 def test_two_launches_and_one_upload_per_call():
     gpu = RecordingBackend()
     dims = small_dims(max_ngram=3, splits=2, eos_id=7)
-    layer, fused = fused_of(gpu, dims, np.random.default_rng(1))
+    weights, fused = fused_of(gpu, dims, np.random.default_rng(1))
     t, td, h = dims.num_tables(), dims.table_dim(), dims.hidden_size
     copies = [op for op in gpu.ops if op[0] == "copy2d"]
     assert [(op[2], op[4], op[5], op[6]) for op in copies] == [(t * td * 2, td * 2, td * 2, h)] * t
-    assert [op[1] - fused.projs_cat for op in copies] == [c * td * 2 for c in range(t)]
+    cat = fused.projection.projs  # the concatenated projections, built once on the weights
+    assert cat is weights.concat_projections() and cat.shape == (h, t * td)
+    assert [op[1] - cat.weight for op in copies] == [c * td * 2 for c in range(t)]
+    assert [op[3] for op in copies] == [p.weight for p in weights.projs]
     gpu.launches.clear()
     gpu.ops.clear()
     ctx = [5, 7, 9, 11, 13]
-    fused.embed(ctx, 3, OUT, gpu, stream=4)
+    fused.embed(ctx, 3, OUT, stream=4)
     names = [gpu.kernel_of(launch)[1] for launch in gpu.launches]
     assert names == ["ngram_gather", "dense_gemm_bf16_word"]
     (upload,) = [op for op in gpu.ops if op[0] == "h2d"]
@@ -47,6 +64,7 @@ def test_two_launches_and_one_upload_per_call():
     assert packed[9:].tolist() == [9, 11, 13]  # word ids
     assert all(launch.stream == 4 for launch in gpu.launches)
     gemm = gpu.launches[1]
+    assert gemm.args[:3] == [fused.projection.buf, cat.weight, OUT] and gemm.args[7] == weights.word.weight
     assert gemm.args[3:6] == [3, h, t * td] and gemm.args[8] == 0 and gemm.args[9] == float(np.float32(1) / np.float32(1 + t))
 
 
@@ -66,37 +84,58 @@ def test_windows_pad_before_the_start_and_read_only_tails():
 
 
 @pytest.mark.parametrize("call, error, match", [
-    (lambda f, g: f.embed([1, 2, 500], 1, OUT, g), ValueError, "token 500 outside"),
-    (lambda f, g: f.embed([1, 2, 3], 4, OUT, g), ValueError, r"seq_lens\[0\] 4 exceeds the context's 3"),
-    (lambda f, g: f.embed([1, 2, 3], -1, OUT, g), ValueError, "non-negative"),
-    (lambda f, g: f.embed([1, 2, 3], 1.0, OUT, g), TypeError, r"seq_lens\[0\] must be an int"),
-    (lambda f, g: f.embed(list(range(70)), 65, OUT, g), ValueError, "over max_rows 64"),
-    (lambda f, g: f.embed_batch([[1]] * 40 + [[2, 3]] * 20, [1] * 40 + [2] * 20, OUT, g), ValueError,
+    (lambda f: f.embed([1, 2, 500], 1, OUT), ValueError, "token 500 outside"),
+    (lambda f: f.embed([1, 2, 3], 4, OUT), ValueError, r"seq_lens\[0\] 4 exceeds the context's 3"),
+    (lambda f: f.embed([1, 2, 3], -1, OUT), ValueError, "non-negative"),
+    (lambda f: f.embed([1, 2, 3], 1.0, OUT), TypeError, r"seq_lens\[0\] must be an int"),
+    (lambda f: f.embed(list(range(70)), 65, OUT), ValueError, "over max_rows 64"),
+    (lambda f: f.embed_batch([[1]] * 40 + [[2, 3]] * 20, [1] * 40 + [2] * 20, OUT), ValueError,
      "over max_rows"),
-    (lambda f, g: f.embed_batch([[1, 2]], [1, 1], OUT, g), ValueError, "1 contexts, 2 seq_lens"),
-    (lambda f, g: f.embed([1, 2, 3], 1, 0, g), ValueError, "null device pointer"),
-    (lambda f, g: f.embed([1, 2, 3], 1, OUT, g, 0, graph=True), ValueError, "created stream"),
-    (lambda f, g: f.embed([1, 2, 3], 1, OUT, g, 4, graph=True), TypeError, "needs a backend with CUDA graphs"),
-    (lambda f, g: f.embed([[1, 2]], 1, OUT, g), ValueError, "1-D"),
-    (lambda f, g: f.embed([1.5, 2.5], 1, OUT, g), TypeError, "tokens must be integers, got dtype float64"),
+    (lambda f: f.embed_batch([[1, 2]], [1, 1], OUT), ValueError, "1 contexts, 2 seq_lens"),
+    (lambda f: f.embed([1, 2, 3], 1, 0), ValueError, "null device pointer"),
+    (lambda f: f.embed([1, 2, 3], 1, OUT, 0, graph=True), ValueError, "created stream"),
+    (lambda f: f.embed([1, 2, 3], 1, OUT, 4, graph=True), TypeError, "needs a backend with CUDA graphs"),
+    (lambda f: f.embed([[1, 2]], 1, OUT), ValueError, "1-D"),
+    (lambda f: f.embed([1.5, 2.5], 1, OUT), TypeError, "tokens must be integers, got dtype float64"),
+    (lambda f: f.embed_batch([[1, 2]], [1], OUT, adapters=[0]), ValueError,
+     "adapters given, but the runner was built without adapter_slots"),
 ])
 def test_refusals_upload_and_launch_nothing(call, error, match):
     gpu = RecordingBackend()  # no graphs
     _, fused = fused_of(gpu, small_dims(), np.random.default_rng(3))
-    gpu.launches.clear()
-    gpu.ops.clear()
-    with pytest.raises(error, match=match):
-        call(fused, gpu)
-    assert gpu.launches == [] and gpu.ops == []
+    with refused(gpu, error, match):
+        call(fused)
 
 
 def test_dims_the_kernel_cannot_hash_are_refused():
     gpu = RecordingBackend()
-    layer = device_layer(gpu, random_layer(np.random.default_rng(4), small_dims(), "b"), 8)
-    layer.dims = NgramDims(vocab_size=2**32, hidden_size=40, max_ngram=3, splits=2, base_rows=61,
-                           row_bias=1)
+    weights = device_weights(gpu, random_layer(np.random.default_rng(4), small_dims(), "b"))
+    weights.dims = NgramDims(vocab_size=2**32, hidden_size=40, max_ngram=3, splits=2, base_rows=61,
+                             row_bias=1)
+    gpu.ops.clear()
     with pytest.raises(ValueError, match="vocab_size"):
-        FusedNgramEmbedding(layer, 8, gpu)
+        FusedNgramEmbedding(weights, 8)
+    assert gpu.ops == [], "refused before anything was built"
+
+
+def test_the_runner_borrows_the_weights():
+    """``close()`` frees the runner's own buffers only: the weights (and the projections
+    concatenated on them) serve another runner until ``weights.close()``, which frees every
+    upload and what was derived from them; a runner on closed weights refuses every call."""
+    gpu = RecordingBackend()
+    weights = device_weights(gpu, random_layer(np.random.default_rng(6), small_dims(), "bf"))
+    assert_runners_borrow_the_weights(
+        gpu, weights, lambda: FusedNgramEmbedding(weights, 16), lambda: FusedNgramEmbedding(weights, 16),
+        lambda first: first.embed([1, 2, 3], 2, OUT), ["ngram_gather", "dense_gemm_bf16_word"])
+    third = FusedNgramEmbedding(device_weights(gpu, random_layer(np.random.default_rng(7), small_dims(), "b")), 8)
+    third.weights.close()
+    for call in (lambda: third.embed([1, 2], 1, OUT), lambda: third.embed_batch([[1]], [1], OUT),
+                 lambda: third.stage([[1]], [1]), lambda: third.project(1, OUT)):
+        with refused(gpu, ClosedError, "fused ngram embed: its NgramWeights is closed"):
+            call()
+    with pytest.raises(ClosedError, match="FusedNgramEmbedding: its NgramWeights is closed"):
+        FusedNgramEmbedding(third.weights, 8)
+    third.close()
 
 
 # -- GPU --------------------------------------------------------------------------------------
@@ -113,8 +152,8 @@ def test_fused_rounds_less_than_the_seed_path(gpu, rng, n, k, kinds):
                      table_dim=int(rng.choice([7, 16, 33, 64])),
                      eos_id=int(rng.integers(0, vocab)) if rng.random() < 0.5 else None)
     host = random_layer(rng, dims, kinds)
-    layer = device_layer(gpu, host, max_tokens=80)
-    fused = FusedNgramEmbedding(layer, 80, gpu)
+    weights = device_weights(gpu, host)
+    layer, fused = NgramEmbedding(weights, 80), FusedNgramEmbedding(weights, 80)  # side by side
     try:
         ctx = rng.integers(0, vocab, int(rng.integers(100, 400)))
         if dims.eos_id is not None:
@@ -122,7 +161,7 @@ def test_fused_rounds_less_than_the_seed_path(gpu, rng, n, k, kinds):
         flips = values = 0  # rounding flips against the fused reference, over all three calls
         for seq_len in (1, 17, 80):
             h = dims.hidden_size
-            got = run_on_poisoned(gpu, rng, lambda o: fused.embed(ctx, seq_len, o, gpu, 0), seq_len, h)
+            got = run_on_poisoned(gpu, rng, lambda o: fused.embed(ctx, seq_len, o, 0), seq_len, h)
             seed = run_on_poisoned(gpu, rng, lambda o: layer.embed(ctx, seq_len, o, gpu, 0), seq_len, h)
             ideal = ref.ngram_embed_ideal(dims, host.word, host.tables, host.projs, ctx, seq_len)
             want = ref.ngram_embed_fused(dims, host.word, host.tables, host.projs, ctx, seq_len)
@@ -139,21 +178,22 @@ def test_fused_rounds_less_than_the_seed_path(gpu, rng, n, k, kinds):
         assert flips < 0.02 * values, (flips, values)
     finally:
         fused.close()
-        free_layer(layer)
+        layer.close()
+        weights.close()
 
 
 @pytest.mark.gpu
 def test_graph_replay_equals_eager_and_batches_equal_single_calls(gpu, rng):
     dims = small_dims(max_ngram=3, splits=4, table_dim=32, hidden_size=256, eos_id=3)
-    layer, fused = fused_of(gpu, dims, rng, "bf", max_rows=256)
+    weights, fused = fused_of(gpu, dims, rng, "bf", max_rows=256)
     stream = gpu.create_stream()
     h = dims.hidden_size
     try:
         contexts = [rng.integers(0, dims.vocab_size, int(rng.integers(1, 300))) for _ in range(40)]
         seq_lens = [int(rng.integers(0, min(len(c), 6) + 1)) for c in contexts]
         rows = sum(seq_lens)
-        batch = run_on_poisoned(gpu, rng, lambda o: fused.embed_batch(contexts, seq_lens, o, gpu, stream), rows, h, stream)
-        singles = [run_on_poisoned(gpu, rng, lambda o: fused.embed(c, s, o, gpu, stream), s, h, stream)
+        batch = run_on_poisoned(gpu, rng, lambda o: fused.embed_batch(contexts, seq_lens, o, stream), rows, h, stream)
+        singles = [run_on_poisoned(gpu, rng, lambda o: fused.embed(c, s, o, stream), s, h, stream)
                    for c, s in zip(contexts, seq_lens) if s]
         single = np.concatenate(singles)
         ulp = np.abs(single.astype(np.float64)) * 2.0**-7 + 1e-6
@@ -163,17 +203,16 @@ def test_graph_replay_equals_eager_and_batches_equal_single_calls(gpu, rng):
                 contexts = [np.append(c, rng.integers(0, dims.vocab_size)) for c in contexts]
                 out.poison()
                 gpu.synchronize(0)
-                fused.embed_batch(contexts, seq_lens, out.ptr, gpu, stream, graph=True)
+                fused.embed_batch(contexts, seq_lens, out.ptr, stream, graph=True)
                 gpu.synchronize(stream)
                 got = out.read()
-                eager = run_on_poisoned(gpu, rng, lambda o: fused.embed_batch(contexts, seq_lens, o, gpu, stream), rows, h,
+                eager = run_on_poisoned(gpu, rng, lambda o: fused.embed_batch(contexts, seq_lens, o, stream), rows, h,
                              stream)
                 assert np.array_equal(bits(got), bits(eager)), step
                 out.assert_guards_intact()
         assert fused.captured_graphs == 1
     finally:
-        fused.close()
-        free_layer(layer)
+        close_all(fused, weights)
         gpu.destroy_stream(stream)
 
 
@@ -181,7 +220,7 @@ def test_graph_replay_equals_eager_and_batches_equal_single_calls(gpu, rng):
 def test_cached_tables_equal_resident_ones(gpu, rng, tmp_path):
     dims = small_dims(max_ngram=3, splits=2, table_dim=24, hidden_size=72, base_rows=3000)
     host = random_layer(rng, dims, "bf")
-    resident = device_layer(gpu, host, max_tokens=64)
+    resident = device_weights(gpu, host)
     caches = []
     for c, (table, scale) in enumerate(host.tables):
         if c % 2:  # every other table from disk, through a small arena
@@ -190,14 +229,14 @@ def test_cached_tables_equal_resident_ones(gpu, rng, tmp_path):
     tables = list(resident.tables)
     for i, c in enumerate(range(1, len(tables), 2)):
         tables[c] = NgramTable.Cached(caches[i])
-    mixed = NgramEmbedding(dims, resident.word, tables, resident.projs, 64, gpu)
-    fused_res, fused_mix = FusedNgramEmbedding(resident, 64, gpu), FusedNgramEmbedding(mixed, 64, gpu)
+    mixed = NgramWeights(dims, resident.word, tables, resident.projs, gpu)  # borrows all: owns nothing
+    fused_res, fused_mix = FusedNgramEmbedding(resident, 64), FusedNgramEmbedding(mixed, 64)
     try:
         tokens = rng.integers(0, dims.vocab_size, 600)
         for pos in range(10, 600, 37):
             seq = int(rng.integers(1, min(pos, 32) + 1))
-            a = run_on_poisoned(gpu, rng, lambda o: fused_res.embed(tokens[:pos], seq, o, gpu, 0), seq, 72)
-            b = run_on_poisoned(gpu, rng, lambda o: fused_mix.embed(tokens[:pos], seq, o, gpu, 0), seq, 72)
+            a = run_on_poisoned(gpu, rng, lambda o: fused_res.embed(tokens[:pos], seq, o, 0), seq, 72)
+            b = run_on_poisoned(gpu, rng, lambda o: fused_mix.embed(tokens[:pos], seq, o, 0), seq, 72)
             assert np.array_equal(bits(a), bits(b)), pos
         assert all(c.stats.evictions > 0 and c.index.n_pinned == 0 for c in caches)
     finally:
@@ -206,7 +245,7 @@ def test_cached_tables_equal_resident_ones(gpu, rng, tmp_path):
         mixed.close()
         for cache in caches:
             cache.close()
-        free_layer(resident)
+        resident.close()
 
 
 @pytest.mark.gpu
@@ -215,7 +254,7 @@ def test_single_context_graph_replays_equal_eager(gpu, rng):
     context's tail through a cached window index): equal to eager calls, for list and array
     contexts, and contexts shorter than the look-back still go through the general path."""
     dims = small_dims(max_ngram=4, splits=2, table_dim=16, hidden_size=64, eos_id=9)
-    layer, fused = fused_of(gpu, dims, rng, "bf", max_rows=16)
+    weights, fused = fused_of(gpu, dims, rng, "bf", max_rows=16)
     stream = gpu.create_stream()
     h = dims.hidden_size
     try:
@@ -226,16 +265,15 @@ def test_single_context_graph_replays_equal_eager(gpu, rng):
                 for s, c in ((1, ctx), (3, np.asarray(ctx))):
                     out.poison()
                     gpu.synchronize(0)
-                    fused.embed(c, s, out.ptr, gpu, stream, graph=True)
+                    fused.embed(c, s, out.ptr, stream, graph=True)
                     gpu.synchronize(stream)
                     got = out.read()[:s]
-                    want = run_on_poisoned(gpu, rng, lambda o: fused.embed(c, s, o, gpu, stream), s, h, stream)
+                    want = run_on_poisoned(gpu, rng, lambda o: fused.embed(c, s, o, stream), s, h, stream)
                     assert np.array_equal(bits(got), bits(want)), (step, s)
             out.assert_guards_intact()
             assert fused.captured_graphs == 2
             with pytest.raises(ValueError, match="outside"):
-                fused.embed(ctx[:-1] + [dims.vocab_size], 1, out.ptr, gpu, stream, graph=True)
+                fused.embed(ctx[:-1] + [dims.vocab_size], 1, out.ptr, stream, graph=True)
     finally:
-        fused.close()
-        free_layer(layer)
+        close_all(fused, weights)
         gpu.destroy_stream(stream)

@@ -21,7 +21,7 @@ from layers.kernel_files import kernel_dir, load_kernel
 from layers.ngram_embed.dims import NgramDims
 from layers.ngram_embed.ids import ngram_ids_array
 from layers.ops.ngram_fused import NO_EOS, NO_TOKEN, ngram_gather
-from tests.fakes import RecordingBackend
+from tests.helpers.fakes import RecordingBackend
 from tests.helpers import Guarded, bits
 from tests.helpers.ngram_gather import Tables, context, make_tables, pows_for, windows_for
 

@@ -15,7 +15,7 @@ from layers.reference import gather_then_overlay_ref, logits_then_overlay_ref, r
 from layers.overlay import (AdapterOverlay, OverlaySlots, TableOverlay, build_overlay,
                             overlay_from_trainable_tokens)
 from layers.ops.token_overlay import OverlayKernels
-from layers.weight_map import DenseWeight
+from layers.dense_weight import DenseWeight
 from tests.helpers import bf16_ulp, bits, random_bf16
 from tests.helpers.overlay import adapter_copy, check_slot_contents, overlay_backend, random_overlay
 

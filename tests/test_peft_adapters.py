@@ -20,7 +20,7 @@ from gpu_runtime import KernelNotFoundError
 from layers.ops.token_overlay import OverlayKernels
 from layers.overlay import AdapterOverlay
 from layers.peft_adapter import PeftAdapterError, overlay_from_peft, read_peft_adapter
-from layers.weight_map import DenseWeight
+from layers.dense_weight import DenseWeight
 from tests.helpers import bits, random_bf16
 from tests.helpers.overlay import overlay_backend
 from tests.helpers.peft import EMBED, H, LM, P, save_adapter, token_rows, tt_config

@@ -2,7 +2,8 @@
 damaged entries, unwritable directories and two processes racing (CPU), and independent layers
 on concurrent streams and threads compute bit for bit what they compute alone (GPU).
 
-The layers have no finalizers: "dropping" one means ``close()`` (or leaving its ``with``)."""
+The layers have no finalizers: "dropping" one means ``close()`` (or leaving its ``with``); a
+runner is closed before the ``NgramWeights`` it borrows."""
 
 from __future__ import annotations
 
@@ -18,11 +19,10 @@ import numpy as np
 import pytest
 
 from gpu_runtime import DevicePtr, compiler
-from layers.ngram_embed import NgramDims, NgramEmbedding, RowCache
-from layers.ngram_embed.fused import FusedNgramEmbedding
+from layers.ngram_embed import FusedNgramEmbedding, NgramDims, NgramEmbedding, NgramWeights, RowCache
 from layers.ops.token_overlay import OverlayKernels
 from layers.overlay import OverlaySlots, build_overlay
-from layers.weight_map import BF16, DenseWeight
+from layers.dense_weight import BF16, DenseWeight
 from tests.helpers import DEVICE_MEMORY_MEASURABLE, bits, random_bf16
 from tests.helpers.ngram import random_layer, small_dims
 from tests.helpers.overlay import adapter_copy
@@ -52,15 +52,19 @@ STAGING_SLACK = 4  # the staging pool keeps its peak in-flight uploads; a leak g
 
 @contextmanager
 def _layer_cycle(gpu, rng, tmp_path):
-    """(a) NgramEmbedding.from_numpy (a bf16 and an fp8 table) and one embed."""
+    """(a) NgramWeights.from_numpy (a bf16 and an fp8 table), the seed's runner and the fused one
+    on them (which derives the concatenated projections and table descriptors on the weights),
+    one embed each; the runners closed, then the weights."""
     dims = small_dims(max_ngram=2, splits=2)
     host, ctx = random_layer(rng, dims, "bf"), rng.integers(0, dims.vocab_size, 12)
-    out = gpu.alloc(8 * dims.hidden_size * 2)
+    out = gpu.alloc(2 * 8 * dims.hidden_size * 2)  # the seed's rows, then the fused path's
     def cycle() -> None:
-        with NgramEmbedding.from_numpy(dims, host.word, _tables(host), host.projs, 8, gpu) as layer:
+        with NgramWeights.from_numpy(dims, host.word, _tables(host), host.projs, gpu) as weights, \
+                NgramEmbedding(weights, 8) as layer, FusedNgramEmbedding(weights, 8) as fused:
             layer.embed(ctx, 8, out, gpu)
+            fused.embed(ctx, 8, out.offset(8 * dims.hidden_size * 2))
     try:
-        yield cycle, lambda: _read(gpu, out, (8, dims.hidden_size))
+        yield cycle, lambda: _read(gpu, out, (2, 8, dims.hidden_size))
     finally:
         gpu.synchronize()
         gpu.free(out)
@@ -68,22 +72,24 @@ def _layer_cycle(gpu, rng, tmp_path):
 
 @contextmanager
 def _fused_cycle(gpu, rng, tmp_path):
-    """(b) FusedNgramEmbedding over one layer, on a created stream: captured, then replayed."""
+    """(b) FusedNgramEmbedding over one set of weights, on a created stream: captured, then
+    replayed; each cycle's runner closed (its graphs and buffers), the weights kept for the next."""
     dims = small_dims(max_ngram=3, splits=2, eos_id=3)
     host, ctx = random_layer(rng, dims, "fb"), rng.integers(0, dims.vocab_size, 12)
-    layer = NgramEmbedding.from_numpy(dims, host.word, _tables(host), host.projs, 8, gpu)
+    weights = NgramWeights.from_numpy(dims, host.word, _tables(host), host.projs, gpu)
     stream, out = gpu.create_stream(), gpu.alloc(8 * dims.hidden_size * 2)
     gpu.synchronize()  # weights went up on the default stream, which `stream` does not wait for
     def cycle() -> None:
-        with FusedNgramEmbedding(layer, 8, gpu, stream) as fused:
-            fused.embed(ctx, 8, out, gpu, stream, graph=True)
-            fused.embed(ctx, 8, out, gpu, stream, graph=True)
+        with FusedNgramEmbedding(weights, 8, stream) as fused:
+            fused.embed(ctx, 8, out, stream, graph=True)
+            fused.embed(ctx, 8, out, stream, graph=True)
+        assert not weights.closed
     try:
         yield cycle, lambda: _read(gpu, out, (8, dims.hidden_size), stream)
     finally:
         gpu.destroy_stream(stream)
         gpu.free(out)
-        layer.close()
+        weights.close()
 
 
 @contextmanager
@@ -326,7 +332,7 @@ MAX_ROWS, STEPS, THREAD_CALLS = 32, 6, 20
 
 
 class _Job:
-    """One layer with its own dims and random weights (fused or not), ``count`` calls
+    """One runner (fused or the seed's) on its own dims and random weights, ``count`` calls
     (context, seq_len) and one output slice per call, so no call overwrites another's result."""
 
     def __init__(self, gpu, rng, count: int, fused: bool) -> None:
@@ -337,10 +343,15 @@ class _Job:
             row_bias=int(rng.integers(0, 2)), table_dim=int(rng.choice([8, 16, 33])),
             eos_id=int(rng.integers(0, vocab)))
         host = random_layer(rng, dims, "bf")
-        self.gpu, self.count, self.calls, self.fused, self.out = gpu, count, [], None, DevicePtr(0)
-        self.layer = NgramEmbedding.from_numpy(dims, host.word, _tables(host), host.projs, MAX_ROWS, gpu)
+        self.gpu, self.count, self.calls, self.out = gpu, count, [], DevicePtr(0)
+        self.layer: NgramEmbedding | None = None
+        self.fused: FusedNgramEmbedding | None = None
+        self.weights = NgramWeights.from_numpy(dims, host.word, _tables(host), host.projs, gpu)
         try:
-            self.fused = FusedNgramEmbedding(self.layer, MAX_ROWS, gpu) if fused else None
+            if fused:
+                self.fused = FusedNgramEmbedding(self.weights, MAX_ROWS)
+            else:
+                self.layer = NgramEmbedding(self.weights, MAX_ROWS)
             self.out = gpu.alloc(count * MAX_ROWS * dims.hidden_size * 2)
         except BaseException:
             self.close()
@@ -357,7 +368,7 @@ class _Job:
         ctx, seq = self.calls[i]
         out = self.out.offset(i * MAX_ROWS * self.dims.hidden_size * 2)
         if self.fused is not None:
-            self.fused.embed(ctx, seq, out, self.gpu, stream, graph=graph)
+            self.fused.embed(ctx, seq, out, stream, graph=graph)
         else:
             self.layer.embed(ctx, seq, out, self.gpu, stream)
 
@@ -381,9 +392,10 @@ class _Job:
 
     def close(self) -> None:
         self.gpu.synchronize()
-        if self.fused is not None:
-            self.fused.close()
-        self.layer.close()
+        for runner in (self.fused, self.layer):
+            if runner is not None:
+                runner.close()
+        self.weights.close()
         if self.out:
             self.gpu.free(self.out)
 

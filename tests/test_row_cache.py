@@ -11,11 +11,11 @@ import pytest
 
 from gpu_runtime import ClosedError
 from layers.kernel_files import load_kernel
-from layers.ngram_embed import NgramDims, NgramEmbedding, NgramTable
+from layers.ngram_embed import NgramDims, NgramEmbedding, NgramTable, NgramWeights
 from layers.ngram_embed.row_cache import RowCache
 from layers.ngram_embed.slot_index import SlotIndex
 from layers.ngram_embed.table_file import TableFormatError, write_table
-from layers.weight_map import BF16, DenseWeight
+from layers.dense_weight import BF16, DenseWeight
 from tests.helpers import Guarded, bits
 from tests.helpers.ngram import device_layer, free_layer, random_layer
 from tests.helpers.row_cache import assert_consistent, assert_resident, assign_random_absent, mem_gpu, table_file
@@ -227,23 +227,18 @@ def test_advise_willneed_covers_every_page_of_the_rows(tmp_path, rng, monkeypatc
 
 # -- GPU: cached layers against resident ones -----------------------------------------------------
 def _cached_layer(gpu, host, tmp_path, name: str, capacity: int, max_tokens: int) -> NgramEmbedding:
-    tables = []
+    """The seed's runner over weights whose tables are RowCaches over ``host``'s tables written
+    to files; the weights own the caches and uploads (``free_layer`` closes the runner, then them)."""
+    caches = []
     for c, (table, scale) in enumerate(host.tables):
         path = tmp_path / f"{name}{c}.ngt"
         write_table(path, table, scale)
-        tables.append(NgramTable.Cached(RowCache(gpu, path, capacity, chunk_rows=64)))
+        caches.append(RowCache(gpu, path, capacity, chunk_rows=64))
     word = DenseWeight.from_numpy(gpu, host.word)
     projs = [DenseWeight.from_numpy(gpu, p) for p in host.projs]
-    return NgramEmbedding(host.dims, word, tables, projs, max_tokens, gpu)
-
-
-def _free_cached(layer: NgramEmbedding) -> None:
-    layer.word.close()
-    for t in layer.tables:
-        t.cache.close()
-    for p in layer.projs:
-        p.close()
-    layer.close()
+    weights = NgramWeights(host.dims, word, [NgramTable.Cached(cache) for cache in caches], projs, gpu)
+    weights.own(*caches, word, *projs)
+    return NgramEmbedding(weights, max_tokens)
 
 
 @pytest.mark.gpu
@@ -274,13 +269,12 @@ def test_cached_layer_equals_resident_over_a_long_stream(gpu, rng, tmp_path, kin
                     warm.prefetch(tokens[:pos + 1], 1)  # the next decode step's rows
                 step += 1
         for layer in (cold, warm):
-            stats = [t.cache.stats for t in layer.tables]
+            stats = [t.cache.stats for t in layer.weights.tables]
             assert all(s.evictions > 0 and s.rows_read == s.misses for s in stats)
-        assert sum(t.cache.stats.prefetched for t in warm.tables) > 0
+        assert sum(t.cache.stats.prefetched for t in warm.weights.tables) > 0
     finally:
-        free_layer(resident)
-        _free_cached(cold)
-        _free_cached(warm)
+        for layer in (resident, cold, warm):
+            free_layer(layer)
 
 
 @pytest.mark.gpu

@@ -20,8 +20,8 @@ from gpu_runtime import (ClosedError, CudaBackend, CudaError, DeviceBuffer, Devi
 from gpu_runtime.packing import ArgPlan
 from gpu_runtime.signatures import Param, Signature, parse_signatures
 from layers.kernel_files import kernel_dir, kernel_files, kernel_path, load_kernel
-from layers.ops.loading import try_kernel
-from tests.fakes import MemoryBackend, RecordingBackend
+from layers.kernel_files import try_kernel
+from tests.helpers.fakes import MemoryBackend, RecordingBackend
 
 KERNEL_FILES = sorted(kernel_dir().glob("*.cu"))
 

@@ -15,7 +15,7 @@ from gpu_runtime import ClosedError
 from layers import safetensors_io
 from layers.ngram_embed.table_file import (TableFile, TableFormatError, TableHeader, TableWriter,
                                            write_table, write_table_from_safetensors)
-from layers.weight_map import BF16, FP8
+from layers.dense_weight import BF16, FP8
 from tests.helpers import bits, random_bf16, random_fp8
 
 

@@ -1,7 +1,13 @@
-"""Tensor parallelism: the shard arithmetic and the launch order (CPU); on one GPU, every rank of
-a group run one after another and summed (``LocalGroup``) and a one-rank NCCL communicator, each
-bit for bit the single-GPU fused path; on two GPUs (skipped on smaller machines), NCCL in one
-process and in one process per GPU, and a failed rank that cannot hang the other."""
+"""Tensor parallelism (``NgramWeights(shard=)``, ``collective=`` on the fused runners, ``embed_all``).
+
+CPU: the shard arithmetic; a shard's weights (what they must hold, what ``from_numpy`` and
+``from_pretrained`` upload: only the rank's word rows and tables); which runner takes which
+weights and collective, refused before anything is allocated; the launch order of a rank's call,
+of ``embed_all`` and of a rank's decoder step, and every refusal before any launch; ``LocalGroup``
+and the NCCL wrappers over fakes. On one GPU: every rank of a group run one after another and
+summed (``LocalGroup``), a one-rank decoder and a one-rank NCCL communicator, each bit for bit the
+single-GPU fused path. On two GPUs (skipped on smaller machines): NCCL in one process and in one
+process per GPU, and a failed rank that cannot hang the other."""
 
 from __future__ import annotations
 
@@ -12,51 +18,36 @@ from contextlib import ExitStack
 import numpy as np
 import pytest
 
-from gpu_runtime import DeviceCopies, DevicePtr, device_count
-from layers.ngram_embed import NgramTable
-from layers.ngram_embed.fused import FusedNgramEmbedding
-from layers.ngram_embed.tables import check_table, gather_entry
+from gpu_runtime import ClosedError, DeviceCopies, DevicePtr, device_count
+from layers.ngram_embed import (FusedNgramEmbedding, NgramDecoder, NgramEmbedding, NgramShard, NgramTable,
+                                NgramWeights, embed_all, reduce_bytes)
+from layers.ngram_embed import NO_ADAPTER
+from layers.ngram_embed.tables import AbsentTable, Bf16Table, check_table, gather_entry
 from layers.ops.ngram_fused import ABSENT
-from layers.tensor_parallel import (LocalGroup, NgramShard, RankWeights, TensorParallelNgramDecoder,
-                                    TensorParallelNgramEmbedding, embed_all, reduce_bytes)
-import tests.test_ngram_decoder as decoder_tests
-from tests.fakes import RecordingBackend
-from layers.weight_map import BF16
+from layers.tensor_parallel import LocalGroup
+from layers.dense_weight import BF16, DenseWeight
+from tests.helpers.fakes import RecordingBackend, refused
 from tests.helpers import Guarded, bits, run_on_poisoned
-from tests.helpers.ngram import device_layer, free_layer, random_layer, small_dims
+from tests.helpers.checkpoint import weight_bytes
+from tests.helpers import decoder_checks
+from tests.helpers.decoder import u32
+from tests.helpers.logging_backend import LoggingBackend
+from tests.helpers.ngram import device_weights, random_layer, small_dims
+from tests.helpers.tensor_parallel import (FakeCollective, FakeGroup, RankWorld, Ranks, fused_reference,
+                                           local_outputs, numpy_tables, random_batch, rank_process,
+                                           rank_weights)
 
 OUT = DevicePtr(0x900000)
 
 
-def _ranks(gpu, host, size, max_rows=64, collectives=None):
-    """Every rank of a group of ``size`` on ``gpu``, from the full host weights."""
-    tables = [t if s is None else (t, s) for t, s in host.tables]
-    return [TensorParallelNgramEmbedding.from_numpy(
-        host.dims, NgramShard.of(host.dims, r, size), host.word, tables, host.projs, max_rows, gpu,
-        collective=None if collectives is None else collectives[r]) for r in range(size)]
-
-
-class FakeCollective:
-    def __init__(self, rank=0, size=1, calls=None):
-        self.rank, self.size, self.closed = rank, size, False
-        self.calls = [] if calls is None else calls
-
-    def allreduce_bf16(self, ptr, count, stream):
-        self.calls.append(("allreduce", int(ptr), count, stream))
-
-
-class FakeGroup:
-    def __init__(self, size):
-        self.size, self.closed, self.calls = size, False, []
-
-    def allreduce_bf16_all(self, buffers):
-        self.calls.append(("allreduce_all", [(int(p), c, s) for p, c, s in buffers]))
+def _dims(**kw):
+    return small_dims(max_ngram=3, splits=2, **kw)  # T = 4 tables, V = 500, D = 40
 
 
 # -- CPU: the shard arithmetic ------------------------------------------------------------------
 @pytest.mark.parametrize("size", [1, 2, 3, 4])
 def test_shards_split_tables_and_word_rows_exactly_once(size):
-    dims = small_dims(max_ngram=3, splits=2)  # T = 4, V = 500
+    dims = _dims()
     shards = [NgramShard.of(dims, r, size) for r in range(size)]
     assert [c for s in shards for c in s.tables] == list(range(dims.num_tables()))
     assert all(len(s.tables) in (4 // size, -(-4 // size)) for s in shards)
@@ -69,7 +60,7 @@ def test_shards_split_tables_and_word_rows_exactly_once(size):
                                                (0, 0, ValueError), (0.0, 2, TypeError)])
 def test_bad_ranks_are_refused(rank, size, error):
     with pytest.raises(error):
-        NgramShard.of(small_dims(max_ngram=3, splits=2), rank, size)
+        NgramShard.of(_dims(), rank, size)
 
 
 def test_reduce_bytes_for_both_places():
@@ -78,185 +69,413 @@ def test_reduce_bytes_for_both_places():
                                       "projected output (fp32)": 4 * 10 * 256}
 
 
-def test_absent_tables_gather_as_zeros_and_the_seed_path_refuses_them():
+def test_absent_tables_gather_as_zeros():
     assert gather_entry(NgramTable.Absent(61, 20), 61) == (0, 0, 61, ABSENT)
     check_table(NgramTable.Absent(61, 20), 0, 61, 20)
     with pytest.raises(ValueError, match="shape"):
         check_table(NgramTable.Absent(62, 20), 0, 61, 20)
-    gpu = RecordingBackend()
-    dims = small_dims(max_ngram=3, splits=2)
-    host = random_layer(np.random.default_rng(0), dims, "b")
-    layer = device_layer(gpu, host, max_tokens=8)
-    layer.tables[1] = NgramTable.Absent(dims.table_rows(1), dims.table_dim())
-    gpu.launches.clear()
-    with pytest.raises(ValueError, match="table 1 is held by another rank"):
-        layer.embed([1, 2, 3], 2, OUT, gpu)
-    assert gpu.launches == []
 
 
-def test_rank_weights_refuse_tables_on_the_wrong_rank():
+def test_weights_without_a_shard_refuse_absent_tables(rng):
     gpu = RecordingBackend()
-    dims = small_dims(max_ngram=3, splits=2)
-    host = random_layer(np.random.default_rng(0), dims, "b")
-    good = RankWeights.from_numpy(dims, NgramShard.of(dims, 1, 2), host.word, [t for t, _ in host.tables],
-                                  host.projs, gpu)
-    assert [type(t).__name__ for t in good.tables] == ["AbsentTable"] * 2 + ["Bf16Table"] * 2
-    assert good.word.shape == (250, dims.hidden_size)
-    with pytest.raises(ValueError, match="table 0 must be held by rank 0"):
-        RankWeights(dims, NgramShard.of(dims, 0, 2), good.word, good.tables, good.projs, gpu)
-    with pytest.raises(ValueError, match="table 2 must not be held by rank 0"):
-        RankWeights(dims, NgramShard.of(dims, 0, 2), good.word, _all_held(good, dims), good.projs, gpu)
-    with pytest.raises(ValueError, match="is rank 1's, got None"):
-        RankWeights.from_numpy(dims, NgramShard.of(dims, 1, 2), host.word, [None] * 4, host.projs, gpu)
+    dims = _dims()
+    full = device_weights(gpu, random_layer(rng, dims, "b"))
+    tables = list(full.tables)
+    tables[1] = NgramTable.Absent(dims.table_rows(1), dims.table_dim())
+    with pytest.raises(ValueError, match="table 1"):
+        NgramWeights(dims, full.word, tables, full.projs, gpu)
+
+
+# -- CPU: a shard's weights ---------------------------------------------------------------------
+def _fake_weight(rows, cols, at=0x700000):
+    """A bf16 DenseWeight of that shape at a made-up address (owns nothing)."""
+    return DenseWeight(DevicePtr(at), (rows, cols), np.dtype(BF16))
 
 
 def _all_held(weights, dims):
-    """Rank 1's tables with its absent ones replaced by held ones of the right shape."""
-    from layers.ngram_embed.tables import Bf16Table
-    from layers.weight_map import DenseWeight
-
-    return [t if not isinstance(t, NgramTable.Absent) else
-            Bf16Table(DenseWeight(DevicePtr(0x700000), (dims.table_rows(c), dims.table_dim()), np.dtype(BF16)))
+    """``weights``' tables with the absent ones replaced by held ones of the right shape."""
+    return [t if not isinstance(t, NgramTable.Absent) else Bf16Table(_fake_weight(dims.table_rows(c), dims.table_dim()))
             for c, t in enumerate(weights.tables)]
+
+
+def test_a_shards_weights_hold_its_tables_and_word_rows_only(rng):
+    gpu = RecordingBackend()
+    dims = _dims()
+    host = random_layer(rng, dims, "b")
+    good = rank_weights(gpu, host, 1, 2)
+    assert good.shard == NgramShard.of(dims, 1, 2)
+    assert [type(t).__name__ for t in good.tables] == ["AbsentTable"] * 2 + ["Bf16Table"] * 2
+    assert good.word.shape == (250, dims.hidden_size)
+    again = NgramWeights(dims, good.word, good.tables, good.projs, gpu, shard=(1, 2))  # a (rank, size) pair
+    assert again.shard == good.shard and again.tables == good.tables
+    with pytest.raises(ValueError, match="table 0 must be held by rank 0"):
+        NgramWeights(dims, good.word, good.tables, good.projs, gpu, shard=(0, 2))
+    with pytest.raises(ValueError, match="table 2 must not be held by rank 0"):
+        NgramWeights(dims, good.word, _all_held(good, dims), good.projs, gpu, shard=(0, 2))
+    with pytest.raises(ValueError, match=r"table 0 must not be held by rank 1"):
+        NgramWeights(dims, good.word, _all_held(good, dims), good.projs, gpu, shard=(1, 2))
+    with pytest.raises(ValueError, match=r"word embedding must be \(250, 40\) bfloat16, got \(500, 40\)"):
+        NgramWeights(dims, _fake_weight(500, 40), good.tables, good.projs, gpu, shard=(1, 2))
+    with pytest.raises(ValueError, match=r"word embedding must be \(167, 40\) bfloat16, got \(250, 40\)"):
+        NgramWeights(dims, good.word, good.tables, good.projs, gpu, shard=(1, 3))
+    with pytest.raises(ValueError, match=r"word embedding must be \(500, 40\) bfloat16, got \(250, 40\)"):
+        NgramWeights(dims, good.word, _all_held(good, dims), good.projs, gpu)  # rank rows, no shard
+    with pytest.raises(ValueError, match="word embedding"):  # dense rows of another dtype
+        NgramWeights(dims, DenseWeight(DevicePtr(0x700000), (250, 40), np.dtype(np.float32)), good.tables,
+                     good.projs, gpu, shard=(1, 2))
+
+
+@pytest.mark.parametrize("shard, error, match", [
+    ((2, 2), ValueError, "rank 2 out of range for size 2"),
+    ((0, 5), ValueError, "size 5 over the 4 tables"),
+    ((-1, 2), ValueError, "rank"),
+    ((0, 0), ValueError, "size"),
+    ((0.0, 2), TypeError, "rank"),
+    ((0, 1, 2), TypeError, r"\(rank, size\) pair"),
+    ([0, 2], TypeError, r"\(rank, size\) pair"),
+    ("0/2", TypeError, r"\(rank, size\) pair"),
+    (NgramShard(0, 2, range(0, 3), 0, 250), ValueError, r"is not NgramShard.of\(dims, 0, 2\)"),
+    (NgramShard.of(small_dims(max_ngram=3, splits=2, vocab_size=600), 1, 2), ValueError, "is not NgramShard.of"),
+])
+def test_a_bad_shard_is_refused_before_any_upload(rng, shard, error, match):
+    dims = _dims()
+    host = random_layer(rng, dims, "bf")
+    gpu = LoggingBackend()
+    with pytest.raises(error, match=match):
+        NgramWeights.from_numpy(dims, host.word, numpy_tables(host), host.projs, gpu, shard=shard)
+    assert gpu.log == [] and gpu.empty()
+    word, projs = _fake_weight(250, 40), [_fake_weight(40, dims.table_dim()) for _ in range(4)]
+    tables = [NgramTable.Absent(dims.table_rows(c), dims.table_dim()) for c in range(4)]
+    with pytest.raises(error, match=match):
+        NgramWeights(dims, word, tables, projs, RecordingBackend(), shard=shard)
+
+
+def _device_bytes(gpu: LoggingBackend) -> int:
+    """Bytes allocated on the (fake) device, mapped host memory left out."""
+    mapped = {dev for dev, _ in gpu.mapped.values()}
+    return sum(buf.size for ptr, buf in gpu.mem.items() if ptr not in mapped)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3])
+@pytest.mark.parametrize("placement", ["device", "host"])
+def test_from_numpy_uploads_only_the_shards_word_rows_and_tables(rng, size, placement):
+    dims = _dims()
+    host = random_layer(rng, dims, "bf")
+    t, h, td = dims.num_tables(), dims.hidden_size, dims.table_dim()
+    ref_gpu = LoggingBackend()
+    full = NgramWeights.from_numpy(dims, host.word, numpy_tables(host), host.projs, ref_gpu, placement=placement)
+    for r in range(size):
+        shard = NgramShard.of(dims, r, size)
+        gpus, uploads = [], []
+        for tables in (numpy_tables(host, shard), numpy_tables(host)):  # None or the full table: the same
+            gpu = LoggingBackend()
+            w = NgramWeights.from_numpy(dims, host.word, tables, host.projs, gpu, placement=placement, shard=shard)
+            assert w.shard == shard
+            word = gpu.read(w.word.weight, w.word.nbytes)
+            assert word.tobytes() == host.word[shard.word_lo:shard.word_lo + shard.word_rows].tobytes()
+            for c, (got, want) in enumerate(zip(w.tables, full.tables)):
+                if c in shard.tables:
+                    assert type(got) is type(want)
+                    assert weight_bytes(gpu, got.weight) == weight_bytes(ref_gpu, want.weight)
+                else:
+                    assert isinstance(got, AbsentTable) and got.shape == (dims.table_rows(c), td)
+            assert [weight_bytes(gpu, p) for p in w.projs] == [weight_bytes(ref_gpu, p) for p in full.projs]
+            held_rows = [c for c in shard.tables]
+            expect = shard.word_rows * h * 2 + t * h * td * 2  # word rows, every projection
+            expect += sum(dims.table_rows(c) * 4 for c in held_rows if host.tables[c][1] is not None)  # fp8 scales
+            if placement == "device":
+                expect += sum(host.tables[c][0].nbytes for c in held_rows)
+            assert _device_bytes(gpu) == expect
+            assert len(gpu.host) == (len(held_rows) if placement == "host" else 0)
+            gpus.append(gpu)
+            uploads.append(gpu.ops())
+            w.close()
+            assert gpu.empty()
+        assert uploads[0] == uploads[1]
+    full.close()
+
+
+def test_from_numpy_refuses_none_for_a_held_table_and_frees_what_it_uploaded(rng):
+    dims = _dims()
+    host = random_layer(rng, dims, "bf")
+    gpu = LoggingBackend()
+    tables = numpy_tables(host, NgramShard.of(dims, 1, 2))
+    tables[3] = None
+    with pytest.raises(ValueError, match="table 3: None, but this weights object holds it"):
+        NgramWeights.from_numpy(dims, host.word, tables, host.projs, gpu, shard=(1, 2))
+    assert gpu.empty()
+    with pytest.raises(ValueError, match="table 0: None"):  # no shard: every table is held
+        NgramWeights.from_numpy(dims, host.word, [None] * 4, host.projs, gpu)
+    assert gpu.empty()
+
+
+def test_from_numpy_with_a_shard_refuses_a_word_table_that_is_not_the_full_one(rng):
+    dims = _dims()
+    host = random_layer(rng, dims, "b")
+    gpu = LoggingBackend()
+    with pytest.raises(ValueError, match="word"):
+        NgramWeights.from_numpy(dims, host.word[:250], numpy_tables(host), host.projs, gpu, shard=(0, 2))
 
 
 # -- CPU: a rank's part of a Hugging Face folder -----------------------------------------------
 @pytest.mark.parametrize("size", [1, 2, 3])
 def test_from_pretrained_reads_and_uploads_only_the_ranks_part(tmp_path, rng, size):
-    from tests.helpers.checkpoint import make_model, weight_bytes, write_model
-    from tests.helpers.logging_backend import LoggingBackend
+    from tests.helpers.checkpoint import make_model, write_model
 
     model = write_model(tmp_path / "m", make_model(rng, kinds="bf"))
     dims = model.dims
     for r in range(size):
         gpu, ref_gpu = LoggingBackend(), LoggingBackend()
         shard = NgramShard.of(dims, r, size)
-        with TensorParallelNgramEmbedding.from_pretrained(str(model.path), gpu, r, size, max_rows=8) as tp, \
-                RankWeights.from_numpy(dims, shard, model.word, [t if c in shard.tables else None for c, t in
-                                                                 enumerate(model.numpy_tables())],
-                                       model.projs, ref_gpu) as ref:
-            weights = tp.layer
-            assert weights.shard == shard and tp.dims == dims
+        tables = [t if c in shard.tables else None for c, t in enumerate(model.numpy_tables())]
+        with NgramWeights.from_pretrained(str(model.path), gpu, shard=(r, size)) as weights, \
+                NgramWeights.from_numpy(dims, model.word, tables, model.projs, ref_gpu, shard=shard) as ref:
+            assert weights.shard == shard and weights.dims == dims
             assert weight_bytes(gpu, weights.word) == weight_bytes(ref_gpu, ref.word)
             assert [type(t).__name__ for t in weights.tables] == [type(t).__name__ for t in ref.tables]
             for got, want in zip(weights.tables, ref.tables):
                 if not isinstance(got, NgramTable.Absent):
                     assert weight_bytes(gpu, got.weight) == weight_bytes(ref_gpu, want.weight)
             assert [weight_bytes(gpu, p) for p in weights.projs] == [weight_bytes(ref_gpu, p) for p in ref.projs]
+            assert _device_bytes(gpu) == _device_bytes(ref_gpu)
         assert gpu.empty() and ref_gpu.empty()
+    gpu = LoggingBackend()
     with pytest.raises(ValueError, match="out of range"):
-        TensorParallelNgramEmbedding.from_pretrained(str(model.path), LoggingBackend(), 2, 2)
+        NgramWeights.from_pretrained(str(model.path), gpu, shard=(2, 2))
+    assert gpu.log == [] and gpu.empty()
+
+
+# -- CPU: which runner takes which weights and collective --------------------------------------
+def _full_and_shard(rng, kinds="b"):
+    """A recording backend, random host weights, the full weights and rank 1 of 2's on it."""
+    gpu = RecordingBackend()
+    host = random_layer(rng, _dims(eos_id=7), kinds)
+    return gpu, host, device_weights(gpu, host), rank_weights(gpu, host, 1, 2)
+
+
+def _decoder(weights, **kw):
+    return NgramDecoder(weights, max_seqs=4, max_rows=32, **kw)
+
+
+def _fused(weights, **kw):
+    return FusedNgramEmbedding(weights, 8, **kw)
+
+
+def _closed(collective):
+    collective.closed = True
+    return collective
+
+
+@pytest.mark.parametrize("make, on, error, match", [
+    (lambda w: NgramEmbedding(w, 8), "shard", ValueError, "NgramEmbedding: the weights are a tensor-parallel"),
+    (lambda w: _decoder(w), "shard", ValueError,
+     "NgramDecoder: the weights are a tensor-parallel shard; pass collective="),
+    (lambda w: _fused(w, collective=FakeCollective()), "full", ValueError,
+     "FusedNgramEmbedding: collective given, but the weights are not a tensor-parallel shard"),
+    (lambda w: _decoder(w, collective=FakeCollective()), "full", ValueError,
+     "NgramDecoder: collective given, but the weights are not a tensor-parallel shard"),
+    (lambda w: _fused(w, collective=FakeCollective(0, 2)), "shard", ValueError,
+     "FusedNgramEmbedding: the collective is rank 0 of 2, the weights rank 1 of 2"),
+    (lambda w: _decoder(w, collective=FakeCollective(1, 3)), "shard", ValueError,
+     "NgramDecoder: the collective is rank 1 of 3, the weights rank 1 of 2"),
+    (lambda w: _fused(w, collective=_closed(FakeCollective(1, 2))), "shard", ClosedError,
+     "FusedNgramEmbedding: its collective is closed"),
+    (lambda w: _decoder(w, collective=_closed(FakeCollective(1, 2))), "shard", ClosedError,
+     "NgramDecoder: its collective is closed"),
+    (lambda w: _fused(w, collective=object()), "shard", TypeError, "FusedNgramEmbedding: collective must be"),
+    (lambda w: _decoder(w, collective=object()), "shard", TypeError, "NgramDecoder: collective must be"),
+], ids=["seed-shard", "decoder-shard-no-collective", "fused-collective-full", "decoder-collective-full",
+        "fused-other-rank", "decoder-other-size", "fused-closed", "decoder-closed", "fused-not-collective",
+        "decoder-not-collective"])
+def test_runners_refuse_weights_and_collectives_that_do_not_match_before_building(rng, make, on, error, match):
+    gpu, _, full, shard = _full_and_shard(rng)
+    gpu.ops.clear()
+    gpu.launches.clear()
+    with pytest.raises(error, match=match):
+        make(full if on == "full" else shard)
+    assert gpu.ops == [] and gpu.launches == []
+
+
+def test_runners_borrow_the_weights_they_serve(rng):
+    gpu, _, full, shard = _full_and_shard(rng)
+    runners = [(NgramEmbedding(full, 8), full), (_fused(full), full), (_decoder(full), full), (_fused(shard), shard),
+               (_fused(shard, collective=FakeCollective(1, 2)), shard),
+               (_decoder(shard, collective=FakeCollective(1, 2)), shard)]
+    for runner, weights in runners:
+        assert runner.weights is weights and runner.dims == weights.dims
+        runner.close()
+    assert not full.closed and not shard.closed  # closing a runner leaves its weights open
+    live = _fused(shard, collective=FakeCollective(1, 2))
+    shard.close()
+    gpu.launches.clear()
+    with pytest.raises(ClosedError, match="fused ngram embed: its NgramWeights is closed"):
+        live.embed([1, 2, 3], 2, OUT)
+    with pytest.raises(ClosedError, match="FusedNgramEmbedding: its NgramWeights is closed"):
+        _fused(shard)
+    assert gpu.launches == []
 
 
 # -- CPU: the launches -------------------------------------------------------------------------
-def test_a_call_is_two_gathers_an_all_reduce_and_the_word_gemm():
-    gpu = RecordingBackend()
-    dims = small_dims(max_ngram=3, splits=2)
-    host = random_layer(np.random.default_rng(3), dims, "bf")
+def test_a_call_is_the_gather_the_word_shard_an_all_reduce_and_the_word_gemm(rng):
+    gpu, host, _, _ = _full_and_shard(rng, "bf")
+    dims = host.dims
     calls = []
-    (rank0, rank1) = _ranks(gpu, host, 2, collectives=[FakeCollective(0, 2, calls), FakeCollective(1, 2, calls)])
-    h, k = dims.hidden_size, dims.num_tables() * dims.table_dim()
-    gpu.launches.clear()
-    rank1.embed([5, 7, 9, 11, 13], 3, OUT, gpu, stream=4)
-    names = [gpu.kernel_of(launch)[1] for launch in gpu.launches]
-    assert names == ["batched_embed_shard", "ngram_gather", "dense_gemm_bf16_word"]
-    shard, gather, gemm = gpu.launches
-    buf = int(rank1.gather_buf)
-    assert shard.args[1:] == [int(rank1.word_rows.weight), buf, 3, h, 250, 250]
-    assert gather.args[4] == buf + 3 * h * 2  # the gathered rows after the word rows
-    assert calls == [("allreduce", buf, 3 * (h + k), 4)]
-    assert gemm.args[0] == buf + 3 * h * 2 and gemm.args[2] == int(OUT)
-    assert gemm.args[3:6] == [3, h, k] and gemm.args[6:8] == [int(rank1.row_ids), buf]
-    assert all(launch.stream == 4 for launch in gpu.launches)
-    rank0.close()
-    rank1.close()
+    with Ranks(gpu, host, 2, collectives=[FakeCollective(0, 2, calls), FakeCollective(1, 2, calls)]) as ranks:
+        rank1, w1 = ranks.runners[1], ranks.weights[1]
+        h, k = dims.hidden_size, dims.num_tables() * dims.table_dim()
+        gpu.launches.clear()
+        rank1.embed([5, 7, 9, 11, 13], 3, OUT, stream=4)
+        names = [gpu.kernel_of(launch)[1] for launch in gpu.launches]
+        assert names == ["ngram_gather", "batched_embed_shard", "dense_gemm_bf16_word"]
+        gather, shard, gemm = gpu.launches
+        buf = int(rank1.projection.buf)
+        word_ids = int(rank1.staging) + 3 * dims.max_ngram * 4  # after the windows in the upload
+        assert gather.args[4] == buf + 3 * h * 2  # the gathered rows after the word rows
+        assert shard.args == [word_ids, int(w1.word.weight), buf, 3, h, 250, 250]
+        assert calls == [("allreduce", buf, 3 * (h + k), 4)]
+        assert gemm.args[0] == buf + 3 * h * 2 and gemm.args[2] == int(OUT)
+        assert gemm.args[3:6] == [3, h, k] and gemm.args[6:8] == [int(rank1.projection.row_ids), buf]
+        assert all(launch.stream == 4 for launch in gpu.launches)
 
 
-def test_embed_needs_a_collective_of_its_rank():
-    gpu = RecordingBackend()
-    dims = small_dims(max_ngram=3, splits=2)
-    host = random_layer(np.random.default_rng(4), dims, "b")
-    (rank,) = _ranks(gpu, host, 1)
-    gpu.launches.clear()
-    with pytest.raises(ValueError, match="no collective"):
-        rank.embed([1, 2, 3], 2, OUT, gpu)
-    with pytest.raises(ValueError, match="no collective"):
-        rank.embed_batch([[1, 2, 3]], [2], OUT, gpu)
-    assert gpu.launches == []
-    tables = [t for t, _ in host.tables]
-    with pytest.raises(ValueError, match="rank 1 of 2, the weights rank 0 of 1"):
-        TensorParallelNgramEmbedding.from_numpy(dims, NgramShard.of(dims, 0, 1), host.word, tables,
-                                                host.projs, 8, gpu, collective=FakeCollective(1, 2))
-    closed = FakeCollective()
-    closed.closed = True
-    with pytest.raises(Exception, match="closed"):
-        TensorParallelNgramEmbedding.from_numpy(dims, NgramShard.of(dims, 0, 1), host.word, tables,
-                                                host.projs, 8, gpu, collective=closed)
-    with pytest.raises(TypeError, match="Collective"):
-        TensorParallelNgramEmbedding.from_numpy(dims, NgramShard.of(dims, 0, 1), host.word, tables,
-                                                host.projs, 8, gpu, collective=object())
+def test_a_rank_without_a_collective_serves_only_embed_all(rng):
+    gpu, host, _, _ = _full_and_shard(rng)
+    with Ranks(gpu, host, 1) as ranks:
+        (rank,) = ranks.runners
+        for call in (lambda: rank.embed([1, 2, 3], 2, OUT), lambda: rank.embed_batch([[1, 2, 3]], [2], OUT),
+                     lambda: rank.embed([1, 2, 3], 2, OUT, 1, graph=True)):
+            with refused(gpu, ValueError, "a tensor-parallel rank without a collective"):
+                call()
+        assert embed_all(FakeGroup(1), [rank], [[1, 2, 3]], [2], [OUT], [0]) == 2
 
 
-def test_embed_all_stages_every_rank_then_sums_then_projects():
-    gpu = RecordingBackend()
-    dims = small_dims(max_ngram=3, splits=2)
-    ranks = _ranks(gpu, random_layer(np.random.default_rng(5), dims, "b"), 2)
+def test_embed_all_stages_every_rank_then_sums_then_projects(rng):
+    gpu, host, _, _ = _full_and_shard(rng)
+    dims = host.dims
     group = FakeGroup(2)
     outs = [OUT, DevicePtr(0xA00000)]
-    gpu.launches.clear()
-    assert embed_all(group, ranks, [[1, 2, 3, 4]], [3], outs, [6, 7]) == 3
-    names = [gpu.kernel_of(launch)[1] for launch in gpu.launches]
-    assert names == ["batched_embed_shard", "ngram_gather"] * 2 + ["dense_gemm_bf16_word"] * 2
-    count = 3 * (dims.hidden_size + dims.num_tables() * dims.table_dim())
-    assert group.calls == [("allreduce_all", [(int(ranks[0].gather_buf), count, 6),
-                                              (int(ranks[1].gather_buf), count, 7)])]
-    assert [launch.args[2] for launch in gpu.launches[4:]] == [int(o) for o in outs]
-    gpu.launches.clear()
-    for bad, match in [((FakeGroup(3), ranks, outs, [6, 7]), "for a group of 3"),
-                       ((group, ranks[::-1], outs, [6, 7]), "ranks\\[0\\] is rank 1"),
-                       ((group, ranks, [OUT, 0], [6, 7]), "out")]:
-        with pytest.raises((ValueError, TypeError), match=match):
-            embed_all(bad[0], bad[1], [[1, 2, 3, 4]], [3], bad[2], bad[3])
-    with pytest.raises(ValueError):
-        embed_all(group, ranks, [[1, 2, 10**6]], [2], outs, [6, 7])  # token over the vocabulary
-    assert gpu.launches == [] and len(group.calls) == 1
-    for r in ranks:
-        r.close()
+    with Ranks(gpu, host, 2) as ranks:
+        runners = ranks.runners
+        gpu.launches.clear()
+        assert embed_all(group, runners, [[1, 2, 3, 4]], [3], outs, [6, 7]) == 3
+        names = [gpu.kernel_of(launch)[1] for launch in gpu.launches]
+        assert names == ["ngram_gather", "batched_embed_shard"] * 2 + ["dense_gemm_bf16_word"] * 2
+        count = 3 * (dims.hidden_size + dims.num_tables() * dims.table_dim())
+        assert group.calls == [("allreduce_all", [(int(runners[0].projection.buf), count, 6),
+                                                  (int(runners[1].projection.buf), count, 7)])]
+        assert [launch.stream for launch in gpu.launches] == [6, 6, 7, 7, 6, 7]
+        assert [launch.args[2] for launch in gpu.launches[4:]] == [int(o) for o in outs]
+        gpu.launches.clear()
+        assert embed_all(group, runners, [[1, 2, 3, 4]], [0], outs, [6, 7]) == 0  # no rows: nothing runs
+        assert gpu.launches == [] and len(group.calls) == 1
 
 
-def _rank_weights(gpu, host, rank=0, size=1):
-    return RankWeights.from_numpy(host.dims, NgramShard.of(host.dims, rank, size), host.word,
-                                  [t if s is None else (t, s) for t, s in host.tables], host.projs, gpu)
+class _EmbedAll:
+    """Two ranks of a group of two on a recording backend, and ``embed_all``'s arguments, which a
+    refusal case edits."""
+
+    def __init__(self, rng):
+        self.rng = rng
+        self.gpu, self.host, self.full, _ = _full_and_shard(rng)
+        self.dims = self.host.dims
+        self.stack = ExitStack()
+        self.ranks = self.stack.enter_context(Ranks(self.gpu, self.host, 2, max_rows=8))
+        self.args = dict(group=FakeGroup(2), ranks=list(self.ranks.runners), contexts=[[1, 2, 3, 4]], seq_lens=[3],
+                         outs=[OUT, DevicePtr(0xA00000)], streams=[6, 7])
+
+    def runner(self, weights):
+        return self.stack.enter_context(FusedNgramEmbedding(weights, 8))
+
+    def other_dims(self):
+        """Rank 1 of a model whose dims differ from rank 0's only in their EOS."""
+        host = random_layer(self.rng, self.dims.replace(eos_id=9), "b")
+        return self.runner(self.stack.enter_context(rank_weights(self.gpu, host, 1, 2)))
+
+    def edit(self, **changes):
+        self.args.update(changes)
+        return self
 
 
-def test_a_decoder_step_is_its_gather_the_word_shard_the_all_reduce_and_the_gemm():
-    gpu = RecordingBackend()
-    dims = small_dims(max_ngram=3, splits=2, eos_id=7)
+def _with_rank(s, r, runner):
+    ranks = list(s.args["ranks"])
+    ranks[r] = runner
+    return s.edit(ranks=ranks)
+
+
+def _closing(thing):
+    thing.close()
+    return thing
+
+
+EMBED_ALL_REFUSALS = [
+    ("not-a-group", lambda s: s.edit(group=object()), TypeError, "group must be a CollectiveGroup"),
+    ("closed-group", lambda s: s.edit(group=_closed(FakeGroup(2))), ClosedError, "embed_all: the group is closed"),
+    ("group-size", lambda s: s.edit(group=FakeGroup(3)), ValueError, "2 ranks, 2 outs and 2 streams for a group of 3"),
+    ("outs", lambda s: s.edit(outs=[OUT]), ValueError, "2 ranks, 1 outs and 2 streams"),
+    ("streams", lambda s: s.edit(streams=[6, 7, 8]), ValueError, "2 outs and 3 streams"),
+    ("order", lambda s: s.edit(ranks=s.args["ranks"][::-1]), ValueError, r"ranks\[0\]'s weights are rank 1 of 2"),
+    ("not-a-runner", lambda s: _with_rank(s, 1, NgramEmbedding(s.full, 8)), TypeError,
+     r"ranks\[1\] is a NgramEmbedding, not a FusedNgramEmbedding"),
+    ("not-a-shard", lambda s: _with_rank(s, 0, s.runner(s.full)), ValueError, r"ranks\[0\]'s weights are not a shard"),
+    ("other-group", lambda s: _with_rank(s, 1, s.runner(s.stack.enter_context(rank_weights(s.gpu, s.host, 1, 3)))),
+     ValueError, r"ranks\[1\]'s weights are rank 1 of 3"),
+    ("other-dims", lambda s: _with_rank(s, 1, s.other_dims()), ValueError, r"ranks\[1\] has other dims than rank 0"),
+    ("closed-rank", lambda s: _closing(s.args["ranks"][1]) and s, ClosedError, r"embed_all: ranks\[1\] is closed"),
+    ("closed-weights", lambda s: _closing(s.ranks.weights[1]) and s, ClosedError,
+     r"embed_all: ranks\[1\]'s NgramWeights is closed"),
+    ("contexts", lambda s: s.edit(seq_lens=[3, 1]), ValueError, "1 contexts, 2 seq_lens"),
+    ("token", lambda s: s.edit(contexts=[[1, 2, 10**6]], seq_lens=[2]), ValueError, r"token 1000000 outside 0\.\.V-1"),
+    ("rows", lambda s: s.edit(contexts=[list(range(1, 12))], seq_lens=[9]), ValueError, "9 rows over max_rows 8"),
+    ("null-out", lambda s: s.edit(outs=[OUT, 0]), ValueError, "embed_all out"),
+]
+
+
+@pytest.mark.parametrize("case, edit, error, match", EMBED_ALL_REFUSALS, ids=[c[0] for c in EMBED_ALL_REFUSALS])
+def test_embed_all_refuses_before_any_upload_or_launch(rng, case, edit, error, match):
+    s = _EmbedAll(rng)
+    try:
+        edit(s)
+        group = s.args["group"]
+        s.gpu.launches.clear()
+        s.gpu.ops.clear()
+        with pytest.raises(error, match=match):
+            embed_all(**s.args)
+        assert s.gpu.launches == [] and s.gpu.ops == []
+        assert getattr(group, "calls", []) == []
+    finally:
+        s.stack.close()
+
+
+def test_a_decoder_step_is_its_gather_the_word_shard_the_all_reduce_and_the_gemm(rng):
+    gpu, host, _, weights = _full_and_shard(rng, "bf")
+    dims = host.dims
     calls = []
-    weights = _rank_weights(gpu, random_layer(np.random.default_rng(6), dims, "bf"), 1, 2)
-    dec = TensorParallelNgramDecoder(weights, collective=FakeCollective(1, 2, calls), max_seqs=4, max_rows=32,
-                                     gpu=gpu, max_draft=1)
+    dec = NgramDecoder(weights, collective=FakeCollective(1, 2, calls), max_seqs=4, max_rows=32, max_draft=1)
+    assert dec.collective.calls is calls and dec.projection.collective is dec.collective
     h, k = dims.hidden_size, dims.num_tables() * dims.table_dim()
     gpu.launches.clear()
+    gpu.ops.clear()
     dec.step(DevicePtr(0x1000), DevicePtr(0x2000), 3, OUT, stream=5, k=2)
     names = [gpu.kernel_of(launch)[1] for launch in gpu.launches]
     assert names == ["ngram_decode_gather", "batched_embed_shard", "dense_gemm_bf16_word"]
+    assert gpu.ops == [], "no upload, allocation or memset in the hot path"
     gather, shard, gemm = gpu.launches
-    buf, rows = int(dec.fused.gather_buf), 6
+    buf, rows = int(dec.projection.buf), 6
     assert buf + rows * h * 2 in gather.args and int(dec.word_ids) in gather.args
     assert shard.args == [int(dec.word_ids), int(weights.word.weight), buf, rows, h, 250, 250]
     assert calls == [("allreduce", buf, rows * (h + k), 5)]
-    assert gemm.args[0] == buf + rows * h * 2 and gemm.args[6:8] == [int(dec.fused.row_ids), buf]
-    with pytest.raises(TypeError, match="Collective"):
-        TensorParallelNgramDecoder(weights, collective=None, max_seqs=4, max_rows=32, gpu=gpu)
-    calls[-1:] = []
-    dec.fused.collective.closed = True
+    assert gemm.args[0] == buf + rows * h * 2 and gemm.args[6:8] == [int(dec.projection.row_ids), buf]
+    assert all(launch.stream == 5 for launch in gpu.launches)
+    calls.clear()
+    dec.collective.closed = True
     gpu.launches.clear()
-    with pytest.raises(Exception, match="closed"):
+    with pytest.raises(ClosedError, match="NgramDecoder: its collective is closed"):
         dec.step(DevicePtr(0x1000), DevicePtr(0x2000), 3, OUT, stream=5)
     assert gpu.launches == [] and calls == []
     dec.close()
     weights.close()
+    with pytest.raises(ClosedError):
+        dec.step(DevicePtr(0x1000), DevicePtr(0x2000), 3, OUT, stream=5)
 
 
 class CopyingBackend(RecordingBackend, DeviceCopies):
@@ -412,56 +631,17 @@ def test_a_wait_past_its_deadline_or_on_an_nccl_error_aborts_every_rank(fake_ncc
 
 
 # -- GPU: every rank on one device, summed here (LocalGroup) ------------------------------------
-def _fused_reference(gpu, rng, host, contexts, seq_lens, max_rows):
-    layer = device_layer(gpu, host, max_tokens=max_rows)
-    fused = FusedNgramEmbedding(layer, max_rows, gpu)
-    try:
-        return run_on_poisoned(gpu, rng, lambda o: fused.embed_batch(contexts, seq_lens, o, gpu), sum(seq_lens),
-                               host.dims.hidden_size)
-    finally:
-        fused.close()
-        free_layer(layer)
-
-
-def _batch(rng, dims, sequences, max_rows):
-    """Random contexts of 1-39 tokens; each sequence embeds at most max_rows // sequences of them,
-    so the batch always fits a layer of ``max_rows`` rows."""
-    contexts = [rng.integers(0, dims.vocab_size, int(rng.integers(1, 40))) for _ in range(sequences)]
-    seq_lens = [int(rng.integers(1, min(len(c), max_rows // sequences) + 1)) for c in contexts]
-    return contexts, seq_lens
-
-
-def _local_outputs(gpu, rng, ranks, contexts, seq_lens, h):
-    """Every rank's output of one ``embed_all`` over a ``LocalGroup``, each written whole."""
-    rows, size = sum(seq_lens), len(ranks)
-    with ExitStack() as stack:
-        outs = [stack.enter_context(Guarded(gpu, (rows, h), BF16, rng)) for _ in range(size)]
-        for o in outs:
-            o.poison()
-        gpu.synchronize(0)
-        assert embed_all(LocalGroup(gpu, size), ranks, contexts, seq_lens, [o.ptr for o in outs], [0] * size) == rows
-        gpu.synchronize(0)
-        got = [o.read() for o in outs]
-        for o in outs:
-            o.assert_guards_intact()
-    return got
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("size, kinds", [(1, "b"), (2, "bf"), (3, "fb"), (4, "b")])
 def test_local_group_equals_the_single_gpu_fused_path(gpu, rng, size, kinds):
     dims = small_dims(max_ngram=3, splits=2, hidden_size=64, table_dim=32, eos_id=3)
     host = random_layer(rng, dims, kinds)
-    contexts, seq_lens = _batch(rng, dims, 5, 128)
-    want = _fused_reference(gpu, rng, host, contexts, seq_lens, 128)
-    ranks = _ranks(gpu, host, size, max_rows=128)
-    try:
-        got = _local_outputs(gpu, rng, ranks, contexts, seq_lens, dims.hidden_size)
-        for r in range(size):
-            assert np.array_equal(bits(got[r]), bits(want)), f"rank {r} of {size}"
-    finally:
-        for r in ranks:
-            r.close()
+    contexts, seq_lens = random_batch(rng, dims, 5, 128)
+    want = fused_reference(gpu, rng, host, contexts, seq_lens, 128)
+    with Ranks(gpu, host, size, max_rows=128) as ranks:
+        got = local_outputs(gpu, rng, ranks.runners, contexts, seq_lens, dims.hidden_size)
+    for r in range(size):
+        assert np.array_equal(bits(got[r]), bits(want)), f"rank {r} of {size}"
 
 
 @pytest.mark.gpu
@@ -470,54 +650,64 @@ def test_pretrained_ranks_equal_the_pretrained_fused_path(gpu, rng, tmp_path):
 
     model = write_model(tmp_path / "m", make_model(rng, kinds="bf"))
     dims, path = model.dims, str(model.path)
-    contexts, seq_lens = _batch(rng, dims, 4, 64)
-    with FusedNgramEmbedding.from_pretrained(path, gpu, max_rows=64) as fused:
-        want = run_on_poisoned(gpu, rng, lambda o: fused.embed_batch(contexts, seq_lens, o, gpu), sum(seq_lens),
+    contexts, seq_lens = random_batch(rng, dims, 4, 64)
+    with NgramWeights.from_pretrained(path, gpu) as weights, FusedNgramEmbedding(weights, 64) as fused:
+        want = run_on_poisoned(gpu, rng, lambda o: fused.embed_batch(contexts, seq_lens, o), sum(seq_lens),
                                dims.hidden_size)
-    ranks = [TensorParallelNgramEmbedding.from_pretrained(path, gpu, r, 2, max_rows=64) for r in range(2)]
-    try:
-        got = _local_outputs(gpu, rng, ranks, contexts, seq_lens, dims.hidden_size)
-        assert all(np.array_equal(bits(g), bits(want)) for g in got)
-    finally:
-        for r in ranks:
-            r.close()
+    with ExitStack() as stack:
+        shards = [stack.enter_context(NgramWeights.from_pretrained(path, gpu, shard=(r, 2))) for r in range(2)]
+        runners = [stack.enter_context(FusedNgramEmbedding(w, 64)) for w in shards]
+        got = local_outputs(gpu, rng, runners, contexts, seq_lens, dims.hidden_size)
+    assert all(np.array_equal(bits(g), bits(want)) for g in got)
 
 
-class _RankWorld(decoder_tests.World):
-    """``test_ngram_decoder``'s world with its decoder replaced by a one-rank tensor-parallel one
-    (a collective of one: the all-reduce adds nothing), checked against the same fused path."""
-
-    def __init__(self, gpu, rng, collective):
-        super().__init__(gpu, rng)
-        self.dec.close()
-        self.weights = _rank_weights(gpu, self.host)
-        gpu.synchronize(0)
-        self.dec = TensorParallelNgramDecoder(self.weights, collective=collective, max_seqs=6, max_rows=96, gpu=gpu,
-                                              stream=self.stream, max_draft=3)
-
-    def close(self):
-        super().close()
-        self.weights.close()
+# -- GPU: a one-rank decoder (a collective of one: the all-reduce adds nothing) -----------------
+@pytest.fixture
+def rank_world(gpu, rng):
+    """``RankWorld``: the decoder ``World`` (6 slots, 96 rows, drafts of 3) with its decoder over
+    a one-rank shard and a recording collective of one."""
+    w = RankWorld(gpu, rng, FakeCollective())
+    yield w
+    w.close()
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("body", ["test_ragged_and_chunked_prefill_equal_the_fused_path",
-                                  "test_graph_replayed_decode_steps_with_resets_and_reuse",
-                                  "test_k_token_steps_with_rollbacks"])
-def test_a_one_rank_decoder_is_the_decoder(gpu, rng, body):
-    world = _RankWorld(gpu, rng, FakeCollective())
-    try:
-        getattr(decoder_tests, body)(world)
-    finally:
-        world.close()
+@pytest.mark.parametrize("check", decoder_checks.CHECKS)
+def test_a_one_rank_decoder_check(rank_world, check):
+    """``decoder_checks``' checks of the plain decoder (test_ngram_decoder.py), on the one-rank
+    decoder: bit for bit the fused path on the full weights, and one all-reduce a launch."""
+    check(rank_world)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bad", ["token", "slot", "seqlens", "rollback"])
-def test_a_one_rank_decoder_contains_bad_device_values(gpu, rng, bad):
-    world = _RankWorld(gpu, rng, FakeCollective())
+def test_a_ranks_adapters_replace_the_word_row_inside_the_sum(gpu, rng):
+    """Adapters on a rank: the epilogue reads the adapter's row (``word_over``) instead of the
+    reduced word row, for the decoder and the fused runner alike: bit for bit the single-GPU
+    fused path with the same adapters."""
+    world = RankWorld(gpu, rng, FakeCollective(), adapters=2, override=150, batch_invariant=True)
     try:
-        decoder_tests.test_bad_device_values_are_flagged_and_contained(world, bad)
+        choice = [0, NO_ADAPTER, 1, 0]
+        got, want = world.prefill([0, 1, 2, 3], [6, 3, 9, 1], adapters=choice)
+        assert np.array_equal(bits(got), bits(want))
+        tokens = world.tokens(4)
+        with u32(gpu, tokens) as t, u32(gpu, [0, 1, 2, 3]) as sl, u32(gpu, choice) as ad:
+            world.out.poison()
+            gpu.synchronize(0)
+            world.dec.step(t, sl, 4, world.out.ptr, world.stream, adapters=ad)
+            got = world.read(4)
+        for s, tok in enumerate(tokens):
+            world.ctx[s].append(int(tok))
+        assert np.array_equal(bits(got), bits(world.expect([0, 1, 2, 3], [1] * 4, 4, choice)))
+        contexts = [np.asarray(world.ctx[s]) for s in range(4)]
+        with FusedNgramEmbedding(world.rank_weights, 32, world.stream, collective=world.collective,
+                                 adapter_slots=world.slots, batch_invariant=True) as rank:
+            with Guarded(gpu, (8, world.dims.hidden_size), BF16, rng) as out:
+                out.poison()
+                rank.embed_batch(contexts, [2] * 4, out.ptr, world.stream, adapters=choice)
+                gpu.synchronize(world.stream)
+                got = out.read()
+                out.assert_guards_intact()
+        assert np.array_equal(bits(got), bits(world.expect([0, 1, 2, 3], [2] * 4, 8, choice)))
     finally:
         world.close()
 
@@ -539,24 +729,24 @@ def test_one_rank_nccl_equals_fused_eager_and_in_a_graph(gpu, rng):
     nccl = _nccl_or_skip()
     dims = small_dims(max_ngram=3, splits=2, hidden_size=64, table_dim=32)
     host = random_layer(rng, dims, "bf")
-    contexts, seq_lens = _batch(rng, dims, 3, 64)
-    want = _fused_reference(gpu, rng, host, contexts, seq_lens, 64)
+    contexts, seq_lens = random_batch(rng, dims, 3, 64)
+    want = fused_reference(gpu, rng, host, contexts, seq_lens, 64)
     comm = nccl.NcclCollective.init(1, 0, nccl.unique_id(), gpu)
-    (rank,) = _ranks(gpu, host, 1, collectives=[comm])
     stream = gpu.create_stream()
     try:
-        rows, h = sum(seq_lens), dims.hidden_size
-        eager = run_on_poisoned(gpu, rng, lambda o: rank.embed_batch(contexts, seq_lens, o, gpu, stream), rows, h,
-                                stream)
-        assert np.array_equal(bits(eager), bits(want))
-        for _ in range(2):  # the first call captures, the second replays (the all-reduce inside)
-            graph = run_on_poisoned(gpu, rng, lambda o: rank.embed_batch(contexts, seq_lens, o, gpu, stream,
-                                                                         graph=True), rows, h, stream)
-            assert np.array_equal(bits(graph), bits(want))
-        assert rank.captured_graphs == 1
-        comm.wait(stream, timeout_s=10.0)
+        with Ranks(gpu, host, 1, collectives=[comm]) as ranks:
+            (rank,) = ranks.runners
+            rows, h = sum(seq_lens), dims.hidden_size
+            eager = run_on_poisoned(gpu, rng, lambda o: rank.embed_batch(contexts, seq_lens, o, stream), rows, h,
+                                    stream)
+            assert np.array_equal(bits(eager), bits(want))
+            for _ in range(2):  # the first call captures, the second replays (the all-reduce inside)
+                graph = run_on_poisoned(gpu, rng, lambda o: rank.embed_batch(contexts, seq_lens, o, stream,
+                                                                             graph=True), rows, h, stream)
+                assert np.array_equal(bits(graph), bits(want))
+            assert rank.captured_graphs == 1
+            comm.wait(stream, timeout_s=10.0)
     finally:
-        rank.close()
         comm.close()
         gpu.destroy_stream(stream)
 
@@ -577,54 +767,28 @@ def test_two_gpus_in_one_process_equal_fused_and_repeat_bit_for_bit(rng):
     gpus = [CudaBackend(d) for d in range(2)]
     dims = small_dims(max_ngram=3, splits=4, hidden_size=256, table_dim=32)
     host = random_layer(rng, dims, "bf")
-    contexts, seq_lens = _batch(rng, dims, 8, 256)
-    want = _fused_reference(gpus[0], rng, host, contexts, seq_lens, 256)
+    contexts, seq_lens = random_batch(rng, dims, 8, 256)
+    want = fused_reference(gpus[0], rng, host, contexts, seq_lens, 256)
     group = nccl.NcclGroup(gpus)
-    ranks = [TensorParallelNgramEmbedding.from_numpy(dims, NgramShard.of(dims, r, 2), host.word,
-                                                     [t if s is None else (t, s) for t, s in host.tables],
-                                                     host.projs, 256, gpus[r]) for r in range(2)]
     try:
-        rows, h = sum(seq_lens), dims.hidden_size
-        outs = [g.alloc(rows * h * 2) for g in gpus]
-        results = []
-        for _ in range(2):
-            embed_all(group, ranks, contexts, seq_lens, outs, [0, 0])
-            group.wait([0, 0], timeout_s=30.0)
+        with Ranks(gpus, host, 2, max_rows=256) as ranks:
+            rows, h = sum(seq_lens), dims.hidden_size
+            outs = [g.alloc(rows * h * 2) for g in gpus]
+            results = []
+            for _ in range(2):
+                embed_all(group, ranks.runners, contexts, seq_lens, outs, [0, 0])
+                group.wait([0, 0], timeout_s=30.0)
+                for g, o in zip(gpus, outs):
+                    got = np.empty((rows, h), np.uint16)
+                    g.copy_d2h(got, o)
+                    results.append(got)
             for g, o in zip(gpus, outs):
-                got = np.empty((rows, h), np.uint16)
-                g.copy_d2h(got, o)
-                results.append(got)
-        assert all(np.array_equal(r, bits(want)) for r in results)
+                g.free(o)
+        assert len(results) == 4 and all(np.array_equal(r, bits(want)) for r in results)
     finally:
-        for r in ranks:
-            r.close()
         group.close()
         for g in gpus:
             g.close()
-
-
-def _rank_process(rank, uid, host, contexts, seq_lens, conn, fail):
-    from gpu_runtime import CudaBackend
-    from layers.tensor_parallel import nccl
-
-    gpu = CudaBackend(rank)
-    comm = nccl.NcclCollective.init(2, rank, uid, gpu)
-    if fail and rank == 1:
-        conn.send(("exited", None))  # a failed rank: gone without posting its all-reduce
-        return
-    layer = TensorParallelNgramEmbedding.from_numpy(host.dims, NgramShard.of(host.dims, rank, 2), host.word,
-                                                    [t if s is None else (t, s) for t, s in host.tables],
-                                                    host.projs, 256, gpu, collective=comm)
-    rows, h = sum(seq_lens), host.dims.hidden_size
-    out = gpu.alloc(rows * h * 2)
-    try:
-        layer.embed_batch(contexts, seq_lens, out, gpu)
-        comm.wait(0, timeout_s=5.0 if fail else 60.0)
-        got = np.empty((rows, h), np.uint16)
-        gpu.copy_d2h(got, out)
-        conn.send(("ok", got))
-    except Exception as exc:  # noqa: BLE001 - the parent asserts on the kind
-        conn.send((type(exc).__name__, str(exc)))
 
 
 def _run_two_processes(host, contexts, seq_lens, fail):
@@ -633,7 +797,7 @@ def _run_two_processes(host, contexts, seq_lens, fail):
     ctx = mp.get_context("spawn")
     uid = nccl.unique_id()
     pipes = [ctx.Pipe() for _ in range(2)]
-    procs = [ctx.Process(target=_rank_process, args=(r, uid, host, contexts, seq_lens, pipes[r][1], fail))
+    procs = [ctx.Process(target=rank_process, args=(r, uid, host, contexts, seq_lens, pipes[r][1], fail))
              for r in range(2)]
     for p in procs:
         p.start()
@@ -651,8 +815,8 @@ def test_two_gpus_one_process_each_equal_fused(gpu, rng):
     _two_gpus_or_skip()
     dims = small_dims(max_ngram=3, splits=4, hidden_size=256, table_dim=32)
     host = random_layer(rng, dims, "b")
-    contexts, seq_lens = _batch(rng, dims, 8, 256)
-    want = _fused_reference(gpu, rng, host, contexts, seq_lens, 256)
+    contexts, seq_lens = random_batch(rng, dims, 8, 256)
+    want = fused_reference(gpu, rng, host, contexts, seq_lens, 256)
     results = _run_two_processes(host, contexts, seq_lens, fail=False)
     assert [kind for kind, _ in results] == ["ok", "ok"], results
     assert all(np.array_equal(got, bits(want)) for _, got in results)
@@ -664,7 +828,7 @@ def test_a_failed_rank_cannot_hang_the_other(rng):
     _two_gpus_or_skip()
     dims = small_dims(max_ngram=3, splits=4, hidden_size=256, table_dim=32)
     host = random_layer(rng, dims, "b")
-    contexts, seq_lens = _batch(rng, dims, 2, 256)
+    contexts, seq_lens = random_batch(rng, dims, 2, 256)
     results = _run_two_processes(host, contexts, seq_lens, fail=True)
     assert results[1][0] == "exited"
     assert results[0][0] in ("TimeoutError", "RuntimeError"), results[0]

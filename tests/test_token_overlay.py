@@ -17,7 +17,7 @@ from layers.kernel_files import load_kernel
 from layers.reference import embed_overlay_ref, lmhead_dot, lmhead_overlay_ref, rowdiff_ref
 from layers.ops.token_overlay import (OverlayKernels, embed_overlay_routed, embed_rowdiff,
                                       lmhead_overlay_routed)
-from tests.fakes import RecordingBackend
+from tests.helpers.fakes import RecordingBackend
 from tests.helpers import bf16_ulp, bits, random_bf16
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -30,7 +30,7 @@ SIGNATURES = {
 }
 
 
-# -- CPU: launches recorded by tests.fakes.RecordingBackend ----------------------------------------
+# -- CPU: launches recorded by tests.helpers.fakes.RecordingBackend ----------------------------------------
 
 def _only_rowdiff() -> RecordingBackend:
     """A backend whose token_overlay module has the rowdiff kernel and nothing else."""

@@ -5,10 +5,9 @@ kernels and launches). Each area keeps its own state and releases it on ``close`
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
-from ..backend import (DeviceCopies, Events, GpuBackend, Graphs, MappedHostMemory, PinnedHostMemory,
-                       PitchedCopies, TensorMaps)
+from .. import backend
 from . import context, graphs, host, kernels, launch, memory, streams, tensor_maps
 from .graphs import CudaGraphs
 from .host import CudaHostMemory
@@ -22,9 +21,22 @@ from .tensor_maps import CudaTensorMaps
 DRIVER_MODULES = (context, memory, host, streams, graphs, kernels, launch, tensor_maps)
 
 
-class CudaBackend(CudaLaunch, CudaMemory, CudaHostMemory, CudaStreams, CudaGraphs, CudaTensorMaps,
-                  GpuBackend, PinnedHostMemory, MappedHostMemory, Events, Graphs, PitchedCopies,
-                  DeviceCopies, TensorMaps):
+class CudaBackend(
+    CudaLaunch,
+    CudaMemory,
+    CudaHostMemory,
+    CudaStreams,
+    CudaGraphs,
+    CudaTensorMaps,
+    backend.GpuBackend,  # the interface, and every optional capability of it
+    backend.PinnedHostMemory,
+    backend.MappedHostMemory,
+    backend.Events,
+    backend.Graphs,
+    backend.PitchedCopies,
+    backend.DeviceCopies,
+    backend.TensorMaps,
+):
     """``GpuBackend`` on the CUDA driver API, on one device's primary context.
 
     Owns what it hands out: allocations, streams, events, graphs, pinned and registered host
@@ -33,8 +45,7 @@ class CudaBackend(CudaLaunch, CudaMemory, CudaHostMemory, CudaStreams, CudaGraph
     is made current on each thread at its first call.
     """
 
-    def __init__(self, device: int = 0, *, target: str | None = None,
-                 options: Sequence[str] = ()) -> None:
+    def __init__(self, device: int = 0, *, target: str | None = None, options: Sequence[str] = ()) -> None:
         super().__init__(device, target=target, options=options)
         self._init_kernels()
         self._init_memory()
@@ -53,9 +64,14 @@ class CudaBackend(CudaLaunch, CudaMemory, CudaHostMemory, CudaStreams, CudaGraph
         their bytes, graphs, streams, events, and host buffers from ``alloc_host`` and
         ``register_host`` (not the upload staging pool, which is recycled and kept until close)."""
         with self._lock:
-            return {"allocations": len(self._allocs), "bytes": sum(self._allocs.values()),
-                    "graphs": len(self._graphs), "streams": len(self._streams),
-                    "events": len(self._events), "host buffers": len(self._host) + len(self._registered)}
+            return {
+                "allocations": len(self._allocs),
+                "bytes": sum(self._allocs.values()),
+                "graphs": len(self._graphs),
+                "streams": len(self._streams),
+                "events": len(self._events),
+                "host buffers": len(self._host) + len(self._registered),
+            }
 
     def close(self) -> None:
         """Wait for the device, then free everything this backend handed out; idempotent."""
@@ -73,7 +89,7 @@ class CudaBackend(CudaLaunch, CudaMemory, CudaHostMemory, CudaStreams, CudaGraph
             self._staging.close()
             self._release_context()
 
-    def __enter__(self) -> "CudaBackend":
+    def __enter__(self) -> CudaBackend:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from cuda.bindings import driver as cu
 
@@ -19,15 +20,13 @@ from ..driver import call
 from ..errors import NoDeviceError
 from ..packing import ArgPlan
 
-
 _CURRENT = threading.local()  # the context the backends last made current, per thread
 
 
 class CudaContext:
     """One device's primary context (the one the CUDA runtime, CuPy and torch share)."""
 
-    def __init__(self, device: int = 0, *, target: str | None = None,
-                 options: Sequence[str] = ()) -> None:
+    def __init__(self, device: int = 0, *, target: str | None = None, options: Sequence[str] = ()) -> None:
         driver.init()
         count = driver.device_count()
         if not 0 <= device < count:
@@ -43,7 +42,8 @@ class CudaContext:
         self.sm_count = self._attribute(cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
         self.l2_bytes = self._attribute(cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)
         self.max_shared_optin = self._attribute(
-            cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
+        )
         self.name = call(cu.cuDeviceGetName, 256, self._dev).split(b"\0")[0].decode()
         self._lock = threading.RLock()
         self._tls = threading.local()
@@ -87,6 +87,13 @@ class CudaContext:
         """Every public call's first check: the backend is open and bound on this thread."""
         validate.require_open(self._closed, "CudaBackend")
         self._bind()
+
+    def _release_all(self, destroy: Any, handles: set[int] | dict[int, Any]) -> None:
+        """At close: ``destroy`` each of ``handles`` (a set of them, or a dict keyed by them),
+        then forget them."""
+        for handle in list(handles):
+            call(destroy, handle)
+        handles.clear()
 
     def _synchronize_context(self) -> None:
         call(cu.cuCtxSynchronize)

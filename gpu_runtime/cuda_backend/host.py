@@ -29,12 +29,8 @@ class CudaHostMemory(CudaContext):
         self._read_only_register = None
 
     def _release_host_memory(self) -> None:
-        for addr in list(self._registered):
-            call(cu.cuMemHostUnregister, addr)
-        for addr in list(self._host):
-            call(cu.cuMemFreeHost, addr)
-        self._registered.clear()
-        self._host.clear()
+        self._release_all(cu.cuMemHostUnregister, self._registered)
+        self._release_all(cu.cuMemFreeHost, self._host)
         self._mapped.clear()
 
     @property
@@ -49,8 +45,7 @@ class CudaHostMemory(CudaContext):
         mapped = validate.boolean(mapped, "alloc_host: mapped")
         self._live()
         flags = cu.CU_MEMHOSTALLOC_DEVICEMAP | cu.CU_MEMHOSTALLOC_PORTABLE if mapped else 0
-        addr = int(call(cu.cuMemHostAlloc, nbytes, flags,
-                        detail=f"{nbytes} bytes{', mapped' if mapped else ''}"))
+        addr = int(call(cu.cuMemHostAlloc, nbytes, flags, detail=f"{nbytes} bytes{', mapped' if mapped else ''}"))
         with self._lock:
             self._host[addr] = nbytes
             if mapped:
@@ -95,8 +90,10 @@ class CudaHostMemory(CudaContext):
         self._live()
         base = self._mapped_range(addr, nbytes)
         if base is None:
-            raise ValueError(f"host_device_ptr of 0x{addr:x} (+{nbytes} bytes): not inside a mapped "
-                             "alloc_host buffer (alloc_host(..., mapped=True)) or a register_host range")
+            raise ValueError(
+                f"host_device_ptr of 0x{addr:x} (+{nbytes} bytes): not inside a mapped "
+                "alloc_host buffer (alloc_host(..., mapped=True)) or a register_host range"
+            )
         # The range's own address: cuMemHostGetDevicePointer is defined for it, then the offset.
         dev = int(call(cu.cuMemHostGetDevicePointer, base, 0, detail=f"host 0x{base:x}"))
         return DevicePtr(dev + (addr - base))
@@ -118,8 +115,10 @@ class CudaHostMemory(CudaContext):
         with self._lock:
             for base, size in [*self._host.items(), *((b, s) for b, (s, _) in self._registered.items())]:
                 if addr < base + size and base < addr + nbytes:
-                    raise ValueError(f"register_host of 0x{addr:x} (+{nbytes} bytes): overlaps pinned "
-                                     f"host memory at 0x{base:x} (+{size} bytes)")
+                    raise ValueError(
+                        f"register_host of 0x{addr:x} (+{nbytes} bytes): overlaps pinned "
+                        f"host memory at 0x{base:x} (+{size} bytes)"
+                    )
         flags = cu.CU_MEMHOSTREGISTER_DEVICEMAP
         if read_only and self._supports_read_only_register():
             flags |= cu.CU_MEMHOSTREGISTER_READ_ONLY
@@ -146,7 +145,8 @@ class CudaHostMemory(CudaContext):
         with self._lock:
             entry = self._registered.get(addr)
             if entry is None or entry[0] != array.nbytes:
-                raise ValueError(f"unregister_host of 0x{addr:x}: not a whole register_host range "
-                                 "(or unregistered twice)")
+                raise ValueError(
+                    f"unregister_host of 0x{addr:x}: not a whole register_host range (or unregistered twice)"
+                )
             del self._registered[addr]
         call(cu.cuMemHostUnregister, addr)

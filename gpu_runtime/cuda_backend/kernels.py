@@ -22,6 +22,7 @@ from ..pointers import KernelHandle
 from ..signatures import Signature, module_signatures
 from .context import CudaContext
 
+
 class _Loaded(NamedTuple):
     module: str  # the source file's stem, for messages
     name: str
@@ -190,8 +191,10 @@ class CudaKernels(CudaContext):
 
     def _raise_shared_limit(self, kernel: int, shared_mem: int) -> None:
         if shared_mem > self.max_shared_optin:
-            raise ValueError(f"{self.kernel_name(kernel)}: {shared_mem} bytes of shared memory, "
-                             f"device allows {self.max_shared_optin}")
+            raise ValueError(
+                f"{self.kernel_name(kernel)}: {shared_mem} bytes of shared memory, "
+                f"device allows {self.max_shared_optin}"
+            )
         attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         call(cu.cuFuncSetAttribute, kernel, attr, shared_mem)
         self._shared_set[kernel] = shared_mem

@@ -10,7 +10,8 @@ few lookups.
 from __future__ import annotations
 
 import functools
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from cuda.bindings import driver as cu
 
@@ -24,74 +25,91 @@ _STATIC_SHARED = 48 * 1024  # more dynamic shared memory than this needs the ker
 
 
 class CudaLaunch(CudaKernels):
-    def launch(self, kernel: KernelHandle, grid: tuple[int, int, int], block: tuple[int, int, int],
-               shared_mem: int, stream: int, kinds: str, args: Sequence[int | float], *,
-               overlap: bool = False) -> None:
+    def launch(
+        self,
+        kernel: KernelHandle,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        shared_mem: int,
+        stream: int,
+        kinds: str,
+        args: Sequence[int | float | bytes],
+        *,
+        overlap: bool = False,
+    ) -> None:
         try:
             plan = self._tls.shapes[(kernel, kinds)]
         except (AttributeError, KeyError):  # a new thread, or a new launch shape on this one
             plan = self._launch_shape(kernel, kinds)
-        if shared_mem > _STATIC_SHARED and self._shared_set.get(kernel, 0) < shared_mem:
-            self._raise_shared_limit(kernel, shared_mem)
         plan.pack(args)
-        if overlap and self.overlap:
-            self._launch_overlapped(kernel, grid, block, shared_mem, stream, plan.params)
-            return
-        gx, gy, gz = grid  # checked by KernelLaunch
-        bx, by, bz = block
-        (err,) = cu.cuLaunchKernel(kernel, gx, gy, gz, bx, by, bz, shared_mem, stream, plan.params, 0)
-        if err:
-            raise self._launch_error(err, "cuLaunchKernel", kernel, grid, block, shared_mem)
+        self._submit(kernel, plan.params, grid, block, shared_mem, stream, overlap)
 
-    def launch_spec(self, spec: KernelSpec, kernel: KernelHandle, grid: Sequence[int],
-                    block: Sequence[int], shared_mem: int, stream: int, params: int,
-                    values: Sequence[Any], overlap: bool = False) -> None:
+    def launch_spec(
+        self,
+        spec: KernelSpec,
+        kernel: KernelHandle,
+        grid: Sequence[int],
+        block: Sequence[int],
+        shared_mem: int,
+        stream: int,
+        params: int,
+        values: Sequence[Any],
+        overlap: bool = False,
+    ) -> None:
         try:
             checked = self._tls.specs[kernel] is spec
         except (AttributeError, KeyError):  # a new thread, or a new kernel on this one
             checked = False
         if not checked:
             self._check_spec(kernel, spec)
+        self._submit(kernel, params, grid, block, shared_mem, stream, overlap)
+
+    def _submit(
+        self,
+        kernel: KernelHandle,
+        params: int,
+        grid: Sequence[int],
+        block: Sequence[int],
+        shared_mem: int,
+        stream: int,
+        overlap: bool,
+    ) -> None:
+        """``kernel`` launched with its packed ``params`` (both entry points' checks done):
+        ``cuLaunchKernel``, or for ``overlap`` (unless ``GPU_RUNTIME_OVERLAP=0``)
+        ``cuLaunchKernelEx`` with programmatic stream serialisation. Grid, block and shared
+        memory reach the driver unchecked (a ``KernelSpec`` launch's): a bad one fails there (in
+        the bindings' conversion, or as CUDA_ERROR_INVALID_VALUE) and is phrased after."""
         if shared_mem > _STATIC_SHARED and self._shared_set.get(kernel, 0) < shared_mem:
             self._raise_shared_limit(kernel, shared_mem)
-        if overlap and self.overlap:
-            self._launch_overlapped(kernel, grid, block, shared_mem, stream, params)
-            return
-        # Grid, block and shared memory reach the driver unchecked: a bad one fails there (in
-        # the bindings' conversion, or as CUDA_ERROR_INVALID_VALUE) and is phrased after.
         try:
-            gx, gy, gz = grid
-            bx, by, bz = block
-            (err,) = cu.cuLaunchKernel(kernel, gx, gy, gz, bx, by, bz, shared_mem, stream, params, 0)
+            if overlap and self.overlap:
+                call_name = "cuLaunchKernelEx"
+                config = _overlap_config(tuple(grid), tuple(block), shared_mem, stream)
+                (err,) = cu.cuLaunchKernelEx(config, kernel, params, 0)
+            else:
+                call_name = "cuLaunchKernel"
+                gx, gy, gz = grid
+                bx, by, bz = block
+                (err,) = cu.cuLaunchKernel(kernel, gx, gy, gz, bx, by, bz, shared_mem, stream, params, 0)
         except (TypeError, ValueError, OverflowError):
             launch_config.check(grid, block, shared_mem)
             raise
         if err:
-            raise self._launch_error(err, "cuLaunchKernel", kernel, grid, block, shared_mem)
+            raise self._launch_error(err, call_name, kernel, grid, block, shared_mem)
 
-    def _launch_overlapped(self, kernel: KernelHandle, grid: Sequence[int], block: Sequence[int],
-                           shared_mem: int, stream: int, params: int) -> None:
-        try:
-            config = _overlap_config(tuple(grid), tuple(block), shared_mem, stream)
-            (err,) = cu.cuLaunchKernelEx(config, kernel, params, 0)
-        except (TypeError, ValueError, OverflowError):
-            launch_config.check(grid, block, shared_mem)
-            raise
-        if err:
-            raise self._launch_error(err, "cuLaunchKernelEx", kernel, grid, block, shared_mem)
-
-    def _launch_error(self, err: Any, call_name: str, kernel: KernelHandle, grid: Sequence[int],
-                      block: Sequence[int], shared_mem: int) -> Exception:
+    def _launch_error(
+        self, err: Any, call_name: str, kernel: KernelHandle, grid: Sequence[int], block: Sequence[int], shared_mem: int
+    ) -> Exception:
         """A bad configuration refused as such (the driver says CUDA_ERROR_INVALID_VALUE), else
         the driver's error naming the kernel and the configuration."""
         launch_config.check(grid, block, shared_mem)
-        return CudaError(err, call_name, f"{self.kernel_name(kernel)} grid={tuple(grid)} "
-                         f"block={tuple(block)} shared={shared_mem}")
+        return CudaError(
+            err, call_name, f"{self.kernel_name(kernel)} grid={tuple(grid)} block={tuple(block)} shared={shared_mem}"
+        )
 
 
 @functools.lru_cache(maxsize=256)
-def _overlap_config(grid: tuple[int, int, int], block: tuple[int, int, int], shared_mem: int,
-                    stream: int) -> Any:
+def _overlap_config(grid: tuple[int, int, int], block: tuple[int, int, int], shared_mem: int, stream: int) -> Any:
     """A ``CUlaunchConfig`` with programmatic stream serialisation (programmatic dependent launch):
     the kernel may start while the previous kernel on the stream still runs, and waits for it
     (``griddepcontrol.wait``) only where it reads that kernel's output. Built once per shape:

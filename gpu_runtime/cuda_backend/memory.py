@@ -25,9 +25,7 @@ class CudaMemory(CudaContext):
         self._staging = PinnedStaging()
 
     def _release_memory(self) -> None:
-        for ptr in list(self._allocs):
-            call(cu.cuMemFree, ptr)
-        self._allocs.clear()
+        self._release_all(cu.cuMemFree, self._allocs)
 
     def alloc(self, nbytes: int) -> DevicePtr:
         nbytes = validate.count(nbytes, "alloc size")
@@ -82,8 +80,9 @@ class CudaMemory(CudaContext):
             self._live()
             call(cu.cuMemcpyDtoDAsync, dst, src, nbytes, stream)
 
-    def copy_2d_async(self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int,
-                      height: int, stream: int = 0) -> None:
+    def copy_2d_async(
+        self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int, stream: int = 0
+    ) -> None:
         dst = validate.pointer(dst, "copy_2d_async destination")
         src = validate.pointer(src, "copy_2d_async source")
         width, height = validate.count(width, "copy width"), validate.count(height, "copy height")

@@ -18,12 +18,8 @@ class CudaStreams(CudaContext):
         self._events = set()
 
     def _release_streams(self) -> None:
-        for stream in list(self._streams):
-            call(cu.cuStreamDestroy, stream)
-        for event in list(self._events):
-            call(cu.cuEventDestroy, event)
-        self._streams.clear()
-        self._events.clear()
+        self._release_all(cu.cuStreamDestroy, self._streams)
+        self._release_all(cu.cuEventDestroy, self._events)
 
     def _own(self, handles: set[int], handle: int) -> int:
         with self._lock:
@@ -83,6 +79,5 @@ class CudaStreams(CudaContext):
 
     def destroy_event(self, event: int) -> None:
         self._live()
-        self._disown(self._events, event,
-                     f"event 0x{event:x} was not created by this backend (or destroyed twice)")
+        self._disown(self._events, event, f"event 0x{event:x} was not created by this backend (or destroyed twice)")
         call(cu.cuEventDestroy, event)

@@ -38,11 +38,14 @@ class CudaTensorMaps:
         box_rows = validate.positive(box_rows, "tensor map box rows")
         box_cols = validate.positive(box_cols, "tensor map box cols")
         if address % 16 or cols % 8:
-            raise ValueError(f"tensor map: address {address:#x} must be 16-byte aligned and cols "
-                             f"({cols}) a multiple of 8")
+            raise ValueError(
+                f"tensor map: address {address:#x} must be 16-byte aligned and cols ({cols}) a multiple of 8"
+            )
         if box_rows > _MAX_BOX or box_cols * _BF16_BYTES > _SWIZZLE_BYTES:
-            raise ValueError(f"tensor map: box {box_rows}x{box_cols} beyond the TMA unit's limits "
-                             f"({_MAX_BOX} rows, {_SWIZZLE_BYTES} bytes a row)")
+            raise ValueError(
+                f"tensor map: box {box_rows}x{box_cols} beyond the TMA unit's limits "
+                f"({_MAX_BOX} rows, {_SWIZZLE_BYTES} bytes a row)"
+            )
         return _encode(address, rows, cols, box_rows, box_cols)
 
 
@@ -54,7 +57,7 @@ def _encode(address: int, rows: int, cols: int, box_rows: int, box_cols: int) ->
         2,
         address,
         [cu.cuuint64_t(cols), cu.cuuint64_t(rows)],  # innermost first
-        [cu.cuuint64_t(cols * _BF16_BYTES)],           # the stride of dimension 1, in bytes
+        [cu.cuuint64_t(cols * _BF16_BYTES)],  # the stride of dimension 1, in bytes
         [cu.cuuint32_t(box_cols), cu.cuuint32_t(box_rows)],
         [cu.cuuint32_t(1), cu.cuuint32_t(1)],
         cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,

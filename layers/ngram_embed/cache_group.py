@@ -1,45 +1,24 @@
 """``CacheGroup``: every ``RowCache`` table of a layer resolved in one call per step.
 
-A decode step of the fused path needs one id per (row, cached table). Resolved table by table,
-that is ``T`` Python calls of ``validate`` and ``resolve`` (and ``end_batch``), each a dozen
-numpy operations on a handful of ids: 16 tables cost more host time than the whole resident
-step. The group keeps its members' id -> slot indexes in one ``SlotStore`` (the members' arrays
+The group keeps its members' id -> slot indexes in one ``SlotStore`` (the members' arrays
 concatenated, member ``k``'s ids at ``row_base[k] + id``, its slots at ``slot_base[k] + slot``;
 each member's ``SlotIndex`` becomes a ``SharedSlotIndex`` over its segments, so a member still
 works on its own), and resolves ``ids [Tc, R]`` for all members at once:
 
-* all hits (the steady state of a decode loop): one gather of every slot, one test, then the
-  pins and CLOCK reference bits of all of them in a few vectorised operations; the hits are
-  credited to every member's stats in one counter, added to each ``RowCache.stats`` when read.
-  About ten numpy operations whatever Tc and R, no per-id or per-table Python.
-* some misses: the members with a miss go through their own ``resolve`` (the slow path that
-  loads rows), after every refusal of the batch has been checked (ids out of range for any
-  member, then room in the arena of every member with a miss: a member whose ids all hit
-  always has room, as hits only pin resident rows), so nothing is loaded before a refusal.
+* all hits: the pins and CLOCK reference bits of every slot set in a few vectorised operations,
+  whatever Tc and R; the hits are credited to every member's stats when ``RowCache.stats`` is read.
+* some misses: the members with a miss go through their own ``resolve`` (which loads rows), after
+  every refusal of the batch has been checked (ids out of range for any member, then room in the
+  arena of every member with a miss), so nothing is loaded before a refusal.
 
 Members share one batch: ``end_batch`` of the group, or of any member (``RowCache.end_batch``
-calls ``SharedSlotIndex.unpin_all``), unpins every member's rows, as the layer ends them all
-together; a second member's ``end_batch`` in the same loop finds nothing pinned and returns.
-
-Why the id -> slot index stays on the host (decided against moving it to the device, for the
-gather kernel to look slots up itself): the host must know every miss before the step's gather
-is queued, since a missing row has to be read from the file and uploaded first, and the only
-way to know is to hash the step's ids and look them up in the index: the miss test *is* the
-lookup. A device copy of the index would therefore remove no host work for hits (the one gather
-that yields the slots is the same one that finds the misses; writing the slots into the upload
-costs one copy of R * Tc words), the pins and CLOCK bits would still be set on the host (the
-host evicts), and it would add work: the device copy kept in step with every load and eviction
-(an upload per load), and a kernel change. The other design, a device index that finds misses
-itself, tells the host only after the gather ran: every step would need a device-to-host round
-trip (a synchronisation, which also rules out replaying the step as one graph) before it could
-load and gather again, to save host work on the steps that had no misses. So hits are made
-cheap on the host instead: ids from the windows in one pass (``ids.ids_from_windows``) and this
-group's one lookup, pin and CLOCK update for all members.
+calls ``SharedSlotIndex.unpin_all``), unpins every member's rows. Why the index stays on the
+host: docs/design_notes.md.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -51,14 +30,18 @@ from .slot_index import SharedSlotIndex, SlotStore
 _U32 = np.dtype(np.uint32)
 
 
-def cache_group(caches: Sequence[RowCache]) -> "CacheGroup":
+def cache_group(caches: Sequence[RowCache]) -> CacheGroup:
     """The group of exactly these caches (in this order): the one they already form, if they
     do (so two layers over the same tables share it), else a new one."""
     caches = list(caches)
     if caches and all(isinstance(c, RowCache) for c in caches):
         group = caches[0]._group
-        if group is not None and group._ok and len(group.caches) == len(caches) \
-                and all(a is b for a, b in zip(group.caches, caches)):
+        if (
+            group is not None
+            and group._ok
+            and len(group.caches) == len(caches)
+            and all(a is b for a, b in zip(group.caches, caches))
+        ):
             return group
     return CacheGroup(caches)
 
@@ -130,8 +113,9 @@ class CacheGroup:
         if not self._ok:
             self._refresh()
         if type(ids) is not np.ndarray or (ids.dtype.kind not in "iu" and ids.size):
-            raise TypeError(f"CacheGroup.{what}: ids must be a numpy integer array, got "
-                            f"{getattr(ids, 'dtype', type(ids).__name__)}")
+            raise TypeError(
+                f"CacheGroup.{what}: ids must be a numpy integer array, got {getattr(ids, 'dtype', type(ids).__name__)}"
+            )
         if ids.ndim != 2 or ids.shape[0] != len(self.caches):
             raise ValueError(f"CacheGroup.{what}: ids must be [{len(self.caches)}, R], got shape {ids.shape}")
         return ids
@@ -143,8 +127,10 @@ class CacheGroup:
             bad |= ids < 0
         if bad.any():
             k, r = (int(x[0]) for x in np.nonzero(bad))
-            raise ValueError(f"CacheGroup.{what}: cache {k}: id {int(ids[k, r])} out of range for a table "
-                             f"of {int(self.rows[k])} rows")
+            raise ValueError(
+                f"CacheGroup.{what}: cache {k}: id {int(ids[k, r])} out of range for a table "
+                f"of {int(self.rows[k])} rows"
+            )
 
     def validate(self, ids: np.ndarray) -> None:
         """Refuse, loading nothing, what ``resolve(ids, ...)`` would refuse: a closed member, ids
@@ -166,8 +152,12 @@ class CacheGroup:
         if not (self._ok and type(ids) is np.ndarray and ids.ndim == 2 and ids.dtype.kind in "iu"):
             ids = self._checked(ids, "resolve")
         tc, r = ids.shape
-        if tc != self._tc or not (type(slots_out) is np.ndarray and slots_out.dtype == _U32
-                                  and slots_out.shape == (r, tc) and slots_out.flags.writeable):
+        if tc != self._tc or not (
+            type(slots_out) is np.ndarray
+            and slots_out.dtype == _U32
+            and slots_out.shape == (r, tc)
+            and slots_out.flags.writeable
+        ):
             self._checked(ids, "resolve")
             _refuse_slots_out("CacheGroup.resolve", slots_out, (r, tc))
         if r == 0:

@@ -31,9 +31,10 @@ class CachedRows:
 
     def __init__(self, tables: Sequence[AnyTable], *, grouped: bool = False) -> None:
         self.columns = [c for c, table in enumerate(tables) if isinstance(table, CachedTable)]
-        self.caches: list[RowSource] = [tables[c].cache for c in self.columns]
-        members = [j for j, cache in enumerate(self.caches) if grouped and isinstance(cache, RowCache)]
-        self.group: CacheGroup | None = cache_group([self.caches[j] for j in members]) if members else None
+        self.caches: list[RowSource] = [table.cache for table in tables if isinstance(table, CachedTable)]
+        grouping = [(j, cache) for j, cache in enumerate(self.caches) if grouped and isinstance(cache, RowCache)]
+        members = [j for j, _ in grouping]
+        self.group: CacheGroup | None = cache_group([cache for _, cache in grouping]) if grouping else None
         self.group_all = bool(members) and len(members) == len(tables)  # the group writes every slot
         self._group_rows = members  # their rows in the ids ([len(columns), R]) ...
         self._group_cols = [self.columns[j] for j in members]  # ... and their columns in the slots
@@ -44,7 +45,7 @@ class CachedRows:
         return bool(self.columns)
 
     # -- refusals and resolve ------------------------------------------------------------------
-    def validate(self, ids: Sequence[np.ndarray]) -> None:
+    def validate(self, ids: Sequence[np.ndarray] | np.ndarray) -> None:
         """Refuse, loading nothing, what resolving ``ids[c]`` (the ids of table ``c``, every
         table of the layer) would refuse, for each cached table that can tell (``RowCache``)."""
         for c, cache in zip(self.columns, self.caches):
@@ -57,8 +58,9 @@ class CachedRows:
         and 0 in the others. Every refusal comes before the first load. ``in_range=True``: the
         caller guarantees every id is below its table's rows (hashed modulo them)."""
         for j, _ in self._others:
-            if hasattr(self.caches[j], "validate"):
-                self.caches[j].validate(ids[j])
+            cache = self.caches[j]
+            if hasattr(cache, "validate"):
+                cache.validate(ids[j])
         group = self.group
         if group is not None and self.group_all:  # the group checks all, then loads
             group.resolve(ids, slots, in_range=in_range)
@@ -80,7 +82,7 @@ class CachedRows:
         return slots
 
     # -- the end of a batch --------------------------------------------------------------------
-    def batch(self, column: int | None = None) -> "_Batch":
+    def batch(self, column: int | None = None) -> _Batch:
         """A context manager that ends the batch of table ``column`` (default: of every cached
         table) on leaving. After a failure every cache is still ended and the failure is what
         propagates; after success the first ``end_batch`` error does, once every cache has been

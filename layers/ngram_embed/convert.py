@@ -5,8 +5,9 @@
 Writes ``OUT_DIR/table_{c:03d}.ngt`` (``layers.ngram_embed.table_file``'s format) for every table
 ``model.ngram_embeddings.embedders.{c}.weight`` of MODEL_DIR (``checkpoint.py`` says how tables,
 names and config are found), and ``OUT_DIR/ngram_tables.json``, the manifest through which
-``NgramEmbedding.from_pretrained(MODEL_DIR, gpu, placement="files" or "host", table_dir=OUT_DIR)``
-finds them (the word table and projections stay in MODEL_DIR).
+``NgramWeights.from_pretrained(MODEL_DIR, gpu, placement="files" or "host", table_dir=OUT_DIR)``
+finds them (the word table and projections stay in MODEL_DIR). File and manifest layout:
+docs/table_files.md.
 
 * Streamed: each source tensor is memory-mapped and read in chunks of about ``--chunk-mib`` MiB of
   rows; nothing holds a whole table in memory. A progress line per table goes to stderr.
@@ -36,18 +37,19 @@ import os
 import sys
 import time
 import zlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import ml_dtypes
 import numpy as np
 
 from gpu_runtime import validate
 
-from ..weight_map import BF16, FP8
+from ..dense_weight import BF16, FP8
 from .checkpoint import CheckpointError, NgramCheckpoint
-from .table_manifest import MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, manifest_dims, read_manifest
 from .table_file import SCALE_DTYPE, TableFile, TableFormatError, TableWriter, _fsync_dir
+from .table_manifest import MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, manifest_dims, read_manifest
 
 FP8_MAX = np.float32(448.0)  # largest finite e4m3fn
 _CRC_CHUNK = 64 << 20
@@ -78,12 +80,14 @@ def quantize_fp8_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q, np.where(amax > 0, scale, np.float32(0.0)).astype(np.float32)
 
 
-def _target_rows(src: np.ndarray, src_scales: np.ndarray | None, fp8: bool,
-                 where: str, start: int) -> tuple[np.ndarray, np.ndarray | None]:
+def _target_rows(
+    src: np.ndarray, src_scales: np.ndarray | None, fp8: bool, where: str, start: int
+) -> tuple[np.ndarray, np.ndarray | None]:
     """One chunk of source rows as the table stores them."""
     if src.dtype == FP8:
         if fp8:
             return src, src_scales
+        assert src_scales is not None  # an F8_E4M3 table has its scales (NgramCheckpoint checks)
         return (src.astype(np.float32) * src_scales[:, None]).astype(BF16), None
     if fp8:
         try:
@@ -96,12 +100,13 @@ def _target_rows(src: np.ndarray, src_scales: np.ndarray | None, fp8: bool,
 
 
 def _crc_file(f: TableFile) -> tuple[int, int | None]:
+    # crc32 of an array's ``.data`` (its buffer as a memoryview, no copy) here and in _write_table
     rows = f.rows_bytes.reshape(-1)
     crc = 0
     for at in range(0, rows.size, _CRC_CHUNK):
-        crc = zlib.crc32(rows[at:at + _CRC_CHUNK], crc)
+        crc = zlib.crc32(rows[at : at + _CRC_CHUNK].data, crc)
     scales = f.scales
-    return crc, (zlib.crc32(scales.view(np.uint8)) if scales is not None else None)
+    return crc, (zlib.crc32(scales.view(np.uint8).data) if scales is not None else None)
 
 
 def _write_json(path: Path, data: Any) -> None:
@@ -131,8 +136,7 @@ class _Progress:
         self.last = now
         rate = done / max(now - self.t0, 1e-9) / 2**20
         pct = 100.0 * done / self.total if self.total else 100.0
-        line = (f"\r{self.label}  {done / 2**30:.2f}/{self.total / 2**30:.2f} GiB  {pct:5.1f}%  "
-                f"{rate:7.1f} MiB/s{final}")
+        line = f"\r{self.label}  {done / 2**30:.2f}/{self.total / 2**30:.2f} GiB  {pct:5.1f}%  {rate:7.1f} MiB/s{final}"
         sys.stderr.write(line + ("\n" if final else ""))
         sys.stderr.flush()
 
@@ -143,8 +147,14 @@ def table_file_name(c: int) -> str:
 
 def _source_entry(ckpt: NgramCheckpoint, c: int) -> dict[str, Any]:
     ref, scale = ckpt.tables[c], ckpt.scales[c]
-    out = {"file": ref.path.name, "file_size": ref.path.stat().st_size, "tensor": ref.name,
-           "dtype": ref.dtype, "shape": list(ref.shape), "offset": ref.info.start}
+    out = {
+        "file": ref.path.name,
+        "file_size": ref.path.stat().st_size,
+        "tensor": ref.name,
+        "dtype": ref.dtype,
+        "shape": list(ref.shape),
+        "offset": ref.info.start,
+    }
     if scale is not None:
         out["scale_tensor"] = scale.name
         out["scale_offset"] = scale.info.start
@@ -163,8 +173,10 @@ def _check_file(path: Path, entry: dict[str, Any], dtype: np.dtype, rows: int, d
     except TableFormatError as err:
         return str(err)
     if crc != entry.get("rows_crc32") or scales_crc != entry.get("scales_crc32"):
-        return (f"crc32 rows {crc:#010x} / scales {scales_crc}, the manifest says "
-                f"{entry.get('rows_crc32')} / {entry.get('scales_crc32')} (corrupt file)")
+        return (
+            f"crc32 rows {crc:#010x} / scales {scales_crc}, the manifest says "
+            f"{entry.get('rows_crc32')} / {entry.get('scales_crc32')} (corrupt file)"
+        )
     return None
 
 
@@ -181,9 +193,15 @@ def verify_tables(out_dir: str | os.PathLike) -> None:
             raise VerifyError(f"{path}: {problem}")
 
 
-def convert(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, fp8: bool = False,
-            chunk_bytes: int = 64 << 20, progress: bool = True,
-            on_chunk: Callable[[int, int, int], None] | None = None) -> dict[str, Any]:
+def convert(
+    model_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    fp8: bool = False,
+    chunk_bytes: int = 64 << 20,
+    progress: bool = True,
+    on_chunk: Callable[[int, int, int], None] | None = None,
+) -> dict[str, Any]:
     """Write (or finish) the table files of ``model_dir``'s n-gram tables into ``out_dir``; returns
     the manifest. ``on_chunk(table, rows_done, rows)`` is called after every chunk written
     (raising from it abandons the table being written: its ``.tmp`` is removed)."""
@@ -194,17 +212,24 @@ def convert(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, fp8: bo
     out_dir.mkdir(parents=True, exist_ok=True)
     kind = "fp8" if fp8 else "bf16"
     dtype = FP8 if fp8 else BF16
-    manifest: dict[str, Any] = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "dtype": kind,
-                                **manifest_dims(dims), "source": str(Path(model_dir).resolve()),
-                                "tables": []}
+    manifest: dict[str, Any] = {
+        "format": MANIFEST_FORMAT,
+        "version": MANIFEST_VERSION,
+        "dtype": kind,
+        **manifest_dims(dims),
+        "source": str(Path(model_dir).resolve()),
+        "tables": [],
+    }
     done: dict[int, dict[str, Any]] = {}
     if (out_dir / MANIFEST).exists():
         old = read_manifest(out_dir)
         theirs = {k: old.get(k) for k in ("dtype", *manifest_dims(dims))}
         ours = {k: manifest[k] for k in theirs}
         if theirs != ours:
-            raise CheckpointError(f"{out_dir / MANIFEST}: a conversion with other settings {theirs} is "
-                                  f"there (this one: {ours}); use another OUT_DIR or remove it")
+            raise CheckpointError(
+                f"{out_dir / MANIFEST}: a conversion with other settings {theirs} is "
+                f"there (this one: {ours}); use another OUT_DIR or remove it"
+            )
         done = {e["index"]: e for e in old["tables"] if isinstance(e, dict) and "index" in e}
 
     t, td = dims.num_tables(), dims.table_dim()
@@ -233,8 +258,15 @@ def convert(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, fp8: bo
     return manifest
 
 
-def _write_table(ckpt: NgramCheckpoint, c: int, path: Path, fp8: bool, chunk_bytes: int,
-                 bar: _Progress, on_chunk: Callable[[int, int, int], None] | None) -> dict[str, Any]:
+def _write_table(
+    ckpt: NgramCheckpoint,
+    c: int,
+    path: Path,
+    fp8: bool,
+    chunk_bytes: int,
+    bar: _Progress,
+    on_chunk: Callable[[int, int, int], None] | None,
+) -> dict[str, Any]:
     dims = ckpt.dims
     rows, td = dims.table_rows(c), dims.table_dim()
     src, src_scales = ckpt.table_arrays(c)
@@ -246,21 +278,28 @@ def _write_table(ckpt: NgramCheckpoint, c: int, path: Path, fp8: bool, chunk_byt
     with TableWriter(path, dtype, rows, td) as writer:
         for start in range(0, rows, chunk_rows):
             stop = min(start + chunk_rows, rows)
-            out, scales = _target_rows(src[start:stop], None if src_scales is None else src_scales[start:stop],
-                                       fp8, where, start)
+            out, scales = _target_rows(
+                src[start:stop], None if src_scales is None else src_scales[start:stop], fp8, where, start
+            )
             out = np.ascontiguousarray(out)
-            crc = zlib.crc32(out.reshape(-1).view(np.uint8), crc)
+            crc = zlib.crc32(out.reshape(-1).view(np.uint8).data, crc)
             if scales is not None:
                 scales = np.ascontiguousarray(scales, dtype=SCALE_DTYPE)
-                scales_crc = zlib.crc32(scales.view(np.uint8), scales_crc)
+                scales_crc = zlib.crc32(scales.view(np.uint8).data, scales_crc)
             writer.append(out, scales)
             del out, scales
             bar.update(stop * td * src.dtype.itemsize)
             if on_chunk is not None:
                 on_chunk(c, stop, rows)
     del src, src_scales
-    entry = {"index": c, "file": path.name, "rows": rows, "dim": td, "rows_crc32": crc,
-             "scales_crc32": scales_crc if fp8 else None}
+    entry = {
+        "index": c,
+        "file": path.name,
+        "rows": rows,
+        "dim": td,
+        "rows_crc32": crc,
+        "scales_crc32": scales_crc if fp8 else None,
+    }
     problem = _check_file(path, entry, dtype, rows, td)
     if problem is not None:
         path.unlink(missing_ok=True)
@@ -270,9 +309,10 @@ def _write_table(ckpt: NgramCheckpoint, c: int, path: Path, fp8: bool, chunk_byt
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m layers.ngram_embed.convert",
-                                     description="Write a model folder's n-gram tables as table files "
-                                                 "(resumable; see the module docstring).")
+    parser = argparse.ArgumentParser(
+        prog="python -m layers.ngram_embed.convert",
+        description="Write a model folder's n-gram tables as table files (resumable; see the module docstring).",
+    )
     parser.add_argument("model_dir", help="Hugging Face model folder (config.json, *.safetensors)")
     parser.add_argument("out_dir", help="where the table files and ngram_tables.json go")
     parser.add_argument("--fp8", action="store_true", help="quantise rows to e4m3 with per-row f32 scales")
@@ -282,14 +322,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.chunk_mib < 1:
         parser.error("--chunk-mib must be >= 1")
     try:
-        manifest = convert(args.model_dir, args.out_dir, fp8=args.fp8, chunk_bytes=args.chunk_mib << 20,
-                           progress=not args.quiet)
+        manifest = convert(
+            args.model_dir, args.out_dir, fp8=args.fp8, chunk_bytes=args.chunk_mib << 20, progress=not args.quiet
+        )
     except (CheckpointError, VerifyError, ValueError, OSError) as err:
         print(f"convert: {err}", file=sys.stderr)
         return 1
     if not args.quiet:
-        print(f"convert: {len(manifest['tables'])} tables ({manifest['dtype']}) in {args.out_dir}",
-              file=sys.stderr)
+        print(f"convert: {len(manifest['tables'])} tables ({manifest['dtype']}) in {args.out_dir}", file=sys.stderr)
     return 0
 
 

@@ -1,69 +1,53 @@
-"""``NgramDecoder``: the n-gram embedding with its token history on the device, for serving loops
-that capture their whole decode step in one CUDA graph.
+"""``NgramDecoder``: the n-gram embedding with each slot's token history on the device, for
+serving loops that capture their whole decode step in one CUDA graph (``docs/NGRAM.md``).
 
-``FusedNgramEmbedding`` builds each new token's look-back window on the host and uploads it per
-call. Here every slot (one live request) keeps its last ``N - 1`` tokens (plus ``max_draft``, so
-rejected speculative tokens can be rolled back) in device memory, and one kernel both reads the
-windows from that history and appends the call's tokens to it. Every call takes device buffers
-only and does no host synchronisation, allocation or upload: each can be recorded inside the
-caller's stream capture and replayed with new values written to the same device buffers (for
-example by ``embed_from_argmax``, whose ids feed ``step`` directly).
+Each slot (one live request) keeps its last ``N - 1 + max_draft`` tokens in device memory; one
+kernel reads the windows from that history, gathers every table's row and the word row (or an
+adapter's), and appends the tokens; the fused path's GEMM then rounds once, bit for bit
+``FusedNgramEmbedding``. Every call takes device buffers only and does no host synchronisation,
+allocation or upload, so it can be recorded in the caller's capture: ``prefill`` / ``step``
+(ragged prompts / k tokens per sequence), ``seed`` (a prefix-cache hit: history only), ``fork``
+(samples, beams), ``rollback`` (rejected drafts), ``reset``. A ``PAD_SLOT`` entry writes zero
+rows and touches no history.
 
-The calls, for what an engine does:
-  ``prefill`` / ``step``  embed new tokens (ragged prompts / k tokens per sequence): the gather
-                          (hash, every table's row, the word row or an adapter's, history update)
-                          and the fused path's GEMM, bit for bit ``FusedNgramEmbedding``;
-  ``seed``                a prefix-cache hit: the history only, no gather, no GEMM;
-  ``fork``                parallel samples and beams: slot to slot copies on the device;
-  ``rollback``            rejected drafts dropped; ``reset``: a new request in a slot.
-A slot of ``PAD_SLOT`` is a padded entry of a graph's batch: zero rows, no history, no flag.
-Per-sequence adapters (``adapters=``, ``NO_ADAPTER`` for none) take an overridden token's word
-row from ``OverlaySlots`` inside the n-gram sum, before the scale and the single rounding.
+Static under capture: the call's addresses, ``num_seqs``, ``num_tokens``, ``k`` and whether
+``adapters`` is given. Tokens, slots, ``cu_seqlens``, counts and adapter indices are read on the
+device each replay; bad ones set a flag that ``check_errors`` reads and zero the affected rows,
+never making a kernel touch memory outside its buffers.
 
-Static under capture: the argument values of the captured call (addresses, ``num_seqs``,
-``num_tokens``, ``k``, whether ``adapters`` is given). Token values, slots, ``cu_seqlens``,
-counts and adapter indices are read on the device each replay; bad ones never make a kernel
-touch memory outside its buffers: they set a flag that ``check_errors`` reads (one small copy,
-outside the hot path), and the affected rows come out as zeros.
-
-Tables: resident bf16 and fp8, and host-memory tables (read in place over PCIe). ``RowCache``
-tables need the host to resolve every step and are refused: serve them with the fused path.
-``gpu`` must be the backend the layer was built with (its weights live there).
-Like the fused path, one decoder must not run on two streams at once (it has one gather buffer).
+``RowCache`` tables need the host every step and are refused. With a tensor-parallel shard's
+weights and ``collective=`` it runs one rank, the all-reduce inside the same call. One decoder
+must not run on two streams at once (it has one gather buffer).
 """
 
 from __future__ import annotations
 
-import enum
 from typing import Any
 
 import numpy as np
 
-from gpu_runtime import GpuBackend, interop, validate
+from gpu_runtime import interop, validate
 
 from ..kernel_files import load_kernel
-from ..ops import gemm as gemm_ops
 from ..ops import ngram_decode as decode_ops
-from ..ops.ngram_decode import NO_ADAPTER, NO_ADAPTERS, PAD_SLOT, AdapterTables
+from ..ops.ngram_decode import NO_ADAPTER, NO_ADAPTERS, PAD_SLOT, AdapterTables, DecodeError
 from ..overlay.slots import OverlaySlots
-from .embedding import NgramEmbedding
 from .front import require_open
-from .fused import FusedNgramEmbedding, check_adapter_slots, check_layer, gemm_path, out_address
-from .resources import Resources
+from .projection import RowProjection, check_collective, gemm_path
+from .resources import Closing, Resources
+from .runner_checks import (
+    NO_ROW_CACHE,
+    check_adapter_slots,
+    check_servable,
+    check_sizes,
+    check_stream,
+    check_weights,
+    out_address,
+)
 from .tables import CachedTable
+from .weights import NgramWeights
 
 __all__ = ["DecodeError", "NO_ADAPTER", "NgramDecoder", "PAD_SLOT"]
-
-
-class DecodeError(enum.IntFlag):
-    """What ``check_errors`` found since the last check (``ctrl[0]`` of the kernels)."""
-
-    NONE = 0
-    TOKEN = 1     # a token >= vocab: its row was zeroed, it ends later look-backs
-    SLOT = 2      # a slot >= max_seqs: that sequence's rows were zeroed, no history touched
-    SEQLENS = 4   # cu_seqlens not 0 <= ... <= num_tokens, non-decreasing: rows left out zeroed
-    ROLLBACK = 8  # a rollback count deeper than the history (over max_draft): slot unchanged
-    ADAPTER = 16  # an adapter index >= the adapter slots (not NO_ADAPTER): its rows zeroed
 
 
 # A device buffer: an address (int, DevicePtr, DeviceBuffer), a DeviceArray, or any array with
@@ -71,45 +55,52 @@ class DecodeError(enum.IntFlag):
 Buffer = Any
 
 _WHAT = "NgramDecoder"
-NO_ROW_CACHE = ("NgramDecoder: RowCache tables need host work every step; serve them with "
-                "FusedNgramEmbedding, or hold the table in host memory (NgramTable.Host)")
 
 
-def check_sizes(max_seqs: int, max_rows: int, max_draft: int) -> tuple[int, int, int]:
-    """A decoder's sizes as ints (its constructor's checks, also run before a model is loaded)."""
-    return (validate.positive(max_seqs, "NgramDecoder: max_seqs", limit=1 << 31),
-            validate.positive(max_rows, "NgramDecoder: max_rows", limit=1 << 31),
-            validate.count(max_draft, "NgramDecoder: max_draft", limit=1 << 31))
-
-
-class NgramDecoder:
+class NgramDecoder(Closing):
     """Per-slot token histories on the device and the capturable calls over them (module doc).
     ``adapter_slots``: the ``OverlaySlots`` whose embedding rows ``adapters=`` selects (its
     vocab and row width must be the model's). ``batch_invariant``: every row's bits the same
-    whatever else is in its call (and equal to the fused path's alone, ``fused.gemm_path``)."""
+    whatever else is in its call (and equal to the fused path's alone, ``projection.gemm_path``).
+    ``collective``: a tensor-parallel shard's all-reduce (required for a shard's weights)."""
 
-    def __init__(self, layer: NgramEmbedding, *, max_seqs: int, max_rows: int, gpu: GpuBackend,
-                 stream: int = 0, max_draft: int = 0, adapter_slots: OverlaySlots | None = None,
-                 batch_invariant: bool = False) -> None:
-        if any(isinstance(t, CachedTable) for t in layer.tables):
+    def __init__(
+        self,
+        weights: NgramWeights,
+        *,
+        max_seqs: int,
+        max_rows: int,
+        max_draft: int = 0,
+        stream: int = 0,
+        collective: Any = None,
+        adapter_slots: OverlaySlots | None = None,
+        batch_invariant: bool = False,
+    ) -> None:
+        weights = check_weights(_WHAT, weights)
+        if any(isinstance(t, CachedTable) for t in weights.tables):
             raise ValueError(NO_ROW_CACHE)
         max_seqs, max_rows, max_draft = check_sizes(max_seqs, max_rows, max_draft)
-        check_layer(_WHAT, layer, gpu)
-        check_adapter_slots(_WHAT, adapter_slots, layer.dims, gpu)
-        self._owned_layer: NgramEmbedding | None = None  # set by from_pretrained: closed with this
-        dims = layer.dims
-        self.dims, self.gpu, self.stream = dims, gpu, stream
+        dims, gpu = weights.dims, weights.gpu
+        check_servable(dims, max_rows)
+        stream = check_stream(stream, _WHAT)
+        path = gemm_path(batch_invariant)
+        if weights.shard is not None and collective is None:
+            raise ValueError(
+                f"{_WHAT}: the weights are a tensor-parallel shard; pass collective= (its end of the communicator)"
+            )
+        check_collective(_WHAT, collective, weights)
+        check_adapter_slots(_WHAT, adapter_slots, dims, gpu)
+        self.weights, self.dims, self.gpu, self.stream = weights, dims, gpu, stream
         self.max_seqs, self.max_rows, self.max_draft = max_seqs, max_rows, max_draft
-        self.adapter_slots = adapter_slots
-        self.gemm_path = gemm_path(batch_invariant)
+        self.adapter_slots, self.collective = adapter_slots, collective
         self.hist_len = max(dims.max_ngram - 1 + max_draft, 1)
-        self.gather_k = load_kernel(gpu, decode_ops.MODULE, decode_ops.GATHER)
-        self.seed_k = load_kernel(gpu, decode_ops.MODULE, decode_ops.SEED)
-        self.fork_k = load_kernel(gpu, decode_ops.MODULE, decode_ops.FORK)
-        self.rollback_k = load_kernel(gpu, decode_ops.MODULE, decode_ops.ROLLBACK)
-        self._resources = own = Resources(gpu)  # the fused layer, then the state: closed in reverse
+        self.gather_kernel = load_kernel(gpu, decode_ops.MODULE, decode_ops.GATHER)
+        self.seed_kernel = load_kernel(gpu, decode_ops.MODULE, decode_ops.SEED)
+        self.fork_kernel = load_kernel(gpu, decode_ops.MODULE, decode_ops.FORK)
+        self.rollback_kernel = load_kernel(gpu, decode_ops.MODULE, decode_ops.ROLLBACK)
+        self._resources = own = Resources(gpu)  # every buffer: released by close()
         try:
-            self.fused = own.adopt(self._make_fused(layer, max_rows, gpu, stream))  # gather buffer
+            self.projection = RowProjection(weights, max_rows, own, stream, collective=collective, path=path)
             self.hist = own.alloc(max_seqs * self.hist_len * 4)
             self.state = own.alloc(max_seqs * 2 * 4)
             self.ctrl = own.alloc(2 * 4)
@@ -123,36 +114,19 @@ class NgramDecoder:
             own.close()
             raise
 
-    def _make_fused(self, layer: NgramEmbedding, max_rows: int, gpu: GpuBackend, stream: int) -> FusedNgramEmbedding:
-        """The fused layer whose weights, table descriptors and gather buffer the calls use."""
-        return FusedNgramEmbedding(layer, max_rows, gpu, stream)
-
-    @classmethod
-    def from_pretrained(cls, model_dir: str, gpu: GpuBackend, *, max_seqs: int, max_rows: int = 8192,
-                        stream: int = 0, max_draft: int = 0, **layer_args) -> "NgramDecoder":
-        """``NgramEmbedding.from_pretrained(model_dir, gpu, stream=stream, **layer_args)``
-        (placement, max_tokens, eos_id, table_dir) wrapped in a decoder, which then owns the
-        layer: ``close()`` frees both. ``placement`` "files" is refused (``RowCache`` tables need
-        the host every step), like every other refusal before any upload."""
-        from .checkpoint import NgramCheckpoint
-        from .pretrained import load_layer
-        from .fused import check_servable
-
-        check_sizes(max_seqs, max_rows, max_draft)
-        check_servable(NgramCheckpoint.open(model_dir, eos_id=layer_args.get("eos_id"), parts="dense").dims, max_rows)
-        layer = load_layer(NgramEmbedding, model_dir, gpu, stream=stream, refuse_files=NO_ROW_CACHE,
-                           **layer_args)
-        try:
-            dec = cls(layer, max_seqs=max_seqs, max_rows=max_rows, gpu=gpu, stream=stream, max_draft=max_draft)
-        except BaseException:
-            layer.close()
-            raise
-        dec._owned_layer = layer
-        return dec
-
     # -- calls (capturable) -----------------------------------------------------------------------
-    def prefill(self, tokens: Buffer, cu_seqlens: Buffer, slots: Buffer, num_seqs: int,
-                num_tokens: int, out: Buffer, stream: int = 0, *, adapters: Buffer | None = None) -> None:
+    def prefill(
+        self,
+        tokens: Buffer,
+        cu_seqlens: Buffer,
+        slots: Buffer,
+        num_seqs: int,
+        num_tokens: int,
+        out: Buffer,
+        stream: int = 0,
+        *,
+        adapters: Buffer | None = None,
+    ) -> None:
         """Embed a ragged batch: sequence ``s`` is ``tokens[cu_seqlens[s]:cu_seqlens[s+1]]`` and
         continues the history of slot ``slots[s]`` (after ``reset`` for a new request; a later
         chunk of the same prompt just continues it). ``out [num_tokens, D]`` bf16, rows in order.
@@ -160,35 +134,43 @@ class NgramDecoder:
         ``adapters`` [num_seqs] (each sequence's adapter slot, ``NO_ADAPTER`` for none) are u32
         (or int32, read as its bits)."""
         num_seqs, num_tokens = self._sizes(num_seqs, num_tokens)
-        args = (self._index(tokens, num_tokens, "tokens"), self._index(cu_seqlens, num_seqs + 1, "cu_seqlens"),
-                self._index(slots, num_seqs, "slots"))
-        self._run(*args, num_seqs, num_tokens, 0, out, stream, adapters)
+        indices = self._ragged(tokens, cu_seqlens, slots, num_seqs, num_tokens)
+        self._run(indices, num_seqs, num_tokens, 0, out, stream, adapters)
 
-    def step(self, tokens: Buffer, slots: Buffer, num_seqs: int, out: Buffer, stream: int = 0, *,
-             k: int = 1, adapters: Buffer | None = None) -> None:
+    def step(
+        self,
+        tokens: Buffer,
+        slots: Buffer,
+        num_seqs: int,
+        out: Buffer,
+        stream: int = 0,
+        *,
+        k: int = 1,
+        adapters: Buffer | None = None,
+    ) -> None:
         """``k`` new tokens for each of ``num_seqs`` sequences (k > 1: speculative drafts, to be
         verified and the rejected ones dropped with ``rollback``): ``tokens [num_seqs, k]``,
         ``slots [num_seqs]``, ``adapters [num_seqs]`` as in ``prefill``; ``out [num_seqs * k, D]``
         bf16. A padded entry (slot ``PAD_SLOT``) writes its k rows as zeros."""
         k = validate.positive(k, "NgramDecoder.step: k", limit=1 << 32)
         num_seqs, rows = self._sizes(num_seqs, validate.u32(num_seqs, "NgramDecoder: num_seqs") * k)
-        args = (self._index(tokens, rows, "tokens"), 0, self._index(slots, num_seqs, "slots"))
-        self._run(*args, num_seqs, rows, k, out, stream, adapters)
+        indices = (self._index(tokens, rows, "tokens"), 0, self._index(slots, num_seqs, "slots"))
+        self._run(indices, num_seqs, rows, k, out, stream, adapters)
 
-    def seed(self, tokens: Buffer, cu_seqlens: Buffer, slots: Buffer, num_seqs: int,
-             num_tokens: int, stream: int = 0) -> None:
+    def seed(
+        self, tokens: Buffer, cu_seqlens: Buffer, slots: Buffer, num_seqs: int, num_tokens: int, stream: int = 0
+    ) -> None:
         """A prefix-cache hit: append each sequence's tokens (ragged as in ``prefill``) to its
         slot's history without embedding them, so the next call's n-grams reach back into them.
         One launch; it reads only each sequence's last ``N - 1 + max_draft`` tokens (those are
         checked), so its cost grows with the sequences, not with the tokens or D."""
         num_seqs, num_tokens = self._sizes(num_seqs, num_tokens, limit_rows=False)
-        tokens = self._index(tokens, num_tokens, "tokens")
-        cu_seqlens = self._index(cu_seqlens, num_seqs + 1, "cu_seqlens")
-        slots = self._index(slots, num_seqs, "slots")
-        self._open()
-        decode_ops.ngram_decode_seed(self.gpu, self.seed_k, tokens, cu_seqlens, slots, self.hist,
-                                     self.state, self.ctrl, num_tokens, num_seqs, self.max_seqs,
-                                     self.hist_len, self.dims.vocab_size, stream)
+        indices = self._ragged(tokens, cu_seqlens, slots, num_seqs, num_tokens)
+        stream = self._ready(stream)
+        sizes = (num_tokens, num_seqs, self.max_seqs, self.hist_len, self.dims.vocab_size)
+        decode_ops.ngram_decode_seed(
+            self.gpu, self.seed_kernel, *indices, self.hist, self.state, self.ctrl, *sizes, stream
+        )
 
     def fork(self, src_slots: Buffer, dst_slots: Buffer, num: int, stream: int = 0) -> None:
         """Slot ``dst_slots[p]`` becomes a copy of slot ``src_slots[p]`` (its history and
@@ -199,9 +181,11 @@ class NgramDecoder:
         num = validate.u32(num, "NgramDecoder.fork: num")
         src = self._index(src_slots, num, "src_slots")
         dst = self._index(dst_slots, num, "dst_slots")
-        self._open()
-        decode_ops.ngram_decode_fork(self.gpu, self.fork_k, src, dst, self.hist, self.state, self.ctrl,
-                                     num, self.max_seqs, self.hist_len, stream)
+        stream = self._ready(stream)
+        sizes = (num, self.max_seqs, self.hist_len)
+        decode_ops.ngram_decode_fork(
+            self.gpu, self.fork_kernel, src, dst, self.hist, self.state, self.ctrl, *sizes, stream
+        )
 
     def rollback(self, slots: Buffer, counts: Buffer, num_seqs: int, stream: int = 0) -> None:
         """Drop the last ``counts[s]`` tokens (u32, on the device) of slot ``slots[s]``'s history;
@@ -210,9 +194,11 @@ class NgramDecoder:
         num_seqs, _ = self._sizes(num_seqs, 0)
         slots = self._index(slots, num_seqs, "slots")
         counts = self._index(counts, num_seqs, "counts")
-        self._open()
-        decode_ops.ngram_decode_rollback(self.gpu, self.rollback_k, slots, counts, self.state, self.ctrl,
-                                         num_seqs, self.max_seqs, self.max_draft, stream)
+        stream = self._ready(stream)
+        sizes = (num_seqs, self.max_seqs, self.max_draft)
+        decode_ops.ngram_decode_rollback(
+            self.gpu, self.rollback_kernel, slots, counts, self.state, self.ctrl, *sizes, stream
+        )
 
     def reset(self, slot: int, stream: int = 0) -> None:
         """Empty slot ``slot``'s history (a new request); a memset, so capturable too."""
@@ -250,20 +236,8 @@ class NgramDecoder:
         return ring[[q % self.hist_len for q in range(pos - min(pos, self.dims.max_ngram - 1), pos)]]
 
     def close(self) -> None:
-        """Free the state and the fused weights it built (not the layer's weights, unless
-        ``from_pretrained`` built the layer: then the layer too); once."""
-        layer, self._owned_layer = self._owned_layer, None
-        try:
-            self._resources.close()  # the state, then the fused layer
-        finally:
-            if layer is not None:
-                layer.close()
-
-    def __enter__(self) -> "NgramDecoder":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        """Free the state and the gather buffer (not the weights); once."""
+        self._resources.close()
 
     # -- helpers ----------------------------------------------------------------------------------
     @property
@@ -271,7 +245,14 @@ class NgramDecoder:
         return self._resources.closed
 
     def _open(self) -> None:
-        require_open(_WHAT, self, self.fused.layer)
+        require_open(_WHAT, self, self.weights)
+        if self.collective is not None:
+            validate.require_open(self.collective.closed, f"{_WHAT}: its collective")
+
+    def _ready(self, stream: int) -> int:
+        """``stream``, checked, once the decoder (and its collective) are known to be open."""
+        self._open()
+        return check_stream(stream, _WHAT)
 
     def _sizes(self, num_seqs: int, rows: int, *, limit_rows: bool = True) -> tuple[int, int]:
         num_seqs = validate.u32(num_seqs, "NgramDecoder: num_seqs")
@@ -287,8 +268,17 @@ class NgramDecoder:
     def _index(self, buf: Buffer, count: int, what: str) -> int:
         """The address of a u32 (or int32) device buffer of at least ``count`` entries
         (``gpu_runtime.interop``: an address, a ``DeviceArray``, or a foreign array)."""
-        return interop.device_address(buf, f"NgramDecoder {what}", dtypes=interop.INDEX, count=count,
-                                      gpu=self.gpu)
+        return interop.device_address(buf, f"NgramDecoder {what}", dtypes=interop.INDEX, count=count, gpu=self.gpu)
+
+    def _ragged(
+        self, tokens: Buffer, cu_seqlens: Buffer, slots: Buffer, num_seqs: int, num_tokens: int
+    ) -> tuple[int, int, int]:
+        """The addresses of a ragged batch's ``tokens``, ``cu_seqlens`` and ``slots`` (``prefill``, ``seed``)."""
+        return (
+            self._index(tokens, num_tokens, "tokens"),
+            self._index(cu_seqlens, num_seqs + 1, "cu_seqlens"),
+            self._index(slots, num_seqs, "slots"),
+        )
 
     def _adapter_tables(self, adapters: Buffer | None, num_seqs: int) -> AdapterTables:
         """The gather's adapter arguments for a call's ``adapters`` (None: none)."""
@@ -296,44 +286,81 @@ class NgramDecoder:
             return NO_ADAPTERS
         slots = self.adapter_slots
         if slots is None:
-            raise ValueError("NgramDecoder: adapters given, but the decoder was built without "
-                             "adapter_slots (NgramDecoder(..., adapter_slots=OverlaySlots(...)))")
+            raise ValueError(
+                "NgramDecoder: adapters given, but the decoder was built without "
+                "adapter_slots (NgramDecoder(..., adapter_slots=OverlaySlots(...)))"
+            )
         index = self._index(adapters, num_seqs, "adapters")
         assert self.word_over is not None
-        return AdapterTables(index, slots.embed_slot_map_tab, slots.embed_rows_tab, slots.embed_n_tab,
-                             slots.num_slots, self.dims.hidden_size, self.word_over)
+        return AdapterTables(
+            index,
+            slots.embed_slot_map_tab,
+            slots.embed_rows_tab,
+            slots.embed_n_tab,
+            slots.num_slots,
+            self.dims.hidden_size,
+            self.word_over,
+        )
 
-    def _run(self, tokens: int, cu_seqlens: int, slots: int, num_seqs: int, rows: int,
-             per_seq: int, out: Buffer, stream: int, adapters: Buffer | None) -> None:
-        self._open()
+    def _run(
+        self,
+        indices: tuple[int, int, int],
+        num_seqs: int,
+        rows: int,
+        per_seq: int,
+        out: Buffer,
+        stream: int,
+        adapters: Buffer | None,
+    ) -> None:
+        """``prefill`` and ``step`` once their sizes and ``indices`` (the addresses of ``tokens``,
+        ``cu_seqlens`` and ``slots``) are checked: the gather, then the projection into ``out``."""
+        stream = self._ready(stream)
         out = out_address(out, _WHAT, rows, self.dims, self.gpu)
         tables = self._adapter_tables(adapters, num_seqs)
         if rows == 0:
             return
-        self.launch_gather(tokens, cu_seqlens, slots, num_seqs, rows, per_seq, stream, tables)
-        self._finish(rows, out, stream, tables.word_over)
+        self.launch_gather(*indices, num_seqs, rows, per_seq, stream, tables)
+        self.projection.finish(rows, self.word_ids, out, stream, tables.word_over)
 
-    def _gathered_rows(self, rows: int) -> int:
-        """Where ``launch_gather`` writes a call's ``[rows, T*td]`` gathered rows."""
-        return self.fused.gather_buf
-
-    def _finish(self, rows: int, out: int, stream: int, word_over: int) -> None:
-        """The call's second launch: the GEMM with the word-row epilogue (``word_over``: each
-        row's adapter word row, 0 for none at all)."""
-        dims, fused = self.dims, self.fused
-        gemm_ops.dense_gemm_bf16_word(self.gpu, fused.gemm_k, fused.gather_buf, fused.projs_weight,
-                                      out, rows, dims.hidden_size, dims.num_tables() * dims.table_dim(),
-                                      self.word_ids, fused.layer.word.weight, fused.inv_scale, stream,
-                                      overlap=True, path=self.gemm_path, word_over=word_over)
-
-    def launch_gather(self, tokens: int, cu_seqlens: int, slots: int, num_seqs: int, rows: int,
-                      per_seq: int, stream: int, adapters: AdapterTables = NO_ADAPTERS) -> None:
-        """The first of a call's two launches alone: hash, gather into the fused layer's gather
+    def launch_gather(
+        self,
+        tokens: int,
+        cu_seqlens: int,
+        slots: int,
+        num_seqs: int,
+        rows: int,
+        per_seq: int,
+        stream: int,
+        adapters: AdapterTables = NO_ADAPTERS,
+    ) -> None:
+        """The first of a call's two launches alone: hash, gather into the projection's
         buffer, append the tokens to the histories (``prefill`` / ``step`` check their arguments
         before it; benchmarks time it by itself). Addresses as ``prefill`` takes them."""
-        dims, fused = self.dims, self.fused
+        dims, proj = self.dims, self.projection
         decode_ops.ngram_decode_gather(
-            self.gpu, self.gather_k, tokens, cu_seqlens, slots, self.hist, self.state, fused.desc,
-            fused.pows, self._gathered_rows(rows), self.word_ids, self.ctrl, rows, num_seqs, per_seq,
-            self.max_seqs, self.hist_len, dims.vocab_size, dims.num_tables(), dims.max_ngram,
-            dims.splits, dims.table_dim(), dims.eos_id, stream, adapters)
+            self.gpu,
+            self.gather_kernel,
+            tokens,
+            cu_seqlens,
+            slots,
+            self.hist,
+            self.state,
+            proj.desc,
+            proj.pows,
+            proj.rows_at(rows),
+            self.word_ids,
+            self.ctrl,
+            rows,
+            num_seqs,
+            per_seq,
+            self.max_seqs,
+            self.hist_len,
+            dims.vocab_size,
+            dims.num_tables(),
+            dims.max_ngram,
+            dims.splits,
+            dims.table_dim(),
+            dims.eos_id,
+            stream,
+            adapters,
+        )

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -51,9 +51,17 @@ class NgramDims:
     table_dim_override: int | None
     eos_id: int | None
 
-    def __init__(self, vocab_size: int, hidden_size: int, max_ngram: int, splits: int,
-                 base_rows: int, row_bias: int = 0, table_dim: int | None = None,
-                 eos_id: int | None = None) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        max_ngram: int,
+        splits: int,
+        base_rows: int,
+        row_bias: Literal[0, 1] = 0,
+        table_dim: int | None = None,
+        eos_id: int | None = None,
+    ) -> None:
         v = _positive(vocab_size, "vocab_size V")
         d = _positive(hidden_size, "hidden_size D")
         n = _as_int(max_ngram, "max_ngram N")
@@ -67,8 +75,10 @@ class NgramDims:
         t = k * (n - 1)
         if table_dim is None:
             if d // t == 0:
-                raise ValueError(f"NgramDims: hidden_size D={d} too small for K*(N-1)={t} tables "
-                                 f"(default table_dim D // (K*(N-1)) would be 0)")
+                raise ValueError(
+                    f"NgramDims: hidden_size D={d} too small for K*(N-1)={t} tables "
+                    f"(default table_dim D // (K*(N-1)) would be 0)"
+                )
             td = None
         else:
             td = _positive(table_dim, "table_dim")
@@ -78,25 +88,48 @@ class NgramDims:
                 raise ValueError(f"NgramDims: eos_id must be in 0..V-1 = 0..{v - 1}, got {eos_id}")
         last_rows = m + 2 * (t - 1) + b
         if last_rows > MAX_TABLE_ROWS:
-            raise ValueError(f"NgramDims: table {t - 1} would have {last_rows} rows; ids are int64, "
-                             f"so at most 2**63 rows per table")
-        for name, value in (("vocab_size", v), ("hidden_size", d), ("max_ngram", n), ("splits", k),
-                            ("base_rows", m), ("row_bias", b), ("table_dim_override", td),
-                            ("eos_id", eos_id)):
+            raise ValueError(
+                f"NgramDims: table {t - 1} would have {last_rows} rows; ids are int64, so at most 2**63 rows per table"
+            )
+        for name, value in (
+            ("vocab_size", v),
+            ("hidden_size", d),
+            ("max_ngram", n),
+            ("splits", k),
+            ("base_rows", m),
+            ("row_bias", b),
+            ("table_dim_override", td),
+            ("eos_id", eos_id),
+        ):
             object.__setattr__(self, name, value)
 
     # ---- the two published settings -------------------------------------------------------
     @classmethod
-    def over_encoding(cls, vocab_size: int, hidden_size: int, max_ngram: int, splits: int,
-                      base_rows: int, table_dim: int | None = None) -> NgramDims:
+    def over_encoding(
+        cls,
+        vocab_size: int,
+        hidden_size: int,
+        max_ngram: int,
+        splits: int,
+        base_rows: int,
+        table_dim: int | None = None,
+    ) -> NgramDims:
         """The Over-Encoding paper (Huang et al. 2025): rows ``m + 2*c``, no EOS boundary."""
-        return cls(vocab_size, hidden_size, max_ngram, splits, base_rows, row_bias=0,
-                   table_dim=table_dim, eos_id=None)
+        return cls(vocab_size, hidden_size, max_ngram, splits, base_rows, row_bias=0, table_dim=table_dim, eos_id=None)
 
     @classmethod
-    def longcat_flash(cls, vocab_size: int, hidden_size: int, max_ngram: int, splits: int,
-                      ratio: float, eos_id: int, table_dim: int | None = None) -> NgramDims:
-        """LongCat-Flash: rows ``int(ratio * V) + 2*c + 1``, look-back bounded by ``eos_id``."""
+    def longcat_flash(
+        cls,
+        vocab_size: int,
+        hidden_size: int,
+        max_ngram: int,
+        splits: int,
+        ratio: float,
+        eos_id: int | None,
+        table_dim: int | None = None,
+    ) -> NgramDims:
+        """LongCat-Flash: rows ``int(ratio * V) + 2*c + 1``, look-back bounded by ``eos_id`` (None:
+        no EOS, as the table converter, which never hashes, reads a config)."""
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float, np.integer, np.floating)):
             raise TypeError(f"NgramDims.longcat_flash: ratio must be a number, got {ratio!r}")
         if not math.isfinite(ratio) or ratio <= 0:
@@ -104,10 +137,10 @@ class NgramDims:
         v = _as_int(vocab_size, "vocab_size V")
         base_rows = int(ratio * v)
         if base_rows < 1:
-            raise ValueError(f"NgramDims.longcat_flash: int(ratio * V) = int({ratio} * {v}) = "
-                             f"{base_rows}, base_rows must be >= 1")
-        return cls(v, hidden_size, max_ngram, splits, base_rows, row_bias=1,
-                   table_dim=table_dim, eos_id=eos_id)
+            raise ValueError(
+                f"NgramDims.longcat_flash: int(ratio * V) = int({ratio} * {v}) = {base_rows}, base_rows must be >= 1"
+            )
+        return cls(v, hidden_size, max_ngram, splits, base_rows, row_bias=1, table_dim=table_dim, eos_id=eos_id)
 
     # ---- derived sizes ---------------------------------------------------------------------
     def num_tables(self) -> int:
@@ -142,10 +175,16 @@ class NgramDims:
 
     def replace(self, **changes: Any) -> NgramDims:
         """A copy with some constructor arguments changed (``table_dim=`` included)."""
-        args = {"vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
-                "max_ngram": self.max_ngram, "splits": self.splits, "base_rows": self.base_rows,
-                "row_bias": self.row_bias, "table_dim": self.table_dim_override,
-                "eos_id": self.eos_id}
+        args: dict[str, Any] = {
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "max_ngram": self.max_ngram,
+            "splits": self.splits,
+            "base_rows": self.base_rows,
+            "row_bias": self.row_bias,
+            "table_dim": self.table_dim_override,
+            "eos_id": self.eos_id,
+        }
         unknown = set(changes) - set(args)
         if unknown:
             raise TypeError(f"NgramDims.replace: unknown arguments {sorted(unknown)}")

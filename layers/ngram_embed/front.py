@@ -1,8 +1,8 @@
 """The n-gram front end: what every path does with a call before its first launch.
 
 The seed-faithful ``NgramEmbedding.embed``, the fused ``FusedNgramEmbedding.embed`` /
-``embed_batch`` and the device-resident ``NgramDecoder`` refuse a closed layer, a backend other
-than the one they were built with and a null output here; the two host paths also check their
+``embed_batch`` and the device-resident ``NgramDecoder`` refuse a closed runner or weights, a
+backend other than the weights' and a null output here; the two host paths also check their
 contexts and ``seq_len`` here and cut each context to the tail they read:
 
 * ``tail_tokens``: the faithful path's last ``seq_len + N - 1`` tokens of one context (what the
@@ -35,23 +35,21 @@ from .dims import NgramDims
 
 
 # -- the call's objects ------------------------------------------------------------------------------
-def require_open(what: str, owner: Any, layer: Any) -> None:
-    """``ClosedError`` for a call on a closed ``owner`` or on a closed ``NgramEmbedding`` under
-    it (None: the owner, closed, has let it go)."""
+def require_open(what: str, owner: Any, weights: Any) -> None:
+    """``ClosedError`` for a call on a closed runner ``owner`` or on closed ``weights`` under it."""
     if owner.closed:
         name = type(owner).__name__
         validate.require_open(True, name if what == name else f"{what}: {name}")
-    if layer is not None and layer.closed:
-        validate.require_open(True, f"{what}: the layer it serves ({type(layer).__name__})")
+    if weights.closed:
+        validate.require_open(True, f"{what}: its {type(weights).__name__}")
 
 
 def require_backend(what: str, gpu: GpuBackend, own: GpuBackend) -> None:
-    """The ``gpu`` of the seed's call signatures must be the backend the layer was built with:
+    """The ``gpu`` of the seed's call signatures must be the backend of the weights:
     every upload and launch goes through that one (an ``embed`` that uploaded through one
     backend and launched through another would mix two contexts' queues)."""
     if gpu is not own:
-        raise ValueError(f"{what}: gpu is not the backend this layer was built with; pass the "
-                         f"layer's own backend")
+        raise ValueError(f"{what}: gpu is not the backend of the weights; pass the weights' own backend (weights.gpu)")
 
 
 def require_out(out: int, what: str) -> None:
@@ -91,8 +89,7 @@ def sliceable(ctx: Any, what: str, index: int | None = None, name: str = "ctx_to
     return arr
 
 
-def context_tail(ctx: Any, seq_len: int, lookback: int, what: str,
-                 index: int | None = None) -> tuple[Any, int]:
+def context_tail(ctx: Any, seq_len: int, lookback: int, what: str, index: int | None = None) -> tuple[Any, int]:
     """The last ``seq_len + lookback`` entries of ``ctx`` (fewer at its start), unconverted, and
     where they start; refuses a ``seq_len`` over the context's length."""
     ctx = sliceable(ctx, what, index)
@@ -168,8 +165,8 @@ def windows(dims: NgramDims, contexts: Sequence, seq_lens: Sequence[int], what: 
     # Each tail padded in front to s + n - 1 entries with NO_TOKEN (before the context start).
     padded = np.empty(sum(lens) + len(lens) * (n - 1), np.uint32)
     if len(lens) == 1:
-        padded[:padded.size - flat.size] = NO_TOKEN
-        padded[padded.size - flat.size:] = flat
+        padded[: padded.size - flat.size] = NO_TOKEN
+        padded[padded.size - flat.size :] = flat
     else:
         padded.fill(NO_TOKEN)
         ends = np.cumsum(np.asarray(lens, np.int64) + (n - 1))

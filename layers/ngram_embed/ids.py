@@ -73,7 +73,7 @@ def tail_ids(dims: NgramDims, tail: np.ndarray, seq_len: int) -> np.ndarray:
     tokens (``front.check_tokens``) that are either a whole context or its last
     ``seq_len + N - 1`` tokens (``ngram_ids_tail``'s window, ``front.tail_tokens``)."""
     tok = tail.astype(np.uint64, copy=False)
-    return _hash(dims, tok)[:, tok.shape[0] - seq_len:].view(np.int64)
+    return _hash(dims, tok)[:, tok.shape[0] - seq_len :].view(np.int64)
 
 
 @dataclass(frozen=True)
@@ -168,8 +168,9 @@ def _hash(dims: NgramDims, tok: np.ndarray) -> np.ndarray:
     return acc
 
 
-def _look_back(tok: np.ndarray, base: np.ndarray, d: int, eos_id: int | None,
-               alive: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None] | None:
+def _look_back(
+    tok: np.ndarray, base: np.ndarray, d: int, eos_id: int | None, alive: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray | None] | None:
     """``base`` shifted right by ``d`` positions (zeros before the start), with the terms of
     positions whose look-back crossed an EOS at distance 1..d zeroed. Returns the shifted values
     and the updated ``alive`` mask, or None when no position can reach back ``d`` any more."""
@@ -178,12 +179,12 @@ def _look_back(tok: np.ndarray, base: np.ndarray, d: int, eos_id: int | None,
     length = tok.shape[0]
     shifted = np.empty_like(base)
     shifted[..., :d] = 0
-    shifted[..., d:] = base[..., :length - d]
+    shifted[..., d:] = base[..., : length - d]
     if eos_id is None:
         return shifted, None
     step_ok = np.empty(length, dtype=bool)
     step_ok[:d] = True
-    np.not_equal(tok[:length - d], np.uint64(eos_id), out=step_ok[d:])
+    np.not_equal(tok[: length - d], np.uint64(eos_id), out=step_ok[d:])
     alive = step_ok if alive is None else alive & step_ok
     if not alive[d:].any():
         return None
@@ -210,8 +211,10 @@ class WindowPlan:
 def window_plan(dims: NgramDims, tables: tuple[int, ...]) -> WindowPlan:
     t, n = dims.num_tables(), dims.max_ngram
     if dims.vocab_size >= NO_TOKEN or any(dims.table_rows(c) >= 1 << 32 for c in range(t)):
-        raise ValueError("ngram ids from windows: needs vocab_size < 2**32 - 1 and every table "
-                         "< 2**32 rows (the fused path's limits)")
+        raise ValueError(
+            "ngram ids from windows: needs vocab_size < 2**32 - 1 and every table "
+            "< 2**32 rows (the fused path's limits)"
+        )
     for c in tables:
         dims._check_index(c)
     plan = _plan(dims)
@@ -246,23 +249,29 @@ def ngram_ids_windows(dims: NgramDims, windows: np.ndarray, tables: Sequence[int
     Limited to the fused path's case: vocab_size < 2**32 - 1 and every table < 2**32 rows
     (ValueError otherwise), so tokens and residues fit 32 bits and a product 64.
     """
-    sel = (tuple(range(dims.num_tables())) if tables is None
-           else tuple(validate.integer(c, "ngram ids from windows: table") for c in tables))
+    sel = (
+        tuple(range(dims.num_tables()))
+        if tables is None
+        else tuple(validate.integer(c, "ngram ids from windows: table") for c in tables)
+    )
     wp = window_plan(dims, sel)
     if not (isinstance(windows, np.ndarray) and windows.dtype == np.uint32):
-        raise TypeError(f"ngram ids from windows: windows must be a uint32 array, got "
-                        f"{getattr(windows, 'dtype', type(windows).__name__)}")
+        raise TypeError(
+            f"ngram ids from windows: windows must be a uint32 array, got "
+            f"{getattr(windows, 'dtype', type(windows).__name__)}"
+        )
     if windows.ndim != 2 or windows.shape[1] != dims.max_ngram:
-        raise ValueError(f"ngram ids from windows: windows must be [R, {dims.max_ngram}], got "
-                         f"{windows.shape}")
+        raise ValueError(f"ngram ids from windows: windows must be [R, {dims.max_ngram}], got {windows.shape}")
     if windows.size:
         v = dims.vocab_size
         bad = (windows >= v) & (windows != NO_TOKEN)
         bad[:, 0] |= windows[:, 0] == NO_TOKEN  # a row's own token is always there
         if bad.any():
             r, d = (int(x[0]) for x in np.nonzero(bad))
-            raise ValueError(f"ngram ids from windows: windows[{r}, {d}] = {int(windows[r, d])} is not a "
-                             f"token in 0..V-1 = 0..{v - 1}" + (" or NO_TOKEN" if d else ""))
+            raise ValueError(
+                f"ngram ids from windows: windows[{r}, {d}] = {int(windows[r, d])} is not a "
+                f"token in 0..V-1 = 0..{v - 1}" + (" or NO_TOKEN" if d else "")
+            )
     return ids_from_windows(wp, windows)
 
 

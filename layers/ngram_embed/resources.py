@@ -13,12 +13,25 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 from gpu_runtime import DeviceBuffer, DevicePtr, GpuBackend
 from gpu_runtime.host_memory import Host
 
 T = TypeVar("T", bound=Any)
+
+
+class Closing:
+    """``with`` for an object with ``close()``: leaving the block closes it."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class Resources:
@@ -65,7 +78,7 @@ class Resources:
 def closed_on_failure() -> Iterator[list[Any]]:
     """A list for the objects a constructor builds one by one (weights, caches: anything with a
     ``close()``): if the block raises, every one is closed, the last built first, and the error
-    propagates; otherwise the caller hands them on (``NgramEmbedding.own``)."""
+    propagates; otherwise the caller hands them on (``NgramWeights.own``)."""
     built: list[Any] = []
     try:
         yield built

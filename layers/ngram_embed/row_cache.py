@@ -1,32 +1,17 @@
-"""``RowCache``: an n-gram table kept on disk, its hot rows in a device arena.
+"""``RowCache``: an n-gram table kept on disk (a table file), its hot rows in a device arena; the
+seed's ``NgramTable::Cached(cache)``.
 
-This is the seed's ``NgramTable::Cached(cache)``. Over-Encoding and Engram-style tables reach
-tens to hundreds of GB, more than the device holds; their ids depend only on tokens, so the rows
-of a batch are known before the batch runs. ``resolve(ids, slots_out)`` maps a batch's ids to
-arena slots, loading the missing rows; the gather then reads ``table_dev_va()`` (and
+``resolve(ids, slots_out)`` maps a batch's ids to arena slots, loading the missing rows (read from
+the file's memory map, uploaded in chunks of at most ``chunk_rows`` rows, each scattered into its
+slots by one ``scatter_rows`` launch); the gather then reads ``table_dev_va()`` (and
 ``scale_dev_va()`` for fp8) at those slots; ``end_batch()`` lets the batch's rows be evicted.
+``prefetch(ids)`` starts the kernel's readahead of a later batch's rows and returns at once. The
+fused layer resolves all its caches through one ``CacheGroup`` (``cache_group.py``); a cache in a
+group still works alone.
 
-A load reads the missing rows from the file's memory map into host memory, uploads them with
-one copy per chunk of rows and scatters them into their slots with one ``scatter_rows`` launch.
-Small loads (a decode step's few rows) go through the backend's pinned staging, which never
-waits for the GPU; large ones alternate two pinned buffers of ``chunk_rows`` rows, so reading
-one chunk overlaps the upload of the previous one, and are read by a thread pool (numpy's
-``take`` releases the GIL, so a cold file's page faults overlap: 16 threads keep 16 reads in
-flight).
-
-``prefetch(ids)`` is kernel readahead: ``posix_fadvise(WILLNEED)`` on the rows' pages, which
-returns at once while the disk works, so the ``resolve`` of a later batch reads them from the
-page cache. Copying them to the device ahead too would save microseconds, not disk latency,
-and would cost a second stream, a thread and the GIL contention that comes with it (measured:
-it doubled a decode step).
-
-The fused layer resolves all its ``RowCache`` tables through one ``CacheGroup``
-(``cache_group.py``), which moves their indexes into one concatenated store so that a step's
-hits cost a few numpy operations for all tables together; a cache in a group still works alone.
-
-Every upload and scatter runs on the ``stream`` given at construction, which must be the
-stream the gathers run on (the layer's stream): loads and gathers are then ordered, and a slot
-is never overwritten before the gathers queued earlier have read it.
+Every upload and scatter runs on the ``stream`` given at construction, which must be the stream
+the gathers run on (the layer's stream): loads and gathers are then ordered, and a slot is never
+overwritten before the gathers queued earlier have read it. Design: docs/design_notes.md.
 """
 
 from __future__ import annotations
@@ -36,6 +21,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -46,6 +32,10 @@ from ..ops.row_cache import scatter_rows
 from .resources import Resources
 from .slot_index import SlotIndex
 from .table_file import TableFile
+
+if TYPE_CHECKING:
+    from ..backend_caps import PinnedEventsBackend
+    from .cache_group import CacheGroup
 
 _PARALLEL_READ_ROWS = 1024  # below this a thread pool costs more than it saves
 _SMALL_LOAD_ROWS = 64  # loads up to this many rows go through the backend's staging
@@ -75,18 +65,30 @@ def _refuse_slots_out(what: str, slots_out: object, shape: tuple[int, ...]) -> N
     ``TypeError`` for another type or dtype, ``ValueError`` for another shape."""
     dtype = getattr(slots_out, "dtype", None)
     if not isinstance(slots_out, np.ndarray) or dtype != np.uint32:
-        raise TypeError(f"{what}: slots_out must be a uint32 array, got "
-                        f"{type(slots_out).__name__ if dtype is None else dtype}")
-    raise ValueError(f"{what}: slots_out must be writable and of shape {shape}, got shape "
-                     f"{slots_out.shape}" + ("" if slots_out.flags.writeable else ", read-only"))
+        raise TypeError(
+            f"{what}: slots_out must be a uint32 array, got {type(slots_out).__name__ if dtype is None else dtype}"
+        )
+    raise ValueError(
+        f"{what}: slots_out must be writable and of shape {shape}, got shape "
+        f"{slots_out.shape}" + ("" if slots_out.flags.writeable else ", read-only")
+    )
 
 
 class _Loader:
     """Rows file -> pinned buffer -> device staging -> arena slots, on one stream."""
 
-    def __init__(self, gpu: GpuBackend, kernel: KernelHandle, file: TableFile, arena: int,
-                 arena_scales: int, stream: int, chunk_rows: int,
-                 readers: ThreadPoolExecutor | None, threads: int) -> None:
+    def __init__(
+        self,
+        gpu: PinnedEventsBackend,
+        kernel: KernelHandle,
+        file: TableFile,
+        arena: int,
+        arena_scales: int,
+        stream: int,
+        chunk_rows: int,
+        readers: ThreadPoolExecutor | None,
+        threads: int,
+    ) -> None:
         self.gpu, self.kernel, self.file, self.stream = gpu, kernel, file, stream
         self.threads = threads
         self.arena, self.arena_scales = arena, arena_scales
@@ -96,7 +98,7 @@ class _Loader:
         self.host: list[np.ndarray] = []
         self.events: list[int] = []
         self._resources = own = Resources(gpu)  # released in reverse: each event waited for
-        try:                                    # before its buffer goes, the device staging last
+        try:  # before its buffer goes, the device staging last
             self.device = own.alloc(nbytes)
             for _ in range(2):
                 self.host.append(gpu.alloc_host(nbytes))
@@ -118,7 +120,7 @@ class _Loader:
         """Queue the loads of rows ``ids`` into ``slots``; returns the seconds spent reading."""
         io = 0.0
         for start in range(0, len(ids), self.chunk_rows):
-            chunk_ids, chunk_slots = ids[start:start + self.chunk_rows], slots[start:start + self.chunk_rows]
+            chunk_ids, chunk_slots = ids[start : start + self.chunk_rows], slots[start : start + self.chunk_rows]
             n = len(chunk_ids)
             rows_at, scales_at, end = self._layout(n)
             small = n <= _SMALL_LOAD_ROWS
@@ -128,18 +130,27 @@ class _Loader:
                 buf, event = self.host[self.turn], self.events[self.turn]
                 self.turn ^= 1
                 self.gpu.event_synchronize(event)  # the upload that last read this buffer is done
-            buf[:4 * n].view(np.uint32)[:] = chunk_slots
+            buf[: 4 * n].view(np.uint32)[:] = chunk_slots
             scales = buf[scales_at:end].view(np.float32) if self.arena_scales else None
             t0 = time.perf_counter()
-            self._read(chunk_ids, buf[rows_at:rows_at + n * self.row_bytes].reshape(n, self.row_bytes), scales)
+            self._read(chunk_ids, buf[rows_at : rows_at + n * self.row_bytes].reshape(n, self.row_bytes), scales)
             io += time.perf_counter() - t0
             if small:
                 self.gpu.copy_h2d_async(buf[:end], self.device, self.stream)
             else:
                 self.gpu.upload_pinned_async(buf[:end], self.device, self.stream)
-            scatter_rows(self.gpu, self.kernel, self.device, self.device.offset(rows_at),
-                         self.device.offset(scales_at) if self.arena_scales else 0,
-                         self.arena, self.arena_scales, n, self.row_bytes, self.stream)
+            scatter_rows(
+                self.gpu,
+                self.kernel,
+                self.device,
+                self.device.offset(rows_at),
+                self.device.offset(scales_at) if self.arena_scales else 0,
+                self.arena,
+                self.arena_scales,
+                n,
+                self.row_bytes,
+                self.stream,
+            )
             if event is not None:
                 self.gpu.record_event(event, self.stream)
         return io
@@ -149,9 +160,11 @@ class _Loader:
             self.file.read_rows(ids, out, scales)
             return
         bounds = np.linspace(0, len(ids), self.threads + 1).astype(int)
-        futures = [self.readers.submit(self.file.read_rows, ids[a:b], out[a:b],
-                                       None if scales is None else scales[a:b])
-                   for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+        futures = [
+            self.readers.submit(self.file.read_rows, ids[a:b], out[a:b], None if scales is None else scales[a:b])
+            for a, b in zip(bounds[:-1], bounds[1:])
+            if b > a
+        ]
         for future in futures:
             future.result()
 
@@ -174,21 +187,32 @@ class RowCache:
     loads in parallel (1 reads on the calling thread only).
     """
 
-    def __init__(self, gpu: GpuBackend, path: str | os.PathLike, capacity: int, *,
-                 stream: int = 0, chunk_rows: int = 8192, io_threads: int = 16) -> None:
+    def __init__(
+        self,
+        gpu: GpuBackend,
+        path: str | os.PathLike,
+        capacity: int,
+        *,
+        stream: int = 0,
+        chunk_rows: int = 8192,
+        io_threads: int = 16,
+    ) -> None:
         capacity = validate.positive(capacity, "RowCache: capacity")
         chunk_rows = validate.positive(chunk_rows, "RowCache: chunk_rows")
         io_threads = validate.positive(io_threads, "RowCache: io_threads")
         if not (isinstance(gpu, PinnedHostMemory) and isinstance(gpu, Events)):
-            raise TypeError(f"RowCache: the backend needs pinned host memory and events "
-                            f"(gpu_runtime.PinnedHostMemory, Events); {type(gpu).__name__} lacks them")
+            raise TypeError(
+                f"RowCache: the backend needs pinned host memory and events "
+                f"(gpu_runtime.PinnedHostMemory, Events); {type(gpu).__name__} lacks them"
+            )
         self.file = TableFile(path)
-        self.gpu, self.stream = gpu, stream
+        self.gpu = gpu = cast("PinnedEventsBackend", gpu)  # the capabilities checked just above
+        self.stream = stream
         self.rows, self.dim, self.dtype = self.file.rows, self.file.dim, self.file.dtype
         self.capacity = min(capacity, self.rows)
         self._stats = CacheStats()
         self.index = SlotIndex(self.rows, self.capacity)
-        self._group = None  # the CacheGroup whose index store this cache's index lives in, if any
+        self._group: CacheGroup | None = None  # the CacheGroup whose index store this cache's index lives in, if any
         self._arena_scales = DevicePtr(0)
         self._readers = ThreadPoolExecutor(io_threads, "rowcache-read") if io_threads > 1 else None
         self._resources = own = Resources(gpu)  # the arena, then the loader's staging
@@ -201,9 +225,19 @@ class RowCache:
             if self.file.scales is not None:
                 self._arena_scales = own.alloc(self.capacity * 4)
                 gpu.memset(self._arena_scales, 0, self.capacity * 4, stream)
-            self._loader = own.adopt(_Loader(gpu, self.kernel, self.file, self._arena,
-                                             self._arena_scales, stream, min(chunk_rows, self.capacity),
-                                             self._readers, io_threads))
+            self._loader = own.adopt(
+                _Loader(
+                    gpu,
+                    self.kernel,
+                    self.file,
+                    self._arena,
+                    self._arena_scales,
+                    stream,
+                    min(chunk_rows, self.capacity),
+                    self._readers,
+                    io_threads,
+                )
+            )
             # Released first: the gathers queued on the stream may still read the arena.
             own.on_close(partial(gpu.synchronize, stream))
         except BaseException:
@@ -216,8 +250,12 @@ class RowCache:
         (uint32, same length) gets the arena slot of ``ids[i]``. Refuses, before loading
         anything, ids >= rows and batches needing more rows resident than the arena holds."""
         ids = self._check_ids(ids, "resolve")
-        if not (isinstance(slots_out, np.ndarray) and slots_out.dtype == np.uint32
-                and slots_out.shape == ids.shape and slots_out.flags.writeable):
+        if not (
+            isinstance(slots_out, np.ndarray)
+            and slots_out.dtype == np.uint32
+            and slots_out.shape == ids.shape
+            and slots_out.flags.writeable
+        ):
             _refuse_slots_out("RowCache.resolve", slots_out, ids.shape)
         if ids.size == 1:  # a decode step: scalar operations only
             slot = int(self.index.slot_of[ids[0]])
@@ -267,8 +305,9 @@ class RowCache:
         index = self.index
         need = index.n_pinned + int((~index.pinned[slots[hit]]).sum()) + int((~hit).sum())
         if need > self.capacity:
-            raise ValueError(f"RowCache.resolve: the batch needs {need} rows resident at once, "
-                             f"the arena holds {self.capacity}")
+            raise ValueError(
+                f"RowCache.resolve: the batch needs {need} rows resident at once, the arena holds {self.capacity}"
+            )
 
     def table_dev_va(self) -> int:
         validate.require_open(self.closed, "RowCache")
@@ -346,7 +385,7 @@ class RowCache:
         finally:
             self.file.close()
 
-    def __enter__(self) -> "RowCache":
+    def __enter__(self) -> RowCache:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -45,7 +45,7 @@ class SlotIndex:
         if need > self.evictable():
             raise RuntimeError(f"assign of {need} slots, {self.evictable()} evictable")
         take = min(need, self.n_free)
-        parts = [self.free[self.n_free - take:self.n_free]]
+        parts = [self.free[self.n_free - take : self.n_free]]
         self.n_free -= take
         if need > take:
             parts.append(self._sweep(need - take))
@@ -66,15 +66,15 @@ class SlotIndex:
             found = np.flatnonzero(ok & ~self.ref[idx])
             if len(found) >= need:
                 found = found[:need]
-                passed = idx[:found[-1] + 1]
-                self.ref[passed[ok[:found[-1] + 1]]] = False
+                passed = idx[: found[-1] + 1]
+                self.ref[passed[ok[: found[-1] + 1]]] = False
                 self.hand = int((self.hand + found[-1] + 1) % cap)
             else:
                 self.ref[idx[ok]] = False
                 self.hand = int((self.hand + window) % cap)
             victims = idx[found]
             self.slot_of[self.id_of[victims]] = -1  # evicted; id_of = -1 also keeps the
-            self.id_of[victims] = -1                # next window from taking them again
+            self.id_of[victims] = -1  # next window from taking them again
             self.evictions += len(victims)
             out.append(victims)
             need -= len(found)
@@ -88,7 +88,7 @@ class SlotIndex:
         self.slot_of[ids[ids >= 0]] = -1
         self.id_of[slots] = -1
         self.ref[slots] = False
-        self.free[self.n_free:self.n_free + len(slots)] = slots
+        self.free[self.n_free : self.n_free + len(slots)] = slots
         self.n_free += len(slots)
 
     def pin(self, slots: np.ndarray) -> None:
@@ -154,7 +154,7 @@ class SlotStore:
         """``n_pinned``, recounted from ``pinned`` if pins were set without counting."""
         if self.uncounted:
             for k, (base, cap) in enumerate(zip(self.slot_base.tolist(), self.capacities)):
-                self.n_pinned[k] = np.count_nonzero(self.pinned[base:base + cap])
+                self.n_pinned[k] = np.count_nonzero(self.pinned[base : base + cap])
             self.uncounted = False
             self.counted = True
         return self.n_pinned
@@ -179,9 +179,9 @@ class SharedSlotIndex(SlotIndex):
         self.rows, self.capacity, self.store, self.k = rows, cap, store, k
         r0, s0 = int(store.row_base[k]), int(store.slot_base[k])
         self.slot_base = s0
-        self.slot_of = store.slot_of[r0:r0 + rows]
-        self.id_of, self.ref = store.id_of[s0:s0 + cap], store.ref[s0:s0 + cap]
-        self.pinned = store.pinned[s0:s0 + cap]
+        self.slot_of = store.slot_of[r0 : r0 + rows]
+        self.id_of, self.ref = store.id_of[s0 : s0 + cap], store.ref[s0 : s0 + cap]
+        self.pinned = store.pinned[s0 : s0 + cap]
         self.slot_of[:], self.id_of[:], self.ref[:], self.pinned[:] = src.slot_of, src.id_of, src.ref, src.pinned
         store.n_pinned[k] = int(src.pinned.sum())
         store.counted = True
@@ -189,10 +189,11 @@ class SharedSlotIndex(SlotIndex):
             store.pins.append(np.flatnonzero(src.pinned) + s0)
         self.free, self.n_free = src.free.copy(), src.n_free
         self.hand, self.evictions = src.hand, src.evictions
-        self.unpin_all = store.unpin_all  # RowCache.end_batch's call, one level shorter
+        # RowCache.end_batch's call, one level shorter: the store's method as an instance attribute
+        self.unpin_all = store.unpin_all  # type: ignore[method-assign]  # shadows the method on purpose
 
     @property
-    def n_pinned(self) -> int:  # type: ignore[override]
+    def n_pinned(self) -> int:
         return int(self.store.counts()[self.k])
 
     @n_pinned.setter

@@ -1,144 +1,38 @@
-"""On-disk n-gram tables too big for the device: a page-aligned raw row block behind a header.
-
-A ``RowCache`` memory-maps the file and gathers random rows by id straight into pinned buffers,
-so the rows are stored raw and row-major from a page boundary, and nothing here ever reads a
-whole table into RAM: ``TableFile`` only maps it, ``TableWriter`` streams rows in chunks.
-
-Layout (little-endian), version 1::
-
-    0            header: magic b"NGRAMTBL", u32 version, u32 dtype code (1 bf16, 2 fp8 e4m3),
-                 u64 rows, u64 dim, u64 rows_offset, u64 scales_offset,
-                 u32 crc32 of the 48 bytes before it; zero padding up to 4096
-    4096         rows * row_bytes bytes of rows (row_bytes = dim * itemsize)
-    fp8 only:    f32 per-row scales at scales_offset = 4096 + align_up(rows * row_bytes, 4096)
-
-The file size must match the header exactly, so a truncated copy or a stray append is caught.
+"""On-disk n-gram tables too big for the device: ``TableFile`` memory-maps one read-only and
+gathers rows by id (nothing reads a whole table into RAM); ``TableWriter`` / ``write_table``
+stream one to disk in chunks, atomically (``.tmp``, header last, fsync, rename). A file whose
+header or size is not what this package writes is refused (``TableFormatError``). The format is
+``table_format``'s; the layout and the design: docs/table_files.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
-import struct
-import zlib
-from dataclasses import dataclass
 from types import TracebackType
 
 import numpy as np
 
 from gpu_runtime import ClosedError, validate
 
+from ..dense_weight import FP8
 from ..safetensors_io import load as load_safetensors
-from ..weight_map import BF16, FP8
-
-MAGIC = b"NGRAMTBL"
-VERSION = 1
-PAGE = 4096
-HEADER_BYTES = PAGE  # the header block; rows start on the next page
-SCALE_DTYPE = np.dtype("<f4")
-
-_FIELDS = struct.Struct("<8sIIQQQQ")  # everything the crc covers (48 bytes)
-_CRC = struct.Struct("<I")
-_CODES = {BF16: 1, FP8: 2}
-_DTYPES = {code: dtype for dtype, code in _CODES.items()}
-
-
-class TableFormatError(ValueError):
-    """A table file whose header or size is not what this reader writes."""
-
-
-def _align_up(n: int, to: int = PAGE) -> int:
-    return -(-n // to) * to
-
-
-def _table_dtype(dtype: object) -> np.dtype:
-    try:
-        dt = np.dtype(dtype)  # type: ignore[call-overload]
-    except TypeError:
-        dt = None
-    if dt not in _CODES:
-        raise TypeError(f"table dtype must be bfloat16 or float8_e4m3fn, got {dtype!r}")
-    return dt
-
-
-@dataclass(frozen=True)
-class TableHeader:
-    """The geometry of one table; every offset follows from dtype, rows and dim."""
-
-    dtype: np.dtype
-    rows: int
-    dim: int
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "dtype", _table_dtype(self.dtype))
-        object.__setattr__(self, "rows", validate.positive(self.rows, "rows"))
-        object.__setattr__(self, "dim", validate.positive(self.dim, "dim"))
-
-    @property
-    def row_bytes(self) -> int:
-        return self.dim * self.dtype.itemsize
-
-    @property
-    def rows_offset(self) -> int:
-        return HEADER_BYTES
-
-    @property
-    def scales_offset(self) -> int:
-        if self.dtype != FP8:
-            return 0
-        return self.rows_offset + _align_up(self.rows * self.row_bytes)
-
-    @property
-    def file_size(self) -> int:
-        if self.dtype == FP8:
-            return self.scales_offset + self.rows * SCALE_DTYPE.itemsize
-        return self.rows_offset + self.rows * self.row_bytes
-
-    def pack(self) -> bytes:
-        """The 4096-byte header block."""
-        fields = _FIELDS.pack(MAGIC, VERSION, _CODES[self.dtype], self.rows, self.dim,
-                              self.rows_offset, self.scales_offset)
-        block = fields + _CRC.pack(zlib.crc32(fields))
-        return block + bytes(HEADER_BYTES - len(block))
-
-    @classmethod
-    def unpack(cls, block: bytes, path: str = "<table>") -> TableHeader:
-        """Parse and validate a header block; ``path`` only names the file in errors."""
-        need = _FIELDS.size + _CRC.size
-        if len(block) < need:
-            raise TableFormatError(f"{path}: header is {len(block)} bytes, need at least {need}")
-        fields = bytes(block[:_FIELDS.size])
-        magic, version, code, rows, dim, rows_offset, scales_offset = _FIELDS.unpack(fields)
-        if magic != MAGIC:
-            raise TableFormatError(f"{path}: magic is {magic!r}, not {MAGIC!r} (not a table file)")
-        if version != VERSION:
-            raise TableFormatError(f"{path}: format version {version}, this reader knows {VERSION}")
-        (crc,) = _CRC.unpack_from(block, _FIELDS.size)
-        if crc != zlib.crc32(fields):
-            raise TableFormatError(f"{path}: header crc32 is {crc:#010x}, its bytes give "
-                                   f"{zlib.crc32(fields):#010x} (corrupt header)")
-        if code not in _DTYPES:
-            raise TableFormatError(f"{path}: unknown dtype code {code} (1 = bf16, 2 = fp8)")
-        if rows < 1 or dim < 1:
-            raise TableFormatError(f"{path}: header says rows={rows}, dim={dim}; both must be >= 1")
-        header = cls(_DTYPES[code], rows, dim)
-        if (rows_offset, scales_offset) != (header.rows_offset, header.scales_offset):
-            raise TableFormatError(
-                f"{path}: header offsets rows={rows_offset}, scales={scales_offset}; a "
-                f"{header.dtype.name} [{rows}, {dim}] table has rows={header.rows_offset}, "
-                f"scales={header.scales_offset}")
-        return header
+from .table_format import HEADER_BYTES, PAGE, SCALE_DTYPE, TableFormatError, TableHeader, _table_dtype
 
 
 def _check_out(what: str, out: np.ndarray, dtype: type, shape: tuple[int, ...]) -> None:
     """An output array of ``read_rows``: ``TypeError`` for another dtype, ``ValueError`` for
     another shape or a layout that is not C-contiguous."""
     if not isinstance(out, np.ndarray) or out.dtype != dtype:
-        raise TypeError(f"{what} must be a {np.dtype(dtype).name} array, got "
-                        f"{getattr(out, 'dtype', type(out).__name__)}")
+        raise TypeError(
+            f"{what} must be a {np.dtype(dtype).name} array, got {getattr(out, 'dtype', type(out).__name__)}"
+        )
     if out.shape != shape or not out.flags.c_contiguous:
-        raise ValueError(f"{what} must be C-contiguous {shape}, got {out.shape}"
-                         + ("" if out.flags.c_contiguous else " (not contiguous)"))
+        raise ValueError(
+            f"{what} must be C-contiguous {shape}, got {out.shape}"
+            + ("" if out.flags.c_contiguous else " (not contiguous)")
+        )
 
 
 class TableFile:
@@ -151,12 +45,12 @@ class TableFile:
         try:
             size = os.fstat(self._fd).st_size
             if size < HEADER_BYTES:
-                raise TableFormatError(f"{self.path}: file is {size} bytes, shorter than the "
-                                       f"{HEADER_BYTES}-byte header")
+                raise TableFormatError(
+                    f"{self.path}: file is {size} bytes, shorter than the {HEADER_BYTES}-byte header"
+                )
             self.header = TableHeader.unpack(os.pread(self._fd, HEADER_BYTES, 0), self.path)
             if size != self.header.file_size:
-                raise TableFormatError(f"{self.path}: file is {size} bytes, header says "
-                                       f"{self.header.file_size}")
+                raise TableFormatError(f"{self.path}: file is {size} bytes, header says {self.header.file_size}")
             self._mmap = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ)
             if hasattr(self._mmap, "madvise") and hasattr(mmap, "MADV_RANDOM"):
                 self._mmap.madvise(mmap.MADV_RANDOM)  # gathers are random: no readahead
@@ -166,12 +60,14 @@ class TableFile:
         h = self.header
         self.rows, self.dim, self.dtype, self.row_bytes = h.rows, h.dim, h.dtype, h.row_bytes
         self._rows_bytes: np.ndarray | None = np.frombuffer(
-            self._mmap, np.uint8, count=h.rows * h.row_bytes, offset=h.rows_offset,
+            self._mmap,
+            np.uint8,
+            count=h.rows * h.row_bytes,
+            offset=h.rows_offset,
         ).reshape(h.rows, h.row_bytes)
         self._scales: np.ndarray | None = None
         if h.dtype == FP8:
-            self._scales = np.frombuffer(self._mmap, SCALE_DTYPE, count=h.rows,
-                                         offset=h.scales_offset)
+            self._scales = np.frombuffer(self._mmap, SCALE_DTYPE, count=h.rows, offset=h.scales_offset)
 
     @property
     def closed(self) -> bool:
@@ -193,13 +89,10 @@ class TableFile:
         self._check_open()
         return self._scales
 
-    def read_rows(self, ids: np.ndarray, out: np.ndarray,
-                  scales_out: np.ndarray | None = None) -> None:
-        """Gather rows ``ids`` into ``out`` (uint8 ``[len(ids), row_bytes]``), scales likewise.
-
-        ``np.take`` with ``mode="raise"`` would gather into a temporary and copy it again, so the
-        bounds are checked here once and the gather runs with ``mode="clip"`` straight into ``out``.
-        """
+    def read_rows(self, ids: np.ndarray, out: np.ndarray, scales_out: np.ndarray | None = None) -> None:
+        """Gather rows ``ids`` into ``out`` (uint8 ``[len(ids), row_bytes]``), scales likewise
+        (``scales_out`` float32 ``[len(ids)]``, fp8 tables only); ids out of range are an
+        ``IndexError`` before anything is written."""
         self._check_open()
         ids = np.asarray(ids)
         if ids.dtype.kind not in "iu":
@@ -212,8 +105,7 @@ class TableFile:
             raise ValueError(f"{self.path}: a bf16 table has no scales; pass scales_out=None")
         if self._scales is not None:
             if scales_out is None:
-                raise ValueError(f"{self.path}: an fp8 table's rows need their scales: "
-                                 "pass scales_out")
+                raise ValueError(f"{self.path}: an fp8 table's rows need their scales: pass scales_out")
             _check_out("scales_out", scales_out, np.float32, (n,))
         if n == 0:
             return
@@ -222,9 +114,12 @@ class TableFile:
             raise IndexError(f"{self.path}: row ids span [{lo}, {hi}], table has {self.rows} rows")
         if ids.dtype != np.intp:
             ids = ids.astype(np.intp)
-        np.take(self._rows_bytes, ids, axis=0, out=out, mode="clip")
+        rows, scales = self._rows_bytes, self._scales
+        assert rows is not None  # open (checked above): mapped
+        np.take(rows, ids, axis=0, out=out, mode="clip")  # bounds checked above
         if scales_out is not None:
-            np.take(self._scales, ids, out=scales_out, mode="clip")
+            assert scales is not None  # scales_out is refused above for a bf16 table
+            np.take(scales, ids, out=scales_out, mode="clip")
 
     def advise_willneed(self, ids: np.ndarray) -> None:
         """Ask the kernel to start reading rows ``ids`` (and their scales) into the page cache,
@@ -261,10 +156,8 @@ class TableFile:
         """Release the map and file. Views still held elsewhere keep the mapping alive."""
         self._rows_bytes = self._scales = None
         if self._mmap is not None:
-            try:
+            with contextlib.suppress(BufferError):  # a caller still holds a view; the mapping goes when that view does
                 self._mmap.close()
-            except BufferError:
-                pass  # a caller still holds a view; the mapping goes when that view does
             self._mmap = None
         if self._fd >= 0:
             os.close(self._fd)
@@ -306,7 +199,7 @@ class TableWriter:
         return self._fd < 0
 
     def _pwrite(self, array: np.ndarray, offset: int) -> None:
-        view = memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+        view = np.ascontiguousarray(array).reshape(-1).view(np.uint8).data  # a memoryview, no copy
         while view:
             done = os.pwrite(self._fd, view, offset)
             view, offset = view[done:], offset + done
@@ -322,8 +215,7 @@ class TableWriter:
             raise ValueError(f"{self.path}: rows must be [n, {h.dim}], got {rows.shape}")
         n = rows.shape[0]
         if self.written + n > h.rows:
-            raise ValueError(f"{self.path}: appending {n} rows after {self.written} overruns "
-                             f"the declared {h.rows}")
+            raise ValueError(f"{self.path}: appending {n} rows after {self.written} overruns the declared {h.rows}")
         if h.dtype == FP8:
             if scales is None:
                 raise ValueError(f"{self.path}: fp8 rows need their float32 scales")
@@ -338,8 +230,7 @@ class TableWriter:
             return
         self._pwrite(rows, h.rows_offset + self.written * h.row_bytes)
         if scales is not None:
-            self._pwrite(scales.astype(SCALE_DTYPE, copy=False),
-                         h.scales_offset + self.written * SCALE_DTYPE.itemsize)
+            self._pwrite(scales.astype(SCALE_DTYPE, copy=False), h.scales_offset + self.written * SCALE_DTYPE.itemsize)
         self.written += n
 
     def close(self) -> TableHeader:
@@ -350,8 +241,9 @@ class TableWriter:
             raise ClosedError(f"{self.path}: writer was aborted")
         if self.written != self.header.rows:
             self.abort()
-            raise ValueError(f"{self.path}: only {self.written} of {self.header.rows} rows "
-                             "were appended; nothing written")
+            raise ValueError(
+                f"{self.path}: only {self.written} of {self.header.rows} rows were appended; nothing written"
+            )
         try:
             self._pwrite(np.frombuffer(self.header.pack(), np.uint8), 0)
             os.fsync(self._fd)
@@ -371,16 +263,15 @@ class TableWriter:
             os.close(self._fd)
             self._fd = -1
         if not self._committed:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.tmp_path)
-            except FileNotFoundError:
-                pass
 
     def __enter__(self) -> TableWriter:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if exc_type is None:
             self.close()
         else:
@@ -401,8 +292,9 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def write_table(path: str | os.PathLike, table: np.ndarray, scales: np.ndarray | None = None,
-                chunk_rows: int = 1 << 16) -> TableHeader:
+def write_table(
+    path: str | os.PathLike, table: np.ndarray, scales: np.ndarray | None = None, chunk_rows: int = 1 << 16
+) -> TableHeader:
     """Write a ``[rows, dim]`` array (an ``np.memmap`` works: it is read chunk by chunk)."""
     chunk_rows = validate.positive(chunk_rows, "chunk_rows")
     table = np.asarray(table)  # a view, never a copy, of a memmap
@@ -419,14 +311,17 @@ def write_table(path: str | os.PathLike, table: np.ndarray, scales: np.ndarray |
     return writer.header
 
 
-def write_table_from_safetensors(path: str | os.PathLike, st_path: str | os.PathLike, name: str,
-                                 scale_name: str | None = None,
-                                 chunk_rows: int = 1 << 16) -> TableHeader:
+def write_table_from_safetensors(
+    path: str | os.PathLike,
+    st_path: str | os.PathLike,
+    name: str,
+    scale_name: str | None = None,
+    chunk_rows: int = 1 << 16,
+) -> TableHeader:
     """Convert one tensor (and its per-row scales) of a safetensors file, memory-mapped."""
     tensors = load_safetensors(st_path)
     for wanted in (name, scale_name):
         if wanted is not None and wanted not in tensors:
-            raise KeyError(f"{os.fspath(st_path)}: no tensor {wanted!r} "
-                           f"(has {', '.join(sorted(tensors)) or 'none'})")
+            raise KeyError(f"{os.fspath(st_path)}: no tensor {wanted!r} (has {', '.join(sorted(tensors)) or 'none'})")
     scales = tensors[scale_name] if scale_name is not None else None
     return write_table(path, tensors[name], scales, chunk_rows)

@@ -1,6 +1,6 @@
 """The converter's table files for a layer: its manifest (``ngram_tables.json``, written by
 ``python -m layers.ngram_embed.convert`` into OUT_DIR) and each table file's header, checked
-against the dims before anything is read or uploaded."""
+against the dims before anything is read or uploaded. The manifest's fields: docs/table_files.md."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..weight_map import FP8
+from ..dense_weight import FP8
 from .checkpoint import CheckpointError
 from .dims import NgramDims
 from .table_file import TableFile, TableFormatError
@@ -32,9 +32,15 @@ class TableFiles:
 
 
 def manifest_dims(dims: NgramDims) -> dict[str, int]:
-    return {"vocab_size": dims.vocab_size, "hidden_size": dims.hidden_size, "max_ngram": dims.max_ngram,
-            "splits": dims.splits, "base_rows": dims.base_rows, "row_bias": dims.row_bias,
-            "table_dim": dims.table_dim()}
+    return {
+        "vocab_size": dims.vocab_size,
+        "hidden_size": dims.hidden_size,
+        "max_ngram": dims.max_ngram,
+        "splits": dims.splits,
+        "base_rows": dims.base_rows,
+        "row_bias": dims.row_bias,
+        "table_dim": dims.table_dim(),
+    }
 
 
 def read_manifest(table_dir: str | os.PathLike) -> dict[str, Any]:
@@ -42,16 +48,21 @@ def read_manifest(table_dir: str | os.PathLike) -> dict[str, Any]:
     try:
         manifest = json.loads(path.read_text())
     except FileNotFoundError:
-        raise CheckpointError(f"{path}: no manifest (write the table files with python -m "
-                              "layers.ngram_embed.convert MODEL_DIR OUT_DIR)") from None
+        raise CheckpointError(
+            f"{path}: no manifest (write the table files with python -m layers.ngram_embed.convert MODEL_DIR OUT_DIR)"
+        ) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise CheckpointError(f"{path}: not valid JSON ({err})") from None
-    if (not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT
-            or not isinstance(manifest.get("tables"), list)):
+    if (
+        not isinstance(manifest, dict)
+        or manifest.get("format") != MANIFEST_FORMAT
+        or not isinstance(manifest.get("tables"), list)
+    ):
         raise CheckpointError(f"{path}: not a {MANIFEST_FORMAT} manifest")
     if manifest.get("version") != MANIFEST_VERSION:
-        raise CheckpointError(f"{path}: manifest version {manifest.get('version')!r}, this reader "
-                              f"knows {MANIFEST_VERSION}")
+        raise CheckpointError(
+            f"{path}: manifest version {manifest.get('version')!r}, this reader knows {MANIFEST_VERSION}"
+        )
     return manifest
 
 
@@ -69,8 +80,10 @@ def open_table_files(table_dir: str | os.PathLike, dims: NgramDims) -> TableFile
     entries = {e.get("index"): e for e in manifest["tables"] if isinstance(e, dict)}
     missing = [c for c in range(dims.num_tables()) if c not in entries]
     if missing:
-        raise CheckpointError(f"{path}: no table file for tables {missing} (an unfinished "
-                              "conversion: run the converter again to finish it)")
+        raise CheckpointError(
+            f"{path}: no table file for tables {missing} (an unfinished "
+            "conversion: run the converter again to finish it)"
+        )
     paths, dtypes = [], []
     for c in range(dims.num_tables()):
         name = entries[c].get("file")
@@ -86,8 +99,7 @@ def open_table_files(table_dir: str | os.PathLike, dims: NgramDims) -> TableFile
             raise CheckpointError(str(err)) from None
         rows, td = dims.table_rows(c), dims.table_dim()
         if header[1:] != (rows, td):
-            raise CheckpointError(f"{file}: table {c} is [{header[1]}, {header[2]}], the config gives "
-                                  f"[{rows}, {td}]")
+            raise CheckpointError(f"{file}: table {c} is [{header[1]}, {header[2]}], the config gives [{rows}, {td}]")
         paths.append(file)
         dtypes.append("F8_E4M3" if header[0] == FP8 else "BF16")
     return TableFiles(table_dir, manifest, tuple(paths), tuple(dtypes))

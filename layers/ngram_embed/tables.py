@@ -5,7 +5,7 @@ Mirrors the seed's enum: ``NgramTable.Bf16(weight)`` and ``NgramTable.Fp8(weight
 table in mapped pinned host memory, read in place by the gathers over PCIe (bf16, or fp8 with its
 scales on the device); ``NgramTable.Cached(cache)`` is a table too big for the device, whose rows
 a ``RowSource`` brings into a device arena batch by batch; ``NgramTable.Absent(rows, dim)`` is a
-table another rank of a tensor-parallel group holds (``layers.tensor_parallel``): this rank's
+table another rank of a tensor-parallel group holds (``NgramWeights(shard=)``): this rank's
 gathers write its rows as zeros. Use them in ``match`` statements as
 the seed does: ``case NgramTable.Fp8(w): ...``. ``gather_entry`` gives any of them as the fused
 gather kernel's table descriptor.
@@ -14,15 +14,15 @@ gather kernel's table descriptor.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Union, runtime_checkable
+from typing import Generic, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
 from gpu_runtime import validate
 
+from ..dense_weight import BF16, FP8, DenseWeight
 from ..ops.ngram_fused import ABSENT, CACHED
-from ..weight_map import BF16, FP8, DenseWeight
-from .host_table import HostWeight
+from .host_weight import HostWeight
 
 
 @runtime_checkable
@@ -48,15 +48,23 @@ class RowSource(Protocol):
     # it); layers call it for every cached table before their first launch.
 
 
-@dataclass(frozen=True)
-class _ResidentTable:
-    """A table whose rows are all on the device; the variant's class names its dtype."""
+W = TypeVar("W", DenseWeight, HostWeight)
 
-    weight: DenseWeight
+
+@dataclass(frozen=True)
+class _WeightTable(Generic[W]):
+    """A table that is one whole weight, read where it is (device or mapped host memory)."""
+
+    weight: W
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.weight.shape
+
+
+@dataclass(frozen=True)
+class _ResidentTable(_WeightTable[DenseWeight]):
+    """A table whose rows are all on the device; the variant's class names its dtype."""
 
 
 @dataclass(frozen=True)
@@ -70,14 +78,8 @@ class Fp8Table(_ResidentTable):
 
 
 @dataclass(frozen=True)
-class HostTable:
+class HostTable(_WeightTable[HostWeight]):
     """A table in mapped pinned host memory (``HostWeight``): bf16, or fp8 with device scales."""
-
-    weight: HostWeight
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.weight.shape
 
 
 @dataclass(frozen=True)
@@ -111,7 +113,7 @@ class NgramTable:
     Absent = AbsentTable
 
 
-AnyTable = Union[Bf16Table, Fp8Table, HostTable, CachedTable, AbsentTable]
+AnyTable = Bf16Table | Fp8Table | HostTable | CachedTable | AbsentTable
 _VARIANTS = (Bf16Table, Fp8Table, HostTable, CachedTable, AbsentTable)
 _NAMES = "NgramTable.Bf16/Fp8/Host/Cached/Absent"
 
@@ -168,4 +170,3 @@ def gather_entry(table: AnyTable, rows: int) -> tuple[int, int, int, int]:
         case AbsentTable():
             return (0, 0, rows, ABSENT)
     raise TypeError(f"gather_entry: expected {_NAMES}, got {type(table).__name__}")
-

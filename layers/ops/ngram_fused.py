@@ -28,9 +28,23 @@ _PAIRS_PER_BLOCK = 256 // 32
 _MAX_BLOCKS = 4 * 132 * 8  # pairs are grid-strided past this: plenty to fill an H100/H200
 
 
-def ngram_gather(gpu: GpuBackend, kernel: KernelHandle, windows: int, tables: int, pows: int,
-                 slots: int, out: int, ids_out: int, rows: int, num_tables: int, max_ngram: int,
-                 splits: int, table_dim: int, eos: int | None, stream: int) -> None:
+def ngram_gather(
+    gpu: GpuBackend,
+    kernel: KernelHandle,
+    windows: int,
+    tables: int,
+    pows: int,
+    slots: int,
+    out: int,
+    ids_out: int,
+    rows: int,
+    num_tables: int,
+    max_ngram: int,
+    splits: int,
+    table_dim: int,
+    eos: int | None,
+    stream: int,
+) -> None:
     """``out[r, c*td:(c+1)*td] = row id_c(r) of table c`` for every output row ``r < rows`` and
     table ``c < num_tables``, fp8 rows dequantised and rounded once to bf16; the ids also go to
     ``ids_out [rows, T]`` unless it is 0. ``slots [rows, T]`` may be 0 when no table is cached.
@@ -40,27 +54,35 @@ def ngram_gather(gpu: GpuBackend, kernel: KernelHandle, windows: int, tables: in
     ``1 <= M_c < 2**32`` rows and every slot of a cached table must be one of its rows.
     """
     rows = validate.u32(rows, "ngram_gather rows")
-    num_tables = validate.u32(num_tables, "ngram_gather num_tables")
-    max_ngram = validate.u32(max_ngram, "ngram_gather max_ngram")
-    splits = validate.u32(splits, "ngram_gather splits")
-    table_dim = validate.u32(table_dim, "ngram_gather table_dim")
-    eos_word = eos_arg(eos)
-    if max_ngram < 2:
-        raise ValueError(f"ngram_gather: max_ngram must be >= 2, got {max_ngram}")
-    if splits < 1:
-        raise ValueError(f"ngram_gather: splits must be >= 1, got {splits}")
-    if num_tables != splits * (max_ngram - 1):
-        raise ValueError(f"ngram_gather: num_tables {num_tables} != splits * (max_ngram - 1) = "
-                         f"{splits} * {max_ngram - 1}")
-    if table_dim < 1:
-        raise ValueError(f"ngram_gather: table_dim must be >= 1, got {table_dim}")
+    num_tables, max_ngram, splits, table_dim, eos = check_tables(
+        "ngram_gather", num_tables, max_ngram, splits, table_dim, eos
+    )
     if rows == 0:
         return
-    blocks = min(-(-rows * num_tables // _PAIRS_PER_BLOCK), _MAX_BLOCKS)
-    NGRAM_GATHER.launch(gpu, kernel, (blocks, 1, 1), _BLOCK, stream, windows=windows,
-                        tables=tables, pows=pows, slots=slots, out=out, ids_out=ids_out,
-                        rows_r=rows, num_tables=num_tables, max_ngram=max_ngram, splits=splits,
-                        td=table_dim, eos=eos_word)
+    grid = (min(-(-rows * num_tables // _PAIRS_PER_BLOCK), _MAX_BLOCKS), 1, 1)
+    NGRAM_GATHER.launch_from(gpu, kernel, grid, _BLOCK, stream, dict(locals(), rows_r=rows, td=table_dim))
+
+
+def check_tables(
+    name: str, num_tables: int, max_ngram: int, splits: int, table_dim: int, eos: int | None
+) -> tuple[int, int, int, int, int]:
+    """The tables' arguments of both gathers (this one and ``ngram_decode_gather``), checked:
+    u32s with ``max_ngram >= 2``, ``splits >= 1``, ``num_tables == splits * (max_ngram - 1)`` and
+    ``table_dim >= 1``; ``eos`` as the kernel's word (``eos_arg``)."""
+    num_tables = validate.u32(num_tables, f"{name} num_tables")
+    max_ngram = validate.u32(max_ngram, f"{name} max_ngram")
+    splits = validate.u32(splits, f"{name} splits")
+    table_dim = validate.u32(table_dim, f"{name} table_dim")
+    eos_word = eos_arg(eos)
+    if max_ngram < 2:
+        raise ValueError(f"{name}: max_ngram must be >= 2, got {max_ngram}")
+    if splits < 1:
+        raise ValueError(f"{name}: splits must be >= 1, got {splits}")
+    if num_tables != splits * (max_ngram - 1):
+        raise ValueError(f"{name}: num_tables {num_tables} != splits * (max_ngram - 1) = {splits} * {max_ngram - 1}")
+    if table_dim < 1:
+        raise ValueError(f"{name}: table_dim must be >= 1, got {table_dim}")
+    return num_tables, max_ngram, splits, table_dim, eos_word
 
 
 def eos_arg(eos: int | None) -> int:

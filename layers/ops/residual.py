@@ -16,8 +16,7 @@ def _grid(n: int) -> tuple[int, int, int]:
     return (blocks if blocks < _MAX_BLOCKS else _MAX_BLOCKS, 1, 1)
 
 
-def scaled_add(gpu: GpuBackend, kernel: KernelHandle, out: int, x: int, scale: float, n: int,
-               stream: int) -> None:
+def scaled_add(gpu: GpuBackend, kernel: KernelHandle, out: int, x: int, scale: float, n: int, stream: int) -> None:
     """``out[i] = bf16(float(out[i]) + scale * float(x[i]))`` for ``i < n``, in place; ``scale``
     finite. ``n == 0`` launches nothing."""
     scale = validate.real32(scale, "scaled_add scale")
@@ -27,8 +26,7 @@ def scaled_add(gpu: GpuBackend, kernel: KernelHandle, out: int, x: int, scale: f
     SCALED_ADD.launch(gpu, kernel, _grid(n), _BLOCK, stream, out=out, x=x, scale=scale, n=n)
 
 
-def residual_add(gpu: GpuBackend, kernel: KernelHandle, out: int, x: int, n: int,
-                 stream: int) -> None:
+def residual_add(gpu: GpuBackend, kernel: KernelHandle, out: int, x: int, n: int, stream: int) -> None:
     """``out[i] = bf16(float(out[i]) + float(x[i]))`` for ``i < n``, in place. ``n == 0``
     launches nothing."""
     n = validate.u32(n, "residual_add n")

@@ -11,8 +11,18 @@ _ROWS_PER_BLOCK = 256 // 32
 _MAX_BLOCKS = 4096  # rows are grid-strided past this
 
 
-def scatter_rows(gpu: GpuBackend, kernel: KernelHandle, slots: int, rows: int, scales: int,
-                 arena: int, arena_scales: int, n: int, row_bytes: int, stream: int) -> None:
+def scatter_rows(
+    gpu: GpuBackend,
+    kernel: KernelHandle,
+    slots: int,
+    rows: int,
+    scales: int,
+    arena: int,
+    arena_scales: int,
+    n: int,
+    row_bytes: int,
+    stream: int,
+) -> None:
     """``arena[slots[i]] = rows[i]`` (``row_bytes`` each) and, when ``scales`` is not null,
     ``arena_scales[slots[i]] = scales[i]``, for ``i < n``: ``scales`` and ``arena_scales`` are
     both given or both null. Slots must be distinct and in range: the kernel cannot see the
@@ -22,7 +32,5 @@ def scatter_rows(gpu: GpuBackend, kernel: KernelHandle, slots: int, rows: int, s
         raise ValueError("scatter_rows: scales and arena_scales must both be given or both be null")
     if n == 0 or row_bytes == 0:
         return
-    blocks = min(-(-n // _ROWS_PER_BLOCK), _MAX_BLOCKS)
-    SCATTER_ROWS.launch(gpu, kernel, (blocks, 1, 1), _BLOCK, stream, slots=slots, rows=rows,
-                        scales=scales, arena=arena, arena_scales=arena_scales, n=n,
-                        row_bytes=row_bytes)
+    grid = (min(-(-n // _ROWS_PER_BLOCK), _MAX_BLOCKS), 1, 1)
+    SCATTER_ROWS.launch_from(gpu, kernel, grid, _BLOCK, stream, locals())

@@ -5,7 +5,7 @@
 - ``lmhead_overlay_routed``: in the forward, recompute overridden logit columns.
 
 Each launcher's positional arguments, and its spec's parameters (``specs.py``), are the seed's
-``KernelLaunch`` chain position for position (a CPU test reads the seed). The launchers check
+``KernelLaunch`` chain position for position (a CPU test reads the seed: docs/SEED.md). The launchers check
 widths and counts and return without a launch on a zero count; the spec checks the rest.
 """
 
@@ -40,7 +40,7 @@ class OverlayKernels:
     lmhead_overlay_f32: KernelHandle
 
     @classmethod
-    def new(cls, gpu: GpuBackend) -> "OverlayKernels":
+    def new(cls, gpu: GpuBackend) -> OverlayKernels:
         return cls(
             rowdiff=try_kernel(gpu, MODULE, "embed_rowdiff_bf16"),
             embed_overlay=try_kernel(gpu, MODULE, "embed_overlay_routed_bf16"),
@@ -49,7 +49,7 @@ class OverlayKernels:
         )
 
     @classmethod
-    def default(cls) -> "OverlayKernels":
+    def default(cls) -> OverlayKernels:
         """All handles zero, as if no overlay kernel were loaded."""
         zero = KernelHandle(0)
         return cls(zero, zero, zero, zero)
@@ -61,11 +61,21 @@ class OverlayKernels:
         if missing:
             raise KernelNotFoundError(
                 f"the adapter ships {ships} but the token-overlay kernels {missing} are not loaded "
-                "(kernels/token_overlay.cu missing or without them)")
+                "(kernels/token_overlay.cu missing or without them)"
+            )
 
 
-def embed_rowdiff(gpu: GpuBackend, kernel: KernelHandle, base: int, served: int, flags: int,
-                  rows: int, h: int, thresh: float, stream: int = 0) -> None:
+def embed_rowdiff(
+    gpu: GpuBackend,
+    kernel: KernelHandle,
+    base: int,
+    served: int,
+    flags: int,
+    rows: int,
+    h: int,
+    thresh: float,
+    stream: int = 0,
+) -> None:
     """``flags[r] = (max_i |base[r,i] - served[r,i]| > thresh)``, one thread per row.
 
     ``base`` and ``served`` are ``[rows, h]`` bf16; ``flags`` is ``[rows]`` u8. A NaN difference
@@ -82,18 +92,24 @@ def embed_rowdiff(gpu: GpuBackend, kernel: KernelHandle, base: int, served: int,
         raise ValueError("embed_rowdiff thresh is NaN: it would flag every row")
     if rows == 0:
         return
-    EMBED_ROWDIFF.launch(gpu, kernel, (-(-rows // 256), 1, 1), _BLOCK, stream,
-                         base=base,
-                         served=served,
-                         flags=flags,
-                         rows=rows,
-                         h=h,
-                         thresh=thresh)
+    EMBED_ROWDIFF.launch_from(gpu, kernel, (-(-rows // 256), 1, 1), _BLOCK, stream, locals())
 
 
-def embed_overlay_routed(gpu: GpuBackend, kernel: KernelHandle, ids: int, seq_slot: int,
-                         active: int, slot_map_tab: int, rows_tab: int, n_tab: int, out: int,
-                         num_tokens: int, h: int, vocab: int, stream: int = 0) -> None:
+def embed_overlay_routed(
+    gpu: GpuBackend,
+    kernel: KernelHandle,
+    ids: int,
+    seq_slot: int,
+    active: int,
+    slot_map_tab: int,
+    rows_tab: int,
+    n_tab: int,
+    out: int,
+    num_tokens: int,
+    h: int,
+    vocab: int,
+    stream: int = 0,
+) -> None:
     """In-place replacement of overridden vocab rows in ``out`` (``[num_tokens, h]`` bf16), after
     the embed gather.
 
@@ -111,21 +127,25 @@ def embed_overlay_routed(gpu: GpuBackend, kernel: KernelHandle, ids: int, seq_sl
     vocab = validate.positive(vocab, "embed_overlay_routed vocab")
     if num_tokens == 0:
         return
-    EMBED_OVERLAY_ROUTED.launch(gpu, kernel, (num_tokens, 1, 1), _BLOCK, stream,
-                                ids=ids,
-                                seq_slot=seq_slot,
-                                active=active,
-                                slot_map_tab=slot_map_tab,
-                                rows_tab=rows_tab,
-                                n_tab=n_tab,
-                                out=out,
-                                h=h,
-                                vocab=vocab)
+    EMBED_OVERLAY_ROUTED.launch_from(gpu, kernel, (num_tokens, 1, 1), _BLOCK, stream, locals())
 
 
-def lmhead_overlay_routed(gpu: GpuBackend, kernel: KernelHandle, hidden: int, seq_slot: int,
-                          active: int, rows_tab: int, ids_tab: int, n_tab: int, logits: int,
-                          m: int, max_n_override: int, h: int, vocab: int, stream: int = 0) -> None:
+def lmhead_overlay_routed(
+    gpu: GpuBackend,
+    kernel: KernelHandle,
+    hidden: int,
+    seq_slot: int,
+    active: int,
+    rows_tab: int,
+    ids_tab: int,
+    n_tab: int,
+    logits: int,
+    m: int,
+    max_n_override: int,
+    h: int,
+    vocab: int,
+    stream: int = 0,
+) -> None:
     """In-place recompute of overridden logit columns in ``logits`` (``[m, vocab]``, bf16 or fp32
     to match ``kernel``).
 
@@ -141,20 +161,10 @@ def lmhead_overlay_routed(gpu: GpuBackend, kernel: KernelHandle, hidden: int, se
     h = validate.positive(h, "lmhead_overlay_routed h")
     vocab = validate.positive(vocab, "lmhead_overlay_routed vocab")
     if max_n_override > _GRID_Y_MAX:
-        raise ValueError(f"lmhead_overlay_routed max_n_override {max_n_override} > {_GRID_Y_MAX} "
-                         "(grid y limit)")
+        raise ValueError(f"lmhead_overlay_routed max_n_override {max_n_override} > {_GRID_Y_MAX} (grid y limit)")
     if m == 0 or max_n_override == 0:
         return
-    LMHEAD_OVERLAY_ROUTED.launch(gpu, kernel, (m, max_n_override, 1), _WARP, stream,
-                                 hidden=hidden,
-                                 seq_slot=seq_slot,
-                                 active=active,
-                                 rows_tab=rows_tab,
-                                 ids_tab=ids_tab,
-                                 n_tab=n_tab,
-                                 logits=logits,
-                                 h=h,
-                                 vocab=vocab)
+    LMHEAD_OVERLAY_ROUTED.launch_from(gpu, kernel, (m, max_n_override, 1), _WARP, stream, locals())
 
 
 __all__ = ["OverlayKernels", "embed_overlay_routed", "embed_rowdiff", "lmhead_overlay_routed"]

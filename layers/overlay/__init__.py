@@ -18,10 +18,8 @@ PEFT adapter folders: ``layers.peft_adapter`` (``overlay_from_peft``).
 
 from __future__ import annotations
 
-from ..ops.token_overlay import OverlayKernels
 from .build import build_overlay, overlay_from_trainable_tokens
-from .model import BF16, F32, AdapterOverlay, TableOverlay
+from .model import AdapterOverlay, TableOverlay
 from .slots import OverlaySlots
 
-__all__ = ["AdapterOverlay", "BF16", "F32", "OverlayKernels", "OverlaySlots", "TableOverlay", "build_overlay",
-           "overlay_from_trainable_tokens"]
+__all__ = ["AdapterOverlay", "OverlaySlots", "TableOverlay", "build_overlay", "overlay_from_trainable_tokens"]

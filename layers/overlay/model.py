@@ -73,7 +73,7 @@ class TableOverlay:
                 arr.flags.writeable = False
 
     @classmethod
-    def of(cls, ids: Any, rows: Any, vocab: int | None = None, what: str = "overlay") -> "TableOverlay":
+    def of(cls, ids: Any, rows: Any, vocab: int | None = None, what: str = "overlay") -> TableOverlay:
         """Validate, sort by id and copy: refuses duplicate or negative ids, ids >= ``vocab``
         (when given), and a row count that differs from the id count."""
         id_arr = as_ids(ids, f"{what} ids")
@@ -88,7 +88,7 @@ class TableOverlay:
         return cls(np.ascontiguousarray(id_arr[order], np.int32), np.ascontiguousarray(row_arr[order]))
 
     @classmethod
-    def empty(cls, h: int) -> "TableOverlay":
+    def empty(cls, h: int) -> TableOverlay:
         return cls(np.zeros(0, np.int32), np.zeros((0, h), BF16))
 
     @property

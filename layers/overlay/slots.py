@@ -26,7 +26,7 @@ class _SlotBuffers:
     lm_ids: DeviceBuffer | None = None
 
     @classmethod
-    def upload(cls, gpu: GpuBackend, overlay: AdapterOverlay, vocab: int, stream: int) -> "_SlotBuffers":
+    def upload(cls, gpu: GpuBackend, overlay: AdapterOverlay, vocab: int, stream: int) -> _SlotBuffers:
         """Allocate and fill the buffers of ``overlay`` on ``stream``; tables with no rows stay
         null (n = 0). On a failure, what was allocated is freed before the error propagates."""
         buf = cls(overlay)
@@ -48,18 +48,28 @@ class _SlotBuffers:
 
     @property
     def embed_n(self) -> int:
-        return self.overlay.embed.n if self.embed_rows is not None else 0
+        emb = self.overlay.embed  # not None where embed_rows is not
+        return emb.n if emb is not None and self.embed_rows is not None else 0
 
     @property
     def lm_n(self) -> int:
-        return self.overlay.lm_head.n if self.lm_rows is not None else 0
+        lm = self.overlay.lm_head  # not None where lm_rows is not
+        return lm.n if lm is not None and self.lm_rows is not None else 0
 
     def entries(self) -> tuple[int, int, int, int, int, int]:
         """This slot's entry in each of ``OverlaySlots``' six tables (``_host_tables`` order)."""
+
         def address(buf: DeviceBuffer | None) -> int:
             return 0 if buf is None else int(buf)
-        return (address(self.embed_map), address(self.embed_rows), self.embed_n,
-                address(self.lm_rows), address(self.lm_ids), self.lm_n)
+
+        return (
+            address(self.embed_map),
+            address(self.embed_rows),
+            self.embed_n,
+            address(self.lm_rows),
+            address(self.lm_ids),
+            self.lm_n,
+        )
 
     def close(self, gpu: GpuBackend, stream: int | None = None) -> None:
         """Free the buffers, newest first; with ``stream``, once the work queued on it (which may
@@ -74,7 +84,7 @@ class _SlotBuffers:
 def _device_table(index: int) -> property:
     """``OverlaySlots``' device pointer table ``index`` (``_host_tables`` order), refused once closed."""
 
-    def table(self: "OverlaySlots") -> DevicePtr:
+    def table(self: OverlaySlots) -> DevicePtr:
         return self._table(index)
 
     return property(table)
@@ -94,8 +104,16 @@ class OverlaySlots:
     ``load`` / ``evict``; a forward on another stream must be ordered after them by the caller.
     """
 
-    def __init__(self, gpu: GpuBackend, num_slots: int, vocab: int, h: int, *,
-                 kernels: OverlayKernels | None = None, stream: int = 0) -> None:
+    def __init__(
+        self,
+        gpu: GpuBackend,
+        num_slots: int,
+        vocab: int,
+        h: int,
+        *,
+        kernels: OverlayKernels | None = None,
+        stream: int = 0,
+    ) -> None:
         self.gpu = gpu
         self.num_slots = validate.positive(num_slots, "OverlaySlots num_slots")
         self.vocab = validate.positive(vocab, "OverlaySlots vocab")
@@ -123,8 +141,14 @@ class OverlaySlots:
             raise
 
     def _host_tables(self) -> tuple[np.ndarray, ...]:
-        return (self._host_embed_map, self._host_embed_rows, self._host_embed_n,
-                self._host_lm_rows, self._host_lm_ids, self._host_lm_n)
+        return (
+            self._host_embed_map,
+            self._host_embed_rows,
+            self._host_embed_n,
+            self._host_lm_rows,
+            self._host_lm_ids,
+            self._host_lm_n,
+        )
 
     # -- device pointers for the launchers (the order of _host_tables) -----------------------------
     embed_slot_map_tab = _device_table(0)
@@ -168,6 +192,7 @@ class OverlaySlots:
         if entry is None or entry.embed_rows is None:
             return out
         table = entry.overlay.embed
+        assert table is not None  # embed_rows holds its rows
         j = np.minimum(np.searchsorted(table.ids, ids), table.n - 1)
         hit = table.ids[j] == ids
         out[hit] = int(entry.embed_rows) + j[hit].astype(np.uint64) * np.uint64(self.h * 2)
@@ -232,7 +257,7 @@ class OverlaySlots:
     def _set_entries(self, slot: int, entries: tuple[int, ...], stream: int) -> None:
         for host, value, table in zip(self._host_tables(), entries, self._tables):
             host[slot] = value
-            self.gpu.copy_h2d_async(host, table, stream)
+            self.gpu.copy_h2d_async(host, table.ptr, stream)
 
     def close(self, stream: int = 0) -> None:
         """Free every slot's buffers, the scratch and the tables once ``stream`` drained (once;
@@ -251,7 +276,7 @@ class OverlaySlots:
             table.close()
         self._slots = [None] * self.num_slots
 
-    def __enter__(self) -> "OverlaySlots":
+    def __enter__(self) -> OverlaySlots:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -261,8 +286,7 @@ class OverlaySlots:
     def _check_active(self, active: int) -> int:
         active = validate.integer(active, "active slot")
         if active >= self.num_slots:
-            raise ValueError(f"active slot {active} outside 0..{self.num_slots - 1} "
-                             "(negative: no adapter)")
+            raise ValueError(f"active slot {active} outside 0..{self.num_slots - 1} (negative: no adapter)")
         return max(active, -1)
 
     def _seq_slot_host(self, seq_slot: Any, count: int) -> np.ndarray | int:
@@ -281,8 +305,7 @@ class OverlaySlots:
         if seq_slot.size and seq_slot.dtype.kind not in "iu":
             raise TypeError(f"seq_slot must be integers, got {seq_slot.dtype}")
         if seq_slot.size and int(seq_slot.max()) >= self.num_slots:
-            raise ValueError(f"seq_slot holds slot {int(seq_slot.max())}, outside "
-                             f"0..{self.num_slots - 1}")
+            raise ValueError(f"seq_slot holds slot {int(seq_slot.max())}, outside 0..{self.num_slots - 1}")
         return np.maximum(seq_slot.astype(np.int64), -1).astype(np.int32)
 
     def _seq_slot_ptr(self, seq_slot: np.ndarray | int, stream: int) -> int:
@@ -297,11 +320,10 @@ class OverlaySlots:
             if old is not None:
                 old.close(stream)  # a queued kernel may still read the old scratch
             self._seq_scratch = DeviceBuffer(self.gpu, seq_slot.nbytes)
-        self.gpu.copy_h2d_async(seq_slot, self._seq_scratch, stream)
+        self.gpu.copy_h2d_async(seq_slot, self._seq_scratch.ptr, stream)
         return self._seq_scratch.ptr
 
-    def embed_overlay(self, ids: int, seq_slot: Any, active: int, out: int, num_tokens: int,
-                      stream: int = 0) -> None:
+    def embed_overlay(self, ids: int, seq_slot: Any, active: int, out: int, num_tokens: int, stream: int = 0) -> None:
         """Overlay the gathered embeddings ``out`` (``[num_tokens, h]`` bf16) in place.
         ``seq_slot``: per-token slots as a device pointer, a host int array (checked and
         uploaded; one scratch buffer, so use one stream at a time), or None / 0 for ``active``."""
@@ -313,13 +335,25 @@ class OverlaySlots:
             return  # nothing to launch: no rows, every slot's tables null, or no kernel (hook)
         validate.pointer(ids, "embed_overlay_routed ids")  # before a host seq_slot is uploaded
         validate.pointer(out, "embed_overlay_routed out")
-        embed_overlay_routed(self.gpu, self.kernels.embed_overlay, ids,
-                             self._seq_slot_ptr(seq, stream), active,
-                             self.embed_slot_map_tab, self.embed_rows_tab, self.embed_n_tab, out,
-                             num_tokens, self.h, self.vocab, stream)
+        embed_overlay_routed(
+            self.gpu,
+            self.kernels.embed_overlay,
+            ids,
+            self._seq_slot_ptr(seq, stream),
+            active,
+            self.embed_slot_map_tab,
+            self.embed_rows_tab,
+            self.embed_n_tab,
+            out,
+            num_tokens,
+            self.h,
+            self.vocab,
+            stream,
+        )
 
-    def lmhead_overlay(self, hidden: int, seq_slot: Any, active: int, logits: int, m: int,
-                       stream: int = 0, *, dtype: Any = BF16) -> None:
+    def lmhead_overlay(
+        self, hidden: int, seq_slot: Any, active: int, logits: int, m: int, stream: int = 0, *, dtype: Any = BF16
+    ) -> None:
         """Recompute the overridden columns of ``logits`` (``[m, vocab]``, ``dtype`` bf16 or
         float32, which picks the kernel) from ``hidden`` (``[m, h]`` bf16), in place."""
         self._live()
@@ -337,6 +371,19 @@ class OverlaySlots:
             return  # nothing to launch: no rows, no LM-head overrides loaded, or no kernel (hook)
         validate.pointer(hidden, "lmhead_overlay_routed hidden")  # before a host seq_slot is uploaded
         validate.pointer(logits, "lmhead_overlay_routed logits")
-        lmhead_overlay_routed(self.gpu, kernel, hidden, self._seq_slot_ptr(seq, stream), active,
-                              self.lm_head_rows_tab, self.lm_head_ids_tab, self.lm_head_n_tab,
-                              logits, m, self.max_n_override, self.h, self.vocab, stream)
+        lmhead_overlay_routed(
+            self.gpu,
+            kernel,
+            hidden,
+            self._seq_slot_ptr(seq, stream),
+            active,
+            self.lm_head_rows_tab,
+            self.lm_head_ids_tab,
+            self.lm_head_n_tab,
+            logits,
+            m,
+            self.max_n_override,
+            self.h,
+            self.vocab,
+            stream,
+        )

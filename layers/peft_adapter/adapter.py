@@ -11,10 +11,10 @@ from typing import Any
 
 import numpy as np
 
+from ..dense_weight import DenseWeight
 from ..ops.token_overlay import OverlayKernels
 from ..overlay import AdapterOverlay, TableOverlay, build_overlay
 from ..overlay.model import BF16
-from ..weight_map import DenseWeight
 from .config import EMBED, LM_HEAD, PeftAdapterError
 
 ROWS_PER_CHUNK_ELEMS = 1 << 22  # elements a host pass converts or compares at a time
@@ -35,14 +35,17 @@ class PeftTable:
 
     @property
     def h(self) -> int:
-        return self.tokens.h if self.tokens is not None else int(self.full.shape[1])
+        if self.tokens is not None:
+            return self.tokens.h
+        assert self.full is not None  # a table has its token rows, its full table or both
+        return int(self.full.shape[1])
 
 
 @dataclass(frozen=True)
 class PeftAdapter:
     """A PEFT adapter read and checked (host memory only). ``tied``: as given or told from the
-    adapter (None: not told; see the module docstring); ``other_modules``: modules whose tensors
-    no overlay serves (e.g. attention LoRA)."""
+    adapter (None: not told; the rule is in ``layers.peft_adapter``'s docstring); ``other_modules``:
+    modules whose tensors no overlay serves (e.g. attention LoRA)."""
 
     path: Path
     peft_type: str
@@ -57,12 +60,23 @@ class PeftAdapter:
     def tied_matters(self) -> bool:
         """Whether the LM head's overlay depends on ``tied``: the embedding's token rows were
         saved and the LM head's were not."""
-        return (self.embed is not None and self.embed.tokens is not None
-                and (self.lm_head is None or (self.lm_head.tokens is None and self.lm_head.full_kind == "base layer")))
+        return (
+            self.embed is not None
+            and self.embed.tokens is not None
+            and (self.lm_head is None or (self.lm_head.tokens is None and self.lm_head.full_kind == "base layer"))
+        )
 
-    def overlay(self, served_embed: Any = None, served_lm_head: Any = None, *, tied: bool | None = None,
-                gpu: Any = None, kernels: OverlayKernels | None = None, thresh: float = 0.0,
-                stream: int = 0) -> AdapterOverlay:
+    def overlay(
+        self,
+        served_embed: Any = None,
+        served_lm_head: Any = None,
+        *,
+        tied: bool | None = None,
+        gpu: Any = None,
+        kernels: OverlayKernels | None = None,
+        thresh: float = 0.0,
+        stream: int = 0,
+    ) -> AdapterOverlay:
         """Build the overlay; see ``overlay_from_peft``. Everything is checked before the first
         upload or launch."""
         thresh = _check_thresh(thresh)
@@ -75,19 +89,25 @@ class PeftAdapter:
             if self.lm_head is None:
                 lm_full, lm_copies_embed = emb_full, True
         if tied and served_lm_head is None:
-            served_lm_head = served_embed    # a tied model's LM head is the embedding's table
+            served_lm_head = served_embed  # a tied model's LM head is the embedding's table
         # every check first: served tables, kernels, widths
         plans = []
-        for role, tokens, full, served in ((EMBED, emb_tokens, emb_full, served_embed),
-                                           (LM_HEAD, lm_tokens, lm_full, served_lm_head)):
+        for role, tokens, full, served in (
+            (EMBED, emb_tokens, emb_full, served_embed),
+            (LM_HEAD, lm_tokens, lm_full, served_lm_head),
+        ):
             if full is not None:
                 if served is None:
-                    hint = (" (a tied model: the embedding's table, or tied=True)"
-                            if role == LM_HEAD and tied is None else "")
+                    hint = (
+                        " (a tied model: the embedding's table, or tied=True)"
+                        if role == LM_HEAD and tied is None
+                        else ""
+                    )
                     raise PeftAdapterError(
                         f"{self.path}: the adapter ships a full {role} table ({_describe(self, role)}): "
                         f"pass served_{'embed' if role == EMBED else 'lm_head'} so only the rows that "
-                        f"differ are served{hint}")
+                        f"differ are served{hint}"
+                    )
                 _check_served(served, role, self.vocab, self.h)
             elif served is not None:
                 _check_served(served, role, self.vocab, self.h)
@@ -102,7 +122,7 @@ class PeftAdapter:
         built: dict[str, TableOverlay | None] = {}
         for role, tokens, full, served in plans:
             if role == LM_HEAD and lm_copies_embed and _same_table(served, served_embed):
-                built[role] = built[EMBED]       # the same table, the same rows: the same overlay
+                built[role] = built[EMBED]  # the same table, the same rows: the same overlay
             elif full is None:
                 built[role] = tokens
             else:
@@ -121,7 +141,8 @@ class PeftAdapter:
         raise PeftAdapterError(
             f"{self.path}: cannot tell whether the base model ties its embeddings ({self.peft_type} "
             "saves only the embedding's trainable-token rows whether or not the LM head shares them): "
-            "pass tied=True (tie_word_embeddings) or tied=False, or both served tables")
+            "pass tied=True (tie_word_embeddings) or tied=False, or both served tables"
+        )
 
 
 def _parts(table: PeftTable | None) -> tuple[TableOverlay | None, np.ndarray | None]:
@@ -131,6 +152,7 @@ def _parts(table: PeftTable | None) -> tuple[TableOverlay | None, np.ndarray | N
 def _describe(adapter: PeftAdapter, role: str) -> str:
     t = adapter.embed if role == EMBED else adapter.lm_head
     src = adapter.embed if t is None else t
+    assert src is not None  # called for a full table of ``role``: one of them shipped it
     return f"{src.full_kind} of {', '.join(src.modules)}"
 
 
@@ -170,8 +192,9 @@ def _gpu_of(served: Any, gpu: Any, role: str) -> Any:
     if isinstance(served, DenseWeight):
         dev = gpu if gpu is not None else served.gpu
         if dev is None:
-            raise ValueError(f"the served {role} DenseWeight has no backend (closed, or not made by "
-                             "from_numpy) and no gpu was given")
+            raise ValueError(
+                f"the served {role} DenseWeight has no backend (closed, or not made by from_numpy) and no gpu was given"
+            )
         return dev
     return gpu
 
@@ -187,8 +210,12 @@ def _same_table(a: Any, b: Any) -> bool:
     if isinstance(a, DenseWeight) and isinstance(b, DenseWeight):
         return int(a.weight) == int(b.weight) and tuple(a.shape) == tuple(b.shape)
     if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
-        return (a.shape == b.shape and a.dtype == b.dtype and a.strides == b.strides
-                and a.__array_interface__["data"][0] == b.__array_interface__["data"][0])
+        return (
+            a.shape == b.shape
+            and a.dtype == b.dtype
+            and a.strides == b.strides
+            and a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+        )
     return False
 
 
@@ -198,8 +225,9 @@ def _apply(full: np.ndarray, tokens: TableOverlay) -> np.ndarray:
     return out
 
 
-def _diff(role: str, table: np.ndarray, served: Any, gpu: Any, kernels: OverlayKernels | None,
-          thresh: float, stream: int) -> TableOverlay:
+def _diff(
+    role: str, table: np.ndarray, served: Any, gpu: Any, kernels: OverlayKernels | None, thresh: float, stream: int
+) -> TableOverlay:
     """The rows of ``table`` that differ from ``served``: with ``build_overlay`` on ``gpu`` (a host
     served table is uploaded for it), or on the host with the same rule when there is no gpu."""
     if gpu is None:
@@ -210,8 +238,11 @@ def _diff(role: str, table: np.ndarray, served: Any, gpu: Any, kernels: OverlayK
         served = owned = DenseWeight.from_numpy(gpu, served, stream=stream)
     try:
         if role == EMBED:
-            return build_overlay(gpu, ks, served, table, thresh=thresh, stream=stream).embed
-        return build_overlay(gpu, ks, None, None, served, table, thresh=thresh, stream=stream).lm_head
+            found = build_overlay(gpu, ks, served, table, thresh=thresh, stream=stream).embed
+        else:
+            found = build_overlay(gpu, ks, None, None, served, table, thresh=thresh, stream=stream).lm_head
+        assert found is not None  # build_overlay diffs every table it is given
+        return found
     finally:
         if owned is not None:
             gpu.synchronize(stream)
@@ -226,10 +257,10 @@ def _host_diff(table: np.ndarray, served: np.ndarray, thresh: float) -> TableOve
     t32 = np.float32(thresh)
     flags = np.empty(rows, bool)
     for a in range(0, rows, step):
-        x = table[a:a + step].astype(np.float32)
-        y = served[a:a + step].astype(np.float32)
+        x = table[a : a + step].astype(np.float32)
+        y = served[a : a + step].astype(np.float32)
         with np.errstate(invalid="ignore"):
             d = np.where(x == y, np.float32(0), np.abs(x - y))
-            flags[a:a + step] = (~(d <= t32)).any(axis=1)
+            flags[a : a + step] = (~(d <= t32)).any(axis=1)
     ids = np.flatnonzero(flags).astype(np.int32)
     return TableOverlay(ids, np.ascontiguousarray(table[ids]))

@@ -1,6 +1,6 @@
 """A PEFT adapter folder's names and ``adapter_config.json``: the file names, the module names
 taken for the embedding and the LM head, the loader's error type, and the config's fields this
-loader reads (checked as they are read)."""
+loader reads (checked as they are read). Provenance: docs/adapters.md."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ EMBED, LM_HEAD = "embedding", "LM head"
 class PeftAdapterError(ValueError):
     """A PEFT adapter folder this loader cannot turn into an overlay (malformed, inconsistent,
     or nothing an overlay can serve); raised before anything is built or uploaded."""
-
 
 
 def _id_list(value: Any, what: str) -> list[int]:
@@ -44,15 +43,15 @@ def _str_list(value: Any, what: str) -> list[str]:
 @dataclass(frozen=True)
 class _Config:
     peft_type: str
-    token_indices: list[int] | None          # TRAINABLE_TOKENS
-    target_modules: list[str] | str | None   # TRAINABLE_TOKENS: list, or a regex string
-    tt_list: list[int] | None                # trainable_token_indices as a list
-    tt_dict: dict[str, list[int]] | None     # ... as {module: ids}
+    token_indices: list[int] | None  # TRAINABLE_TOKENS
+    target_modules: list[str] | str | None  # TRAINABLE_TOKENS: list, or a regex string
+    tt_list: list[int] | None  # trainable_token_indices as a list
+    tt_dict: dict[str, list[int]] | None  # ... as {module: ids}
     modules_to_save: list[str]
     ensure_weight_tying: bool
 
     @classmethod
-    def read(cls, path: Path) -> "_Config":
+    def read(cls, path: Path) -> _Config:
         try:
             cfg = json.loads(path.read_text())
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -81,5 +80,6 @@ class _Config:
         elif tti is not None:
             tt_list = _id_list(tti, "trainable_token_indices")
         mts = _str_list(cfg.get("modules_to_save"), "modules_to_save")
-        return cls(peft_type, token_indices, target_modules, tt_list, tt_dict, mts,
-                   bool(cfg.get("ensure_weight_tying", False)))
+        return cls(
+            peft_type, token_indices, target_modules, tt_list, tt_dict, mts, bool(cfg.get("ensure_weight_tying", False))
+        )

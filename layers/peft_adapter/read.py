@@ -1,12 +1,13 @@
 """Reading a PEFT adapter folder (host memory only): its files, the safetensors header and the
 tensors used (memory-mapped), each tensor classified by module and role, every check, and the
-``PeftAdapter`` they make."""
+``PeftAdapter`` they make. The key forms and the PEFT behaviour they follow: docs/adapters.md."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -16,8 +17,17 @@ from .. import safetensors_io
 from ..overlay import TableOverlay
 from ..overlay.model import BF16
 from .adapter import ROWS_PER_CHUNK_ELEMS, PeftAdapter, PeftTable, _check_tied
-from .config import (BIN_NAME, CONFIG_NAME, DEFAULT_EMBED_NAMES, DEFAULT_LM_HEAD_NAMES, EMBED, LM_HEAD,
-                     SAFETENSORS_NAME, PeftAdapterError, _Config)
+from .config import (
+    BIN_NAME,
+    CONFIG_NAME,
+    DEFAULT_EMBED_NAMES,
+    DEFAULT_LM_HEAD_NAMES,
+    EMBED,
+    LM_HEAD,
+    SAFETENSORS_NAME,
+    PeftAdapterError,
+    _Config,
+)
 
 _PREFIX = "base_model.model."
 _TOKENS_RE = re.compile(r"^(?P<mod>.+?)(?P<wrap>\.token_adapter)?\.trainable_tokens_delta(?:\.(?P<name>[^.]+))?$")
@@ -48,6 +58,7 @@ class _Safetensors:
 
 # -- reading -------------------------------------------------------------------------------------
 
+
 def _files(adapter_dir: Any) -> tuple[Path, Path, Path]:
     d = Path(adapter_dir)
     if not d.is_dir():
@@ -62,7 +73,8 @@ def _files(adapter_dir: Any) -> tuple[Path, Path, Path]:
         if (d / BIN_NAME).is_file():
             raise PeftAdapterError(
                 f"{d}: only {BIN_NAME} (a torch pickle; torch is not a dependency here): re-save the "
-                f"adapter with save_pretrained(..., safe_serialization=True) to get {SAFETENSORS_NAME}")
+                f"adapter with save_pretrained(..., safe_serialization=True) to get {SAFETENSORS_NAME}"
+            )
         present = ", ".join(sorted(p.name for p in d.iterdir())) or "nothing"
         raise FileNotFoundError(f"{d}: no {SAFETENSORS_NAME} (found: {present})")
     return d, cfg, weights
@@ -90,18 +102,21 @@ def _names(value: Any, what: str) -> tuple[str, ...]:
 def _token_rows(st: _Safetensors, key: str, ids: list[int], vocab: int, module: str) -> TableOverlay:
     arr = st.float_array(key)
     if arr.ndim != 2 or arr.shape[0] != len(ids) or arr.shape[1] == 0:
-        raise PeftAdapterError(f"{st.path.name}: {key} has shape {list(arr.shape)}, expected "
-                               f"[{len(ids)}, h] for the {len(ids)} token ids of {module}")
+        raise PeftAdapterError(
+            f"{st.path.name}: {key} has shape {list(arr.shape)}, expected "
+            f"[{len(ids)}, h] for the {len(ids)} token ids of {module}"
+        )
     rows = np.ascontiguousarray(arr).astype(BF16)
     bad = ~np.isfinite(rows).all(axis=1)
     if bad.any():
-        raise PeftAdapterError(f"{st.path.name}: {key}: non-finite values (NaN/inf, or too large for "
-                               f"bf16) in the rows of token ids {np.asarray(ids)[bad][:8].tolist()}")
+        raise PeftAdapterError(
+            f"{st.path.name}: {key}: non-finite values (NaN/inf, or too large for "
+            f"bf16) in the rows of token ids {np.asarray(ids)[bad][:8].tolist()}"
+        )
     id_arr = np.asarray(ids, np.int64)
     if id_arr.min() < 0 or id_arr.max() >= vocab:
         worst = int(id_arr.min()) if id_arr.min() < 0 else int(id_arr.max())
-        raise PeftAdapterError(f"{CONFIG_NAME}: token id {worst} of {module} outside the vocabulary "
-                               f"0..{vocab - 1}")
+        raise PeftAdapterError(f"{CONFIG_NAME}: token id {worst} of {module} outside the vocabulary 0..{vocab - 1}")
     return _merge([(id_arr, rows)], f"token ids of {module}")
 
 
@@ -117,8 +132,7 @@ def _merge(parts: Iterable[tuple[np.ndarray, np.ndarray]], what: str) -> TableOv
         u16 = rows.view(np.uint16)
         differ = (u16[dup] != u16[dup + 1]).any(axis=1)
         if differ.any():
-            raise PeftAdapterError(f"{what}: token id {int(ids[dup[differ][0]])} given twice with "
-                                   "different rows")
+            raise PeftAdapterError(f"{what}: token id {int(ids[dup[differ][0]])} given twice with different rows")
         keep = np.ones(ids.size, bool)
         keep[dup + 1] = False
         ids, rows = ids[keep], rows[keep]
@@ -132,15 +146,18 @@ def _full_table(st: _Safetensors, key: str, vocab: int, module: str) -> np.ndarr
     if arr.shape[0] != vocab:
         raise PeftAdapterError(
             f"{st.path.name}: {key} has {arr.shape[0]} rows but vocab is {vocab} (PEFT saves the full "
-            f"table of {module} when the vocabulary was resized: serve the resized model)")
+            f"table of {module} when the vocabulary was resized: serve the resized model)"
+        )
     out = np.empty(arr.shape, BF16)
     step = max(1, ROWS_PER_CHUNK_ELEMS // arr.shape[1])
     for a in range(0, arr.shape[0], step):
-        out[a:a + step] = arr[a:a + step]
-        bad = ~np.isfinite(out[a:a + step]).all(axis=1)
+        out[a : a + step] = arr[a : a + step]
+        bad = ~np.isfinite(out[a : a + step]).all(axis=1)
         if bad.any():
-            raise PeftAdapterError(f"{st.path.name}: {key}: non-finite values (NaN/inf, or too large "
-                                   f"for bf16) in rows {(np.flatnonzero(bad) + a)[:8].tolist()}")
+            raise PeftAdapterError(
+                f"{st.path.name}: {key}: non-finite values (NaN/inf, or too large "
+                f"for bf16) in rows {(np.flatnonzero(bad) + a)[:8].tolist()}"
+            )
     return out
 
 
@@ -151,10 +168,15 @@ def _other_module(key: str) -> str:
     return k.rsplit(".", 1)[0] if "." in k else k
 
 
-def read_peft_adapter(adapter_dir: Any, *, vocab: int, tied: bool | None = None,
-                      hidden_size: int | None = None,
-                      embed_names: str | Sequence[str] = DEFAULT_EMBED_NAMES,
-                      lm_head_names: str | Sequence[str] = DEFAULT_LM_HEAD_NAMES) -> PeftAdapter:
+def read_peft_adapter(
+    adapter_dir: Any,
+    *,
+    vocab: int,
+    tied: bool | None = None,
+    hidden_size: int | None = None,
+    embed_names: str | Sequence[str] = DEFAULT_EMBED_NAMES,
+    lm_head_names: str | Sequence[str] = DEFAULT_LM_HEAD_NAMES,
+) -> PeftAdapter:
     """Read and check a PEFT adapter folder (host memory only; nothing is built or uploaded).
 
     Refuses, before returning: a missing folder / config / weights (``FileNotFoundError``),
@@ -174,9 +196,9 @@ def read_peft_adapter(adapter_dir: Any, *, vocab: int, tied: bool | None = None,
     st = _Safetensors(weights)
 
     # classify every tensor
-    tokens: dict[str, str] = {}                        # module -> key
-    fulls: dict[str, tuple[str, str]] = {}             # module -> (key, kind)
-    others: dict[str, str] = {}                        # key -> module (for messages)
+    tokens: dict[str, str] = {}  # module -> key
+    fulls: dict[str, tuple[str, str]] = {}  # module -> (key, kind)
+    others: dict[str, str] = {}  # key -> module (for messages)
     adapter_names: set[str] = set()
     for key in st.entries:
         k = key.removeprefix(_PREFIX)
@@ -185,8 +207,9 @@ def read_peft_adapter(adapter_dir: Any, *, vocab: int, tied: bool | None = None,
             if m["name"]:
                 adapter_names.add(m["name"])
             if mod in tokens:
-                raise PeftAdapterError(f"{weights.name}: two trainable-token tensors for {mod}: "
-                                       f"{tokens[mod]!r} and {key!r}")
+                raise PeftAdapterError(
+                    f"{weights.name}: two trainable-token tensors for {mod}: {tokens[mod]!r} and {key!r}"
+                )
             tokens[mod] = key
             continue
         mod = kind = None
@@ -199,19 +222,20 @@ def read_peft_adapter(adapter_dir: Any, *, vocab: int, tied: bool | None = None,
         elif k.endswith(".weight"):
             mod = k[: -len(".weight")]
             kind = "modules_to_save" if any(_ends_with(mod, n) for n in cfg.modules_to_save) else "base layer"
-        if kind is not None and _role_by_name(mod, embed_names, lm_head_names) is not None:
+        if kind is not None and mod is not None and _role_by_name(mod, embed_names, lm_head_names) is not None:
             if mod in fulls:
-                raise PeftAdapterError(f"{weights.name}: two full tables for {mod}: "
-                                       f"{fulls[mod][0]!r} and {key!r}")
+                raise PeftAdapterError(f"{weights.name}: two full tables for {mod}: {fulls[mod][0]!r} and {key!r}")
             fulls[mod] = (key, kind)
         else:
             others[key] = _other_module(k)
     if len(adapter_names) > 1:
-        raise PeftAdapterError(f"{weights.name}: tensors of several adapters ({', '.join(sorted(adapter_names))}): "
-                               "save one adapter per folder")
+        raise PeftAdapterError(
+            f"{weights.name}: tensors of several adapters ({', '.join(sorted(adapter_names))}): "
+            "save one adapter per folder"
+        )
 
     # roles: by name; a LoRA list form's module is the embedding; a lone other one too
-    roles = {mod: _role_by_name(mod, embed_names, lm_head_names) for mod in fulls}
+    roles = {mod: role for mod in fulls if (role := _role_by_name(mod, embed_names, lm_head_names)) is not None}
     unnamed = []
     for mod in tokens:
         role = _role_by_name(mod, embed_names, lm_head_names)
@@ -227,11 +251,18 @@ def read_peft_adapter(adapter_dir: Any, *, vocab: int, tied: bool | None = None,
         else:
             raise PeftAdapterError(
                 f"{d}: cannot tell which of {', '.join(unnamed)} is the embedding and which the LM "
-                "head: name them with embed_names= / lm_head_names=")
-    for key, mod in others.items():
+                "head: name them with embed_names= / lm_head_names="
+            )
+    for key in others:
         parts = key.removeprefix(_PREFIX).split(".")
-        hit = next((p for p in (".".join(parts[:i]) for i in range(1, len(parts)))
-                    if p in roles or _role_by_name(p, embed_names, lm_head_names)), None)
+        hit = next(
+            (
+                p
+                for p in (".".join(parts[:i]) for i in range(1, len(parts)))
+                if p in roles or _role_by_name(p, embed_names, lm_head_names)
+            ),
+            None,
+        )
         if hit is None:
             continue
         role = roles.get(hit) or _role_by_name(hit, embed_names, lm_head_names)
@@ -239,9 +270,11 @@ def read_peft_adapter(adapter_dir: Any, *, vocab: int, tied: bool | None = None,
             raise PeftAdapterError(
                 f"{d}: LoRA on the {role} ({key!r}) changes every row of {hit} through a low-rank "
                 "product, which a token overlay cannot serve (merge it into the served table, or train "
-                "the rows with trainable_token_indices / modules_to_save instead)")
-        raise PeftAdapterError(f"{d}: {key!r} on the {role} {hit}: a token overlay serves replaced rows "
-                               "only, not this tensor")
+                "the rows with trainable_token_indices / modules_to_save instead)"
+            )
+        raise PeftAdapterError(
+            f"{d}: {key!r} on the {role} {hit}: a token overlay serves replaced rows only, not this tensor"
+        )
 
     # token ids per module, from the config
     def ids_for(mod: str) -> list[int]:
@@ -252,12 +285,14 @@ def read_peft_adapter(adapter_dir: Any, *, vocab: int, tied: bool | None = None,
         if cfg.tt_dict is not None:
             hits = {k: v for k, v in cfg.tt_dict.items() if mod.endswith(k)}
             if len({tuple(v) for v in hits.values()}) > 1:
-                raise PeftAdapterError(f"{CONFIG_NAME}: trainable_token_indices entries "
-                                       f"{sorted(hits)} all match {mod} with different ids")
+                raise PeftAdapterError(
+                    f"{CONFIG_NAME}: trainable_token_indices entries {sorted(hits)} all match {mod} with different ids"
+                )
             if hits:
                 return next(iter(hits.values()))
-        raise PeftAdapterError(f"{d}: {tokens[mod]!r} has trainable-token rows but {CONFIG_NAME} "
-                               f"gives no token ids for {mod}")
+        raise PeftAdapterError(
+            f"{d}: {tokens[mod]!r} has trainable-token rows but {CONFIG_NAME} gives no token ids for {mod}"
+        )
 
     per_role_tokens: dict[str, list[tuple[str, TableOverlay]]] = {EMBED: [], LM_HEAD: []}
     for mod, key in tokens.items():
@@ -270,19 +305,28 @@ def read_peft_adapter(adapter_dir: Any, *, vocab: int, tied: bool | None = None,
             if any(mod.endswith(name) for mod in tokens):
                 continue
             emb_ids = [ids_for(m) for m, _ in per_role_tokens[EMBED]]
-            if _role_by_name(name, embed_names, lm_head_names) == LM_HEAD and \
-                    any(sorted(e) == sorted(ids) for e in emb_ids) and tied is not False:
-                tied_by_config = True           # PEFT skipped the tied LM head: it shares the rows
+            if (
+                _role_by_name(name, embed_names, lm_head_names) == LM_HEAD
+                and any(sorted(e) == sorted(ids) for e in emb_ids)
+                and tied is not False
+            ):
+                tied_by_config = True  # PEFT skipped the tied LM head: it shares the rows
                 continue
-            extra = (" (PEFT leaves it out only for a tied model with the embedding's ids: pass "
-                     "tied=True if so)") if tied is False else ""
-            raise PeftAdapterError(f"{d}: {CONFIG_NAME} lists trainable tokens for {name!r} but "
-                                   f"{weights.name} holds no trainable_tokens_delta for it{extra}")
+            extra = (
+                (" (PEFT leaves it out only for a tied model with the embedding's ids: pass tied=True if so)")
+                if tied is False
+                else ""
+            )
+            raise PeftAdapterError(
+                f"{d}: {CONFIG_NAME} lists trainable tokens for {name!r} but "
+                f"{weights.name} holds no trainable_tokens_delta for it{extra}"
+            )
     if isinstance(cfg.target_modules, list):
         for name in cfg.target_modules:
             if not any(_ends_with(mod, name) for mod in tokens):
-                raise PeftAdapterError(f"{d}: target_modules names {name!r} but {weights.name} holds no "
-                                       "trainable_tokens_delta for it")
+                raise PeftAdapterError(
+                    f"{d}: target_modules names {name!r} but {weights.name} holds no trainable_tokens_delta for it"
+                )
 
     tables: dict[str, PeftTable] = {}
     for role in (EMBED, LM_HEAD):
@@ -290,22 +334,27 @@ def read_peft_adapter(adapter_dir: Any, *, vocab: int, tied: bool | None = None,
         full_mods = [m for m in fulls if roles.get(m) == role]
         if not toks and not full_mods:
             continue
-        tok = _merge([(t.ids, t.rows) for _, t in toks], f"{role} trainable tokens of "
-                     f"{', '.join(m for m, _ in toks)}") if toks else None
+        tok = (
+            _merge([(t.ids, t.rows) for _, t in toks], f"{role} trainable tokens of {', '.join(m for m, _ in toks)}")
+            if toks
+            else None
+        )
         full = kind = None
         for mod in full_mods:
             key, k = fulls[mod]
             arr = _full_table(st, key, vocab, mod)
-            if full is not None and (arr.shape != full.shape or
-                                     (arr.view(np.uint16) != full.view(np.uint16)).any()):
+            if full is not None and (arr.shape != full.shape or (arr.view(np.uint16) != full.view(np.uint16)).any()):
                 raise PeftAdapterError(f"{d}: the full {role} tables of {', '.join(full_mods)} differ")
             if kind is not None and k != kind:
-                raise PeftAdapterError(f"{d}: {role}: a modules_to_save copy and a saved base layer "
-                                       f"({', '.join(full_mods)})")
+                raise PeftAdapterError(
+                    f"{d}: {role}: a modules_to_save copy and a saved base layer ({', '.join(full_mods)})"
+                )
             full, kind = arr, k
         if tok is not None and kind == "modules_to_save":
-            raise PeftAdapterError(f"{d}: the {role} is both a modules_to_save copy and trainable tokens "
-                                   f"({', '.join(full_mods + [m for m, _ in toks])}): conflicting")
+            raise PeftAdapterError(
+                f"{d}: the {role} is both a modules_to_save copy and trainable tokens "
+                f"({', '.join(full_mods + [m for m, _ in toks])}): conflicting"
+            )
         mods = tuple(dict.fromkeys([m for m, _ in toks] + full_mods))
         tables[role] = PeftTable(role, mods, tok, full, kind)
 
@@ -314,20 +363,36 @@ def read_peft_adapter(adapter_dir: Any, *, vocab: int, tied: bool | None = None,
         listed = ", ".join(found[:8]) + (f", ... ({len(found)} modules)" if len(found) > 8 else "")
         raise PeftAdapterError(
             f"{d}: nothing a token overlay can serve in this {cfg.peft_type} adapter: no trainable "
-            f"tokens and no modules_to_save copy of the embedding or LM head (found: {listed or 'no tensors'})")
-    found_widths = [(f"{t.role} {what}", w) for t in tables.values() for what, w in
-                    (("token rows", t.tokens.h if t.tokens is not None else None),
-                     (f"{t.full_kind} table", t.full.shape[1] if t.full is not None else None)) if w is not None]
+            f"tokens and no modules_to_save copy of the embedding or LM head (found: {listed or 'no tensors'})"
+        )
+    found_widths = [
+        (f"{t.role} {what}", w)
+        for t in tables.values()
+        for what, w in (
+            ("token rows", t.tokens.h if t.tokens is not None else None),
+            (f"{t.full_kind} table", t.full.shape[1] if t.full is not None else None),
+        )
+        if w is not None
+    ]
     if hidden_size is not None:
         found_widths.append(("hidden_size", int(hidden_size)))
     widths = {w for _, w in found_widths}
     if len(widths) != 1:
-        raise PeftAdapterError(f"{d}: rows of different widths "
-                               f"({', '.join(f'{what} {w}' for what, w in found_widths)})")
+        raise PeftAdapterError(
+            f"{d}: rows of different widths ({', '.join(f'{what} {w}' for what, w in found_widths)})"
+        )
     if tied is None:
         if tied_by_config:
             tied = True
         elif cfg.peft_type == "TRAINABLE_TOKENS" and LM_HEAD not in tables:
-            tied = False                       # PEFT saves the tied LM head's (shared) rows too
-    return PeftAdapter(d, cfg.peft_type, vocab, widths.pop(), tables.get(EMBED), tables.get(LM_HEAD),
-                       tied, tuple(sorted(set(others.values()))))
+            tied = False  # PEFT saves the tied LM head's (shared) rows too
+    return PeftAdapter(
+        d,
+        cfg.peft_type,
+        vocab,
+        widths.pop(),
+        tables.get(EMBED),
+        tables.get(LM_HEAD),
+        tied,
+        tuple(sorted(set(others.values()))),
+    )

@@ -14,7 +14,8 @@ order gives the same bits.
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence, runtime_checkable
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
 
 from gpu_runtime import DeviceCopies, GpuBackend, validate
 
@@ -55,10 +56,12 @@ class LocalGroup:
 
     def __init__(self, gpu: GpuBackend, size: int) -> None:
         if not isinstance(gpu, DeviceCopies):
-            raise TypeError(f"LocalGroup: the backend needs device copies (gpu_runtime.DeviceCopies); "
-                            f"{type(gpu).__name__} lacks them")
+            raise TypeError(
+                f"LocalGroup: the backend needs device copies (gpu_runtime.DeviceCopies); "
+                f"{type(gpu).__name__} lacks them"
+            )
         self.gpu, self.size = gpu, validate.positive(size, "LocalGroup size")
-        self.add_k = load_kernel(gpu, "residual_add", "bf16_residual_add")
+        self.add_kernel = load_kernel(gpu, "residual_add", "bf16_residual_add")
         self._closed = False
 
     @property
@@ -71,10 +74,12 @@ class LocalGroup:
             raise ValueError(f"LocalGroup: {len(buffers)} buffers for a group of {self.size}")
         (ptr0, count, stream), rest = buffers[0], buffers[1:]
         if any(c != count or s != stream for _, c, s in rest):
-            raise ValueError("LocalGroup: every rank must post the same count on the same stream, got "
-                             f"{[(c, s) for _, c, s in buffers]}")
+            raise ValueError(
+                "LocalGroup: every rank must post the same count on the same stream, got "
+                f"{[(c, s) for _, c, s in buffers]}"
+            )
         for ptr, _, _ in rest:
-            residual_ops.residual_add(self.gpu, self.add_k, ptr0, ptr, count, stream)
+            residual_ops.residual_add(self.gpu, self.add_kernel, ptr0, ptr, count, stream)
         for ptr, _, _ in rest:
             self.gpu.copy_d2d_async(ptr, ptr0, count * 2, stream)
 

@@ -13,10 +13,14 @@ and raises ``TimeoutError``; an NCCL asynchronous error aborts and raises at onc
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 from gpu_runtime import Events, GpuBackend, validate
+
+if TYPE_CHECKING:
+    from ..backend_caps import EventsBackend
 
 EXTRA = "pip install 'metrale-gpu[multi-gpu]'"
 NCCL_BF16, NCCL_SUM = 9, 0  # ncclBfloat16, ncclSum (nccl.h)
@@ -50,7 +54,7 @@ class NcclCollective:
         self._closed = False
 
     @classmethod
-    def init(cls, size: int, rank: int, uid: bytes, gpu: GpuBackend) -> "NcclCollective":
+    def init(cls, size: int, rank: int, uid: bytes, gpu: GpuBackend) -> NcclCollective:
         """Rank ``rank`` of ``size`` (every rank calls this with the same ``uid``; it returns when
         all have joined)."""
         core, _ = _nccl()
@@ -139,29 +143,33 @@ def _wait(members: Sequence[NcclCollective], streams: Sequence[int], timeout_s: 
     """Each member's stream finished, or every member aborted and an error raised."""
     if not timeout_s > 0:
         raise ValueError(f"NCCL wait: timeout_s must be > 0, got {timeout_s!r}")
-    events = []
-    for m, stream in zip(members, streams):
+    gpus = []
+    for m, _ in zip(members, streams):  # every backend checked before any event is made
         if not isinstance(m.gpu, Events):
             raise TypeError(f"NCCL wait: the backend needs events; {type(m.gpu).__name__} has none")
-        events.append(m.gpu.create_event())
-        m.gpu.record_event(events[-1], stream)
-    deadline = time.monotonic() + timeout_s
+        gpus.append(cast("EventsBackend", m.gpu))  # checked just above
+    events: list[int] = []  # made so far: each destroyed at the end, after a failure too
     try:
-        pending = list(zip(members, events))
+        for gpu, stream in zip(gpus, streams):
+            events.append(gpu.create_event())
+            gpu.record_event(events[-1], stream)
+        deadline = time.monotonic() + timeout_s
+        pending = list(zip(members, gpus, events))
         while pending:
-            pending = [(m, e) for m, e in pending if not m.gpu.event_done(e)]
-            errors = [m.comm.get_async_error() for m, _ in pending]
+            pending = [(m, gpu, e) for m, gpu, e in pending if not gpu.event_done(e)]
+            errors = [m.comm.get_async_error() for m, _, _ in pending]
             failed = [int(err) for err in errors if int(err) not in (0, 7)]  # ncclSuccess, ncclInProgress
             if failed or (pending and time.monotonic() > deadline):
                 for m in members:
                     m.abort()
                 if failed:
                     raise RuntimeError(f"NCCL asynchronous error {failed[0]}: communicator aborted")
-                raise TimeoutError(f"NCCL: a collective did not finish in {timeout_s} s (a failed rank?); "
-                                   f"communicator aborted")
+                raise TimeoutError(
+                    f"NCCL: a collective did not finish in {timeout_s} s (a failed rank?); communicator aborted"
+                )
             if pending:
                 time.sleep(_POLL_S)
     finally:
-        for m, e in zip(members, events):
-            if not m.gpu.closed:
-                m.gpu.destroy_event(e)
+        for gpu, e in zip(gpus, events):
+            if not gpu.closed:
+                gpu.destroy_event(e)

@@ -19,7 +19,7 @@ The README table is generated from the case tables: ``python -m tests.bad_inputs
 Layout: ``matrix`` (rows, columns, the case constructors), ``world`` (the CPU subjects on a
 logging host-memory backend), ``offline`` (the offline ``CudaBackend``), ``launcher_rows`` (each
 launcher row's function and kernel), ``device`` (the GPU rigs), ``cases/`` (the tables by area:
-runtime, launchers, n-gram layers, loaders, row cache and table files, overlays), ``readme`` (the
-README section); the tests are ``test_cpu``, ``test_offline_cuda``, ``test_gpu_backend``,
+runtime, launchers, n-gram weights, n-gram runners, loaders, row cache and table files, overlays),
+``readme`` (the README section); the tests are ``test_cpu``, ``test_offline_cuda``, ``test_gpu_backend``,
 ``test_gpu_launchers`` and ``test_readme``.
 """

@@ -12,7 +12,7 @@ from gpu_runtime import CudaBackend, KernelHandle
 from layers import reference as ref
 from layers.ngram_embed import NgramDims
 from layers.ops import residual
-from layers.weight_map import BF16, DenseWeight
+from layers.dense_weight import BF16, DenseWeight
 from tests.bad_inputs.launcher_rows import LAUNCH_FN, scaled_add_kernel
 from tests.helpers import Guarded, bits, random_bf16
 from tests.helpers.ngram_gather import context, make_tables, pows_for, windows_for

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from layers.kernel_files import load_kernel
-from layers.weight_map import BF16, DenseWeight
+from layers.dense_weight import BF16, DenseWeight
 from tests.bad_inputs.cases import GPU_LAUNCH_CASES
 from tests.bad_inputs.cases.launchers import CLOSED_BACKEND
 from tests.bad_inputs.device import GemmRig, assert_backend_usable

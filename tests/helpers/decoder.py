@@ -7,12 +7,11 @@ from __future__ import annotations
 import numpy as np
 
 from gpu_runtime import DeviceArray
-from layers.ngram_embed.decoder import NgramDecoder
-from layers.ngram_embed.fused import FusedNgramEmbedding
+from layers.ngram_embed import FusedNgramEmbedding, NgramDecoder
 from layers.overlay import OverlaySlots
-from layers.weight_map import BF16
+from layers.dense_weight import BF16
 from tests.helpers import Guarded
-from tests.helpers.ngram import device_layer, free_layer, random_layer, small_dims
+from tests.helpers.ngram import device_weights, random_layer, small_dims
 from tests.helpers.overlay import random_overlay
 
 
@@ -24,7 +23,10 @@ class World:
     """A decoder and, beside it, the fused path fed the full host-side context of every slot:
     every decoder output must equal the fused path's rows for the same tokens, bit for bit.
     ``adapters``: that many adapter slots, each loaded with a random overlay of ``override``
-    embedding rows (``overlays[a]``), given to both; ``batch_invariant`` given to both too."""
+    embedding rows (``overlays[a]``), given to both; ``batch_invariant`` given to both too.
+    ``collective``: the decoder's recording collective (None: a plain decoder has none)."""
+
+    collective = None
 
     def __init__(self, gpu, rng, *, max_seqs=6, max_rows=96, max_draft=3, kinds="bf", eos=True,
                  max_ngram=3, splits=2, adapters=0, override=60, batch_invariant=False):
@@ -32,7 +34,7 @@ class World:
                           base_rows=997, vocab_size=600, eos_id=5 if eos else None)
         self.gpu, self.rng, self.dims = gpu, rng, dims
         self.host = random_layer(rng, dims, kinds)
-        self.layer = device_layer(gpu, self.host, max_tokens=max_rows)
+        self.weights = device_weights(gpu, self.host)
         self.slots = None
         self.overlays = [random_overlay(rng, dims.vocab_size, dims.hidden_size, override, None)
                          for _ in range(adapters)]
@@ -42,10 +44,9 @@ class World:
                 self.slots.load(a, overlay)
         gpu.synchronize(0)  # uploaded on the default stream; the decoder and fused path read them on ours
         self.stream = gpu.create_stream()
-        self.dec = NgramDecoder(self.layer, max_seqs=max_seqs, max_rows=max_rows, gpu=gpu,
-                                stream=self.stream, max_draft=max_draft, adapter_slots=self.slots,
-                                batch_invariant=batch_invariant)
-        self.fused = FusedNgramEmbedding(self.layer, max_rows, gpu, self.stream, adapter_slots=self.slots,
+        self.dec = NgramDecoder(self.weights, max_seqs=max_seqs, max_rows=max_rows, stream=self.stream,
+                                max_draft=max_draft, adapter_slots=self.slots, batch_invariant=batch_invariant)
+        self.fused = FusedNgramEmbedding(self.weights, max_rows, self.stream, adapter_slots=self.slots,
                                          batch_invariant=batch_invariant)
         self.ctx: dict[int, list[int]] = {s: [] for s in range(max_seqs)}
         self.out = Guarded(gpu, (max_rows, dims.hidden_size), BF16, rng)
@@ -76,7 +77,7 @@ class World:
         with Guarded(self.gpu, (max(rows, 1), self.dims.hidden_size), BF16, self.rng) as want:
             want.poison()
             self.gpu.synchronize(0)
-            self.fused.embed_batch(contexts, lens, want.ptr, self.gpu, self.stream, adapters=adapters)
+            self.fused.embed_batch(contexts, lens, want.ptr, self.stream, adapters=adapters)
             self.gpu.synchronize(self.stream)
             return want.read()[:rows]
 
@@ -107,5 +108,5 @@ class World:
         self.dec.close()
         if self.slots is not None:
             self.slots.close()
-        free_layer(self.layer)
+        self.weights.close()
         self.gpu.destroy_stream(self.stream)

@@ -1,13 +1,27 @@
-"""GEMM tests' shared pieces: the device limit the launch plans must respect, and recording
-backends that compile for sm_90a (so plans may pick the wgmma and TMA kernels)."""
+"""GEMM tests' shared pieces: the device limit the launch plans must respect, recording backends
+that compile for sm_90a (so plans may pick the wgmma and TMA kernels), and ``assert_refused`` (a
+launcher's bad arguments refused before any launch)."""
 
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
+from typing import Any
 
-from tests.fakes import RecordingBackend
+from layers.kernel_files import load_kernel
+from tests.helpers.fakes import RecordingBackend, refused
 
 MAX_SHARED_OPTIN = 232448  # H100/H200 per-block opt-in limit
+
+
+def assert_refused(launcher: Callable[..., Any], kernel: str, error: type[Exception], match: str, *args: Any,
+                   **kwargs: Any) -> None:
+    """``launcher(gpu, <gemm.cu's kernel>, *args, **kwargs)`` on a fresh ``RecordingBackend``
+    raises ``error`` (matching ``match``) before it launches anything or touches device memory."""
+    gpu = RecordingBackend()
+    handle = load_kernel(gpu, "gemm", kernel)
+    with refused(gpu, error, match):
+        launcher(gpu, handle, *args, **kwargs)
 
 
 class Sm90aBackend(RecordingBackend):

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import numpy as np
 
 from gpu_runtime import DevicePtr, KernelHandle
-from tests.fakes import MemoryBackend
+from tests.helpers.fakes import MemoryBackend
 from tests.helpers.overlay import emulate_rowdiff
 from tests.helpers.row_cache import emulate_scatter
 

@@ -1,14 +1,17 @@
 """N-gram layers for tests: random host weights, their device copies (resident, or behind an
-identity cache), and their release; small dims every test can afford."""
+identity cache), and their release; small dims every test can afford; the check that runners
+borrow their weights (``assert_runners_borrow_the_weights``)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from layers.ngram_embed import NgramDims, NgramEmbedding, NgramTable
-from layers.weight_map import DenseWeight
+from layers.ngram_embed import NgramDims, NgramEmbedding, NgramTable, NgramWeights
+from layers.dense_weight import DenseWeight
 from tests.helpers import random_bf16, random_fp8
 
 
@@ -64,28 +67,70 @@ class IdentityCache:
         self.calls.append("end_batch")
 
 
-def device_layer(gpu, host: HostLayer, max_tokens: int, cached: bool = False) -> NgramEmbedding:
-    """``host`` uploaded: every table resident, or (``cached``) behind an ``IdentityCache``."""
+def device_weights(gpu, host: HostLayer, cached: bool = False) -> NgramWeights:
+    """``host`` uploaded, owned by the weights: every table resident, or (``cached``) behind an
+    ``IdentityCache``."""
     word = DenseWeight.from_numpy(gpu, host.word)
-    tables = []
+    owned, tables = [word], []
     for table, scale in host.tables:
         w = DenseWeight.from_numpy(gpu, table, scale)
+        owned.append(w)
         if cached:
             tables.append(NgramTable.Cached(IdentityCache(w)))
         else:
             tables.append(NgramTable.Fp8(w) if scale is not None else NgramTable.Bf16(w))
     projs = [DenseWeight.from_numpy(gpu, p) for p in host.projs]
-    return NgramEmbedding(host.dims, word, tables, projs, max_tokens, gpu)
+    weights = NgramWeights(host.dims, word, tables, projs, gpu)
+    weights.own(*owned, *projs)
+    return weights
+
+
+def device_layer(gpu, host: HostLayer, max_tokens: int, cached: bool = False) -> NgramEmbedding:
+    """The seed's runner over ``device_weights(gpu, host, cached)``; ``free_layer`` frees both."""
+    return NgramEmbedding(device_weights(gpu, host, cached), max_tokens)
 
 
 def free_layer(layer: NgramEmbedding) -> None:
-    """Close a ``device_layer`` and the weights it was built on (the layer does not own them)."""
-    layer.word.close()
-    for t in layer.tables:
-        (t.cache.weight if isinstance(t, NgramTable.Cached) else t.weight).close()
-    for p in layer.projs:
-        p.close()
+    """Close a ``device_layer`` and the weights it runs on."""
     layer.close()
+    layer.weights.close()
+
+
+def assert_runners_borrow_the_weights(gpu, weights: NgramWeights, first: Callable[[], Any],
+                                      second: Callable[[], Any], call: Callable[[Any], None],
+                                      kernels: list[str]) -> list:
+    """Runners on ``weights`` (just uploaded to the ``RecordingBackend`` ``gpu``) borrow them:
+    ``first()`` derives what the fused kernels read (the concatenated projections, the table
+    descriptors) on the weights; ``second()`` derives nothing again, shares those projections,
+    and its ``close()`` frees only its own buffers; ``call(first)`` then still launches
+    ``kernels``; the first's ``close()`` frees its own buffers, not what was derived, and
+    ``weights.close()`` frees every upload and what was derived. Returns ``call``'s launches."""
+    def addresses(op: str) -> set[int]:
+        return {recorded[1] for recorded in gpu.ops if recorded[0] == op}
+
+    uploads = addresses("alloc")
+    one = first()
+    derived_and_first = addresses("alloc") - uploads
+    gpu.ops.clear()
+    two = second()
+    own = addresses("alloc")
+    assert own and not [op for op in gpu.ops if op[0] in ("copy2d", "h2d")], "nothing derived again"
+    assert two.projection.projs is one.projection.projs
+    gpu.ops.clear()
+    two.close()
+    assert addresses("free") == own and not weights.closed
+    gpu.launches.clear()
+    call(one)
+    launches = list(gpu.launches)
+    assert [gpu.kernel_of(launch)[1] for launch in launches] == kernels
+    gpu.ops.clear()
+    one.close()
+    first_own = addresses("free")
+    assert first_own and first_own < derived_and_first
+    gpu.ops.clear()
+    weights.close()
+    assert addresses("free") == uploads | (derived_and_first - first_own)
+    return launches
 
 
 def small_dims(**kw) -> NgramDims:

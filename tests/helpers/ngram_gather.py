@@ -12,7 +12,7 @@ from layers import reference as ref
 from layers.ngram_embed.dims import NgramDims
 from layers.ngram_embed.ids import ngram_ids_array
 from layers.ops.ngram_fused import CACHED, NO_TOKEN
-from layers.weight_map import DenseWeight
+from layers.dense_weight import DenseWeight
 from tests.helpers import Guarded, random_bf16, random_fp8
 
 BF16 = ml_dtypes.bfloat16

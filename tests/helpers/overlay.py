@@ -11,7 +11,7 @@ import numpy as np
 
 from layers.overlay import AdapterOverlay, OverlaySlots, TableOverlay
 from layers.reference import rowdiff_ref
-from tests.fakes import MemoryBackend
+from tests.helpers.fakes import MemoryBackend
 from tests.helpers import bits, random_bf16
 
 BF16 = np.dtype(ml_dtypes.bfloat16)

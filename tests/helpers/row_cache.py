@@ -8,7 +8,7 @@ import numpy as np
 
 from layers.ngram_embed.row_cache import RowCache
 from layers.ngram_embed.table_file import write_table
-from tests.fakes import MemoryBackend
+from tests.helpers.fakes import MemoryBackend
 from tests.helpers import random_bf16, random_fp8
 
 

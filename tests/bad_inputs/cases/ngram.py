@@ -1,5 +1,6 @@
-"""The n-gram layers' cases: ``NgramDims``, ``ngram_ids``, ``NgramEmbedding`` (construction and
-``embed``), ``FusedNgramEmbedding`` and ``NgramDecoder``."""
+"""The n-gram runners' cases: ``NgramDims``, ``ngram_ids``, then the three runners over
+``NgramWeights`` (``cases.weights``), each constructed and called: ``NgramEmbedding``,
+``FusedNgramEmbedding`` (a tensor-parallel rank's too), ``NgramDecoder``; and ``embed_all``."""
 
 from __future__ import annotations
 
@@ -8,13 +9,11 @@ from collections.abc import Callable
 import numpy as np
 
 from gpu_runtime import ClosedError, DeviceArray
-from layers.ngram_embed import NgramDims, NgramEmbedding, NgramTable, ngram_ids, ngram_ids_tail
-from layers.ngram_embed.decoder import NgramDecoder
-from layers.ngram_embed.fused import FusedNgramEmbedding
-from layers.weight_map import BF16, FP8, DenseWeight
+from layers.ngram_embed import (FusedNgramEmbedding, NgramDecoder, NgramDims, NgramEmbedding, embed_all, ngram_ids,
+                                ngram_ids_tail)
 from tests.bad_inputs.matrix import NULL, case, expect
-from tests.bad_inputs.world import World
-from tests.fakes import ForeignArray
+from tests.bad_inputs.world import FakeCollective, World
+from tests.helpers.fakes import ForeignArray
 from tests.helpers.logging_backend import LoggingBackend
 
 CPU_CASES = [
@@ -41,37 +40,20 @@ CPU_CASES = [
     case("ngram_ids", "id", lambda w: ngram_ids_tail(w.dims, [1, 2, 500], 1), ValueError,
          "token 500 at position 2"),
     case("ngram_ids", "empty", lambda w: expect(all(a.shape == (0,) for a in ngram_ids(w.dims, [])))),
-    # -- NgramEmbedding(...) and from_numpy --
-    case("NgramEmbedding", "dtype", lambda w: NgramEmbedding(
-        w.dims, w.layer.word, [NgramTable.Bf16(DenseWeight(w.p[0], t.shape, FP8)) for t in w.layer.tables],
-        w.layer.projs, 8, w.gpu), TypeError, "NgramTable.Bf16 holds float8"),
-    case("NgramEmbedding", "dtype", lambda w: NgramEmbedding.from_numpy(
-        w.dims, w.host_layer.word.astype(np.float32), [t for t, _ in w.host_layer.tables],
-        w.host_layer.projs, 8, w.gpu), TypeError, "weight dtype", detail="from_numpy"),
-    case("NgramEmbedding", "dtype", lambda w: NgramEmbedding(
-        w.dims, w.host_layer.word, w.layer.tables, w.layer.projs, 8, w.gpu).embed([1, 2, 3], 2, w.out, w.gpu),
-        TypeError, "DenseWeight", detail="host-array"),
-    case("NgramEmbedding", "shape", lambda w: NgramEmbedding(
-        w.dims, DenseWeight(w.p[0], (501, 40), BF16), w.layer.tables, w.layer.projs, 8, w.gpu),
-        ValueError, "word embedding must be"),
-    case("NgramEmbedding", "shape", lambda w: NgramEmbedding.from_numpy(
-        w.dims, w.host_layer.word, [t if s is None else (t, s) for t, s in w.host_layer.tables],
-        [p[0] for p in w.host_layer.projs], 8, w.gpu), ValueError, "non-empty 2-D",
-        detail="from_numpy", temp=True),
-    case("NgramEmbedding", "length", lambda w: NgramEmbedding(
-        w.dims, w.layer.word, w.layer.tables[:-1], w.layer.projs, 8, w.gpu), ValueError, "table count"),
-    case("NgramEmbedding", "length", lambda w: NgramEmbedding.from_numpy(
-        w.dims, w.host_layer.word, [t if s is None else (t, s) for t, s in w.host_layer.tables],
-        w.host_layer.projs[:-1], 8, w.gpu), ValueError, "proj count", detail="from_numpy", temp=True),
-    case("NgramEmbedding", "range", lambda w: NgramEmbedding(
-        w.dims, w.layer.word, w.layer.tables, w.layer.projs, 0, w.gpu), ValueError, "max_tokens"),
-    case("NgramEmbedding", "null", lambda w: NgramEmbedding(
-        w.dims, w.layer.word, [NgramTable.Fp8(DenseWeight(w.p[0], t.shape, FP8)) for t in w.layer.tables],
-        w.layer.projs, 8, w.gpu), ValueError, "without row scales"),
-    case("NgramEmbedding", "id", lambda w: NgramEmbedding(
-        w.dims, w.layer.word, [NgramTable.Bf16(DenseWeight(w.p[0], (t.shape[0] - 1, t.shape[1]), BF16))
-                               for t in w.layer.tables], w.layer.projs, 8, w.gpu),
-        ValueError, "table 0: shape"),
+    # -- NgramEmbedding(...): the seed's runner over NgramWeights --
+    case("NgramEmbedding", "dtype", lambda w: NgramEmbedding(w.bare_weights, 2.0), TypeError,
+         "max_tokens must be an int"),
+    case("NgramEmbedding", "dtype", lambda w: NgramEmbedding(w.fused, 8), TypeError,
+         "NgramEmbedding: weights must be NgramWeights, got FusedNgramEmbedding", detail="weights"),
+    case("NgramEmbedding", "dtype", lambda w: NgramEmbedding(w.dims, 8), TypeError,
+         "NgramEmbedding: weights must be NgramWeights, got NgramDims", detail="old-signature"),
+    case("NgramEmbedding", "range", lambda w: NgramEmbedding(w.bare_weights, 0), ValueError, "max_tokens"),
+    case("NgramEmbedding", "range", lambda w: NgramEmbedding(w.shard_weights[0], 8), ValueError,
+         "NgramEmbedding: the weights are a tensor-parallel rank's share", detail="shard", needs=("shard_weights",)),
+    case("NgramEmbedding", "null", lambda w: NgramEmbedding(None, 8), TypeError,
+         "NgramEmbedding: weights must be NgramWeights, got NoneType", detail="weights"),
+    case("NgramEmbedding", "closed", lambda w: NgramEmbedding(w.closed_weights, 8), ClosedError,
+         "NgramEmbedding: its NgramWeights is closed"),
     # -- NgramEmbedding.embed --
     case("NgramEmbedding.embed", "dtype", lambda w: w.layer.embed([1.5, 2, 3], 1, w.out, w.gpu),
          TypeError, "tokens must be integers"),
@@ -88,28 +70,67 @@ CPU_CASES = [
     case("NgramEmbedding.embed", "range", lambda w: w.layer.embed([1, 2, 3], -1, w.out, w.gpu),
          ValueError, "non-negative"),
     case("NgramEmbedding.embed", "range", lambda w: w.layer.embed([1, 2, 3], 2, w.out, LoggingBackend()),
-         ValueError, "not the backend this layer was built with", detail="backend"),
+         ValueError, "ngram embed: gpu is not the backend of the weights", detail="backend"),
+    case("NgramEmbedding.embed", "null", lambda w: w.layer.embed([1, 2, 3], 2, w.out, None),
+         ValueError, "ngram embed: gpu is not the backend of the weights", detail="backend"),
     case("NgramEmbedding.embed", "null", lambda w: w.layer.embed([1, 2, 3], 2, 0, w.gpu), ValueError, NULL),
     case("NgramEmbedding.embed", "closed", lambda w: w.closed_layer.embed([1, 2, 3], 2, w.out, w.gpu),
-         ClosedError, "NgramEmbedding is closed"),
+         ClosedError, "ngram embed: NgramEmbedding is closed"),
+    case("NgramEmbedding.embed", "closed", lambda w: w.layer_on_closed.embed([1, 2, 3], 2, w.out, w.gpu),
+         ClosedError, "ngram embed: its NgramWeights is closed", detail="weights-closed"),
     case("NgramEmbedding.embed", "closed", lambda w: w.layer_with_closed_cache.embed([1, 2, 3], 2, w.out, w.gpu),
          ClosedError, "RowCache is closed", detail="cached-table", needs=("layer_with_closed_cache",)),
     case("NgramEmbedding.embed", "id", lambda w: w.layer.embed([1, 2, 500], 1, w.out, w.gpu),
          ValueError, "token 500"),
     case("NgramEmbedding.embed", "empty", lambda w: w.layer.embed([1, 2, 3], 0, w.out, w.gpu)),
     # -- NgramDecoder: construction, then the capturable calls (device values are the kernels') --
-    case("NgramDecoder", "dtype", lambda w: NgramDecoder(w.layer, max_seqs=2.0, max_rows=8, gpu=w.gpu),
+    case("NgramDecoder", "dtype", lambda w: NgramDecoder(w.bare_weights, max_seqs=2.0, max_rows=8),
          TypeError, "max_seqs must be an int"),
-    case("NgramDecoder", "range", lambda w: NgramDecoder(w.layer, max_seqs=4, max_rows=0, gpu=w.gpu),
+    case("NgramDecoder", "dtype", lambda w: NgramDecoder(w.fused, max_seqs=4, max_rows=8), TypeError,
+         "NgramDecoder: weights must be NgramWeights, got FusedNgramEmbedding", detail="weights"),
+    case("NgramDecoder", "dtype", lambda w: NgramDecoder(w.bare_weights, max_seqs=4, max_rows=8,
+                                                        adapter_slots=w.kernels),
+         TypeError, "NgramDecoder: adapter_slots must be an OverlaySlots, got OverlayKernels", detail="adapter_slots"),
+    case("NgramDecoder", "dtype", lambda w: NgramDecoder(w.bare_weights, max_seqs=4, max_rows=8, batch_invariant=1),
+         TypeError, "batch_invariant must be a bool, got 1", detail="batch_invariant"),
+    case("NgramDecoder", "dtype", lambda w: NgramDecoder(w.shard_weights[1], max_seqs=4, max_rows=8,
+                                                        collective=w.weights),
+         TypeError, "NgramDecoder: collective must be a layers.tensor_parallel.Collective", detail="collective",
+         needs=("shard_weights",)),
+    case("NgramDecoder", "range", lambda w: NgramDecoder(w.bare_weights, max_seqs=4, max_rows=0),
          ValueError, r"max_rows must be in 1\.\.2\*\*31-1"),
-    case("NgramDecoder", "range",
-         lambda w: NgramDecoder(w.layer, max_seqs=4, max_rows=8, gpu=LoggingBackend()),
-         ValueError, "not the backend this layer was built with", detail="backend"),
-    case("NgramDecoder", "closed", lambda w: NgramDecoder(w.closed_layer, max_seqs=4, max_rows=8, gpu=w.gpu),
-         ClosedError, r"the layer it serves \(NgramEmbedding\) is closed"),
-    case("NgramDecoder", "range", lambda w: NgramDecoder(w.cached_fused.layer, max_seqs=4, max_rows=8,
-                                                        gpu=w.gpu),
+    case("NgramDecoder", "range", lambda w: NgramDecoder(w.bare_weights, max_seqs=4, max_rows=8, max_draft=-1),
+         ValueError, r"max_draft must be in 0\.\.2\*\*31-1, got -1", detail="max_draft"),
+    case("NgramDecoder", "range", lambda w: NgramDecoder(w.cached_fused.weights, max_seqs=4, max_rows=8),
          ValueError, "RowCache tables need host work", detail="cached", needs=("cached_fused",)),
+    case("NgramDecoder", "range", lambda w: NgramDecoder(w.bare_weights, max_seqs=4, max_rows=8,
+                                                        collective=FakeCollective(0, 1)),
+         ValueError, "NgramDecoder: collective given, but the weights are not a tensor-parallel shard",
+         detail="collective"),
+    case("NgramDecoder", "range", lambda w: NgramDecoder(w.shard_weights[1], max_seqs=4, max_rows=8),
+         ValueError, "NgramDecoder: the weights are a tensor-parallel shard; pass collective=",
+         detail="shard-without-collective", needs=("shard_weights",)),
+    case("NgramDecoder", "range", lambda w: NgramDecoder(w.shard_weights[1], max_seqs=4, max_rows=8,
+                                                        collective=FakeCollective(0, 2)),
+         ValueError, "the collective is rank 0 of 2, the weights rank 1 of 2", detail="collective-rank",
+         needs=("shard_weights",)),
+    case("NgramDecoder", "shape", lambda w: NgramDecoder(w.bare_weights, max_seqs=4, max_rows=8, adapter_slots=w.slots),
+         ValueError, "adapter_slots hold vocab 30 x 5, the model's word table is 500 x 40", detail="adapter_slots"),
+    case("NgramDecoder", "range", lambda w: NgramDecoder(w.bare_weights, max_seqs=4, max_rows=8,
+                                                        adapter_slots=w.foreign_slots),
+         ValueError, "adapter_slots live on another backend than the weights", detail="adapter-backend",
+         needs=("foreign_slots",)),
+    case("NgramDecoder", "null", lambda w: NgramDecoder(None, max_seqs=4, max_rows=8), TypeError,
+         "weights must be NgramWeights, got NoneType", detail="weights"),
+    case("NgramDecoder", "closed", lambda w: NgramDecoder(w.closed_weights, max_seqs=4, max_rows=8),
+         ClosedError, "NgramDecoder: its NgramWeights is closed"),
+    case("NgramDecoder", "closed", lambda w: NgramDecoder(w.bare_weights, max_seqs=4, max_rows=8,
+                                                         adapter_slots=w.closed_slots),
+         ClosedError, "NgramDecoder: its adapter_slots is closed", detail="adapter_slots"),
+    case("NgramDecoder", "closed", lambda w: NgramDecoder(w.shard_weights[1], max_seqs=4, max_rows=8,
+                                                         collective=w.closed_collective),
+         ClosedError, "NgramDecoder: its collective is closed", detail="collective",
+         needs=("shard_weights", "closed_collective")),
     case("NgramDecoder.calls", "dtype", lambda w: w.decoder.step(w.p[0], 1.5, 2, w.out), TypeError,
          "slots: expected a device address"),
     case("NgramDecoder.calls", "dtype", lambda w: w.decoder.step(DeviceArray(w.gpu, w.p[0], (8,), np.int64),
@@ -157,49 +178,148 @@ CPU_CASES = [
          ValueError, NULL, detail="foreign-out"),
     case("NgramDecoder.calls", "closed", lambda w: w.closed_decoder.step(w.p[0], w.p[1], 1, w.out),
          ClosedError, "NgramDecoder is closed"),
+    case("NgramDecoder.calls", "closed", lambda w: w.decoder_on_closed.step(w.p[0], w.p[1], 1, w.out),
+         ClosedError, "NgramDecoder: its NgramWeights is closed", detail="weights-closed"),
+    case("NgramDecoder.calls", "closed", lambda w: w.decoder_on_closed.reset(0), ClosedError,
+         "NgramDecoder: its NgramWeights is closed", detail="weights-closed-reset"),
     case("NgramDecoder.calls", "empty", lambda w: w.decoder.step(w.p[0], w.p[1], 0, w.out)),
     case("NgramDecoder.calls", "empty", lambda w: w.decoder.rollback(w.p[0], w.p[1], 0), detail="rollback"),
     case("NgramDecoder.calls", "empty", lambda w: w.decoder.seed(w.p[0], w.p[1], w.p[2], 0, 0), detail="seed"),
     case("NgramDecoder.calls", "empty", lambda w: w.decoder.fork(w.p[0], w.p[1], 0), detail="fork"),
-    # -- FusedNgramEmbedding --
-    case("FusedNgramEmbedding", "dtype", lambda w: FusedNgramEmbedding(w.layer, 2.0, w.gpu), TypeError,
+    # -- FusedNgramEmbedding: construction over NgramWeights, then embed / embed_batch (no gpu argument) --
+    case("FusedNgramEmbedding", "dtype", lambda w: FusedNgramEmbedding(w.bare_weights, 2.0), TypeError,
          "max_rows must be an int"),
-    case("FusedNgramEmbedding", "range", lambda w: FusedNgramEmbedding(w.layer, 0, w.gpu), ValueError,
+    case("FusedNgramEmbedding", "dtype", lambda w: FusedNgramEmbedding(w.layer, 8), TypeError,
+         "FusedNgramEmbedding: weights must be NgramWeights, got NgramEmbedding", detail="weights"),
+    case("FusedNgramEmbedding", "dtype", lambda w: FusedNgramEmbedding(w.bare_weights, 8, adapter_slots=w.kernels),
+         TypeError, "FusedNgramEmbedding: adapter_slots must be an OverlaySlots", detail="adapter_slots"),
+    case("FusedNgramEmbedding", "dtype", lambda w: FusedNgramEmbedding(w.bare_weights, 8, batch_invariant="yes"),
+         TypeError, "batch_invariant must be a bool", detail="batch_invariant"),
+    case("FusedNgramEmbedding", "dtype", lambda w: FusedNgramEmbedding(w.shard_weights[1], 8, collective=object()),
+         TypeError, "FusedNgramEmbedding: collective must be a layers.tensor_parallel.Collective",
+         detail="collective", needs=("shard_weights",)),
+    case("FusedNgramEmbedding", "dtype", lambda w: FusedNgramEmbedding(w.bare_weights, 8, w.gpu, 0),
+         TypeError, "positional argument", detail="old-signature"),
+    case("FusedNgramEmbedding", "range", lambda w: FusedNgramEmbedding(w.bare_weights, 0), ValueError,
          "max_rows must be an int >= 1"),
-    case("FusedNgramEmbedding", "range", lambda w: FusedNgramEmbedding(w.layer, 8, LoggingBackend()),
-         ValueError, "not the backend this layer was built with", detail="backend"),
-    case("FusedNgramEmbedding", "closed", lambda w: FusedNgramEmbedding(w.closed_layer, 8, w.gpu), ClosedError,
-         r"the layer it serves \(NgramEmbedding\) is closed"),
-    case("FusedNgramEmbedding", "range", lambda w: FusedNgramEmbedding(w.layer_huge_vocab, 8, w.gpu), ValueError,
-         r"vocab_size 4294967296 must be < 2\*\*32 - 1", detail="vocab", needs=("layer_huge_vocab",)),
-    case("FusedNgramEmbedding.embed", "dtype", lambda w: w.fused.embed([1.5, 2.5], 1, w.out, w.gpu),
+    case("FusedNgramEmbedding", "range", lambda w: FusedNgramEmbedding(w.weights_huge_vocab, 8), ValueError,
+         r"vocab_size 4294967296 must be < 2\*\*32 - 1", detail="vocab", needs=("weights_huge_vocab",)),
+    case("FusedNgramEmbedding", "range", lambda w: FusedNgramEmbedding(w.bare_weights, 8,
+                                                                      collective=FakeCollective(0, 1)),
+         ValueError, "FusedNgramEmbedding: collective given, but the weights are not a tensor-parallel shard",
+         detail="collective"),
+    case("FusedNgramEmbedding", "range", lambda w: FusedNgramEmbedding(w.shard_weights[1], 8,
+                                                                      collective=FakeCollective(1, 4)),
+         ValueError, "the collective is rank 1 of 4, the weights rank 1 of 2", detail="collective-rank",
+         needs=("shard_weights",)),
+    case("FusedNgramEmbedding", "range", lambda w: FusedNgramEmbedding(w.bare_weights, 8,
+                                                                      adapter_slots=w.foreign_slots),
+         ValueError, "adapter_slots live on another backend than the weights", detail="adapter-backend",
+         needs=("foreign_slots",)),
+    case("FusedNgramEmbedding", "shape", lambda w: FusedNgramEmbedding(w.bare_weights, 8, adapter_slots=w.slots),
+         ValueError, "adapter_slots hold vocab 30 x 5, the model's word table is 500 x 40", detail="adapter_slots"),
+    case("FusedNgramEmbedding", "null", lambda w: FusedNgramEmbedding(None, 8), TypeError,
+         "weights must be NgramWeights, got NoneType", detail="weights"),
+    case("FusedNgramEmbedding", "closed", lambda w: FusedNgramEmbedding(w.closed_weights, 8), ClosedError,
+         "FusedNgramEmbedding: its NgramWeights is closed"),
+    case("FusedNgramEmbedding", "closed", lambda w: FusedNgramEmbedding(w.bare_weights, 8,
+                                                                       adapter_slots=w.closed_slots),
+         ClosedError, "FusedNgramEmbedding: its adapter_slots is closed", detail="adapter_slots"),
+    case("FusedNgramEmbedding", "closed", lambda w: FusedNgramEmbedding(w.shard_weights[1], 8,
+                                                                       collective=w.closed_collective),
+         ClosedError, "FusedNgramEmbedding: its collective is closed", detail="collective",
+         needs=("shard_weights", "closed_collective")),
+    case("FusedNgramEmbedding.embed", "dtype", lambda w: w.fused.embed([1.5, 2.5], 1, w.out),
          TypeError, "tokens must be integers"),
-    case("FusedNgramEmbedding.embed", "dtype", lambda w: w.fused.embed([1, 2, 3], 1.0, w.out, w.gpu),
+    case("FusedNgramEmbedding.embed", "dtype", lambda w: w.fused.embed([1, 2, 3], 1.0, w.out),
          TypeError, r"seq_lens\[0\] must be an int", detail="seq_len"),
-    case("FusedNgramEmbedding.embed", "shape", lambda w: w.fused.embed([[1, 2]], 1, w.out, w.gpu),
+    case("FusedNgramEmbedding.embed", "dtype", lambda w: w.fused.embed([1, 2, 3], 1, w.out, w.gpu, 0),
+         TypeError, "positional argument", detail="old-gpu-argument"),
+    case("FusedNgramEmbedding.embed", "dtype", lambda w: w.fused_with_slots.embed_batch(
+        [[1, 2]], [1], w.out, adapters=[0.5]), TypeError, r"adapters\[0\] must be an int", detail="adapters",
+         needs=("fused_with_slots",)),
+    case("FusedNgramEmbedding.embed", "dtype", lambda w: w.fused.embed([1, 2, 3], 1, w.out, 7, graph=True),
+         TypeError, "graph=True needs a backend with CUDA graphs", detail="graph"),
+    case("FusedNgramEmbedding.embed", "shape", lambda w: w.fused.embed([[1, 2]], 1, w.out),
          ValueError, "1-D"),
-    case("FusedNgramEmbedding.embed", "length", lambda w: w.fused.embed_batch([[1, 2]], [1, 1], w.out, w.gpu),
+    case("FusedNgramEmbedding.embed", "length", lambda w: w.fused.embed_batch([[1, 2]], [1, 1], w.out),
          ValueError, "1 contexts, 2 seq_lens"),
-    case("FusedNgramEmbedding.embed", "length", lambda w: w.fused.embed(list(range(20)), 9, w.out, w.gpu),
+    case("FusedNgramEmbedding.embed", "length", lambda w: w.fused.embed(list(range(20)), 9, w.out),
          ValueError, "over max_rows 8", detail="max_rows"),
     case("FusedNgramEmbedding.embed", "length",
-         lambda w: w.cached_fused.embed(np.arange(1, 7), 6, w.out, w.gpu), ValueError, "arena holds 3",
+         lambda w: w.cached_fused.embed(np.arange(1, 7), 6, w.out), ValueError, "arena holds 3",
          detail="cached-capacity", needs=("cached_fused",),
-         after=lambda w: w.cached_fused.embed(np.arange(20, 23), 3, w.out, w.gpu)),
-    case("FusedNgramEmbedding.embed", "range", lambda w: w.fused.embed([1, 2, 3], -1, w.out, w.gpu),
+         after=lambda w: w.cached_fused.embed(np.arange(20, 23), 3, w.out)),
+    case("FusedNgramEmbedding.embed", "length", lambda w: w.fused_with_slots.embed_batch(
+        [[1, 2]], [1], w.out, adapters=[0, 1]), ValueError, "2 adapters for 1 sequences", detail="adapters",
+         needs=("fused_with_slots",)),
+    case("FusedNgramEmbedding.embed", "range", lambda w: w.fused.embed([1, 2, 3], -1, w.out),
          ValueError, "non-negative"),
-    case("FusedNgramEmbedding.embed", "null", lambda w: w.fused.embed([1, 2, 3], 1, 0, w.gpu), ValueError, NULL),
-    case("FusedNgramEmbedding.embed", "null", lambda w: w.fused.embed([1, 2, 3], 1, w.out, w.gpu, 0, graph=True),
+    case("FusedNgramEmbedding.embed", "range", lambda w: w.fused.embed_batch([[1, 2]], [1], w.out, adapters=[0]),
+         ValueError, "adapters given, but the runner was built without adapter_slots", detail="adapters"),
+    case("FusedNgramEmbedding.embed", "range", lambda w: w.fused_with_slots.embed_batch(
+        [[1, 2]], [1], w.out, adapters=[2]), ValueError, r"adapter slot 2 outside 0\.\.1", detail="adapter-slot",
+         needs=("fused_with_slots",)),
+    case("FusedNgramEmbedding.embed", "range", lambda w: w.ranks[1].embed([1, 2, 3], 1, w.out), ValueError,
+         "a tensor-parallel rank without a collective", detail="rank-without-collective", needs=("ranks",)),
+    case("FusedNgramEmbedding.embed", "null", lambda w: w.fused.embed([1, 2, 3], 1, 0), ValueError, NULL),
+    case("FusedNgramEmbedding.embed", "null", lambda w: w.fused.embed([1, 2, 3], 1, w.out, 0, graph=True),
          ValueError, "created stream", detail="stream"),
-    case("FusedNgramEmbedding.embed", "closed", lambda w: w.closed_fused.embed([1, 2, 3], 1, w.out, w.gpu),
+    case("FusedNgramEmbedding.embed", "closed", lambda w: w.closed_fused.embed([1, 2, 3], 1, w.out),
          ClosedError, "FusedNgramEmbedding is closed"),
     case("FusedNgramEmbedding.embed", "closed",
-         lambda w: w.fused_over_closed_layer.embed([1, 2, 3], 2, w.out, w.gpu), ClosedError,
-         r"the layer it serves \(NgramEmbedding\) is closed", detail="layer-closed",
-         needs=("fused_over_closed_layer",)),
-    case("FusedNgramEmbedding.embed", "id", lambda w: w.fused.embed([1, 2, 500], 1, w.out, w.gpu),
+         lambda w: w.fused_on_closed.embed([1, 2, 3], 2, w.out), ClosedError,
+         "fused ngram embed: its NgramWeights is closed", detail="weights-closed"),
+    case("FusedNgramEmbedding.embed", "closed",
+         lambda w: w.fused_on_closed.embed_batch([[1, 2, 3]], [2], w.out), ClosedError,
+         "fused ngram embed: its NgramWeights is closed", detail="weights-closed-batch"),
+    case("FusedNgramEmbedding.embed", "closed", lambda w: w.rank_fused_closed_collective.embed([1, 2, 3], 1, w.out),
+         ClosedError, "fused ngram embed: its collective is closed", detail="collective",
+         needs=("rank_fused_closed_collective",)),
+    case("FusedNgramEmbedding.embed", "id", lambda w: w.fused.embed([1, 2, 500], 1, w.out),
          ValueError, "token 500 outside"),
-    case("FusedNgramEmbedding.embed", "empty", lambda w: w.fused.embed_batch([[1, 2], []], [0, 0], w.out, w.gpu)),
+    case("FusedNgramEmbedding.embed", "id", lambda w: w.rank_fused.embed([1, 2, 500], 1, w.out),
+         ValueError, "token 500 outside", detail="rank", needs=("rank_fused",)),
+    case("FusedNgramEmbedding.embed", "empty", lambda w: w.fused.embed_batch([[1, 2], []], [0, 0], w.out)),
+    # -- embed_all: one process driving every rank of a group --
+    case("embed_all", "dtype", lambda w: embed_all(object(), w.ranks, [[1, 2]], [1], [w.out, w.p[3]], [0, 0]),
+         TypeError, "embed_all: group must be a CollectiveGroup, got object", needs=("ranks",)),
+    case("embed_all", "dtype", lambda w: embed_all(w.group, [w.layer, w.ranks[1]], [[1, 2]], [1], [w.out, w.p[3]],
+                                                   [0, 0]),
+         TypeError, r"embed_all: ranks\[0\] is a NgramEmbedding, not a FusedNgramEmbedding", detail="ranks",
+         needs=("ranks", "group")),
+    case("embed_all", "dtype", lambda w: embed_all(w.group, w.ranks, [[1, 2.5]], [1], [w.out, w.p[3]], [0, 0]),
+         TypeError, "tokens must be integers", detail="tokens", needs=("ranks", "group")),
+    case("embed_all", "length", lambda w: embed_all(w.group, w.ranks[:1], [[1, 2]], [1], [w.out], [0]),
+         ValueError, "embed_all: 1 ranks, 1 outs and 1 streams for a group of 2", needs=("ranks", "group")),
+    case("embed_all", "length", lambda w: embed_all(w.group, w.ranks, [[1, 2]], [1, 1], [w.out, w.p[3]], [0, 0]),
+         ValueError, "1 contexts, 2 seq_lens", detail="seq_lens", needs=("ranks", "group")),
+    case("embed_all", "length", lambda w: embed_all(w.group, w.ranks, [list(range(20))], [9], [w.out, w.p[3]],
+                                                    [0, 0]),
+         ValueError, "embed_all: 9 rows over max_rows 8", detail="max_rows", needs=("ranks", "group")),
+    case("embed_all", "range", lambda w: embed_all(w.group, w.ranks[::-1], [[1, 2]], [1], [w.out, w.p[3]], [0, 0]),
+         ValueError, r"embed_all: ranks\[0\]'s weights are rank 1 of 2", needs=("ranks", "group")),
+    case("embed_all", "range", lambda w: embed_all(w.group, [w.fused, w.fused], [[1, 2]], [1], [w.out, w.p[3]],
+                                                   [0, 0]),
+         ValueError, r"embed_all: ranks\[0\]'s weights are not a shard", detail="not-shard", needs=("group",)),
+    case("embed_all", "range", lambda w: embed_all(w.group, w.ranks, [[1, 2]], [-1], [w.out, w.p[3]], [0, 0]),
+         ValueError, "non-negative", detail="seq_len", needs=("ranks", "group")),
+    case("embed_all", "null", lambda w: embed_all(w.group, w.ranks, [[1, 2]], [1], [w.out, 0], [0, 0]),
+         ValueError, NULL, needs=("ranks", "group")),
+    case("embed_all", "closed", lambda w: embed_all(w.closed_group, w.ranks, [[1, 2]], [1], [w.out, w.p[3]],
+                                                    [0, 0]),
+         ClosedError, "embed_all: the group is closed", needs=("ranks", "closed_group")),
+    case("embed_all", "closed", lambda w: embed_all(w.group, [w.ranks[0], w.closed_rank], [[1, 2]], [1],
+                                                    [w.out, w.p[3]], [0, 0]),
+         ClosedError, r"embed_all: ranks\[1\] is closed", detail="rank", needs=("ranks", "group", "closed_rank")),
+    case("embed_all", "closed", lambda w: embed_all(w.group, [w.ranks[0], w.rank_on_closed_weights], [[1, 2]], [1],
+                                                    [w.out, w.p[3]], [0, 0]),
+         ClosedError, r"embed_all: ranks\[1\]'s NgramWeights is closed", detail="weights-closed",
+         needs=("ranks", "group", "rank_on_closed_weights")),
+    case("embed_all", "id", lambda w: embed_all(w.group, w.ranks, [[1, 500]], [1], [w.out, w.p[3]], [0, 0]),
+         ValueError, "token 500 outside", needs=("ranks", "group")),
+    case("embed_all", "empty", lambda w: expect(embed_all(w.group, w.ranks, [[1, 2]], [0], [w.out, w.p[3]],
+                                                          [0, 0]) == 0), needs=("ranks", "group")),
 ]
 
 
@@ -219,8 +339,29 @@ def _after_layer_embed(w: World) -> None:
 
 def _after_fused_embed(w: World) -> None:
     before = len(w.gpu.launches)
-    w.fused.embed_batch([w.rng.integers(0, 500, 6), [4]], [3, 1], w.out, w.gpu)
+    w.fused.embed_batch([w.rng.integers(0, 500, 6), [4]], [3, 1], w.out)
     assert w.gpu.launched()[before:] == ["ngram_gather", "dense_gemm_bf16_word"]
+
+
+def _after_embed_all(w: World) -> None:
+    """Every rank stages (its gather and word rows), the group sums once, every rank projects."""
+    before, reduces = len(w.gpu.launches), len(w.group.calls)
+    rows = embed_all(w.group, w.ranks, [w.rng.integers(0, 500, 6), [4]], [3, 1], [w.out, w.p[3]], [0, 0])
+    assert rows == 4 and len(w.group.calls) == reduces + 1
+    assert [count for _, count, _ in w.group.calls[-1]] == [r.projection.reduce_count(4) for r in w.ranks]
+    stage = ["ngram_gather", "batched_embed_shard"]
+    assert w.gpu.launched()[before:] == stage * 2 + ["dense_gemm_bf16_word"] * 2
+
+
+def _after_fused(w: World) -> None:
+    """A runner over the world's weights, and rank 1's with its collective, built and closed."""
+    FusedNgramEmbedding(w.bare_weights, 8).close()
+    FusedNgramEmbedding(w.shard_weights[1], 8, collective=FakeCollective(1, 2)).close()
+
+
+def _after_decoder_new(w: World) -> None:
+    NgramDecoder(w.bare_weights, max_seqs=2, max_rows=4).close()
+    NgramDecoder(w.shard_weights[1], max_seqs=2, max_rows=4, collective=FakeCollective(1, 2)).close()
 
 
 def _after_decoder(w: World) -> None:
@@ -236,11 +377,11 @@ def _after_decoder(w: World) -> None:
 AFTER: dict[str, Callable[[World], None]] = {
     "NgramDims": lambda w: expect(NgramDims(500, 40, 3, 2, 61, row_bias=1) == w.dims),
     "ngram_ids": _after_ngram_ids,
-    "NgramEmbedding": lambda w: NgramEmbedding(w.dims, w.layer.word, w.layer.tables, w.layer.projs, 8,
-                                               w.gpu).close(),
+    "NgramEmbedding": lambda w: NgramEmbedding(w.bare_weights, 8).close(),
     "NgramEmbedding.embed": _after_layer_embed,
-    "FusedNgramEmbedding": lambda w: FusedNgramEmbedding(w.layer, 8, w.gpu).close(),
+    "FusedNgramEmbedding": _after_fused,
     "FusedNgramEmbedding.embed": _after_fused_embed,
-    "NgramDecoder": lambda w: NgramDecoder(w.layer, max_seqs=2, max_rows=4, gpu=w.gpu).close(),
+    "NgramDecoder": _after_decoder_new,
     "NgramDecoder.calls": _after_decoder,
+    "embed_all": _after_embed_all,
 }

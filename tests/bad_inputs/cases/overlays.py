@@ -11,7 +11,7 @@ from gpu_runtime import ClosedError, KernelNotFoundError
 from layers.ops.token_overlay import OverlayKernels
 from layers.overlay import (AdapterOverlay, OverlaySlots, TableOverlay, build_overlay,
                             overlay_from_trainable_tokens)
-from layers.weight_map import BF16, FP8, DenseWeight
+from layers.dense_weight import BF16, FP8, DenseWeight
 from tests.bad_inputs.matrix import NULL, case, expect
 from tests.bad_inputs.world import World
 from tests.helpers import bits, random_bf16

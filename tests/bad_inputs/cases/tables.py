@@ -9,7 +9,7 @@ import numpy as np
 
 from gpu_runtime import ClosedError
 from layers.ngram_embed import RowCache, TableFile, TableFormatError, TableWriter
-from layers.weight_map import BF16
+from layers.dense_weight import BF16
 from tests.bad_inputs.matrix import case
 from tests.bad_inputs.world import World
 from tests.helpers import random_bf16

@@ -76,16 +76,21 @@ class DenseWeight(WeightShape):
     buffers: tuple[DeviceBuffer, ...] = field(default=(), repr=False)
 
     @classmethod
-    def owning(cls, gpu: GpuBackend, weight: DeviceBuffer, shape: tuple[int, int], dtype: Any,
-               row_scale: DeviceBuffer | None = None) -> "DenseWeight":
+    def owning(
+        cls,
+        gpu: GpuBackend,
+        weight: DeviceBuffer,
+        shape: tuple[int, int],
+        dtype: Any,
+        row_scale: DeviceBuffer | None = None,
+    ) -> DenseWeight:
         """A weight over ``weight`` (and ``row_scale``), buffers on ``gpu`` that it owns from now on."""
         buffers = (weight,) if row_scale is None else (weight, row_scale)
         scale = row_scale.ptr if row_scale is not None else DevicePtr(0)
         return cls(weight.ptr, (int(shape[0]), int(shape[1])), np.dtype(dtype), scale, gpu, buffers)
 
     @classmethod
-    def from_numpy(cls, gpu: GpuBackend, array: Any, row_scale: Any = None,
-                   stream: int = 0) -> "DenseWeight":
+    def from_numpy(cls, gpu: GpuBackend, array: Any, row_scale: Any = None, stream: int = 0) -> DenseWeight:
         """Upload a 2-D bf16 array, or an fp8 array with its per-row f32 scales."""
         array, scale = checked_weight_arrays(array, row_scale)
         array = np.ascontiguousarray(array)
@@ -107,7 +112,7 @@ class DenseWeight(WeightShape):
         for buf in reversed(self.buffers):
             buf.close()
 
-    def __enter__(self) -> "DenseWeight":
+    def __enter__(self) -> DenseWeight:
         return self
 
     def __exit__(self, *exc: object) -> None:

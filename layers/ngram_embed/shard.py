@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from gpu_runtime import validate
 
-from ..ngram_embed.dims import NgramDims
+from .dims import NgramDims
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class NgramShard:
     word_rows: int
 
     @classmethod
-    def of(cls, dims: NgramDims, rank: int, size: int) -> "NgramShard":
+    def of(cls, dims: NgramDims, rank: int, size: int) -> NgramShard:
         size = validate.positive(size, "tensor-parallel size")
         rank = validate.count(rank, "tensor-parallel rank")
         if rank >= size:
@@ -62,3 +62,14 @@ def reduce_bytes(dims: NgramDims, rows: int) -> dict[str, int]:
     """The all-reduce's payload per call, for both places to reduce (the module docstring)."""
     d, k = dims.hidden_size, dims.num_tables() * dims.table_dim()
     return {"gathered rows (bf16)": 2 * rows * (d + k), "projected output (fp32)": 4 * rows * d}
+
+
+def resolve_shard(shard: NgramShard | tuple[int, int] | None, dims: NgramDims) -> NgramShard | None:
+    """``shard`` as an ``NgramShard`` of ``dims`` (from ``(rank, size)``), or None."""
+    if shard is None or isinstance(shard, NgramShard):
+        if shard is not None and shard != NgramShard.of(dims, shard.rank, shard.size):
+            raise ValueError(f"shard {shard} is not NgramShard.of(dims, {shard.rank}, {shard.size})")
+        return shard
+    if not isinstance(shard, tuple) or len(shard) != 2:
+        raise TypeError(f"shard must be an NgramShard or a (rank, size) pair, got {type(shard).__name__}")
+    return NgramShard.of(dims, *shard)

@@ -4,18 +4,22 @@
 
 Both take ``KernelSpec`` launches through ``GpuBackend.launch_spec``'s own version, which checks
 them as ``CudaBackend`` does and hands the plain values to ``launch``: a spec launch is recorded
-exactly as the ``KernelLaunch`` of the same arguments."""
+exactly as the ``KernelLaunch`` of the same arguments.
+
+``refused``: a block that must raise before it records anything on a ``RecordingBackend``."""
 
 from __future__ import annotations
 
 import bisect
 import ctypes
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
+import pytest
 
 from gpu_runtime import (DevicePtr, Events, GpuBackend, KernelHandle, KernelNotFoundError,
                          MappedHostMemory, PinnedHostMemory, PitchedCopies)
@@ -156,6 +160,17 @@ class RecordingBackend(GpuBackend, PinnedHostMemory, MappedHostMemory, Events, P
 
     def kernel_of(self, launch: Launch) -> tuple[str, str]:
         return self.names[launch.kernel]
+
+
+@contextmanager
+def refused(gpu: RecordingBackend, error: type[BaseException], match: str):
+    """The block must raise ``error`` (its message matching ``match``) before it launches
+    anything or touches device memory: ``gpu``'s records, cleared first, stay empty."""
+    gpu.launches.clear()
+    gpu.ops.clear()
+    with pytest.raises(error, match=match):
+        yield
+    assert gpu.launches == [] and gpu.ops == []
 
 
 class MemoryBackend(GpuBackend, PinnedHostMemory, MappedHostMemory, Events):

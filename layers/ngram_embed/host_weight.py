@@ -1,10 +1,8 @@
 """``HostWeight``: an n-gram table in page-locked host memory that the GPU reads in place.
 
-A table bigger than device memory but not than host RAM (LongCat-Flash-Lite's are 63 GB bf16)
-stays in the host's memory, page-locked and mapped into the device's address space: the gather
-kernels read its rows through ``weight`` over PCIe (zero-copy), exactly as they read a device
-table, with no staging and no host bookkeeping per call. Only fp8 tables' per-row scales
-(4 bytes a row) are copied to the device, so a row costs one PCIe round trip, not two.
+The rows stay in host memory, page-locked and mapped into the device's address space: the gather
+kernels read them through ``weight`` over PCIe (zero-copy), exactly as they read a device table.
+Only an fp8 table's per-row scales (4 bytes a row) are copied to the device (``row_scale``).
 
 Two ways to build one:
 
@@ -15,23 +13,26 @@ Two ways to build one:
   whole row block is read into the page cache and locked there while the weight lives.
 
 It has the fields the gathers read from a ``DenseWeight`` (``weight``, ``shape``, ``dtype``,
-``row_scale``) and is used through ``NgramTable.Host(weight)``. It is not a ``DenseWeight`` on
-purpose: a layer's word embedding and projections must stay on the device. The owner frees it
-with ``close()`` (or a ``with`` block) once no queued work reads it any more.
+``row_scale``) and is used through ``NgramTable.Host(weight)``; it is not a ``DenseWeight`` (a
+layer's word embedding and projections must stay on the device). The owner frees it with
+``close()`` (or a ``with`` block) once no queued work reads it any more. Why: docs/design_notes.md.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from gpu_runtime import DeviceBuffer, DevicePtr, GpuBackend, MappedHostMemory, PinnedHostMemory
 
-from ..weight_map import WeightShape, checked_weight_arrays
+from ..dense_weight import WeightShape, checked_weight_arrays
 from .table_file import TableFile
+
+if TYPE_CHECKING:
+    from ..backend_caps import MappedBackend, PinnedMappedBackend
 
 
 @dataclass(eq=False)
@@ -45,18 +46,18 @@ class HostWeight(WeightShape):
     shape: tuple[int, int]
     dtype: np.dtype
     row_scale: DevicePtr = DevicePtr(0)
-    gpu: GpuBackend | None = field(default=None, repr=False)
+    gpu: MappedBackend | None = field(default=None, repr=False)  # with PinnedHostMemory unless ``file``
     host: np.ndarray | None = field(default=None, repr=False)
     file: TableFile | None = field(default=None, repr=False)
     buffers: tuple[DeviceBuffer, ...] = field(default=(), repr=False)
 
     @classmethod
-    def from_numpy(cls, gpu: GpuBackend, array: Any, row_scale: Any = None,
-                   stream: int = 0) -> "HostWeight":
+    def from_numpy(cls, gpu: GpuBackend, array: Any, row_scale: Any = None, stream: int = 0) -> HostWeight:
         """Copy a 2-D bf16 array (or fp8 with its per-row f32 scales) into a mapped pinned host
         buffer; the scales are uploaded to the device on ``stream``."""
         array, scale = checked_weight_arrays(array, row_scale)
         _require_mapping(gpu, "HostWeight.from_numpy", PinnedHostMemory)
+        gpu = cast("PinnedMappedBackend", gpu)  # the capabilities checked just above
         rows, cols = int(array.shape[0]), int(array.shape[1])
         buf = gpu.alloc_host(array.nbytes, mapped=True)
         try:
@@ -69,11 +70,12 @@ class HostWeight(WeightShape):
         return cls(ptr, (rows, cols), np.dtype(array.dtype), _address(scales), gpu, buf, buffers=scales)
 
     @classmethod
-    def from_table_file(cls, gpu: GpuBackend, path: str | os.PathLike, stream: int = 0) -> "HostWeight":
+    def from_table_file(cls, gpu: GpuBackend, path: str | os.PathLike, stream: int = 0) -> HostWeight:
         """Map a table file read-only and register its rows (page-aligned, from byte 4096) with
         the device where they are; an fp8 table's scales are uploaded to the device on
         ``stream``. The file stays mapped (and its rows locked in RAM) until ``close()``."""
         _require_mapping(gpu, "HostWeight.from_table_file")
+        gpu = cast("MappedBackend", gpu)  # checked just above
         file = TableFile(path)  # validates the header and the size
         rows, registered = file.rows_bytes, False
         try:
@@ -83,11 +85,10 @@ class HostWeight(WeightShape):
         except BaseException:
             if registered:
                 gpu.unregister_host(rows)
-            rows = None  # the last view of the map but the file's own: the map can close
+            del rows  # the last view of the map but the file's own: the map can close
             file.close()
             raise
-        return cls(ptr, (file.rows, file.dim), np.dtype(file.dtype), _address(scales), gpu, rows, file,
-                   buffers=scales)
+        return cls(ptr, (file.rows, file.dim), np.dtype(file.dtype), _address(scales), gpu, rows, file, buffers=scales)
 
     @property
     def closed(self) -> bool:
@@ -108,13 +109,14 @@ class HostWeight(WeightShape):
                 if file is not None:
                     gpu.unregister_host(host)
                 else:
+                    assert isinstance(gpu, PinnedHostMemory)  # from_numpy checked it
                     gpu.free_host(host)
         finally:
             host = None  # the last view of the map but the file's own: the map can close
             if file is not None:
                 file.close()
 
-    def __enter__(self) -> "HostWeight":
+    def __enter__(self) -> HostWeight:
         return self
 
     def __exit__(self, *exc: object) -> None:

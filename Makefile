@@ -12,8 +12,11 @@ SANITIZE_SHARDS ?= 2
 
 .PHONY: kernels test bench gpu-check sanitize
 
+# Incremental: a module is compiled again only when its source, a header it includes, the options,
+# the target (ARCH, default this GPU's cubin, compute_90 PTX without a GPU) or NVRTC changed; the
+# rest are reported up to date (layers.precompile --help). FORCE=1 compiles every module.
 kernels:
-	$(PYTHON) -m layers.precompile $(if $(ARCH),--arch $(ARCH))
+	$(PYTHON) -m layers.precompile $(if $(ARCH),--arch $(ARCH)) $(if $(FORCE),--force)
 
 test:
 	$(PYTHON) -m pytest

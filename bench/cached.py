@@ -2,8 +2,8 @@
 
 Configuration (as bench/ngram_embed): D = 4096, N = 3, K = 8 (T = 16 tables), table dim 256,
 2^20 + 2c rows per table, bf16, vocab 128k, 4096-token context. The 16 table files (512 MiB
-each, 8 GiB) live in $BENCH_TABLE_DIR (default /tmp/ngram_tables); they are written once by
-tiling a random 32 MiB block, and reused while their headers match. The resident reference
+each, 8 GiB) live in ``--table-dir`` (default $BENCH_TABLE_DIR, else /tmp/ngram_tables); they
+are written once by tiling a random 32 MiB block, and reused while their headers match. The resident reference
 layer uploads the same files, so the two layers must give bit-identical outputs.
 
 Decode table (S = 1, one new token after the context; every cache holds 65536 rows per table):
@@ -33,7 +33,8 @@ resident; the two are timed in alternation (bench.common.interleaved_times_us).
                 cached layer that is the ids hashed from the windows, the CacheGroup's resolve
                 and the end_batch calls; the resident one only packs
   misses        misses during the timed steps (0: all hits)
-CACHED_BENCH=fused runs only this table (the table files are still written or reused).
+``--only-fused`` (or CACHED_BENCH=fused) runs only this table (the table files are still written
+or reused).
 
 Miss table: one cache (capacity 65536) over table 0 resolves 65536 distinct random ids (resolve
 sorts them itself) into a fresh arena, synchronised. GB/s = bytes read / wall; io frac =
@@ -44,6 +45,7 @@ read rate (rows/s = reads/s: a random row costs one page read; GB/s = rows/s x 5
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import time
@@ -51,7 +53,7 @@ import time
 import numpy as np
 from cuda.bindings import driver as cu
 
-from bench.common import Events, gpu_time_ms, host_time_us, interleaved_times_us, print_table
+from bench.common import Events, bench_parser, gpu_time_ms, host_time_us, interleaved_times_us, print_table
 from bench.ngram_embed import CONTEXT, DIMS, device_weight
 from gpu_runtime import CudaBackend, DeviceBuffer
 from gpu_runtime.driver import call
@@ -253,10 +255,22 @@ def miss_run(gpu: CudaBackend, path: str, stream: int, ids: np.ndarray, io_threa
     return ids.size / wall, s.bytes_read / wall / GB, s.io_seconds / wall
 
 
-def main() -> None:
+def make_parser() -> argparse.ArgumentParser:
+    parser = bench_parser(__doc__, "bench.cached",
+                          "Needs a CUDA GPU and 8 GiB free in the table directory (the files are kept for the next run).")
+    parser.add_argument("--table-dir", default=os.environ.get("BENCH_TABLE_DIR", "/tmp/ngram_tables"),
+                        help="where the table files are written and reused (default: $BENCH_TABLE_DIR, else "
+                             "/tmp/ngram_tables)")
+    parser.add_argument("--only-fused", action="store_true", default=os.environ.get("CACHED_BENCH", "all") == "fused",
+                        help="print only the fused table (default: set by CACHED_BENCH=fused)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = make_parser().parse_args(argv)
     rng = np.random.default_rng(0)  # seeded: the same tokens (and cache hits and misses) every run
     t, h, td, vocab = DIMS.num_tables(), DIMS.hidden_size, DIMS.table_dim(), DIMS.vocab_size
-    directory = os.environ.get("BENCH_TABLE_DIR", "/tmp/ngram_tables")
+    directory = args.table_dir
     say(f"setup: {t} table files in {directory} ...")
     paths, written, secs = ensure_tables(directory, rng)
     size = sum(os.path.getsize(p) for p in paths)
@@ -274,7 +288,7 @@ def main() -> None:
         resident = NgramEmbedding(resident_weights, CONTEXT)
         out = gpu.alloc(CONTEXT * h * 2)
         out_ref = gpu.alloc(max(FUSED_BATCHES) * h * 2)
-        only_fused = os.environ.get("CACHED_BENCH", "all") == "fused"
+        only_fused = args.only_fused
 
         def cached_layer() -> tuple[NgramEmbedding, list[RowCache]]:
             caches = [RowCache(gpu, p, CAPACITY, stream=stream) for p in paths]
@@ -302,10 +316,13 @@ def main() -> None:
         close(layer)
         fused_title = (f"fused decode step, graph=True: B sequences x 1 new token after {CONTEXT} ({t} tables, "
                        f"capacity {CAPACITY})")
+        fused_note = ("Each row is one fused decode step (graph=True) of B sequences, resident or cached (all hits): "
+                      "wall, host and GPU us per step, the wall and host ratios to resident's, pack us the host's pack "
+                      "and end of batch alone, and the misses during the timed steps.")
         fused_header = ["B", "path", "wall us", "host us", "GPU us", "x res wall", "x res host", "pack us",
                         "misses"]
         if only_fused:
-            print_table(fused_title, fused_header, fused_rows)
+            print_table(fused_title, fused_header, fused_rows, note=fused_note)
             release()
             return
 
@@ -345,7 +362,10 @@ def main() -> None:
             r[5] = r[1] / rows[0][1] if r[1] else None
         print_table(f"decode step, S = 1 after {CONTEXT} tokens ({t} tables, capacity {CAPACITY})",
                     ["path", "wall us", "mean wall us", "host us", "GPU us", "x resident",
-                     "miss rate", "prefetched"], rows)
+                     "miss rate", "prefetched"], rows,
+                    note="Each row is one decode step (S = 1) with resident or cached tables: median and mean wall us "
+                         "(synchronised), host us until embed returned, GPU us, wall over resident's, misses per "
+                         "lookup, and rows prefetched.")
 
         say("misses: floors, then 65536-row resolves on table 0 ...")
         path, row_bytes = paths[0], td * 2
@@ -364,8 +384,10 @@ def main() -> None:
             miss_rows.append([f"cold, {threads} thread{'s' * (threads > 1)}",
                               *miss_run(gpu, path, stream, ids, threads)])
         print_table(f"miss throughput: {CAPACITY} random rows of {row_bytes} B into a fresh cache",
-                    ["condition", "rows/s", "GB/s", "io frac"], miss_rows)
-        print_table(fused_title, fused_header, fused_rows)
+                    ["condition", "rows/s", "GB/s", "io frac"], miss_rows,
+                    note="Each row is a floor or a resolve of the random rows into a fresh cache under one condition: "
+                         "rows/s and GB/s of rows read, and io frac the share of the wall spent reading the file.")
+        print_table(fused_title, fused_header, fused_rows, note=fused_note)
 
         release()
 

@@ -8,6 +8,7 @@ and only for comparison.
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from functools import lru_cache
@@ -208,7 +209,25 @@ def torch_time_ms(fn: Callable[[int], Any], *, warmup: int = 5, iters: int = 30)
     return statistics.median(times)
 
 
-def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+BENCH_OUTPUT = """\
+`make bench` runs every benchmark, `make bench BENCHES=<name>` one. Output: the measured
+ceilings, then markdown tables, each a "## title" line, one line saying what its rows and columns
+are, and the rows ("-": not measured in this run)."""
+NEEDS_GPU = "Needs a CUDA GPU; torch (and CuPy) only for the comparison columns, empty without them."
+
+
+def bench_parser(doc: str, module: str, epilog: str = NEEDS_GPU) -> argparse.ArgumentParser:
+    """A benchmark's command line: its module docstring, whole, as the description (``--help``
+    needs no GPU: nothing is imported or measured before ``main`` parses its arguments)."""
+    return argparse.ArgumentParser(prog=f"python -m {module}", description=doc,
+                                   epilog=f"{epilog}\n\n{BENCH_OUTPUT}",
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[Any]], *, note: str) -> None:
+    """A markdown table under ``## title`` and ``note``: one line saying what the rows and the
+    columns are."""
+
     def fmt(v: Any) -> str:
         if v is None:
             return "-"
@@ -219,6 +238,7 @@ def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[Any]]
     cells = [[fmt(v) for v in row] for row in rows]
     widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(header)]
     print(f"\n## {title}")
+    print(f"{note}\n")
     print("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |")
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for r in cells:

@@ -46,7 +46,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from bench.common import copy_bandwidth, gated_gpu_us, print_table, torch_or_none
+from bench.common import bench_parser, copy_bandwidth, gated_gpu_us, print_table, torch_or_none
 from bench.decode_serving import serving_rows
 from bench.ngram_embed import DIMS, device_weight, torch_view
 from gpu_runtime import CudaBackend, DeviceArray, DevicePtr
@@ -430,7 +430,8 @@ def zero_copy_probe(ctx: Ctx, weights: NgramWeights) -> float:
     return len(tables) * PREFILL * cols * 2 / (us * 1e-6) / 1e9
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    bench_parser(__doc__, "bench.decode").parse_args(argv)
     torch = torch_or_none()
     if torch is None:
         print("torch with CUDA not available: the torch rows are skipped", flush=True)
@@ -482,7 +483,9 @@ def main() -> None:
         print_table(f"prefill of one {PREFILL}-token prompt (GPU us, back to back)",
                     ["tables", "tokens", "prefill us", "gather us", "gathered GB/s",
                      "x zero-copy probe"],
-                    [(*r, r[4] / probe if probe and r[0] == "host" else None) for r in prefills])
+                    [(*r, r[4] / probe if probe and r[0] == "host" else None) for r in prefills],
+                    note="Each row is the prefill of one prompt with device or host tables: the whole call's and its "
+                         "gather's GPU us, the gathered GB/s, and that over the zero-copy probe's rate.")
         if probe:
             print(f"zero-copy probe: batched_embed of {PREFILL} random rows from each host table: "
                   f"{probe:.1f} GB/s")
@@ -505,7 +508,9 @@ def report(rows: list[Row]) -> None:
     print_table("n-gram decode step (one new token per sequence), graph replays",
                 ["path", "B", "GPU us", "wall us/step", "host us/step", "floor us", "GPU/floor",
                  "torch/ours GPU", "torch/ours wall", "torch/ours host", "host/bare", "gate expired"],
-                table)
+                table, note="Each row is one step of B sequences replayed from a graph (the module's help defines each "
+                            "path and column): GPU, wall and host us, the floor, torch/ours (> 1: ours is faster), "
+                            "host over a bare graph replay, and the gates expired.")
 
 
 if __name__ == "__main__":

@@ -141,7 +141,9 @@ def serving_rows(gpu: Any, s: int, weights: NgramWeights, rng: np.random.Generat
         print(f"serving rows: decoder errors after all calls: {err!r}", flush=True)
         assert err == DecodeError.NONE
         print_table("NgramDecoder serving calls (GPU us per call, back to back; ratios in this run)",
-                    ["row", "GPU us", "against us", "ratio", "target"], rows)
+                    ["row", "GPU us", "against us", "ratio", "target"], rows,
+                    note="Each row is a serving call (the module's docstring defines each): its GPU us, that of the "
+                         "plain call it is compared with, their ratio, and the target for that ratio.")
         ladder_memory(gpu, dec, s, pool, out, rng)
     finally:
         gpu.synchronize(s)
@@ -174,7 +176,9 @@ def ladder_memory(gpu: Any, dec: NgramDecoder, s: int, pool: DeviceArray, out: i
             drawn = free - gpu.mem_info()[0]
             rows.append((size, drawn, drawn / COPIES))
         print_table(f"padded ladder: device memory drawn by {COPIES} captures of each size (one decoder, "
-                    f"one set of buffers)", ["batch size", "bytes drawn", "bytes per graph"], rows)
+                    f"one set of buffers)", ["batch size", "bytes drawn", "bytes per graph"], rows,
+                    note=f"Each row is one batch size of the ladder: the device bytes that {COPIES} captures of its "
+                         "graph drew together, and per graph.")
     finally:
         gpu.synchronize(s)
         for exe in graphs:

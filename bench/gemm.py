@@ -18,7 +18,7 @@ import math
 import ml_dtypes
 import numpy as np
 
-from bench.common import (copy_bandwidth, gated_gpu_us, matmul_rate, print_table, torch_or_none,
+from bench.common import (bench_parser, copy_bandwidth, gated_gpu_us, matmul_rate, print_table, torch_or_none,
                           torch_stream)
 from gpu_runtime import CudaBackend, DevicePtr
 from layers.kernel_files import load_kernel
@@ -118,7 +118,10 @@ def gemm_table(gpu: CudaBackend) -> None:
     print_table("dense_gemm_bf16_pipelined (bf16, fp32 accumulation)",
                 ["m x n x k", "path", "sets", "us", "TFLOP/s", "torch us", "torch/ours",
                  "floor us", "floor/ours"],
-                gemm_rows(gpu, bw, rate))
+                gemm_rows(gpu, bw, rate),
+                note="Each row is one GEMM m x n x k on the path chosen (forced rows: the path named) over sets input "
+                     "sets: median GPU us, TFLOP/s, cuBLAS's us and torch/ours (> 1: ours is faster), the floor us "
+                     "and our fraction of it.")
 
 
 def one_shape(spec: str, path: str | None) -> None:
@@ -164,7 +167,9 @@ def sweep(spec: str) -> None:
             rows.append((m, chosen, auto, *forced, t_ms * 1e3 if t_ms else None,
                          t_ms * 1e3 / auto if t_ms else None))
     print_table(f"m sweep at n = {n}, k = {k} (us)",
-                ["m", "auto path", "auto", *SWEEP_PATHS, "cuBLAS", "cuBLAS/auto"], rows)
+                ["m", "auto path", "auto", *SWEEP_PATHS, "cuBLAS", "cuBLAS/auto"], rows,
+                note="Each row is one m at this n and k: the path chosen and its us, each skinny path forced (us), "
+                     "cuBLAS's us and cuBLAS/auto (> 1: ours is faster).")
 
 
 def _max_active_clusters(gpu: CudaBackend, p: gemm.GemmPlan) -> str:
@@ -184,12 +189,18 @@ def _max_active_clusters(gpu: CudaBackend, p: gemm.GemmPlan) -> str:
     return str(count) if not err else f"not known ({err})"
 
 
+def make_parser() -> argparse.ArgumentParser:
+    parser = bench_parser(__doc__, "bench.gemm")
+    parser.add_argument("--shape", metavar="MxNxK", help="one GEMM alone instead of the table (a target for ncu)")
+    parser.add_argument("--path", default=None,
+                        help=f"with --shape, force a path: {', '.join(gemm.PATHS)} (default: the automatic choice)")
+    parser.add_argument("--sweep", metavar="NxK", help="m from 1 to 256 at this n and k on each skinny path, "
+                                                       "against cuBLAS")
+    return parser
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", help="one GEMM, MxNxK, instead of the table")
-    parser.add_argument("--path", default=None, help=f"force a path: {', '.join(gemm.PATHS)}")
-    parser.add_argument("--sweep", metavar="NxK", help="m from 1 to 256 at this n and k, each path")
-    args = parser.parse_args(argv)
+    args = make_parser().parse_args(argv)
     if args.sweep:
         sweep(args.sweep)
         return

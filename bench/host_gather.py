@@ -2,7 +2,7 @@
 on the device.
 
 The gather alone, with the seed path's kernel (``batched_embed``, one warp per row): ``n`` random
-512-byte rows (bf16, dim 256) from a table of ``$HOST_GATHER_GIB`` GiB (default 1: far more than
+512-byte rows (bf16, dim 256) from a table of ``--gib`` GiB (default ``$HOST_GATHER_GIB``, else 1: far more than
 L2, so rows are not cached) in mapped pinned host memory, read in place by the kernel over PCIe
 (zero-copy), and the same rows of the same table in device memory. Every call gathers rows of
 its own (fresh random ids per call), so no call finds a row that an earlier one left in L2.
@@ -18,11 +18,12 @@ PCIe copy rate (random 512-byte reads, not one DMA stream).
 
 from __future__ import annotations
 
+import argparse
 import os
 
 import numpy as np
 
-from bench.common import gated_gpu_us, gpu_time_ms, print_table
+from bench.common import bench_parser, gated_gpu_us, gpu_time_ms, print_table
 from gpu_runtime import CudaBackend
 from layers.kernel_files import load_kernel
 from layers.ops.embed import batched_embed
@@ -56,8 +57,15 @@ def pinned_copy_rate(gpu: CudaBackend, nbytes: int = 256 << 20) -> float:
     return nbytes / (ms * 1e-3)
 
 
-def main() -> None:
-    gib = float(os.environ.get("HOST_GATHER_GIB", "1"))
+def make_parser() -> argparse.ArgumentParser:
+    parser = bench_parser(__doc__, "bench.host_gather")
+    parser.add_argument("--gib", type=float, default=float(os.environ.get("HOST_GATHER_GIB", "1")),
+                        help="the table's size in GiB (default: $HOST_GATHER_GIB, else 1)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    gib = make_parser().parse_args(argv).gib
     rng = np.random.default_rng(0)
     with CudaBackend() as gpu:
         k = load_kernel(gpu, "embed_from_argmax", "batched_embed")
@@ -117,7 +125,9 @@ def main() -> None:
         print_table(f"zero-copy gather, {DIM}-wide bf16 rows ({ROW_BYTES} B) from a {nbytes / 2**30:.2f} GiB "
                     "table: mapped pinned host memory vs device memory",
                     ["rows", "bytes", "host us", "device us", "host/device", "host GB/s", "device GB/s"],
-                    table_rows)
+                    table_rows,
+                    note="Each row is one gather size: rows per call and their bytes, median GPU us per call from host "
+                         "and from device memory, their ratio, and the row bytes gathered per second from each.")
 
 
 if __name__ == "__main__":

@@ -7,10 +7,12 @@ same run (also bytes read + written). torch's equivalent runs on the same data w
 
 from __future__ import annotations
 
+import argparse
+
 import ml_dtypes
 import numpy as np
 
-from bench.common import copy_bandwidth, gated_gpu_us, print_table, torch_or_none, torch_stream
+from bench.common import bench_parser, copy_bandwidth, gated_gpu_us, print_table, torch_or_none, torch_stream
 from gpu_runtime import CudaBackend
 from layers.kernel_files import load_kernel
 from layers.ops.embed import batched_embed, batched_embed_fp8, embed_from_argmax
@@ -101,13 +103,21 @@ def gather_rows(gpu: CudaBackend, bw: float) -> list[tuple]:
     return rows
 
 
-def main() -> None:
+def make_parser() -> argparse.ArgumentParser:
+    return bench_parser(__doc__, "bench.kernels")
+
+
+def main(argv: list[str] | None = None) -> None:
+    make_parser().parse_args(argv)
     with CudaBackend() as gpu:
         bw = copy_bandwidth(gpu)
         print(f"device {gpu.name}: measured copy bandwidth {bw / 1e12:.2f} TB/s (read + write)")
         rows = gather_rows(gpu, bw)
         print_table("memory-bound kernels",
-                    ["kernel", "us", "GB/s", "x copy BW", "torch us", "torch/ours"], rows)
+                    ["kernel", "us", "GB/s", "x copy BW", "torch us", "torch/ours"], rows,
+                    note="Each row is one kernel at the shape named: us is its median GPU time (back to back), GB/s "
+                         "the bytes it must move over that, x copy BW that over the measured copy bandwidth, torch "
+                         "us and torch/ours torch's equivalent on the same data (> 1: ours is faster).")
         try:
             from bench.gemm import gemm_table
         except ImportError:

@@ -20,7 +20,7 @@ import struct
 import numpy as np
 from cuda.bindings import driver as cu
 
-from bench.common import host_time_us, print_table
+from bench.common import bench_parser, host_time_us, print_table
 from gpu_runtime import CudaBackend, KernelLaunch, compiler, driver
 from gpu_runtime.cuda_backend import DRIVER_MODULES
 from layers.kernel_files import kernel_dir, load_kernel
@@ -133,10 +133,16 @@ def stub_rows(gpu: CudaBackend, out: int, x: int, stream: int) -> list:
             ("layers.ops.embed_overlay_routed launcher", overlay_launcher)]
 
 
+def make_parser() -> argparse.ArgumentParser:
+    parser = bench_parser(__doc__, "bench.launch", "Needs a CUDA GPU, except with --stub; CuPy and cuda.core "
+                          "only for their rows.")
+    parser.add_argument("--stub", action="store_true",
+                        help="no GPU: run on a stubbed driver, so the rows are the Python cost of each path")
+    return parser
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--stub", action="store_true", help="no GPU: a stubbed driver (Python cost only)")
-    stub = parser.parse_args(argv).stub
+    stub = make_parser().parse_args(argv).stub
     if stub:
         stub_driver()
     with CudaBackend() as gpu:
@@ -178,8 +184,13 @@ def main(argv: list[str] | None = None) -> None:
         rows = [(name, times.get(name), times[name] / bare if name in times else None)
                 for name, _ in cases]
         what = "stubbed driver: Python us per launch" if stub else "host us per launch"
+        note = ("The driver is stubbed (every call returns at once): each row is a launch path, us/launch the Python "
+                "it costs on top of cuLaunchKernel, x bare that over the bare call with prebuilt arguments (cuda.core and CuPy not run)."
+                if stub else
+                "Each row is a launch path of one kernel; us/launch is host time per launch (tight loop, best of 3), "
+                "x bare that over the bare cuLaunchKernel with prebuilt arguments; - where not installed.")
         print_table(f"launch cost ({what}, 4-argument kernel unless named)",
-                    ["path", "us/launch", "x bare"], rows)
+                    ["path", "us/launch", "x bare"], rows, note=note)
 
 
 if __name__ == "__main__":

@@ -7,20 +7,21 @@ same device memory. Fused table: torch runs the fused form (one gather from the 
 into one tensor, one linear against the concatenated projections, word row, scale). Fused GPU
 us are measured back to back behind a gate (bench.common.gated_gpu_us), the graph row by
 replaying the captured graph; wall us is host time per call including synchronisation.
-NGRAM_BENCH=fused skips the seed-faithful table.
+``--only-fused`` (or NGRAM_BENCH=fused) skips the seed-faithful table.
 Floors: bytes the call must move over the measured copy bandwidth (word rows, table rows, the
 projections read once, out written once), and FLOPs over the measured cuBLAS bf16 rate.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import time
 
 import numpy as np
 
-from bench.common import (copy_bandwidth, gated_gpu_us, gpu_time_ms, interleaved_times_us, matmul_rate, print_table,
-                          torch_or_none, torch_time_ms, wall_time_us)
+from bench.common import (bench_parser, copy_bandwidth, gated_gpu_us, gpu_time_ms, interleaved_times_us, matmul_rate,
+                          print_table, torch_or_none, torch_time_ms, wall_time_us)
 from gpu_runtime import CudaBackend, DeviceArray, DeviceBuffer
 from layers.ngram_embed import (FusedNgramEmbedding, NgramDims, NgramEmbedding, NgramTable, NgramWeights,
                                 ngram_ids_tail)
@@ -52,7 +53,15 @@ DIMS = NgramDims(vocab_size=131072, hidden_size=4096, max_ngram=3, splits=8,
                  base_rows=1 << 20, row_bias=0, table_dim=256, eos_id=None)
 
 
-def main() -> None:
+def make_parser() -> argparse.ArgumentParser:
+    parser = bench_parser(__doc__, "bench.ngram_embed")
+    parser.add_argument("--only-fused", action="store_true", default=os.environ.get("NGRAM_BENCH", "all") == "fused",
+                        help="skip the seed-faithful table (default: set by NGRAM_BENCH=fused)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    only_fused = make_parser().parse_args(argv).only_fused
     rng = np.random.default_rng(0)
     dims = DIMS
     t, h, td = dims.num_tables(), dims.hidden_size, dims.table_dim()
@@ -74,7 +83,7 @@ def main() -> None:
             t_projs = [torch_view(gpu, p) for p in projs]
             F = torch.nn.functional
         rows = []
-        seed_lens = SEQ_LENS if os.environ.get("NGRAM_BENCH", "all") == "all" else ()  # "fused": skip
+        seed_lens = () if only_fused else SEQ_LENS
         for s in seed_lens:
             contexts = [rng.integers(0, dims.vocab_size, CONTEXT + s) for _ in range(8)]
             call = lambda i: layer.embed(contexts[i % 8], s, out, gpu, stream)  # noqa: E731
@@ -109,7 +118,10 @@ def main() -> None:
         if rows:
             print_table("n-gram embedding, seed-faithful path (per call)",
                         ["S", "GPU us", "wall us", "hash us", "torch us", "torch/ours", "floor us",
-                         "x floor"], rows)
+                         "x floor"], rows,
+                        note="Each row is one call embedding S new tokens: GPU us (CUDA events) and wall us (host, "
+                             "synchronised) per call, hash us the host's n-gram hashing alone, torch eager's time and "
+                             "torch/ours (> 1: ours is faster), the floor us and GPU us over it.")
         fused_table(gpu, rng, dims, weights, out, stream, bw, rate)
         layer.close()
         weights.close()
@@ -160,7 +172,10 @@ def fused_table(gpu: CudaBackend, rng: np.random.Generator, dims: NgramDims, wei
                      torch_us / best if torch_us else None, floor, best / floor, late + late2))
     print_table("n-gram embedding, fused path (per call)",
                 ["S", "GPU us", "graph GPU us", "wall us", "graph wall us", "graph host us", "torch fused us",
-                 "torch/ours", "floor us", "x floor", "gate expired"], rows)
+                 "torch/ours", "floor us", "x floor", "gate expired"], rows,
+                note="Each row is one call embedding S new tokens: GPU us eager and as a graph replay (back to back), "
+                     "wall us synchronised and graph host us until the call returned, torch's fused form and "
+                     "torch/ours, the floor us and the best GPU us over it, and the gates expired.")
 
     # Batched decode: 256 sequences, one new token each, one call.
     n_seq = 256
@@ -175,7 +190,9 @@ def fused_table(gpu: CudaBackend, rng: np.random.Generator, dims: NgramDims, wei
     print_table(f"batched decode: {n_seq} sequences x 1 token, one call",
                 ["GPU us", "wall us", "graph wall us", "GPU us / seq", "graph wall us / seq",
                  "floor us", "x floor", "gate expired"],
-                [(gpu_us, wall, gwall, gpu_us / n_seq, gwall / n_seq, floor, gpu_us / floor, late)])
+                [(gpu_us, wall, gwall, gpu_us / n_seq, gwall / n_seq, floor, gpu_us / floor, late)],
+                note=f"One row: one embed_batch call of {n_seq} sequences: GPU us, wall us eager and with graph=True, "
+                     "per call and per sequence, the floor us and GPU us over it, and the gates expired.")
     fused.close()
 
 

@@ -16,13 +16,14 @@ forward. Each launch in a batch uses another of ``BATCH`` input sets (more bytes
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 from typing import Callable
 
 import ml_dtypes
 import numpy as np
 
-from bench.common import copy_bandwidth, gated_gpu_us, matmul_rate, print_table
+from bench.common import bench_parser, copy_bandwidth, gated_gpu_us, matmul_rate, print_table
 from gpu_runtime import CudaBackend, DevicePtr
 from layers.kernel_files import try_kernel
 from layers.ops.token_overlay import OverlayKernels
@@ -95,7 +96,12 @@ def make_set(gpu: CudaBackend, rng: np.random.Generator, kernels: OverlayKernels
     )
 
 
-def main() -> None:
+def make_parser() -> argparse.ArgumentParser:
+    return bench_parser(__doc__, "bench.overlay")
+
+
+def main(argv: list[str] | None = None) -> None:
+    make_parser().parse_args(argv)
     gpu = CudaBackend()
     rng = np.random.default_rng(0)
     kernels = OverlayKernels.new(gpu)
@@ -160,7 +166,10 @@ def main() -> None:
                      None if gather_us is None else t.us / gather_us, t.gate_expired])
     print_table(f"Embed overlay: h={H}, {TOKENS} tokens, {ADAPTERS} adapters x {OVERRIDES} rows, "
                 f"vocab {VOCAB} (copy bandwidth {copy_bw / 1e9:.0f} GB/s, read + write)",
-                ["kernel", "us", "MB moved", "GB/s", "of copy bw", "x gather", "gate expired"], rows)
+                ["kernel", "us", "MB moved", "GB/s", "of copy bw", "x gather", "gate expired"], rows,
+                note="Each row is a kernel (or the pair) over the tokens: median GPU us per launch back to back, the "
+                     "MB it must move, that rate and its share of the copy bandwidth, its time over the plain "
+                     "gather's, and the measurements whose gate expired (those include host time).")
 
     pairs = TOKENS * OVERRIDES
     mm = matmul_rate()
@@ -178,7 +187,10 @@ def main() -> None:
     print_table(f"LM-head overlay: {TOKENS} rows x {OVERRIDES} overrides (one warp each), h={H}, "
                 f"vocab {VOCAB}",
                 ["kernel", "us", "unique MB", "GB/s", "of copy bw", "L2 read GB/s",
-                 "x LM-head GEMM", "gate expired"], rows)
+                 "x LM-head GEMM", "gate expired"], rows,
+                note="Each row is the LM-head overlay writing bf16 or f32 logits: median GPU us per launch, the "
+                     "distinct MB it touches, that rate and its share of the copy bandwidth, the rate of every warp's "
+                     "L2 reads, its time over the LM-head GEMM's at the cuBLAS rate, and the gates expired.")
     if lm_gemm_us is not None:
         print(f"LM-head GEMM at the measured cuBLAS bf16 rate: {lm_gemm_us:.0f} us "
               f"({2 * TOKENS * VOCAB * H / 1e9:.0f} GFLOP)")

@@ -12,9 +12,11 @@ all-reduce. Needs two GPUs and the ``multi-gpu`` extra; prints why and exits 0 w
 
 from __future__ import annotations
 
+import argparse
+
 import numpy as np
 
-from bench.common import print_table, wall_time_us
+from bench.common import bench_parser, print_table, wall_time_us
 from bench.ngram_embed import CONTEXT, DIMS, device_weight
 from gpu_runtime import CudaBackend, device_count
 from layers.ngram_embed import FusedNgramEmbedding, NgramShard, NgramTable, NgramWeights, embed_all, reduce_bytes
@@ -55,7 +57,14 @@ def _table_gib(tables) -> float:
     return sum(t.weight.shape[0] * t.weight.shape[1] * 2 for t in tables if not isinstance(t, NgramTable.Absent)) / 2**30
 
 
-def main() -> None:
+def make_parser() -> argparse.ArgumentParser:
+    return bench_parser(__doc__, "bench.tensor_parallel",
+                        "Needs two CUDA GPUs and the multi-gpu extra (pip install '.[multi-gpu]'); without them "
+                        "it says why and exits 0.")
+
+
+def main(argv: list[str] | None = None) -> None:
+    make_parser().parse_args(argv)
     why = _unavailable()
     if why:
         print(f"bench.tensor_parallel: skipped: {why}")
@@ -105,7 +114,10 @@ def main() -> None:
                      ar / tp2, at_bw))
     print_table("TP = 2 against TP = 1 (wall us per step, both GPUs synchronised)",
                 ["step", "rows", "TP=1 us", "TP=2 us", "TP1/TP2", "all-reduce KiB", "all-reduce us",
-                 "share of TP=2", "at bus bw us"], rows)
+                 "share of TP=2", "at bus bw us"], rows,
+                note="Each row is one step shape: rows embedded, median wall us per step at TP = 1 and TP = 2 and "
+                     "the speed-up, then the all-reduce: its KiB, its wall us alone, its share of the TP = 2 step, and "
+                     "its time at the measured bus bandwidth.")
     sync()
     group.close()
     for runner in (*ranks, single):

@@ -1,4 +1,12 @@
-"""A small CUDA runtime over cuda-python's driver API: memory, streams, NVRTC kernels, launches."""
+"""A small CUDA runtime over cuda-python's driver API: memory, streams, NVRTC kernels, launches.
+
+Slow paths are logged on the ``gpu_runtime`` logger (its modules' loggers are its children: a
+kernel module compiled by NVRTC on first use is INFO on ``gpu_runtime.compiler``). The package
+only adds a ``NullHandler``: nothing is printed unless the application configures logging, e.g.
+``logging.basicConfig(level=logging.INFO)``.
+"""
+
+import logging
 
 from .backend import (
     DeviceCopies,
@@ -18,6 +26,8 @@ from .errors import ClosedError, CudaError, GpuError, KernelNotFoundError, NoDev
 from .kernel_args import KernelLaunch
 from .launch_spec import KernelSpec
 from .pointers import DevicePtr, KernelHandle
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __version__ = "0.2.0"  # the distribution's version (pyproject.toml reads it from here)
 

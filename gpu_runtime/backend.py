@@ -12,13 +12,16 @@ from __future__ import annotations
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
 from . import launch_config
 from .host_memory import Host
 from .pointers import DevicePtr, KernelHandle
+from .validate import _kind
+
+_T = TypeVar("_T")
 
 if TYPE_CHECKING:
     from .launch_spec import KernelSpec
@@ -230,3 +233,21 @@ class TensorMaps(_Capability):
         """The bf16 row-major ``[rows, cols]`` matrix at ``address`` as a ``CUtensorMap`` of
         ``[box_rows, box_cols]`` boxes (128-byte swizzle, zeros outside the matrix): the 128
         bytes a ``T`` kernel parameter takes."""
+
+
+def check_backend(value: _T, what: str, *, optional: bool = False) -> _T:
+    """A ``GpuBackend`` (``gpu_runtime.CudaBackend``, or a test's fake backend); with
+    ``optional``, None too (``what``: "DeviceBuffer: gpu"). The backends seen pass on one set
+    lookup (``KernelLaunch`` checks its ``gpu`` on every launch)."""
+    kind = type(value)
+    if kind in _BACKEND_TYPES or (optional and value is None):
+        return value
+    if isinstance(value, GpuBackend):
+        _BACKEND_TYPES.add(kind)
+        return value
+    raise TypeError(
+        f"{what} must be a GpuBackend (gpu_runtime.CudaBackend){' or None' if optional else ''}, got {_kind(value)}"
+    )
+
+
+_BACKEND_TYPES: set[type] = set()  # classes found to be GpuBackends (a handful: CudaBackend, fakes)

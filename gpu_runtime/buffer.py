@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import validate
-from .backend import GpuBackend
+from .backend import GpuBackend, check_backend
 from .errors import ClosedError
 from .host_memory import Host, host_view
 from .pointers import DevicePtr
@@ -24,6 +24,7 @@ class DeviceBuffer:
     __slots__ = ("_gpu", "_ptr", "nbytes", "__weakref__")
 
     def __init__(self, gpu: GpuBackend, nbytes: int) -> None:
+        check_backend(gpu, "DeviceBuffer: gpu")
         nbytes = validate.positive(nbytes, "DeviceBuffer size")
         self._gpu = gpu
         self._ptr: DevicePtr | None = None
@@ -34,6 +35,8 @@ class DeviceBuffer:
     def upload(cls, gpu: GpuBackend, array: Host, stream: int = 0) -> DeviceBuffer:
         """A buffer holding a copy of ``array`` (C-contiguous; not empty), queued on ``stream``;
         ``array`` may be reused as soon as this returns."""
+        check_backend(gpu, "DeviceBuffer.upload: gpu")
+        stream = validate.stream(stream, "DeviceBuffer.upload: stream")
         _, nbytes, _ = host_view(array)
         buf = cls(gpu, nbytes)
         try:
@@ -70,6 +73,8 @@ class DeviceBuffer:
         work queued on it so far is done (this waits for it). A closed backend has freed every
         allocation already, so the buffer then only marks itself closed. If waiting fails the
         allocation is left to the backend's own ``close``: the queued work may still use it."""
+        if stream is not None:
+            stream = validate.stream(stream, "DeviceBuffer.close: stream")
         ptr, self._ptr = self._ptr, None
         if ptr is None or self._gpu.closed:
             return

@@ -9,15 +9,20 @@ options, the source bytes and the bytes of every header it includes (local heade
 recursively, CUDA headers at their top level). Entries are written atomically (temp file +
 ``os.replace``) and carry a digest of their payload, so a truncated or corrupt entry is detected
 and rebuilt. An unwritable cache directory costs a warning, not a failure.
+
+Every NVRTC run (a cache miss, not a hit) is logged at INFO on ``gpu_runtime.compiler`` with the
+module, the target and the seconds it took: the slow path of a kernel's first use.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import re
 import tempfile
+import time
 import warnings
 from dataclasses import dataclass
 from functools import lru_cache
@@ -27,6 +32,7 @@ from cuda.bindings import nvrtc
 
 from .errors import NvrtcError
 
+_log = logging.getLogger(__name__)
 CACHE_SCHEMA = 1
 _MAGIC = b"GRTCACHE"
 _INCLUDE = re.compile(r'^\s*#\s*include\s*([<"])([^>"]+)[>"]', re.M)
@@ -127,19 +133,28 @@ def _read_entry(path: Path) -> bytes | None:
     return payload
 
 
-def _write_entry(path: Path, payload: bytes) -> None:
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temp file and ``os.replace``: readers see the old file
+    or the new one, never part of it. Raises ``OSError`` (the temp file removed)."""
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
-            f.write(_MAGIC + hashlib.sha256(payload).digest() + payload)
+            f.write(data)
         os.replace(tmp, path)
-    except OSError as exc:
+    except OSError:
         if tmp is not None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)  # a full disk or a directory in the entry's place
-        warnings.warn(f"kernel cache not written ({exc}); compiled in memory only", stacklevel=3)
+        raise
+
+
+def _write_entry(path: Path, payload: bytes) -> None:
+    try:
+        write_atomic(path, _MAGIC + hashlib.sha256(payload).digest() + payload)
+    except OSError as exc:
+        warnings.warn(f"kernel cache not written ({exc}); compiled in memory only", stacklevel=4)
 
 
 def _nvrtc_compile(source: bytes, name: str, target: str, options: tuple[str, ...]) -> tuple[bytes, str]:
@@ -170,26 +185,60 @@ def _nvrtc_compile(source: bytes, name: str, target: str, options: tuple[str, ..
         nvrtc.nvrtcDestroyProgram(prog)
 
 
+@dataclass(frozen=True)
+class Job:
+    """One module's compilation, prepared: its source, the full NVRTC options and the cache key
+    (what the image depends on: source, headers, target, options, NVRTC version)."""
+
+    path: Path
+    target: str
+    source: bytes
+    options: tuple[str, ...]
+    key: str
+
+    @property
+    def entry(self) -> Path:
+        """The cache entry this job reads and writes."""
+        return cache_dir() / f"{self.path.stem}-{self.target}-{self.key[:32]}.bin"
+
+
+def prepare(path: Path, target: str, options: tuple[str, ...] = ()) -> Job:
+    """Read ``path`` and its headers and key them (no NVRTC call but its version)."""
+    path = Path(path)
+    source = path.read_bytes()
+    options = BASE_OPTIONS + (f"-I{path.parent}", f"-I{cuda_include_dir()}") + tuple(options)
+    key_options = tuple(o for o in options if not o.startswith("-I"))  # paths differ per machine
+    key = cache_key(source, _headers(source.decode(), path.parent), target, key_options, nvrtc_version())
+    return Job(path, target, source, options, key)
+
+
+def cached_image(job: Job) -> bytes | None:
+    """The job's image from the cache, or None when absent or damaged."""
+    return _read_entry(job.entry)
+
+
 def compile_module(
     path: Path, target: str, options: tuple[str, ...] = (), use_cache: bool = True, refresh: bool = False
 ) -> Compiled:
     """Compile one ``.cu`` file for ``target`` through the cache (``use_cache=False``: neither
     read nor write it; ``refresh=True``: compile anew and overwrite the entry)."""
-    path = Path(path)
-    source = path.read_bytes()
-    options = BASE_OPTIONS + (f"-I{path.parent}", f"-I{cuda_include_dir()}") + tuple(options)
-    version = nvrtc_version()
-    key_options = tuple(o for o in options if not o.startswith("-I"))  # paths differ per machine
-    key = cache_key(source, _headers(source.decode(), path.parent), target, key_options, version)
-    entry = cache_dir() / f"{path.stem}-{target}-{key[:32]}.bin"
+    return compile_job(prepare(path, target, options), use_cache, refresh)
+
+
+def compile_job(job: Job, use_cache: bool = True, refresh: bool = False) -> Compiled:
+    """``compile_module`` of a prepared job (its image is the one its key names)."""
     if use_cache and not refresh:
-        cached = _read_entry(entry)
+        cached = cached_image(job)
         if cached is not None:
-            return Compiled(cached, target, "", cached=True)
-    image, log = _nvrtc_compile(source, path.name, target, options)
+            return Compiled(cached, job.target, "", cached=True)
+    t0 = time.perf_counter()
+    image, log = _nvrtc_compile(job.source, job.path.name, job.target, job.options)
+    why = "refresh" if refresh else "cache miss" if use_cache else "cache off"
+    seconds = time.perf_counter() - t0
+    _log.info("NVRTC compiled kernel module %r for %s in %.2f s (%s)", job.path.stem, job.target, seconds, why)
     if use_cache:
-        _write_entry(entry, image)
-    return Compiled(image, target, log, cached=False)
+        _write_entry(job.entry, image)
+    return Compiled(image, job.target, log, cached=False)
 
 
 def evict(path: Path, target: str) -> None:

@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from . import dlpack
-from .backend import GpuBackend
+from . import dlpack, validate
+from .backend import GpuBackend, check_backend
 from .pointers import DevicePtr
 
 
@@ -25,21 +25,25 @@ class DeviceArray:
     def __init__(
         self, gpu: GpuBackend, ptr: int, shape: Sequence[int], dtype: Any, *, owner: bool = False, stream: int = 0
     ) -> None:
-        self.gpu = gpu
+        self.gpu = check_backend(gpu, "DeviceArray: gpu")
+        self.stream = validate.stream(stream, "DeviceArray: stream")
         self.ptr = DevicePtr(ptr)
         self.shape = tuple(int(s) for s in shape)
         self.dtype = np.dtype(dtype)
         self.owner = owner
-        self.stream = stream
 
     # -- construction -----------------------------------------------------------------------
     @classmethod
     def empty(cls, gpu: GpuBackend, shape: Sequence[int], dtype: Any, stream: int = 0) -> DeviceArray:
+        check_backend(gpu, "DeviceArray.empty: gpu")
+        validate.stream(stream, "DeviceArray.empty: stream")
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
         return cls(gpu, gpu.alloc(max(nbytes, 1)), shape, dtype, owner=True, stream=stream)
 
     @classmethod
     def from_numpy(cls, gpu: GpuBackend, host: np.ndarray, stream: int = 0) -> DeviceArray:
+        check_backend(gpu, "DeviceArray.from_numpy: gpu")
+        validate.stream(stream, "DeviceArray.from_numpy: stream")
         host = np.ascontiguousarray(host)
         out = cls.empty(gpu, host.shape, host.dtype, stream)
         gpu.copy_h2d_async(host, out.ptr, stream)

@@ -11,7 +11,7 @@ import math
 from collections.abc import Sequence
 
 from . import launch_config, validate
-from .backend import GpuBackend
+from .backend import GpuBackend, check_backend
 from .pointers import DevicePtr, KernelHandle
 
 _U32 = 1 << 32
@@ -25,6 +25,7 @@ class KernelLaunch:
     __slots__ = ("_gpu", "_kernel", "_grid", "_block", "_shared", "_kinds", "_args")
 
     def __init__(self, gpu: GpuBackend, kernel: KernelHandle) -> None:
+        check_backend(gpu, "KernelLaunch: gpu")
         if not kernel:
             raise ValueError("KernelLaunch: null kernel handle (the kernel was not loaded)")
         self._gpu = gpu
@@ -105,6 +106,8 @@ class KernelLaunch:
         """``overlap=True``: programmatic dependent launch, for kernels that start with work
         independent of the previous kernel and wait for it (``griddepcontrol.wait``) before
         reading its output."""
+        if type(stream) is not int or stream < 0:
+            stream = validate.stream(stream, "KernelLaunch.launch: stream")
         if overlap:
             self._gpu.launch(
                 self._kernel, self._grid, self._block, self._shared, stream, self._kinds, self._args, overlap=True

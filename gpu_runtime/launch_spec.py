@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import validate
+from .backend import check_backend
 from .packing import KIND_NAMES, TENSOR_MAP_BYTES, ArgPlan, layout, struct_format
 from .signatures import Param, Signature
 
@@ -156,7 +157,9 @@ def _launchers(spec: KernelSpec) -> tuple[Callable[..., None], Callable[..., Non
     as much per launch). What ``pack_into`` checks itself (types, ranges, f32 overflow) it is
     left to; the expression adds what it lets pass: null pointers, bools for integers, and tensor
     maps that are not exactly 128 bytes, which ``pack_into`` would pad or cut (one test per
-    parameter, a few ns each: bools for pointers and floats are not looked for)."""
+    parameter, a few ns each: bools for pointers and floats are not looked for). The stream
+    passes on one type test; a ``gpu`` that is not a backend is named once its missing
+    ``launch_spec`` is (no cost on the way to the backend)."""
     names = "".join(f"{p.name}, " for p in spec.params)
     lookups = "".join(f"args[{p.name!r}], " for p in spec.params)
     guards = [f"not {p.name}" for p in spec.params if p.kind == "P" and p.name not in spec.nullable]
@@ -179,8 +182,14 @@ def _launchers(spec: KernelSpec) -> tuple[Callable[..., None], Callable[..., Non
         f"        bad = True\n"
         f"    if bad:\n"
         f"        raise spec.refusal(({names}))\n"
-        f"    gpu.launch_spec(spec, kernel, grid, block, shared_mem, stream, plan.params, ({names}),\n"
-        f"                    overlap)\n"
+        f"    if type(stream) is not int or stream < 0:\n"
+        f"        stream = check_stream(stream, spec.name + ': stream')\n"
+        f"    try:\n"
+        f"        gpu.launch_spec(spec, kernel, grid, block, shared_mem, stream, plan.params, ({names}),\n"
+        f"                        overlap)\n"
+        f"    except AttributeError:\n"
+        f"        check_backend(gpu, spec.name + ': gpu')  # not a backend: refused by name\n"
+        f"        raise\n"
     )
     source = (
         f"def launch(gpu, kernel, grid, block, stream, /, *, {names}shared_mem=0, overlap=False):\n"
@@ -198,6 +207,8 @@ def _launchers(spec: KernelSpec) -> tuple[Callable[..., None], Callable[..., Non
         "ArgPlan": ArgPlan,
         "pack_into": spec.packer.pack_into,
         "struct_error": struct.error,
+        "check_stream": validate.stream,
+        "check_backend": check_backend,
     }
     exec(compile(source, f"<KernelSpec {spec.name}>", "exec"), namespace)
     launch, launch_from = namespace["launch"], namespace["launch_from"]

@@ -2,8 +2,10 @@
 ``ClosedError`` for a closed object.
 
 Each check returns the normalised value (an ``int``, ``float`` or ``bool``; an int subclass such
-as ``DevicePtr`` is returned as it is); ``what`` names the argument in the message
-(``"alloc size"``, ``"scaled_add n"``). Launchers call these on every launch, so each starts
+as ``DevicePtr`` is returned as it is; ``backend`` returns the backend); ``what`` names the
+argument in the message (``"alloc size"``, ``"scaled_add n"``, ``"DeviceBuffer: gpu"``). Every
+public entry point checks its ``gpu`` with ``backend`` and its stream with ``stream`` before it
+does anything else. Launchers call these on every launch, so each starts
 with a fast path for the common case (a plain in-range value) before the general checks.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+from typing import TypeVar
 
 import numpy as np
 
@@ -19,6 +22,8 @@ from .errors import ClosedError
 from .pointers import DevicePtr
 
 F32_MAX = 3.4028234663852886e38
+STREAM_LIMIT = 1 << 64  # a CUstream handle is a pointer
+_T = TypeVar("_T")
 
 
 def integer(value: object, what: str) -> int:
@@ -80,6 +85,28 @@ def pointer(value: object, what: str, *, nullable: bool = False) -> int:
     if not 0 <= ptr < 1 << 64:
         raise ValueError(f"{what}: device pointer out of range: {ptr}")
     return ptr
+
+
+def stream(value: object, what: str) -> int:
+    """A stream handle: an int in 0..2**64-1 (0: the default stream), not a bool, a float or a
+    backend (``what``: "FusedNgramEmbedding.embed: stream")."""
+    if type(value) is int and 0 <= value < 0x10000000000000000:
+        return value
+    if isinstance(value, (bool, np.bool_)) or not hasattr(type(value), "__index__"):
+        raise TypeError(f"{what} must be a stream handle (an int >= 0, 0: the default stream), got {_kind(value)}")
+    handle = operator.index(value)  # type: ignore[arg-type]  # has __index__: checked just above
+    if not 0 <= handle < STREAM_LIMIT:
+        raise ValueError(f"{what} must be a stream handle (an int in 0..2**64-1, 0: the default stream), got {handle}")
+    return handle
+
+
+def _kind(value: object) -> str:
+    """A value of the wrong type as a refusal names it: its type, and a short scalar's repr
+    (``str 'cpu'``, ``int 0``, ``None``; a backend or an array by its type alone)."""
+    if value is None:
+        return "None"
+    text = repr(value) if isinstance(value, (str, int, float, np.generic)) else ""
+    return f"{type(value).__name__} {text}" if text and len(text) <= 40 else type(value).__name__
 
 
 def real32(value: object, what: str) -> float:

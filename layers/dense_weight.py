@@ -15,7 +15,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from gpu_runtime import DeviceBuffer, DevicePtr, GpuBackend
+from gpu_runtime import DeviceBuffer, DevicePtr, GpuBackend, validate
+from gpu_runtime.backend import check_backend
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -75,6 +76,9 @@ class DenseWeight(WeightShape):
     gpu: GpuBackend | None = field(default=None, repr=False)
     buffers: tuple[DeviceBuffer, ...] = field(default=(), repr=False)
 
+    def __post_init__(self) -> None:
+        check_backend(self.gpu, "DenseWeight: gpu", optional=True)
+
     @classmethod
     def owning(
         cls,
@@ -85,6 +89,7 @@ class DenseWeight(WeightShape):
         row_scale: DeviceBuffer | None = None,
     ) -> DenseWeight:
         """A weight over ``weight`` (and ``row_scale``), buffers on ``gpu`` that it owns from now on."""
+        check_backend(gpu, "DenseWeight.owning: gpu")
         buffers = (weight,) if row_scale is None else (weight, row_scale)
         scale = row_scale.ptr if row_scale is not None else DevicePtr(0)
         return cls(weight.ptr, (int(shape[0]), int(shape[1])), np.dtype(dtype), scale, gpu, buffers)
@@ -92,6 +97,8 @@ class DenseWeight(WeightShape):
     @classmethod
     def from_numpy(cls, gpu: GpuBackend, array: Any, row_scale: Any = None, stream: int = 0) -> DenseWeight:
         """Upload a 2-D bf16 array, or an fp8 array with its per-row f32 scales."""
+        check_backend(gpu, "DenseWeight.from_numpy: gpu")
+        stream = validate.stream(stream, "DenseWeight.from_numpy: stream")
         array, scale = checked_weight_arrays(array, row_scale)
         array = np.ascontiguousarray(array)
         with ExitStack() as undo:  # nothing is left allocated when the upload fails part-way

@@ -1,9 +1,13 @@
-"""``make kernels``: compile every layer kernel module ahead of time with NVRTC.
+"""Compile every layer kernel module ahead of time with NVRTC: what ``make kernels`` runs.
 
-The runtime's ``gpu_runtime.precompile`` compiles the files it is given; this names the
-layers' files (``layers.kernel_files``) when none are given.
+With no files named it compiles every .cu file of the layers' kernel directory
+($GPU_RUNTIME_KERNEL_DIR, else the copy inside the package, else the checkout's kernels/), through
+gpu_runtime.precompile. A module is compiled again only when its source, a header it includes, the
+compiler options, the target or the NVRTC version changed; a second run with nothing changed
+compiles nothing and says so. Any NVRTC error or warning fails the build, with the log.
 
-    python3 -m layers.precompile [--arch sm_90a|compute_90|...] [files...]
+With a GPU present the default target is that device's cubin (the cache the backend reads is then
+warm); without one it is PTX for compute_90, which checks that every module compiles.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ from .kernel_files import kernel_files
 
 
 def main(argv: list[str] | None = None) -> int:
-    return precompile.main(argv, default_files=kernel_files)
+    parser = precompile.make_parser(__doc__, precompile.epilog("layers.precompile", ""), "python -m layers.precompile")
+    return precompile.main(argv, default_files=kernel_files, parser=parser)
 
 
 if __name__ == "__main__":

@@ -70,14 +70,35 @@ def tool_errors(log: str) -> int | None:
     return None
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("paths", nargs="*", default=["tests"])
-    ap.add_argument("--tools", nargs="+", default=list(TOOLS), choices=TOOLS)
-    ap.add_argument("--jobs", type=int, default=6, help="processes at once")
-    ap.add_argument("--shards", type=int, default=2, help="shards per tool (racecheck: twice)")
-    ap.add_argument("--log-dir", type=Path, default=Path(".logs"))
-    args = ap.parse_args()
+EPILOG = """\
+Needs a CUDA GPU and compute-sanitizer on PATH (collection alone runs anywhere). Output: a line per
+process as it ends, then a markdown table (tool, tests collected, passed, failed, skipped, the
+tool's error count) and the seconds taken. Exit status 0 only when every process finished with
+rc 0, its tool's summary and no error.
+
+examples:
+  python -m tests.sanitize                                   # every GPU test, every tool
+  python -m tests.sanitize --tools racecheck --shards 2 --jobs 4
+  python -m tests.sanitize tests/test_gemm.py --tools memcheck --log-dir /tmp/logs
+"""
+
+
+def make_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m tests.sanitize", description=__doc__, epilog=EPILOG,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("paths", nargs="*", default=["tests"], help="test files or directories (default: tests)")
+    ap.add_argument("--tools", nargs="+", default=list(TOOLS), choices=TOOLS, metavar="TOOL",
+                    help=f"compute-sanitizer tools to run, one pass each (default: all of {', '.join(TOOLS)})")
+    ap.add_argument("--jobs", type=int, default=6, help="processes at once on the device (default: 6)")
+    ap.add_argument("--shards", type=int, default=2,
+                    help="processes each tool's tests are dealt into; racecheck gets twice as many (default: 2)")
+    ap.add_argument("--log-dir", type=Path, default=Path(".logs"),
+                    help="where each process's log sanitize-<tool>-<shard>.log goes (default: .logs)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = make_parser().parse_args(argv)
     args.log_dir.mkdir(parents=True, exist_ok=True)
     ids = collect(args.paths)
     jobs = [(tool, k, ids[k::n]) for tool in args.tools
@@ -90,7 +111,7 @@ def main() -> None:
             tool, rc, log = done.result()
             results[tool].append((rc, log.read_text(errors="replace")))
             print(f"  {log.name}: rc {rc} at {time.perf_counter() - t0:.0f} s", flush=True)
-    print(f"\n| tool | tests | passed | failed | skipped | errors |\n|---|---|---|---|---|---|")
+    print("\n| tool | tests | passed | failed | skipped | errors |\n|---|---|---|---|---|---|")
     ok = True
     for tool, runs in results.items():
         counts = [outcomes(text) for _, text in runs]

@@ -302,7 +302,7 @@ def _index(edit):
 
 
 def _index_map(name, value):
-    return _index(lambda d: json.dumps({**d, "dense_weight": {**d["dense_weight"], name: value}}))
+    return _index(lambda d: json.dumps({**d, "weight_map": {**d["weight_map"], name: value}}))
 
 
 BAD = [
@@ -343,7 +343,7 @@ BAD = [
     ("config-dims-change", _config(hidden_size=32), r"has shape \[300, 24\], config.json gives \[300, 32\]"),
     # the index
     ("index-not-json", _index("{weight"), "model.safetensors.index.json: not valid JSON"),
-    ("index-no-weight-map", _index(json.dumps({"metadata": {}})), "no 'dense_weight' object"),
+    ("index-no-weight-map", _index(json.dumps({"metadata": {}})), "no 'weight_map' object"),
     ("index-bad-entry", _index_map(TABLE.format(0), 5), "maps to 5, not a file name"),
     ("index-escapes", _index_map(TABLE.format(0), "../elsewhere.safetensors"), "not a file name inside the model folder"),
     ("index-missing-shard", _index_map(TABLE.format(0), "model-00009-of-00009.safetensors"), "shard model-00009-of-00009.safetensors .* does not exist"),

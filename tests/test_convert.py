@@ -11,7 +11,9 @@ directory before anything is uploaded; the decoder refuses the ``RowCache`` ones
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import os
 import re
 import signal
@@ -26,16 +28,26 @@ import pytest
 from layers import reference as ref
 from layers.ngram_embed import (CheckpointError, FusedNgramEmbedding, NgramDecoder, NgramTable, NgramWeights,
                                 TableFile)
-from layers.ngram_embed.convert import NonFiniteRow, VerifyError, convert, main, quantize_fp8_rows, verify_tables
+from layers.ngram_embed import convert_progress
+from layers.ngram_embed.convert import (NonFiniteRow, TableWriter, VerifyError, convert, main, quantize_fp8_rows,
+                                        verify_tables)
 from layers.ngram_embed.decoder import NO_ROW_CACHE
 from layers.ngram_embed.row_cache import RowCache
 from layers.ngram_embed.table_manifest import MANIFEST
 from layers.dense_weight import BF16, FP8
 from tests.helpers import bits
-from tests.helpers.checkpoint import SCALE, TABLE, layer_bytes, make_model, rewrite_tensor, tiny_config, write_model
+from tests.helpers.checkpoint import PROJ, SCALE, TABLE, layer_bytes, make_model, rewrite_tensor, tiny_config, write_model
 from tests.helpers.logging_backend import LoggingBackend
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LOGGER = "layers.ngram_embed.convert"
+
+
+@pytest.fixture
+def log(caplog):
+    """The converter's log messages at INFO and above (``log()`` lists them)."""
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    return lambda: [r.getMessage() for r in caplog.records if r.name == LOGGER]
 
 
 def reference_fp8(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -65,7 +77,7 @@ def files_of(out) -> dict[str, bytes]:
 
 @pytest.mark.parametrize("layout", ["sharded", "single"])
 @pytest.mark.parametrize("chunk_bytes", [1, 200, 1 << 20])
-def test_bf16_tables_round_trip_bit_for_bit(tmp_path, rng, capsys, layout, chunk_bytes):
+def test_bf16_tables_round_trip_bit_for_bit(tmp_path, rng, log, layout, chunk_bytes):
     model = write_model(tmp_path / "m", make_model(rng, kinds="bf"), layout)
     manifest = convert(model.path, tmp_path / "out", chunk_bytes=chunk_bytes)
     dims = model.dims
@@ -78,9 +90,9 @@ def test_bf16_tables_round_trip_bit_for_bit(tmp_path, rng, capsys, layout, chunk
         want = table if scale is None else ref.dequant_fp8(table, scale)  # fp8 source: as the gathers read it
         np.testing.assert_array_equal(bits(rows), bits(want))
         assert manifest["tables"][c]["source"]["tensor"] == TABLE.format(c)
-    err = capsys.readouterr().err
-    assert "table 1/4 model.ngram_embeddings.embedders.0.weight -> table_000.ngt (bf16)" in err
-    assert err.count("verified\n") == 4
+    lines = log()
+    assert lines[0].startswith("table 1/4 model.ngram_embeddings.embedders.0.weight -> table_000.ngt (bf16): 76 rows")
+    assert sum(line.endswith(", verified") for line in lines) == 4
     verify_tables(tmp_path / "out")
     assert not list((tmp_path / "out").glob("*.tmp"))
 
@@ -162,7 +174,7 @@ def _stop_after(n: int):
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-def test_an_interrupted_conversion_resumes_to_the_same_files(tmp_path, rng, capsys, fp8):
+def test_an_interrupted_conversion_resumes_to_the_same_files(tmp_path, rng, log, fp8):
     model = write_model(tmp_path / "m", make_model(rng, kinds="bf"))
     chunk = 10 * 6 * 2  # 10 bf16 rows of 6: 8 chunks per table
     clean = convert(model.path, tmp_path / "clean", fp8=fp8, chunk_bytes=chunk, progress=False)
@@ -173,8 +185,7 @@ def test_an_interrupted_conversion_resumes_to_the_same_files(tmp_path, rng, caps
     assert [e["index"] for e in json.loads((out / MANIFEST).read_text())["tables"]] == [0, 1]
     before = {c: os.stat(out / f"table_00{c}.ngt") for c in (0, 1)}
     resumed = convert(model.path, out, fp8=fp8, chunk_bytes=chunk)
-    err = capsys.readouterr().err
-    assert err.count("done before, verified, skipped") == 2
+    assert sum(line.endswith("done before, verified, skipped") for line in log()) == 2
     for c in (0, 1):  # not rewritten
         after = os.stat(out / f"table_00{c}.ngt")
         assert (after.st_ino, after.st_mtime_ns) == (before[c].st_ino, before[c].st_mtime_ns)
@@ -226,7 +237,7 @@ def _flip(path, offset):
     (lambda p: p.write_bytes(p.read_bytes()[:-2]), "header says"),
     (lambda p: p.unlink(), "file missing"),
 ])
-def test_verification_catches_a_damaged_file_and_a_rerun_rewrites_it(tmp_path, rng, capsys, damage, match):
+def test_verification_catches_a_damaged_file_and_a_rerun_rewrites_it(tmp_path, rng, caplog, log, damage, match):
     model = write_model(tmp_path / "m", make_model(rng, kinds="bf"))
     out = tmp_path / "out"
     convert(model.path, out, progress=False)
@@ -235,8 +246,9 @@ def test_verification_catches_a_damaged_file_and_a_rerun_rewrites_it(tmp_path, r
     with pytest.raises(VerifyError, match=f"table_002.ngt: .*{match}"):
         verify_tables(out)
     convert(model.path, out)
-    err = capsys.readouterr().err
-    assert "table 3/4" in err and "writing it again" in err and err.count("skipped") == 3
+    again = [r for r in caplog.records if "writing it again" in r.getMessage()]
+    assert len(again) == 1 and again[0].levelno == logging.WARNING and "table 3/4" in again[0].getMessage()
+    assert sum("skipped" in line for line in log()) == 3
     verify_tables(out)
     assert files_of(out) == good
 
@@ -272,11 +284,209 @@ def test_command_line(tmp_path, rng, capsys):
     model = write_model(tmp_path / "m", make_model(rng, kinds="b"))
     assert main([str(model.path), str(tmp_path / "out"), "--quiet"]) == 0
     assert capsys.readouterr().err == ""
-    assert main([str(tmp_path / "nothing"), str(tmp_path / "out2")]) == 1
+    (tmp_path / "empty").mkdir()
+    assert main([str(tmp_path / "empty"), str(tmp_path / "out2")]) == 1
     assert "no config.json" in capsys.readouterr().err
     rewrite_tensor(model, TABLE.format(1), None)
     assert main([str(model.path), str(tmp_path / "out3"), "--fp8"]) == 1
     assert "no tensor 'model.ngram_embeddings.embedders.1.weight'" in capsys.readouterr().err
+
+
+# ==== progress, Ctrl-C, unused tensors, bad folders and --help =====================================
+
+def _cli(*args, script=None):
+    """Run the command line (or ``script``, which ends by calling it) in a subprocess, stderr a pipe."""
+    cmd = ["-c", script] if script else ["-m", "layers.ngram_embed.convert"]
+    return subprocess.run([sys.executable, *cmd, *map(str, args)], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_off_a_terminal_progress_is_log_lines(tmp_path, rng):
+    """stderr a pipe (a log file): no ``\r``, one line per table, and within a table at most one
+    line per --log-interval (0 here: one per chunk)."""
+    model = write_model(tmp_path / "m", make_model(rng, kinds="b"))
+    proc = _cli(model.path, tmp_path / "out", "--chunk-mib", 240 / 2**20, "--log-interval", 0)  # 20 bf16 rows of 6
+    assert proc.returncode == 0, proc.stderr
+    assert "\r" not in proc.stderr and proc.stdout == ""
+    lines = proc.stderr.splitlines()
+    assert all(f" INFO {LOGGER}: " in line for line in lines), lines
+    done = [line for line in lines if line.endswith(", verified")]
+    assert len(done) == 4 and re.search(r"table_000.ngt \(bf16\): 76 rows, [\d.]+ MB in [\d.]+ s \([\d.]+ MB/s\)", done[0])
+    rows = [line for line in lines if ": rows " in line]
+    assert len(rows) == 3 + 3 + 3 + 4  # chunks of 20 rows of tables of 76, 78, 80 and 82, the last one not logged
+    assert re.search(r"table 1/4 .* -> table_000.ngt \(bf16\): rows 20/76 \(26.3%\), [\d.]+ MB/s$", rows[0])
+    assert lines[-1].endswith(f"4 tables (bf16) in {tmp_path / 'out'}")
+    quiet = _cli(model.path, tmp_path / "out2", "--quiet")
+    assert quiet.returncode == 0 and quiet.stderr == ""
+    default = _cli(model.path, tmp_path / "out3")  # --log-interval 30: the table lines only
+    assert len(default.stderr.splitlines()) == 5 and ": rows " not in default.stderr
+
+
+class FakeTTY(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_a_terminal_without_tqdm_gets_log_lines(tmp_path, rng, monkeypatch, log):
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm raises ImportError
+    monkeypatch.setattr(sys, "stderr", FakeTTY())
+    model = write_model(tmp_path / "m", make_model(rng, kinds="b"))
+    convert(model.path, tmp_path / "out", chunk_bytes=120, log_interval=0)
+    assert convert_progress.Progress().mode == "log"
+    assert sys.stderr.getvalue() == ""  # no bar: the lines go through logging
+    assert sum(line.endswith(", verified") for line in log()) == 4 and any(": rows 10/76" in line for line in log())
+
+
+class FakeBar:
+    """tqdm's interface as the converter uses it, recorded."""
+
+    bars: list = []
+
+    def __init__(self, total, desc, file, **kwargs):
+        self.total, self.desc, self.file, self.n, self.postfix, self.closed = total, desc, file, 0, "", False
+        self.bars.append(self)
+
+    def update(self, n):
+        self.n += n
+
+    def set_postfix_str(self, text, refresh=True):
+        self.postfix = text
+
+    def close(self):
+        self.closed = True
+
+
+def test_a_terminal_with_tqdm_gets_a_bar_per_table(tmp_path, rng, monkeypatch, log):
+    FakeBar.bars = []
+    monkeypatch.setitem(sys.modules, "tqdm", type(sys)("tqdm"))
+    monkeypatch.setattr(sys.modules["tqdm"], "tqdm", FakeBar, raising=False)
+    monkeypatch.setattr(sys, "stderr", FakeTTY())
+    model = write_model(tmp_path / "m", make_model(rng, kinds="b"))
+    convert(model.path, tmp_path / "out", chunk_bytes=120, log_interval=0)
+    assert [(b.desc[:9], b.total, b.n, b.postfix, b.closed) for b in FakeBar.bars] == [
+        (f"table {c + 1}/4", model.dims.table_rows(c) * 12, model.dims.table_rows(c) * 12, "verified", True)
+        for c in range(4)]
+    assert all(b.file is sys.stderr for b in FakeBar.bars) and log() == []  # no log lines beside the bars
+    with pytest.raises(KeyboardInterrupt):  # an interrupted table's bar is closed (the terminal's line ended)
+        convert(model.path, tmp_path / "out2", chunk_bytes=120, on_chunk=_interrupt_at(2))
+    assert FakeBar.bars[-1].closed and FakeBar.bars[-1].postfix == ""
+
+
+def test_a_terminal_with_the_real_tqdm(tmp_path, rng, monkeypatch):
+    pytest.importorskip("tqdm")  # the progress extra
+    monkeypatch.setattr(sys, "stderr", FakeTTY())
+    model = write_model(tmp_path / "m", make_model(rng, kinds="b"))
+    convert(model.path, tmp_path / "out", chunk_bytes=120)
+    out = sys.stderr.getvalue()
+    assert "\r" in out and out.count("100%") >= 4 and out.count("verified") == 4
+
+
+def _interrupt_at(n):
+    count = [0]
+
+    def on_chunk(table, done, rows):
+        count[0] += 1
+        if count[0] == n:
+            raise KeyboardInterrupt
+    return on_chunk
+
+
+def test_ctrl_c_exits_130_with_how_to_resume(tmp_path, rng, monkeypatch, capsys, log):
+    model = write_model(tmp_path / "m", make_model(rng, kinds="bf"))
+    args = [str(model.path), str(tmp_path / "out"), "--fp8", "--chunk-mib", "0.0001"]  # chunks of 104 bytes
+    append, count = TableWriter.append, [0]
+
+    def interrupted(self, *a, **k):  # Ctrl-C in the middle of table_002 (tables of 10 and 5 chunks before it)
+        count[0] += 1
+        if count[0] == 20:
+            raise KeyboardInterrupt
+        return append(self, *a, **k)
+    monkeypatch.setattr(TableWriter, "append", interrupted)
+    assert main(args) == 130
+    err = capsys.readouterr().err
+    assert err == ("convert: interrupted; to resume, run the same command again (finished tables that verify are "
+                   f"skipped): python -m layers.ngram_embed.convert {' '.join(args)}\n")
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.iterdir()) == [MANIFEST, "table_000.ngt", "table_001.ngt"]  # no .tmp
+    monkeypatch.setattr(TableWriter, "append", append)
+    assert main(args) == 0  # the same command: resumes
+    assert [line[:9] for line in log() if line.endswith("done before, verified, skipped")] == ["table 1/4", "table 2/4"]
+    convert(model.path, tmp_path / "clean", fp8=True, progress=False)
+    assert files_of(out) == files_of(tmp_path / "clean")
+
+
+def test_a_real_sigint_gives_one_line_and_no_traceback(tmp_path, rng):
+    model = write_model(tmp_path / "m", make_model(rng, kinds="b"))
+    script = textwrap.dedent("""
+        import os, signal, sys
+        from layers.ngram_embed import convert
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as on a terminal, even under a runner that ignores it
+        append = convert.TableWriter.append
+        def once(self, *args):
+            convert.TableWriter.append = append
+            os.kill(os.getpid(), signal.SIGINT)
+            return append(self, *args)
+        convert.TableWriter.append = once
+        sys.argv[0] = "convert"
+        raise SystemExit(convert.main())
+    """)
+    proc = _cli(model.path, tmp_path / "o u t", script=script)
+    assert proc.returncode == 130
+    assert proc.stderr.splitlines()[-1] == ("convert: interrupted; to resume, run the same command again (finished "
+                                           f"tables that verify are skipped): python -m layers.ngram_embed.convert "
+                                           f"{model.path} '{tmp_path / 'o u t'}'")
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("layout", ["sharded", "single"])
+def test_tensors_the_model_does_not_use_are_one_warning(tmp_path, rng, caplog, layout):
+    model = write_model(tmp_path / "m", make_model(rng, kinds="bf"), layout)
+    convert(model.path, tmp_path / "out0", progress=False)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    extra = [TABLE.format(4), SCALE.format(4), PROJ.format(11), "model.ngram_embeddings.embedders.0.bias"]
+    for name in extra:  # T = 4: embedders 0..3 and post_projs 0..3 only
+        rewrite_tensor(model, name, np.zeros(3, np.float32), near=TABLE.format(0))
+    convert(model.path, tmp_path / "out", progress=False)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and warnings[0].name == LOGGER
+    assert warnings[0].getMessage() == (
+        f"{model.path}: 4 tensor(s) the model does not use, not converted (N = 3, K = 2 give tables 0..3): "
+        "model.ngram_embeddings.embedders.0.bias, model.ngram_embeddings.embedders.4.weight, "
+        "model.ngram_embeddings.embedders.4.weight_scale, model.ngram_embeddings.post_projs.11.weight")
+    tables = [f"table_00{c}.ngt" for c in range(4)]  # the same (the manifest's source offsets moved)
+    assert [files_of(tmp_path / "out")[t] for t in tables] == [files_of(tmp_path / "out0")[t] for t in tables]
+
+
+def test_a_missing_or_unusable_folder_is_named_with_exit_status_2(tmp_path, rng, capsys):
+    model = write_model(tmp_path / "m", make_model(rng, kinds="b"))
+    prefix = "python -m layers.ngram_embed.convert: error: "
+    cases = [
+        ([tmp_path / "nothing", tmp_path / "o1"], f"MODEL_DIR {tmp_path / 'nothing'}: no such model folder"),
+        ([model.path / "config.json", tmp_path / "o2"], f"MODEL_DIR {model.path / 'config.json'}: not a folder"),
+        ([model.path, model.path / "config.json" / "o"], f"OUT_DIR {model.path / 'config.json' / 'o'}: cannot create"),
+        ([model.path, model.path / "config.json"], f"OUT_DIR {model.path / 'config.json'}: exists and is not a folder"),
+    ]
+    for args, message in cases:
+        assert main([str(a) for a in args]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(prefix + message) and err.count("\n") == 1, err
+    assert not (tmp_path / "o1").exists()
+    with pytest.raises(CheckpointError, match=f"^{re.escape(str(tmp_path / 'nothing'))}: no such model folder$"):
+        NgramWeights.from_pretrained(tmp_path / "nothing", LoggingBackend())
+    proc = _cli("/nonexistent/model", tmp_path / "o3")  # the process: status 2, one line, no traceback
+    assert (proc.returncode, proc.stderr) == (2, prefix + "MODEL_DIR /nonexistent/model: no such model folder\n")
+
+
+def test_help_is_complete():
+    proc = _cli("--help")
+    assert proc.returncode == 0 and proc.stderr == ""
+    usage, described = proc.stdout.split("\n\n", 1)
+    for option in ("MODEL_DIR", "OUT_DIR", "--fp8", "--chunk-mib MIB", "--log-interval SECONDS", "--quiet", "-h"):
+        assert option in usage and re.search(rf"^  {option}", described, re.M), option
+    text = " ".join(proc.stdout.split())
+    assert "example: python -m layers.ngram_embed.convert LongCat-Flash-Lite /nvme/lcfl-tables --fp8" in text
+    assert "by running the same command again" in text and "still verify" in text and "are skipped" in text
+    assert "130 interrupted" in text and "2 bad arguments" in text and "metrale-gpu[progress]" in text
 
 
 # ==== NgramWeights.from_pretrained over table files ===============================================================

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpu_runtime import ClosedError, CudaBackend, DevicePtr
+from gpu_runtime import ClosedError, CudaBackend, DevicePtr, GpuBackend
 from layers import reference as ref
 from layers.kernel_files import load_kernel
 from layers.ngram_embed import (HostTable, HostWeight, NgramEmbedding, NgramTable, NgramWeights, TableFile,
@@ -101,7 +101,8 @@ def test_host_weight_refusals_pin_nothing(array, scale, exc, match):
 
 def test_host_weights_need_a_backend_that_maps_host_memory(tmp_path, rng):
     path, _, _ = table_file(tmp_path, rng, 10, 8, False)
-    no_host_memory = object()  # isinstance finds neither alloc_host nor host_device_ptr on it
+    # a GpuBackend with the required core alone: isinstance finds neither alloc_host nor host_device_ptr on it
+    no_host_memory = type("DeviceOnly", (GpuBackend,), dict.fromkeys(GpuBackend.__abstractmethods__))()
     with pytest.raises(TypeError, match="needs MappedHostMemory, PinnedHostMemory"):
         HostWeight.from_numpy(no_host_memory, random_bf16(rng, (4, 4)))
     with pytest.raises(TypeError, match="needs MappedHostMemory"):

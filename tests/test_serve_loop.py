@@ -6,7 +6,6 @@ On the CPU: the examples are user code, importing the installed package's public
 
 from __future__ import annotations
 
-import ast
 import importlib
 import importlib.util
 import os
@@ -17,12 +16,11 @@ from pathlib import Path
 import pytest
 
 from gpu_runtime import dlpack
+from tests.helpers.examples import assert_public_imports
 
 STEPS = 60 if os.environ.get("GPU_SANITIZER") else 2000
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ("serve_loop.py", "greedy_decode.py")
-PUBLIC = {"gpu_runtime", "layers.ngram_embed", "layers.overlay", "layers.tensor_parallel"}
-THIRD_PARTY = {"numpy", "ml_dtypes"}
 # What the public face has no equivalent of: greedy_decode's LM head (a GEMM) and its argmax
 # feeding the decoder are the launchers', and only layers.kernel_files loads their kernels.
 BEYOND_THE_FACE = {"greedy_decode.py": {"layers.ops", "layers.kernel_files"}}
@@ -57,26 +55,7 @@ def test_engine_loop(gpu, rng):
 def test_examples_import_the_public_face_only(name):
     """Every import is the standard library, numpy / ml_dtypes, or a name a public package
     exports (``__all__``); nothing edits ``sys.path`` or needs ``# noqa: E402``."""
-    source = (ROOT / "examples" / name).read_text()
-    assert "sys.path" not in source and "E402" not in source
-    allowed = BEYOND_THE_FACE.get(name, set())
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                root = alias.name.split(".")[0]
-                assert root in sys.stdlib_module_names or root in THIRD_PARTY, f"{name}: import {alias.name}"
-        elif isinstance(node, ast.ImportFrom):
-            module = node.module or ""
-            assert node.level == 0, f"{name}: a relative import"
-            if module.split(".")[0] in sys.stdlib_module_names:
-                continue
-            assert module in PUBLIC | allowed, f"{name}: from {module} import ..."
-            exported = importlib.import_module(module)
-            for alias in node.names:
-                if module in PUBLIC:
-                    assert alias.name in exported.__all__, f"{name}: {module}.{alias.name} is not exported"
-                else:
-                    assert not alias.name.startswith("_") and hasattr(exported, alias.name), (module, alias.name)
+    assert_public_imports(ROOT / "examples" / name, BEYOND_THE_FACE.get(name, set()))
 
 
 @pytest.mark.parametrize("name", EXAMPLES)

@@ -7,6 +7,7 @@ driver reports; ``launch.py`` then only packs values and calls the driver.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -21,6 +22,8 @@ from ..packing import ArgPlan, kinds_mismatch
 from ..pointers import KernelHandle
 from ..signatures import Signature, module_signatures
 from .context import CudaContext
+
+_log = logging.getLogger(__name__)
 
 
 class _Loaded(NamedTuple):
@@ -87,6 +90,7 @@ class CudaKernels(CudaContext):
             if not compiled.cached:
                 raise
             compiler.evict(path, self.target)  # a stale or damaged entry: rebuild it once
+            _log.info("kernel module %r: the cached %s image did not load; compiling it again", path.stem, self.target)
             compiled = compiler.compile_module(path, self.target, self.options)
             loaded = call(cu.cuModuleLoadData, compiled.image)
         self._modules[key] = loaded

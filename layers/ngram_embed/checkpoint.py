@@ -47,12 +47,31 @@ class CheckpointError(ValueError):
 
 
 # ---- config.json ------------------------------------------------------------------------------
+def model_folder(model_dir: str | os.PathLike) -> Path:
+    """``model_dir`` as a Path, or a ``CheckpointError`` naming it: missing, not a folder, or one
+    that cannot be listed."""
+    path = Path(model_dir)
+    try:
+        with os.scandir(path):
+            pass
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no such model folder") from None
+    except NotADirectoryError:
+        raise CheckpointError(f"{path}: not a folder (a model folder holds {CONFIG} and *.safetensors)") from None
+    except OSError as err:
+        raise CheckpointError(f"{path}: cannot read the model folder ({err.strerror or err})") from None
+    return path
+
+
 def read_config(model_dir: str | os.PathLike) -> dict[str, Any]:
     path = Path(model_dir) / CONFIG
     try:
         text = path.read_text()
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: no {CONFIG} (not a Hugging Face model folder?)") from None
+    except OSError as err:
+        model_folder(model_dir)  # the folder itself missing or unreadable: named as such
+        if isinstance(err, FileNotFoundError):
+            raise CheckpointError(f"{path}: no {CONFIG} (not a Hugging Face model folder?)") from None
+        raise CheckpointError(f"{path}: cannot read it ({err.strerror or err})") from None
     try:
         config = json.loads(text)
     except json.JSONDecodeError as err:
@@ -151,7 +170,7 @@ class TensorRef:
 
 def weight_files(model_dir: str | os.PathLike) -> tuple[dict[str, Path] | None, Path]:
     """Where the tensors are: ``(None, model.safetensors)`` for a single file, else the index's
-    ``(dense_weight as {tensor: shard path}, index path)``. Shards are only named here, not opened."""
+    ``(weight_map as {tensor: shard path}, index path)``. Shards are only named here, not opened."""
     model_dir = Path(model_dir)
     single, index = model_dir / SINGLE, model_dir / INDEX
     if single.is_file():  # as transformers: the single file wins over an index
@@ -162,11 +181,11 @@ def weight_files(model_dir: str | os.PathLike) -> tuple[dict[str, Path] | None, 
         data = json.loads(index.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise CheckpointError(f"{index}: not valid JSON ({err})") from None
-    dense_weight = data.get("dense_weight") if isinstance(data, dict) else None
-    if not isinstance(dense_weight, dict):
-        raise CheckpointError(f"{index}: no 'dense_weight' object (tensor name -> shard file)")
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index}: no 'weight_map' object (tensor name -> shard file)")
     out = {}
-    for name, shard in dense_weight.items():
+    for name, shard in weight_map.items():
         if not isinstance(shard, str) or not shard or Path(shard).is_absolute() or ".." in Path(shard).parts:
             raise CheckpointError(
                 f"{index}: tensor {name!r} maps to {shard!r}, not a file name inside the model folder"
@@ -179,7 +198,7 @@ class _Tensors:
     """Finds tensors by name, reading each needed shard's header once (and only those)."""
 
     def __init__(self, model_dir: Path) -> None:
-        self.dense_weight, self.source = weight_files(model_dir)
+        self.weight_map, self.source = weight_files(model_dir)
         self.headers: dict[Path, dict[str, safetensors_io.TensorInfo]] = {}
 
     def _header(self, path: Path) -> dict[str, safetensors_io.TensorInfo]:
@@ -195,10 +214,10 @@ class _Tensors:
         return self.headers[path]
 
     def find(self, name: str) -> TensorRef | None:
-        if self.dense_weight is None:
+        if self.weight_map is None:
             header = self._header(self.source)
             return TensorRef(self.source, header[name]) if name in header else None
-        path = self.dense_weight.get(name)
+        path = self.weight_map.get(name)
         if path is None:
             return None
         header = self._header(path)

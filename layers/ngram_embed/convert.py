@@ -1,6 +1,6 @@
 """Convert a model folder's n-gram tables into table files for the disk and host tiers.
 
-    python -m layers.ngram_embed.convert MODEL_DIR OUT_DIR [--fp8] [--chunk-mib 64] [--quiet]
+    python -m layers.ngram_embed.convert MODEL_DIR OUT_DIR [--fp8] [--chunk-mib 64] [--log-interval 30] [--quiet]
 
 Writes ``OUT_DIR/table_{c:03d}.ngt`` (``layers.ngram_embed.table_file``'s format) for every table
 ``model.ngram_embeddings.embedders.{c}.weight`` of MODEL_DIR (``checkpoint.py`` says how tables,
@@ -10,7 +10,10 @@ finds them (the word table and projections stay in MODEL_DIR). File and manifest
 docs/table_files.md.
 
 * Streamed: each source tensor is memory-mapped and read in chunks of about ``--chunk-mib`` MiB of
-  rows; nothing holds a whole table in memory. A progress line per table goes to stderr.
+  rows; nothing holds a whole table in memory. Progress (``convert_progress``): a tqdm bar per
+  table where stderr is a terminal and tqdm is installed, else lines through the
+  ``layers.ngram_embed.convert`` logger. ``model.ngram_embeddings.*`` tensors the layer does not
+  use (tables or projections beyond the config's T) are listed in one warning.
 * Values: bf16 rows are copied bit for bit; F16/F32 rows are rounded to bf16 (nearest even);
   fp8 source rows are dequantised as the gathers do (``bf16(f32(q) * scale)``). With ``--fp8``
   every row is quantised to e4m3 with one f32 scale: ``scale = f32(max|row|) / 448``, ``q =
@@ -33,9 +36,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
+import shlex
 import sys
-import time
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -47,16 +51,24 @@ import numpy as np
 from gpu_runtime import validate
 
 from ..dense_weight import BF16, FP8
-from .checkpoint import CheckpointError, NgramCheckpoint
-from .table_file import SCALE_DTYPE, TableFile, TableFormatError, TableWriter, _fsync_dir
+from ..safetensors_io import read_header
+from .checkpoint import (
+    PROJ_NAME,
+    SCALE_NAMES,
+    TABLE_NAME,
+    WORD_NAMES,
+    CheckpointError,
+    NgramCheckpoint,
+    model_folder,
+    weight_files,
+)
+from .convert_progress import DEFAULT_INTERVAL, LOG, Progress
+from .table_file import SCALE_DTYPE, TableWriter, _fsync_dir
 from .table_manifest import MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, manifest_dims, read_manifest
+from .table_verify import VerifyError, check_table_file
+from .table_verify import verify_tables as verify_tables  # its home before
 
 FP8_MAX = np.float32(448.0)  # largest finite e4m3fn
-_CRC_CHUNK = 64 << 20
-
-
-class VerifyError(ValueError):
-    """A table file that does not hold what its manifest (or its source) says."""
 
 
 class NonFiniteRow(ValueError):
@@ -99,16 +111,6 @@ def _target_rows(
     return src.astype(np.float32).astype(BF16), None
 
 
-def _crc_file(f: TableFile) -> tuple[int, int | None]:
-    # crc32 of an array's ``.data`` (its buffer as a memoryview, no copy) here and in _write_table
-    rows = f.rows_bytes.reshape(-1)
-    crc = 0
-    for at in range(0, rows.size, _CRC_CHUNK):
-        crc = zlib.crc32(rows[at : at + _CRC_CHUNK].data, crc)
-    scales = f.scales
-    return crc, (zlib.crc32(scales.view(np.uint8).data) if scales is not None else None)
-
-
 def _write_json(path: Path, data: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as fh:
@@ -118,27 +120,6 @@ def _write_json(path: Path, data: Any) -> None:
         os.fsync(fh.fileno())
     os.replace(tmp, path)
     _fsync_dir(str(path.parent))
-
-
-class _Progress:
-    """One line per table on stderr, rewritten at most every 0.2 s."""
-
-    def __init__(self, enabled: bool, label: str, total: int) -> None:
-        self.enabled, self.label, self.total = enabled, label, total
-        self.t0 = self.last = time.perf_counter()
-
-    def update(self, done: int, final: str = "") -> None:
-        if not self.enabled:
-            return
-        now = time.perf_counter()
-        if not final and now - self.last < 0.2:
-            return
-        self.last = now
-        rate = done / max(now - self.t0, 1e-9) / 2**20
-        pct = 100.0 * done / self.total if self.total else 100.0
-        line = f"\r{self.label}  {done / 2**30:.2f}/{self.total / 2**30:.2f} GiB  {pct:5.1f}%  {rate:7.1f} MiB/s{final}"
-        sys.stderr.write(line + ("\n" if final else ""))
-        sys.stderr.flush()
 
 
 def table_file_name(c: int) -> str:
@@ -161,36 +142,34 @@ def _source_entry(ckpt: NgramCheckpoint, c: int) -> dict[str, Any]:
     return out
 
 
-def _check_file(path: Path, entry: dict[str, Any], dtype: np.dtype, rows: int, dim: int) -> str | None:
-    """Why ``path`` is not the table ``entry`` describes (None: it is)."""
-    try:
-        with TableFile(path) as f:
-            if (f.dtype, f.rows, f.dim) != (dtype, rows, dim):
-                return f"header says {f.dtype.name} [{f.rows}, {f.dim}], expected {dtype.name} [{rows}, {dim}]"
-            crc, scales_crc = _crc_file(f)
-    except FileNotFoundError:
-        return "file missing"
-    except TableFormatError as err:
-        return str(err)
-    if crc != entry.get("rows_crc32") or scales_crc != entry.get("scales_crc32"):
-        return (
-            f"crc32 rows {crc:#010x} / scales {scales_crc}, the manifest says "
-            f"{entry.get('rows_crc32')} / {entry.get('scales_crc32')} (corrupt file)"
+NGRAM_PREFIX = "model.ngram_embeddings."
+
+
+def unused_tensors(ckpt: NgramCheckpoint) -> list[str]:
+    """The folder's ``model.ngram_embeddings.*`` tensors that the layer does not read (tables,
+    scales or projections beyond the config's T, or any other name), as the index (or the single
+    file's header) lists them; no shard is opened."""
+    index, source = weight_files(ckpt.model_dir)
+    names = index if index is not None else read_header(source)
+    t = ckpt.dims.num_tables()
+    used = set(WORD_NAMES)
+    for c in range(t):
+        used.update((TABLE_NAME.format(c), PROJ_NAME.format(c), *(s.format(c) for s in SCALE_NAMES)))
+    unused = [n for n in names if n.startswith(NGRAM_PREFIX) and n not in used]
+    return sorted(unused, key=lambda n: [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in n.split(".")])
+
+
+def _warn_unused(ckpt: NgramCheckpoint) -> None:
+    unused, dims = unused_tensors(ckpt), ckpt.dims
+    if unused:
+        why = f"N = {dims.max_ngram}, K = {dims.splits} give tables 0..{dims.num_tables() - 1}"
+        LOG.warning(
+            "%s: %d tensor(s) the model does not use, not converted (%s): %s",
+            ckpt.model_dir,
+            len(unused),
+            why,
+            ", ".join(unused),
         )
-    return None
-
-
-def verify_tables(out_dir: str | os.PathLike) -> None:
-    """Recheck every table file of a conversion against its manifest (header, size, CRC32 of rows
-    and scales); raises ``VerifyError`` naming the first bad file."""
-    out_dir = Path(out_dir)
-    manifest = read_manifest(out_dir)
-    dtype = FP8 if manifest.get("dtype") == "fp8" else BF16
-    for entry in manifest["tables"]:
-        path = out_dir / entry["file"]
-        problem = _check_file(path, entry, dtype, entry["rows"], entry["dim"])
-        if problem:
-            raise VerifyError(f"{path}: {problem}")
 
 
 def convert(
@@ -200,13 +179,18 @@ def convert(
     fp8: bool = False,
     chunk_bytes: int = 64 << 20,
     progress: bool = True,
+    log_interval: float = DEFAULT_INTERVAL,
     on_chunk: Callable[[int, int, int], None] | None = None,
 ) -> dict[str, Any]:
     """Write (or finish) the table files of ``model_dir``'s n-gram tables into ``out_dir``; returns
-    the manifest. ``on_chunk(table, rows_done, rows)`` is called after every chunk written
-    (raising from it abandons the table being written: its ``.tmp`` is removed)."""
+    the manifest. ``progress``: a bar or log lines (``convert_progress``; ``log_interval`` seconds
+    at most between two lines within a table), or nothing. ``on_chunk(table, rows_done, rows)`` is
+    called after every chunk written (raising from it abandons the table being written: its
+    ``.tmp`` is removed)."""
     chunk_bytes = validate.positive(chunk_bytes, "chunk_bytes")
+    report = Progress(progress, log_interval)
     ckpt = NgramCheckpoint.open(model_dir, parts="tables", wide_tables=True)
+    _warn_unused(ckpt)
     dims = ckpt.dims
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -240,15 +224,15 @@ def convert(
         label = f"table {c + 1}/{t} {ckpt.tables[c].name} -> {path.name} ({kind})"
         entry = done.get(c)
         if entry is not None and entry.get("source") == source and entry.get("file") == path.name:
-            problem = _check_file(path, entry, dtype, rows, td)
+            problem = check_table_file(path, entry, dtype, rows, td)
             if problem is None:
-                if progress:
-                    sys.stderr.write(f"{label}: done before, verified, skipped\n")
+                report.note(f"{label}: done before, verified, skipped")
                 manifest["tables"].append(entry)
                 continue
-            if progress:
-                sys.stderr.write(f"{label}: {problem}; writing it again\n")
-        entry = _write_table(ckpt, c, path, fp8, chunk_bytes, _Progress(progress, label, 0), on_chunk)
+            report.note(f"{label}: {problem}; writing it again", warning=True)
+        elif entry is not None:
+            report.note(f"{label}: written before from another source tensor; writing it again")
+        entry = _write_table(ckpt, c, path, fp8, chunk_bytes, report, label, on_chunk)
         entry["source"] = source
         manifest["tables"].append(entry)
         # Tables already listed but not yet reached in this run stay listed until they are.
@@ -264,7 +248,8 @@ def _write_table(
     path: Path,
     fp8: bool,
     chunk_bytes: int,
-    bar: _Progress,
+    report: Progress,
+    label: str,
     on_chunk: Callable[[int, int, int], None] | None,
 ) -> dict[str, Any]:
     dims = ckpt.dims
@@ -273,64 +258,141 @@ def _write_table(
     where = ckpt.tables[c].where()
     dtype = FP8 if fp8 else BF16
     chunk_rows = max(1, chunk_bytes // max(1, td * src.dtype.itemsize))
-    bar.total = rows * td * src.dtype.itemsize
     crc, scales_crc = 0, 0
-    with TableWriter(path, dtype, rows, td) as writer:
-        for start in range(0, rows, chunk_rows):
-            stop = min(start + chunk_rows, rows)
-            out, scales = _target_rows(
-                src[start:stop], None if src_scales is None else src_scales[start:stop], fp8, where, start
-            )
-            out = np.ascontiguousarray(out)
-            crc = zlib.crc32(out.reshape(-1).view(np.uint8).data, crc)
-            if scales is not None:
-                scales = np.ascontiguousarray(scales, dtype=SCALE_DTYPE)
-                scales_crc = zlib.crc32(scales.view(np.uint8).data, scales_crc)
-            writer.append(out, scales)
-            del out, scales
-            bar.update(stop * td * src.dtype.itemsize)
-            if on_chunk is not None:
-                on_chunk(c, stop, rows)
-    del src, src_scales
-    entry = {
-        "index": c,
-        "file": path.name,
-        "rows": rows,
-        "dim": td,
-        "rows_crc32": crc,
-        "scales_crc32": scales_crc if fp8 else None,
-    }
-    problem = _check_file(path, entry, dtype, rows, td)
-    if problem is not None:
-        path.unlink(missing_ok=True)
-        raise VerifyError(f"{path}: written, but reading it back: {problem}")
-    bar.update(bar.total, final="  verified")
+    with report.table(label, rows, td * src.dtype.itemsize) as bar:
+        with TableWriter(path, dtype, rows, td) as writer:
+            for start in range(0, rows, chunk_rows):
+                stop = min(start + chunk_rows, rows)
+                out, scales = _target_rows(
+                    src[start:stop], None if src_scales is None else src_scales[start:stop], fp8, where, start
+                )
+                out = np.ascontiguousarray(out)
+                crc = zlib.crc32(out.reshape(-1).view(np.uint8).data, crc)
+                if scales is not None:
+                    scales = np.ascontiguousarray(scales, dtype=SCALE_DTYPE)
+                    scales_crc = zlib.crc32(scales.view(np.uint8).data, scales_crc)
+                writer.append(out, scales)
+                del out, scales
+                bar.update(stop)
+                if on_chunk is not None:
+                    on_chunk(c, stop, rows)
+        del src, src_scales
+        entry = {
+            "index": c,
+            "file": path.name,
+            "rows": rows,
+            "dim": td,
+            "rows_crc32": crc,
+            "scales_crc32": scales_crc if fp8 else None,
+        }
+        problem = check_table_file(path, entry, dtype, rows, td)
+        if problem is not None:
+            path.unlink(missing_ok=True)
+            raise VerifyError(f"{path}: written, but reading it back: {problem}")
+        bar.done("verified")
     return entry
 
 
-def main(argv: list[str] | None = None) -> int:
+PROG = "python -m layers.ngram_embed.convert"
+DESCRIPTION = """\
+Write a Hugging Face model folder's n-gram tables (model.ngram_embeddings.embedders.*) as table
+files OUT_DIR/table_NNN.ngt and their manifest OUT_DIR/ngram_tables.json, which
+NgramWeights.from_pretrained(MODEL_DIR, gpu, placement="files" or "host", table_dir=OUT_DIR) reads.
+Streamed, verified (CRC32) and resumable."""
+EPILOG = """\
+example:
+  python -m layers.ngram_embed.convert LongCat-Flash-Lite /nvme/lcfl-tables --fp8
+
+progress: a tqdm bar per table when stderr is a terminal and tqdm is installed (the "progress"
+extra: pip install 'metrale-gpu[progress]'); otherwise log lines on stderr, one per finished table
+(rows, MB, MB/s) and, within a table, at most one per --log-interval seconds.
+
+resuming: an interrupted run (Ctrl-C, a crash, a kill) is finished by running the same command
+again: tables listed in OUT_DIR/ngram_tables.json whose files still verify (header, CRC32, same
+source tensor) are skipped, and the rest are written; the files end as an uninterrupted run's. A
+run with other settings (--fp8 or not, a model of other dims) into the same OUT_DIR is refused.
+
+exit status: 0 done; 1 the conversion failed (the message names the file and tensor); 2 bad
+arguments (MODEL_DIR missing or unreadable, OUT_DIR that cannot be created); 130 interrupted.
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m layers.ngram_embed.convert",
-        description="Write a model folder's n-gram tables as table files (resumable; see the module docstring).",
+        prog=PROG,
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("model_dir", help="Hugging Face model folder (config.json, *.safetensors)")
-    parser.add_argument("out_dir", help="where the table files and ngram_tables.json go")
-    parser.add_argument("--fp8", action="store_true", help="quantise rows to e4m3 with per-row f32 scales")
-    parser.add_argument("--chunk-mib", type=int, default=64, help="rows read per step, in MiB (default 64)")
-    parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    parser.add_argument("model_dir", metavar="MODEL_DIR", help="Hugging Face model folder (config.json, *.safetensors)")
+    parser.add_argument("out_dir", metavar="OUT_DIR", help="where the table files and ngram_tables.json go (created)")
+    parser.add_argument(
+        "--fp8", action="store_true", help="quantise rows to e4m3 with per-row f32 scales (default: bf16 rows)"
+    )
+    parser.add_argument(
+        "--chunk-mib", type=float, default=64, metavar="MIB", help="rows read per step, in MiB (default 64)"
+    )
+    interval = f"without a bar: at most one progress line per SECONDS within a table (default {DEFAULT_INTERVAL:g})"
+    parser.add_argument("--log-interval", type=float, default=DEFAULT_INTERVAL, metavar="SECONDS", help=interval)
+    parser.add_argument("--quiet", action="store_true", help="no progress bar or lines; warnings and errors only")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
-    if args.chunk_mib < 1:
-        parser.error("--chunk-mib must be >= 1")
+    if not args.chunk_mib > 0:
+        parser.error("--chunk-mib must be > 0")
+    if not args.log_interval >= 0:
+        parser.error("--log-interval must be >= 0")
+    logging.basicConfig(
+        level=logging.WARNING if args.quiet else logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        command = " ".join((PROG, shlex.join(sys.argv[1:] if argv is None else argv)))
+        print(
+            f"convert: interrupted; to resume, run the same command again (finished tables that verify are "
+            f"skipped): {command}",
+            file=sys.stderr,
+        )
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
+    out_dir = Path(args.out_dir)
+    try:
+        model_folder(args.model_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except CheckpointError as err:
+        return _usage_error(f"MODEL_DIR {err}")
+    except FileExistsError:
+        return _usage_error(f"OUT_DIR {out_dir}: exists and is not a folder")
+    except OSError as err:
+        return _usage_error(f"OUT_DIR {out_dir}: cannot create it ({err.strerror or err})")
     try:
         manifest = convert(
-            args.model_dir, args.out_dir, fp8=args.fp8, chunk_bytes=args.chunk_mib << 20, progress=not args.quiet
+            args.model_dir,
+            out_dir,
+            fp8=args.fp8,
+            chunk_bytes=max(1, int(args.chunk_mib * 2**20)),
+            progress=not args.quiet,
+            log_interval=args.log_interval,
         )
     except (CheckpointError, VerifyError, ValueError, OSError) as err:
         print(f"convert: {err}", file=sys.stderr)
         return 1
-    if not args.quiet:
-        print(f"convert: {len(manifest['tables'])} tables ({manifest['dtype']}) in {args.out_dir}", file=sys.stderr)
+    LOG.info("%d tables (%s) in %s", len(manifest["tables"]), manifest["dtype"], out_dir)
     return 0
+
+
+def _usage_error(message: str) -> int:
+    """argparse's form of a bad argument, in one line: exit status 2."""
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

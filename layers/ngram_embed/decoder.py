@@ -40,7 +40,6 @@ from .runner_checks import (
     check_adapter_slots,
     check_servable,
     check_sizes,
-    check_stream,
     check_weights,
     out_address,
 )
@@ -55,6 +54,7 @@ __all__ = ["DecodeError", "NO_ADAPTER", "NgramDecoder", "PAD_SLOT"]
 Buffer = Any
 
 _WHAT = "NgramDecoder"
+_STREAM = f"{_WHAT}: stream"
 
 
 class NgramDecoder(Closing):
@@ -82,7 +82,7 @@ class NgramDecoder(Closing):
         max_seqs, max_rows, max_draft = check_sizes(max_seqs, max_rows, max_draft)
         dims, gpu = weights.dims, weights.gpu
         check_servable(dims, max_rows)
-        stream = check_stream(stream, _WHAT)
+        stream = validate.stream(stream, _STREAM)
         path = gemm_path(batch_invariant)
         if weights.shard is not None and collective is None:
             raise ValueError(
@@ -202,12 +202,12 @@ class NgramDecoder(Closing):
 
     def reset(self, slot: int, stream: int = 0) -> None:
         """Empty slot ``slot``'s history (a new request); a memset, so capturable too."""
-        self._open()
+        stream = self._ready(stream)
         slot = validate.count(slot, "NgramDecoder.reset: slot", limit=self.max_seqs)
         self.gpu.memset(self.state.offset(slot * 8), 0, 8, stream)
 
     def reset_all(self, stream: int = 0) -> None:
-        self._open()
+        stream = self._ready(stream)
         self.gpu.memset(self.state, 0, self.max_seqs * 8, stream)
 
     # -- outside the hot path ---------------------------------------------------------------------
@@ -215,7 +215,7 @@ class NgramDecoder(Closing):
         """The flags raised by every call since the last check, then cleared. Waits for
         ``stream`` (default: the construction stream), so keep it out of the step loop."""
         self._open()
-        stream = self.stream if stream is None else stream
+        stream = self.stream if stream is None else validate.stream(stream, _STREAM)
         word = np.zeros(1, np.uint32)
         self.gpu.copy_d2h(word, self.ctrl, stream)
         if word[0]:
@@ -227,7 +227,7 @@ class NgramDecoder(Closing):
         a bad token is kept as 0xFFFFFFFF); waits for ``stream``. For tests and debugging."""
         self._open()
         slot = validate.count(slot, "NgramDecoder.history: slot", limit=self.max_seqs)
-        stream = self.stream if stream is None else stream
+        stream = self.stream if stream is None else validate.stream(stream, _STREAM)
         state = np.zeros(2, np.uint32)
         ring = np.zeros(self.hist_len, np.uint32)
         self.gpu.copy_d2h(state, self.state.offset(slot * 8), stream)
@@ -252,7 +252,7 @@ class NgramDecoder(Closing):
     def _ready(self, stream: int) -> int:
         """``stream``, checked, once the decoder (and its collective) are known to be open."""
         self._open()
-        return check_stream(stream, _WHAT)
+        return validate.stream(stream, _STREAM)
 
     def _sizes(self, num_seqs: int, rows: int, *, limit_rows: bool = True) -> tuple[int, int]:
         num_seqs = validate.u32(num_seqs, "NgramDecoder: num_seqs")
@@ -336,6 +336,8 @@ class NgramDecoder(Closing):
         """The first of a call's two launches alone: hash, gather into the projection's
         buffer, append the tokens to the histories (``prefill`` / ``step`` check their arguments
         before it; benchmarks time it by itself). Addresses as ``prefill`` takes them."""
+        if type(stream) is not int or stream < 0:
+            stream = validate.stream(stream, _STREAM)
         dims, proj = self.dims, self.projection
         decode_ops.ngram_decode_gather(
             self.gpu,

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from gpu_runtime import GpuBackend, validate
+from gpu_runtime.backend import check_backend
 
 from ..kernel_files import load_kernel
 from ..ops import embed as embed_ops
@@ -80,7 +81,11 @@ class NgramEmbedding(Closing):
         is validated before the first launch; a cached table's rows are unpinned after its
         gather, or after a failure (``CachedRows.batch``)."""
         require_open(_WHAT, self, self.weights)
-        require_backend(_WHAT, gpu, self.gpu)
+        if gpu is not self.gpu:  # the weights' own backend passes on this one test
+            check_backend(gpu, f"{_WHAT}: gpu")
+            require_backend(_WHAT, gpu, self.gpu)
+        if type(stream) is not int or stream < 0:
+            stream = validate.stream(stream, f"{_WHAT}: stream")
         seq_len = check_seq_len(seq_len, _WHAT)
         if seq_len > self.max_tokens:
             raise ValueError(f"ngram embed: seq_len over staging ({seq_len} > max_tokens {self.max_tokens})")

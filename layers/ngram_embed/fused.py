@@ -48,7 +48,6 @@ from .runner_checks import (
     adapter_index,
     check_adapter_slots,
     check_servable,
-    check_stream,
     check_weights,
     out_address,
 )
@@ -58,6 +57,7 @@ if TYPE_CHECKING:
     from ..backend_caps import GraphBackend, RunnerBackend
 
 _WHAT = "fused ngram embed"
+_STREAM = f"{_WHAT}: stream"
 
 
 class FusedNgramEmbedding(Closing):
@@ -79,7 +79,7 @@ class FusedNgramEmbedding(Closing):
         weights = check_weights("FusedNgramEmbedding", weights)
         dims, gpu = weights.dims, cast("RunnerBackend", weights.gpu)  # check_weights checked its capabilities
         max_rows = check_servable(dims, max_rows)
-        stream = check_stream(stream, "FusedNgramEmbedding")
+        stream = validate.stream(stream, "FusedNgramEmbedding: stream")
         path = gemm_path(batch_invariant)
         check_collective("FusedNgramEmbedding", collective, weights)
         check_adapter_slots("FusedNgramEmbedding", adapter_slots, dims, gpu)
@@ -124,7 +124,8 @@ class FusedNgramEmbedding(Closing):
     def captured_graph(self, rows: int, out: int, stream: int, adapters: bool = False) -> int | None:
         """The graph captured for calls of ``rows`` rows into ``out`` on ``stream`` (with or
         without adapters), if any (a benchmark replays it alone to time the GPU's work)."""
-        return self._graphs.get((rows, int(out), int(stream), adapters))
+        stream = validate.stream(stream, "FusedNgramEmbedding.captured_graph: stream")
+        return self._graphs.get((rows, int(out), stream, adapters))
 
     def embed(
         self, ctx_tokens: Sequence[int] | np.ndarray, seq_len: int, out: Any, stream: int = 0, *, graph: bool = False
@@ -141,7 +142,8 @@ class FusedNgramEmbedding(Closing):
         upload. Refuses a bad context as the general path does (``front``'s checks); returns
         False, having done nothing, for anything else (the general path then serves or refuses
         it: a seq_len that is not a plain int, an unknown shape, closed weights or collective)."""
-        exe = self._graphs.get((seq_len, out, stream, False)) if type(seq_len) is int and isinstance(out, int) else None
+        plain = type(seq_len) is int and type(stream) is int and isinstance(out, int)  # (True would find stream 1)
+        exe = self._graphs.get((seq_len, out, stream, False)) if plain else None
         if exe is None or self.weights.closed or (self.collective is not None and self.collective.closed):
             return False
         n = self.dims.max_ngram
@@ -177,7 +179,7 @@ class FusedNgramEmbedding(Closing):
         validated before anything is uploaded or launched; cached tables' rows are unpinned
         after the launches, or after a failure (``CachedRows.batch``)."""
         self._require_open(serve=True)
-        stream = check_stream(stream, _WHAT)
+        stream = validate.stream(stream, _STREAM)
         windows = self.windows(contexts, seq_lens)
         over = self._word_over(adapters, seq_lens, windows)
         rows = windows.shape[0]
@@ -337,7 +339,7 @@ class FusedNgramEmbedding(Closing):
         group sums (``projection.buf``, ``projection.reduce_count(rows)`` elements); returns the
         rows. Refuses a bad batch before any upload."""
         self._require_open(serve=False)
-        stream = check_stream(stream, _WHAT)
+        stream = validate.stream(stream, _STREAM)
         windows = self.windows(contexts, seq_lens)
         rows = windows.shape[0]
         if rows > self.max_rows:
@@ -354,7 +356,7 @@ class FusedNgramEmbedding(Closing):
     def project(self, rows: int, out: Any, stream: int = 0) -> None:
         """The GEMM over the summed buffer into ``out [rows, D]``: the last phase."""
         self._require_open(serve=False)
-        stream = check_stream(stream, _WHAT)
+        stream = validate.stream(stream, _STREAM)
         rows = validate.count(rows, f"{_WHAT} rows", limit=self.max_rows + 1)
         if rows:
             out = out_address(out, _WHAT, rows, self.dims, self.gpu)

@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from gpu_runtime import DeviceBuffer, DevicePtr, GpuBackend, MappedHostMemory, PinnedHostMemory
+from gpu_runtime import DeviceBuffer, DevicePtr, GpuBackend, MappedHostMemory, PinnedHostMemory, validate
+from gpu_runtime.backend import check_backend
 
 from ..dense_weight import WeightShape, checked_weight_arrays
 from .table_file import TableFile
@@ -51,10 +52,15 @@ class HostWeight(WeightShape):
     file: TableFile | None = field(default=None, repr=False)
     buffers: tuple[DeviceBuffer, ...] = field(default=(), repr=False)
 
+    def __post_init__(self) -> None:
+        check_backend(self.gpu, "HostWeight: gpu", optional=True)
+
     @classmethod
     def from_numpy(cls, gpu: GpuBackend, array: Any, row_scale: Any = None, stream: int = 0) -> HostWeight:
         """Copy a 2-D bf16 array (or fp8 with its per-row f32 scales) into a mapped pinned host
         buffer; the scales are uploaded to the device on ``stream``."""
+        check_backend(gpu, "HostWeight.from_numpy: gpu")
+        stream = validate.stream(stream, "HostWeight.from_numpy: stream")
         array, scale = checked_weight_arrays(array, row_scale)
         _require_mapping(gpu, "HostWeight.from_numpy", PinnedHostMemory)
         gpu = cast("PinnedMappedBackend", gpu)  # the capabilities checked just above
@@ -74,6 +80,8 @@ class HostWeight(WeightShape):
         """Map a table file read-only and register its rows (page-aligned, from byte 4096) with
         the device where they are; an fp8 table's scales are uploaded to the device on
         ``stream``. The file stays mapped (and its rows locked in RAM) until ``close()``."""
+        check_backend(gpu, "HostWeight.from_table_file: gpu")
+        stream = validate.stream(stream, "HostWeight.from_table_file: stream")
         _require_mapping(gpu, "HostWeight.from_table_file")
         gpu = cast("MappedBackend", gpu)  # checked just above
         file = TableFile(path)  # validates the header and the size

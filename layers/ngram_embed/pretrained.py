@@ -1,23 +1,29 @@
 """``NgramWeights.from_pretrained``'s loader: where each table goes (``placement``), then the
 uploads, with everything read and checked first (``checkpoint``: config, index, tensor headers;
-``table_manifest``: the converter's files)."""
+``table_manifest``: the converter's files). The tables it puts in host memory or behind a
+``RowCache``, and why, are logged at INFO (the slower paths: every gather reads them over PCIe or
+from the file)."""
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Sequence
 from typing import Any
 
-from gpu_runtime import GpuBackend, validate
+from gpu_runtime import validate
+from gpu_runtime.backend import check_backend
 
 from ..dense_weight import FP8, DenseWeight
 from .checkpoint import NgramCheckpoint
 from .host_weight import HostWeight
-from .placement import resolve_placement
+from .placement import DeviceBudget, resolve_placement
 from .resources import closed_on_failure
 from .shard import resolve_shard
 from .table_file import TableFile
 from .table_manifest import open_table_files
 
+_log = logging.getLogger(__name__)
 _NEEDS_TABLE_DIR = (
     "placement 'files' serves table files: pass table_dir= (the converter's OUT_DIR, "
     "python -m layers.ngram_embed.convert)"
@@ -39,8 +45,7 @@ def load_weights(
     headers, manifest, placement), then uploaded into ``cls(dims, word, tables, projs, gpu,
     shard=)``, which owns it; a failure after the first upload frees what was built. With a
     ``shard`` only its word rows and tables are read and uploaded."""
-    if not isinstance(gpu, GpuBackend):
-        raise TypeError(f"NgramWeights.from_pretrained: gpu must be a GpuBackend, got {type(gpu).__name__}")
+    check_backend(gpu, "NgramWeights.from_pretrained: gpu")
     validate.positive(cache_rows, "cache_rows")
     if table_dir is None and isinstance(placement, str) and placement == "files":
         raise ValueError(_NEEDS_TABLE_DIR)
@@ -53,6 +58,7 @@ def load_weights(
     places = resolve_placement(placement, dims, dtypes, held, dims.vocab_size if shard is None else shard.word_rows)
     if any(places[c] == "files" for c in held) and files is None:
         raise ValueError(_NEEDS_TABLE_DIR)
+    _log_slow_places(placement, places, held)
 
     from .row_cache import RowCache  # here: row_cache imports the ops, kept off the import path
     from .tables import AbsentTable, AnyTable, Bf16Table, CachedTable, Fp8Table, HostTable
@@ -94,3 +100,30 @@ def load_weights(
         weights = cls(dims, word, tables, projs, gpu, shard=shard)
     weights.own(*owned)
     return weights
+
+
+_SLOW_PLACES = {"host": "in host memory (each gather reads them over PCIe)", "files": "on disk behind a RowCache"}
+
+
+def _log_slow_places(placement: Any, places: Sequence[str], held: Sequence[int] | range) -> None:
+    """INFO: which held tables go to host memory or to files, and why (the placement asked for
+    it, or a ``DeviceBudget`` left no room for them)."""
+    for where, how in _SLOW_PLACES.items():
+        tables = [c for c in held if places[c] == where]
+        if not tables:
+            continue
+        if isinstance(placement, str):
+            why = f"placement={placement!r}"
+        elif isinstance(placement, Sequence):
+            why = "placement names them"
+        else:
+            budget = placement.nbytes if isinstance(placement, DeviceBudget) else int(placement)
+            why = f"they do not fit DeviceBudget({budget}) after the word table, projections and earlier tables"
+        _log.info(
+            "NgramWeights.from_pretrained: %d of %d tables %s (tables %s): %s",
+            len(tables),
+            len(places),
+            how,
+            ", ".join(map(str, tables)),
+            why,
+        )

@@ -31,6 +31,7 @@ def embed_all(
         raise ValueError(
             f"embed_all: {len(ranks)} ranks, {len(outs)} outs and {len(streams)} streams for a group of {group.size}"
         )
+    streams = [validate.stream(s, f"embed_all: streams[{r}]") for r, s in enumerate(streams)]
     for r, rank in enumerate(ranks):
         if not isinstance(rank, FusedNgramEmbedding):
             raise TypeError(f"embed_all: ranks[{r}] is a {type(rank).__name__}, not a FusedNgramEmbedding")

@@ -16,16 +16,18 @@ overwritten before the gathers queued earlier have read it. Design: docs/design_
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, ClassVar, cast
 
 import numpy as np
 
 from gpu_runtime import DevicePtr, Events, GpuBackend, KernelHandle, PinnedHostMemory, validate
+from gpu_runtime.backend import check_backend
 
 from ..kernel_files import load_kernel
 from ..ops.row_cache import scatter_rows
@@ -37,6 +39,7 @@ if TYPE_CHECKING:
     from ..backend_caps import PinnedEventsBackend
     from .cache_group import CacheGroup
 
+_log = logging.getLogger(__name__)
 _PARALLEL_READ_ROWS = 1024  # below this a thread pool costs more than it saves
 _SMALL_LOAD_ROWS = 64  # loads up to this many rows go through the backend's staging
 
@@ -139,18 +142,9 @@ class _Loader:
                 self.gpu.copy_h2d_async(buf[:end], self.device, self.stream)
             else:
                 self.gpu.upload_pinned_async(buf[:end], self.device, self.stream)
-            scatter_rows(
-                self.gpu,
-                self.kernel,
-                self.device,
-                self.device.offset(rows_at),
-                self.device.offset(scales_at) if self.arena_scales else 0,
-                self.arena,
-                self.arena_scales,
-                n,
-                self.row_bytes,
-                self.stream,
-            )
+            dev, arena = self.device, (self.arena, self.arena_scales)  # chunk: slots, rows, scales
+            chunk = (dev, dev.offset(rows_at), dev.offset(scales_at) if self.arena_scales else 0)
+            scatter_rows(self.gpu, self.kernel, *chunk, *arena, n, self.row_bytes, self.stream)
             if event is not None:
                 self.gpu.record_event(event, self.stream)
         return io
@@ -187,6 +181,14 @@ class RowCache:
     loads in parallel (1 reads on the calling thread only).
     """
 
+    # A resolve whose misses are over miss_warn_fraction of its ids and at least miss_warn_rows rows (a cache
+    # too small for the traffic, or a cold cache's first prefill) logs a WARNING on this module's logger, at
+    # most once per miss_warn_seconds across every cache (set them on the class or on one cache).
+    miss_warn_fraction: float = 0.5
+    miss_warn_rows: int = 64
+    miss_warn_seconds: float = 60.0
+    _miss_warned_at: ClassVar[float] = float("-inf")
+
     def __init__(
         self,
         gpu: GpuBackend,
@@ -197,6 +199,8 @@ class RowCache:
         chunk_rows: int = 8192,
         io_threads: int = 16,
     ) -> None:
+        check_backend(gpu, "RowCache: gpu")
+        stream = validate.stream(stream, "RowCache: stream")
         capacity = validate.positive(capacity, "RowCache: capacity")
         chunk_rows = validate.positive(chunk_rows, "RowCache: chunk_rows")
         io_threads = validate.positive(io_threads, "RowCache: io_threads")
@@ -225,19 +229,11 @@ class RowCache:
             if self.file.scales is not None:
                 self._arena_scales = own.alloc(self.capacity * 4)
                 gpu.memset(self._arena_scales, 0, self.capacity * 4, stream)
-            self._loader = own.adopt(
-                _Loader(
-                    gpu,
-                    self.kernel,
-                    self.file,
-                    self._arena,
-                    self._arena_scales,
-                    stream,
-                    min(chunk_rows, self.capacity),
-                    self._readers,
-                    io_threads,
-                )
+            chunk = min(chunk_rows, self.capacity)
+            loader = _Loader(
+                gpu, self.kernel, self.file, self._arena, self._arena_scales, stream, chunk, self._readers, io_threads
             )
+            self._loader = own.adopt(loader)
             # Released first: the gathers queued on the stream may still read the arena.
             own.on_close(partial(gpu.synchronize, stream))
         except BaseException:
@@ -286,10 +282,21 @@ class RowCache:
             stats.rows_read += len(missing)
             stats.bytes_read += len(missing) * (self.file.row_bytes + (4 if self._arena_scales else 0))
             stats.io_seconds += io
+            if len(missing) >= self.miss_warn_rows and len(missing) > self.miss_warn_fraction * ids.size:
+                self._warn_misses(len(missing), ids.size, io)
         slots_out[:] = slots[inverse]
         self._stats.hits += ids.size - len(missing)
         self._stats.misses += len(missing)
         self._stats.evictions = index.evictions
+
+    def _warn_misses(self, misses: int, batch: int, io: float) -> None:
+        if time.monotonic() - RowCache._miss_warned_at >= self.miss_warn_seconds:
+            RowCache._miss_warned_at = time.monotonic()
+            _log.warning(
+                f"RowCache {self.file.path}: {misses} of a batch's {batch} ids missed, read from the file in "
+                f"{io:.3f} s; the arena holds {self.capacity} of {self.rows} rows (a larger capacity, or the table "
+                f"on the device or in host memory, avoids this; no such notice for {self.miss_warn_seconds:g} s)"
+            )
 
     def validate(self, ids: np.ndarray) -> None:
         """Refuse, loading nothing, what ``resolve(ids, ...)`` would refuse: a closed cache, ids

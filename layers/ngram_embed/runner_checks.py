@@ -45,13 +45,6 @@ def check_sizes(max_seqs: int, max_rows: int, max_draft: int) -> tuple[int, int,
     )
 
 
-def check_stream(stream: Any, what: str) -> int:
-    """A stream handle: a non-negative int (0: the default stream), not a backend or a bool."""
-    if type(stream) is int and stream >= 0:
-        return stream
-    return validate.count(stream, f"{what}: stream")
-
-
 def check_servable(dims: NgramDims, max_rows: int) -> int:
     """What the fused kernels cannot serve, refused before anything is built; ``max_rows`` as an int."""
     max_rows = validate.positive(max_rows, "max_rows")

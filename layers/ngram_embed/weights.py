@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from gpu_runtime import DevicePtr, GpuBackend, PitchedCopies, validate
+from gpu_runtime.backend import check_backend
 
 from ..dense_weight import BF16, DenseWeight
 from .dims import NgramDims
@@ -46,8 +47,7 @@ class NgramWeights(Closing):
     ) -> None:
         if not isinstance(dims, NgramDims):
             raise TypeError(f"NgramWeights: dims must be NgramDims, got {type(dims).__name__}")
-        if not isinstance(gpu, GpuBackend):
-            raise TypeError(f"NgramWeights: gpu must be a GpuBackend, got {type(gpu).__name__}")
+        check_backend(gpu, "NgramWeights: gpu")
         shard = resolve_shard(shard, dims)
         t, h, td = dims.num_tables(), dims.hidden_size, dims.table_dim()
         if len(tables) != t:
@@ -97,7 +97,7 @@ class NgramWeights(Closing):
         where another rank holds it); every projection. ``placement`` ("device", "host", or one
         per table) puts a table on the device or in mapped pinned host memory, read in place over
         PCIe. With ``shard`` only its word rows and tables are uploaded."""
-        _check_loader_args("NgramWeights.from_numpy", dims, gpu)
+        stream = _check_loader_args("NgramWeights.from_numpy", dims, gpu, stream)
         shard = resolve_shard(shard, dims)
         if len(tables) != dims.num_tables():
             raise ValueError(f"table count: {len(tables)} tables, dims need {dims.num_tables()}")
@@ -152,7 +152,7 @@ class NgramWeights(Closing):
         the rest as ``from_numpy``."""
         from ..safetensors_io import load
 
-        _check_loader_args("NgramWeights.from_safetensors", dims, gpu)
+        _check_loader_args("NgramWeights.from_safetensors", dims, gpu, stream)
         placements(placement, dims.num_tables())  # refused before the file is opened
         tensors = load(path)
 
@@ -193,6 +193,8 @@ class NgramWeights(Closing):
         read and checked before the first upload (``CheckpointError`` names file and tensor)."""
         from .pretrained import load_weights
 
+        check_backend(gpu, "NgramWeights.from_pretrained: gpu")
+        stream = validate.stream(stream, "NgramWeights.from_pretrained: stream")
         return load_weights(cls, model_dir, gpu, placement, shard, eos_id, table_dir, stream, cache_rows)
 
     # -- what the fused runners read ---------------------------------------------------------------
@@ -200,6 +202,7 @@ class NgramWeights(Closing):
         """``[D, T*td]`` bf16, row j = proj_0[j] ++ proj_1[j] ++ ...: the fused GEMM's B operand,
         built on the first call (one pitched copy per table, on ``stream``, waited for: runners
         on other streams read it)."""
+        stream = validate.stream(stream, "NgramWeights.concat_projections: stream")
         self._require_open()
         if self._projs_cat is None:
             gpu = self.gpu
@@ -219,6 +222,7 @@ class NgramWeights(Closing):
         """The gather kernels' table arguments, built on the first call: ``desc`` ``[T, 4]`` u64
         (``gather_entry``) and ``pows`` ``[T, N]`` u64 (V^d mod each table's rows); uploaded on
         ``stream`` and waited for, as ``concat_projections``."""
+        stream = validate.stream(stream, "NgramWeights.table_descriptors: stream")
         self._require_open()
         if self._descriptors is None:
             dims, n = self.dims, self.dims.max_ngram
@@ -257,9 +261,10 @@ class NgramWeights(Closing):
         validate.require_open(self.closed, "NgramWeights")
 
 
-def _check_loader_args(what: str, dims: Any, gpu: Any) -> None:
-    """A loader's ``dims`` and ``gpu``, refused before anything is read or uploaded."""
+def _check_loader_args(what: str, dims: Any, gpu: Any, stream: Any) -> int:
+    """A loader's ``dims``, ``gpu`` and ``stream`` (returned as an int), refused before anything
+    is read or uploaded."""
     if not isinstance(dims, NgramDims):
         raise TypeError(f"{what}: dims must be NgramDims, got {type(dims).__name__}")
-    if not isinstance(gpu, GpuBackend):
-        raise TypeError(f"{what}: gpu must be a GpuBackend, got {type(gpu).__name__}")
+    check_backend(gpu, f"{what}: gpu")
+    return validate.stream(stream, f"{what}: stream")

@@ -16,6 +16,7 @@ import numbers
 from dataclasses import dataclass
 
 from gpu_runtime import GpuBackend, KernelHandle, KernelNotFoundError, validate
+from gpu_runtime.backend import check_backend
 
 from ..kernel_files import try_kernel
 from .specs import EMBED_OVERLAY_ROUTED, EMBED_ROWDIFF, LMHEAD_OVERLAY_ROUTED
@@ -41,6 +42,8 @@ class OverlayKernels:
 
     @classmethod
     def new(cls, gpu: GpuBackend) -> OverlayKernels:
+        """The kernels loaded on ``gpu`` (each missing one ``KernelHandle(0)``)."""
+        check_backend(gpu, "OverlayKernels.new: gpu")
         return cls(
             rowdiff=try_kernel(gpu, MODULE, "embed_rowdiff_bf16"),
             embed_overlay=try_kernel(gpu, MODULE, "embed_overlay_routed_bf16"),

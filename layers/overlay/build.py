@@ -9,7 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from gpu_runtime import DeviceBuffer, DevicePtr, GpuBackend
+from gpu_runtime import DeviceBuffer, DevicePtr, GpuBackend, validate
+from gpu_runtime.backend import check_backend
 
 from ..dense_weight import DenseWeight
 from ..ops.token_overlay import OverlayKernels, embed_rowdiff
@@ -83,6 +84,8 @@ def build_overlay(
     adapter with overlay tensors when the overlay kernels are missing (the seed), a table whose
     shape differs from the served one, and a table with no served counterpart.
     """
+    check_backend(gpu, "build_overlay: gpu")
+    stream = validate.stream(stream, "build_overlay: stream")
     if adapter_embed is not None:
         kernels.require("embedding overlay tensors", "rowdiff", "embed_overlay")
     if adapter_lm_head is not None:

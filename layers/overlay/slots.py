@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from gpu_runtime import DeviceBuffer, DevicePtr, GpuBackend, validate
+from gpu_runtime.backend import check_backend
 
 from ..ops.token_overlay import OverlayKernels, embed_overlay_routed, lmhead_overlay_routed
 from .model import BF16, F32, AdapterOverlay
@@ -114,7 +115,8 @@ class OverlaySlots:
         kernels: OverlayKernels | None = None,
         stream: int = 0,
     ) -> None:
-        self.gpu = gpu
+        self.gpu = check_backend(gpu, "OverlaySlots: gpu")
+        stream = validate.stream(stream, "OverlaySlots: stream")
         self.num_slots = validate.positive(num_slots, "OverlaySlots num_slots")
         self.vocab = validate.positive(vocab, "OverlaySlots vocab")
         self.h = validate.positive(h, "OverlaySlots h")
@@ -199,8 +201,12 @@ class OverlaySlots:
         return out
 
     # -- loading and eviction ----------------------------------------------------------------
-    def _live(self) -> None:
+    def _live(self, stream: Any = 0, call: str = "") -> int:
+        """Refuses a closed object, then a bad ``stream`` (of ``OverlaySlots.<call>``)."""
         validate.require_open(self._closed, "OverlaySlots")
+        if type(stream) is int and stream >= 0:
+            return stream
+        return validate.stream(stream, f"OverlaySlots.{call}: stream")
 
     def _check_slot(self, slot: int) -> int:
         slot = validate.integer(slot, "slot index")
@@ -222,7 +228,7 @@ class OverlaySlots:
     def load(self, slot: int, overlay: AdapterOverlay, stream: int = 0) -> None:
         """Make ``overlay`` device-resident in the free ``slot`` (see ``replace`` for a used one).
         Tables with no rows stay null (n = 0): the kernels then skip that slot."""
-        self._live()
+        stream = self._live(stream, "load")
         slot = self._check_slot(slot)
         if self._slots[slot] is not None:
             raise ValueError(f"slot {slot} is in use: evict it first, or use replace()")
@@ -231,7 +237,7 @@ class OverlaySlots:
 
     def replace(self, slot: int, overlay: AdapterOverlay, stream: int = 0) -> None:
         """Evict whatever ``slot`` holds and load ``overlay`` (validated before anything changes)."""
-        self._live()
+        stream = self._live(stream, "replace")
         slot = self._check_slot(slot)
         self._check_overlay(overlay)
         self.evict(slot, stream)
@@ -240,7 +246,7 @@ class OverlaySlots:
     def evict(self, slot: int, stream: int = 0) -> None:
         """Clear ``slot`` completely: null table entries, n = 0, its device buffers freed (after
         ``stream`` drained, so no queued kernel still reads them). A free slot is left as is."""
-        self._live()
+        stream = self._live(stream, "evict")
         slot = self._check_slot(slot)
         entry = self._slots[slot]
         if entry is None:
@@ -264,6 +270,7 @@ class OverlaySlots:
         later calls do nothing). Work on other streams must be finished by the caller."""
         if self._closed:
             return
+        stream = validate.stream(stream, "OverlaySlots.close: stream")
         self._closed = True
         if not self.gpu.closed:  # a closed backend freed every allocation already
             self.gpu.synchronize(stream)
@@ -327,7 +334,7 @@ class OverlaySlots:
         """Overlay the gathered embeddings ``out`` (``[num_tokens, h]`` bf16) in place.
         ``seq_slot``: per-token slots as a device pointer, a host int array (checked and
         uploaded; one scratch buffer, so use one stream at a time), or None / 0 for ``active``."""
-        self._live()
+        stream = self._live(stream, "embed_overlay")
         active = self._check_active(active)
         num_tokens = validate.u32(num_tokens, "num_tokens")
         seq = self._seq_slot_host(seq_slot, num_tokens)
@@ -356,7 +363,7 @@ class OverlaySlots:
     ) -> None:
         """Recompute the overridden columns of ``logits`` (``[m, vocab]``, ``dtype`` bf16 or
         float32, which picks the kernel) from ``hidden`` (``[m, h]`` bf16), in place."""
-        self._live()
+        stream = self._live(stream, "lmhead_overlay")
         dtype = np.dtype(dtype)
         if dtype == BF16:
             kernel = self.kernels.lmhead_overlay_bf16

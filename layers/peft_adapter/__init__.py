@@ -30,6 +30,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from gpu_runtime import validate
+from gpu_runtime.backend import check_backend
+
 from ..ops.token_overlay import OverlayKernels
 from ..overlay import AdapterOverlay
 from .adapter import PeftAdapter, PeftTable, _check_thresh
@@ -76,6 +79,8 @@ def overlay_from_peft(
     tables, else refused). Everything is read and checked before anything is uploaded or
     launched: see ``read_peft_adapter`` for what is refused.
     """
+    check_backend(gpu, "overlay_from_peft: gpu", optional=True)
+    validate.stream(stream, "overlay_from_peft: stream")
     _check_thresh(thresh)
     adapter = read_peft_adapter(
         adapter_dir,

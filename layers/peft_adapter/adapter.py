@@ -11,6 +11,9 @@ from typing import Any
 
 import numpy as np
 
+from gpu_runtime import validate
+from gpu_runtime.backend import check_backend
+
 from ..dense_weight import DenseWeight
 from ..ops.token_overlay import OverlayKernels
 from ..overlay import AdapterOverlay, TableOverlay, build_overlay
@@ -79,6 +82,8 @@ class PeftAdapter:
     ) -> AdapterOverlay:
         """Build the overlay; see ``overlay_from_peft``. Everything is checked before the first
         upload or launch."""
+        check_backend(gpu, "PeftAdapter.overlay: gpu", optional=True)
+        stream = validate.stream(stream, "PeftAdapter.overlay: stream")
         thresh = _check_thresh(thresh)
         tied = self._resolve_tied(tied, served_embed, served_lm_head)
         emb_tokens, emb_full = _parts(self.embed)

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 from gpu_runtime import DeviceCopies, GpuBackend, validate
+from gpu_runtime.backend import check_backend
 
 from ..kernel_files import load_kernel
 from ..ops import residual as residual_ops
@@ -55,6 +56,7 @@ class LocalGroup:
     order, then copied back to the others), all on the stream the ranks share."""
 
     def __init__(self, gpu: GpuBackend, size: int) -> None:
+        check_backend(gpu, "LocalGroup: gpu")
         if not isinstance(gpu, DeviceCopies):
             raise TypeError(
                 f"LocalGroup: the backend needs device copies (gpu_runtime.DeviceCopies); "

@@ -18,9 +18,12 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, cast
 
 from gpu_runtime import Events, GpuBackend, validate
+from gpu_runtime.backend import check_backend
 
 if TYPE_CHECKING:
     from ..backend_caps import EventsBackend
+
+__all__ = ["EXTRA", "NcclCollective", "NcclGroup", "unique_id"]
 
 EXTRA = "pip install 'metrale-gpu[multi-gpu]'"
 NCCL_BF16, NCCL_SUM = 9, 0  # ncclBfloat16, ncclSum (nccl.h)
@@ -48,7 +51,7 @@ class NcclCollective:
 
     def __init__(self, comm: Any, gpu: GpuBackend) -> None:
         _, self._raw = _nccl()
-        self.comm, self.gpu = comm, gpu
+        self.comm, self.gpu = comm, check_backend(gpu, "NcclCollective: gpu")
         self._handle = self._raw.Comm(comm.ptr)  # what the raw calls take (not an owner)
         self.rank, self.size = int(comm.rank), int(comm.nranks)
         self._closed = False
@@ -56,8 +59,9 @@ class NcclCollective:
     @classmethod
     def init(cls, size: int, rank: int, uid: bytes, gpu: GpuBackend) -> NcclCollective:
         """Rank ``rank`` of ``size`` (every rank calls this with the same ``uid``; it returns when
-        all have joined)."""
+        all have joined). Without nccl4py: an ImportError naming the extra, before anything else."""
         core, _ = _nccl()
+        check_backend(gpu, "NcclCollective.init: gpu")
         size = validate.positive(size, "NCCL size")
         rank = validate.count(rank, "NCCL rank", limit=size)
         if not isinstance(uid, (bytes, bytearray)) or len(uid) != 128:
@@ -73,13 +77,14 @@ class NcclCollective:
         validate.require_open(self.closed, "NcclCollective")
         ptr = validate.pointer(ptr, "all-reduce buffer")
         count = validate.count(count, "all-reduce count")
+        stream = validate.stream(stream, "NcclCollective.allreduce_bf16: stream")
         self._raw.all_reduce(ptr, ptr, count, NCCL_BF16, NCCL_SUM, self._handle, stream)
 
     def wait(self, stream: int, timeout_s: float) -> None:
         """Block until ``stream``'s work is done; abort and raise if NCCL reports an error or it
         is not done after ``timeout_s`` seconds (a peer that failed)."""
         validate.require_open(self.closed, "NcclCollective")
-        _wait([self], [stream], timeout_s)
+        _wait([self], [validate.stream(stream, "NcclCollective.wait: stream")], timeout_s)
 
     def abort(self) -> None:
         """End the communicator now, pending collectives included (every rank must abort)."""
@@ -95,10 +100,15 @@ class NcclCollective:
 
 class NcclGroup:
     """Every GPU of this process in one communicator (``ncclCommInitAll``): ``CollectiveGroup``.
-    ``gpus[r]`` is rank r's backend, on device ``gpus[r].device``."""
+    ``gpus[r]`` is rank r's backend, on device ``gpus[r].device``. Without nccl4py: an
+    ImportError naming the extra, before anything else."""
 
     def __init__(self, gpus: Sequence[GpuBackend]) -> None:
         core, _ = _nccl()
+        if not isinstance(gpus, (list, tuple)):
+            raise TypeError(f"NcclGroup: gpus must be a list or tuple of GpuBackends, got {type(gpus).__name__}")
+        for r, g in enumerate(gpus):
+            check_backend(g, f"NcclGroup: gpus[{r}]")
         devices = [int(getattr(g, "device", -1)) for g in gpus]
         if len(set(devices)) != len(devices) or min(devices, default=0) < 0:
             raise ValueError(f"NcclGroup: one backend per device, got devices {devices}")
@@ -128,7 +138,11 @@ class NcclGroup:
             core.group_end()
 
     def wait(self, streams: Sequence[int], timeout_s: float) -> None:
-        _wait(self.members, streams, timeout_s)
+        _wait(
+            self.members,
+            [validate.stream(s, f"NcclGroup.wait: streams[{r}]") for r, s in enumerate(streams)],
+            timeout_s,
+        )
 
     def abort(self) -> None:
         for m in self.members:

@@ -74,6 +74,7 @@ ROW_KEYS = [key for key, _ in ROWS]
 COLUMN_KEYS = [key for key, _ in COLUMNS]
 
 NULL = "null device pointer"
+GPU_TYPE = r"gpu must be a GpuBackend \(gpu_runtime\.CudaBackend\), got"  # then the value: str 'cpu'
 COUNT = r"must be in 0\.\.2\*\*32-1"
 
 

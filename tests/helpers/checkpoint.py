@@ -99,7 +99,7 @@ def write_model(path: Path, model: Model, layout: str = "sharded", rng=None) -> 
     else:
         names = list(model.tensors)
         shards = [names[0::3], names[1::3], names[2::3]]
-        dense_weight = {}
+        weight_map = {}
         extra = list(unrelated)
         for i, group in enumerate(shards):
             file = f"model-{i + 1:05d}-of-00004.safetensors"
@@ -107,11 +107,11 @@ def write_model(path: Path, model: Model, layout: str = "sharded", rng=None) -> 
             if i < len(extra):
                 content[extra[i]] = unrelated[extra[i]]
             safetensors_io.save(path / file, content)
-            dense_weight.update({n: file for n in content})
+            weight_map.update({n: file for n in content})
         garbage = "model-00004-of-00004.safetensors"
         (path / garbage).write_bytes(b"\xff" * 64)  # not a safetensors file at all
-        dense_weight["model.layers.1.mlp.experts.0.up_proj.weight"] = garbage
-        index = {"metadata": {"total_size": 0}, "dense_weight": dense_weight}
+        weight_map["model.layers.1.mlp.experts.0.up_proj.weight"] = garbage
+        index = {"metadata": {"total_size": 0}, "weight_map": weight_map}
         (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
     model.path = path
     return model
@@ -122,7 +122,7 @@ def shard_of(model: Model, name: str) -> Path:
     index = model.path / "model.safetensors.index.json"
     if not index.exists():
         return model.path / "model.safetensors"
-    return model.path / json.loads(index.read_text())["dense_weight"][name]
+    return model.path / json.loads(index.read_text())["weight_map"][name]
 
 
 def rewrite_tensor(model: Model, name: str, array: np.ndarray | None, near: str | None = None) -> Path:
@@ -140,9 +140,9 @@ def rewrite_tensor(model: Model, name: str, array: np.ndarray | None, near: str 
     if index.exists():
         data = json.loads(index.read_text())
         if array is None:
-            del data["dense_weight"][name]
+            del data["weight_map"][name]
         else:
-            data["dense_weight"][name] = file.name
+            data["weight_map"][name] = file.name
         index.write_text(json.dumps(data))
     return file
 

@@ -11,7 +11,7 @@ import numpy as np
 from layers.ngram_embed import DeviceBudget, NgramShard, NgramWeights
 from layers.ngram_embed.checkpoint import CheckpointError
 from layers.peft_adapter import PeftAdapterError, overlay_from_peft
-from tests.bad_inputs.matrix import case
+from tests.bad_inputs.matrix import GPU_TYPE, case
 from tests.bad_inputs.world import World
 from tests.helpers.checkpoint import PROJ, TABLE, rewrite_tensor
 from tests.helpers.peft import EMBED, token_rows
@@ -30,9 +30,9 @@ CPU_CASES = [
     case("NgramWeights.from_pretrained", "dtype", lambda w: _load(w, cache_rows=2.0), TypeError,
          "cache_rows must be an int", detail="cache_rows"),
     case("NgramWeights.from_pretrained", "dtype", lambda w: _load(w, gpu="cpu"), TypeError,
-         "NgramWeights.from_pretrained: gpu must be a GpuBackend, got str", detail="gpu"),
+         "NgramWeights.from_pretrained: " + GPU_TYPE + " str 'cpu'", detail="gpu"),
     case("NgramWeights.from_pretrained", "dtype", lambda w: _load(w, gpu=0), TypeError,
-         "NgramWeights.from_pretrained: gpu must be a GpuBackend, got int", detail="gpu-int"),
+         "NgramWeights.from_pretrained: " + GPU_TYPE + " int 0", detail="gpu-int"),
     case("NgramWeights.from_pretrained", "dtype", lambda w: _load(w, placement=True), TypeError,
          "placement must be 'device' or 'host' or 'files' or a sequence of them, got bool", detail="placement"),
     case("NgramWeights.from_pretrained", "dtype", lambda w: _load(w, shard="1 of 2"), TypeError,
@@ -61,7 +61,7 @@ CPU_CASES = [
         w, lambda m: rewrite_tensor(m, TABLE.format(2), None)),
          CheckpointError, "no tensor 'model.ngram_embeddings.embedders.2.weight'"),
     case("NgramWeights.from_pretrained", "null", lambda w: _load(w, gpu=None), TypeError,
-         "NgramWeights.from_pretrained: gpu must be a GpuBackend, got NoneType", detail="gpu"),
+         "NgramWeights.from_pretrained: " + GPU_TYPE + " None", detail="gpu"),
     case("NgramWeights.from_pretrained", "null", lambda w: _load(w, placement="files"), ValueError,
          "placement 'files' serves table files: pass table_dir=", detail="table_dir"),
     case("NgramWeights.from_pretrained", "null", lambda w: _load(w, placement=["device", "files", "host", "device"]),

@@ -10,7 +10,7 @@ import numpy as np
 from gpu_runtime import ClosedError
 from layers.ngram_embed import NgramEmbedding, NgramShard, NgramTable, NgramWeights
 from layers.dense_weight import BF16, FP8, DenseWeight
-from tests.bad_inputs.matrix import case, expect
+from tests.bad_inputs.matrix import GPU_TYPE, case, expect
 from tests.bad_inputs.world import World
 from tests.helpers.ngram import small_dims
 
@@ -66,9 +66,9 @@ CPU_CASES = [
     case("NgramWeights", "dtype", lambda w: _new(w, dims=(500, 40, 3, 2, 61)), TypeError,
          "NgramWeights: dims must be NgramDims, got tuple", detail="dims"),
     case("NgramWeights", "dtype", lambda w: _new(w, gpu="cpu"), TypeError,
-         "NgramWeights: gpu must be a GpuBackend, got str", detail="gpu"),
+         "NgramWeights: " + GPU_TYPE + " str 'cpu'", detail="gpu"),
     case("NgramWeights", "dtype", lambda w: _new(w, gpu=0), TypeError,
-         "NgramWeights: gpu must be a GpuBackend, got int", detail="gpu-int"),
+         "NgramWeights: " + GPU_TYPE + " int 0", detail="gpu-int"),
     case("NgramWeights", "dtype", lambda w: _new(w, shard="0/2"), TypeError, SHARD_PAIR + ", got str",
          detail="shard"),
     case("NgramWeights", "dtype", lambda w: _new(w, shard=(0.0, 2)), TypeError,
@@ -98,7 +98,7 @@ CPU_CASES = [
         w, tables=[NgramTable.Fp8(DenseWeight(w.p[0], t.shape, FP8)) for t in w.weights.tables]),
          ValueError, "without row scales"),
     case("NgramWeights", "null", lambda w: _new(w, gpu=None), TypeError,
-         "NgramWeights: gpu must be a GpuBackend, got NoneType", detail="gpu"),
+         "NgramWeights: " + GPU_TYPE + " None", detail="gpu"),
     case("NgramWeights", "null", lambda w: _new(w, tables=[
         NgramTable.Absent(w.dims.table_rows(0), w.dims.table_dim()), *w.weights.tables[1:]]),
          ValueError, "table 0", detail="absent-table"),
@@ -113,9 +113,9 @@ CPU_CASES = [
     case("NgramWeights.from_numpy", "dtype", lambda w: _from_numpy(w, word=w.host_layer.word.astype(np.float32)),
          TypeError, "weight dtype"),
     case("NgramWeights.from_numpy", "dtype", lambda w: _from_numpy(w, gpu="cpu"), TypeError,
-         "NgramWeights.from_numpy: gpu must be a GpuBackend, got str", detail="gpu"),
+         "NgramWeights.from_numpy: " + GPU_TYPE + " str 'cpu'", detail="gpu"),
     case("NgramWeights.from_numpy", "dtype", lambda w: _from_numpy(w, gpu=0), TypeError,
-         "NgramWeights.from_numpy: gpu must be a GpuBackend, got int", detail="gpu-int"),
+         "NgramWeights.from_numpy: " + GPU_TYPE + " int 0", detail="gpu-int"),
     case("NgramWeights.from_numpy", "dtype", lambda w: _from_numpy(w, placement=5), TypeError,
          "placement must be 'device' or 'host' or a sequence of them, got int", detail="placement"),
     case("NgramWeights.from_numpy", "dtype", lambda w: _from_numpy(w, placement=["device", "host", 3, "device"]),
@@ -125,7 +125,7 @@ CPU_CASES = [
     case("NgramWeights.from_numpy", "dtype", lambda w: _from_numpy(w, dims=(500, 40, 3, 2, 61)),
          TypeError, "dims must be NgramDims", detail="dims"),
     case("NgramWeights.from_numpy", "dtype", lambda w: _from_file(w, gpu="cpu"), TypeError,
-         "gpu must be a GpuBackend, got str", detail="safetensors-gpu"),
+         GPU_TYPE + " str 'cpu'", detail="safetensors-gpu"),
     case("NgramWeights.from_numpy", "shape", lambda w: _from_numpy(w, projs=[p[0] for p in w.host_layer.projs]),
          ValueError, "non-empty 2-D", temp=True),
     case("NgramWeights.from_numpy", "shape", lambda w: _from_numpy(w, shard=(0, 1, 2)), TypeError, SHARD_PAIR,
@@ -149,7 +149,7 @@ CPU_CASES = [
     case("NgramWeights.from_numpy", "range", lambda w: _from_file(w, shard=(-1, 2)), ValueError,
          "tensor-parallel rank must be a non-negative int", detail="safetensors-shard"),
     case("NgramWeights.from_numpy", "null", lambda w: _from_numpy(w, gpu=None), TypeError,
-         "NgramWeights.from_numpy: gpu must be a GpuBackend, got NoneType", detail="gpu"),
+         "NgramWeights.from_numpy: " + GPU_TYPE + " None", detail="gpu"),
     case("NgramWeights.from_numpy", "null", lambda w: _from_numpy(w, tables=[None, *w.numpy_tables[1:]]),
          ValueError, "table 0: None, but this weights object holds it", detail="table", temp=True),
     case("NgramWeights.from_numpy", "null", lambda w: _from_file(w, prefix="model."), KeyError,
@@ -157,7 +157,7 @@ CPU_CASES = [
     case("NgramWeights.from_numpy", "null", lambda w: _from_file(w, path=w.tmp / "none.safetensors"),
          FileNotFoundError, "none.safetensors", detail="safetensors-file"),
     case("NgramWeights.from_numpy", "null", lambda w: _from_file(w, gpu=None), TypeError,
-         "gpu must be a GpuBackend, got NoneType", detail="safetensors-gpu"),
+         GPU_TYPE + " None", detail="safetensors-gpu"),
     case("NgramWeights.from_numpy", "id", lambda w: _from_numpy(w, tables=[w.numpy_tables[0][1:], *w.numpy_tables[1:]]),
          ValueError, r"table 0: shape \(61, 10\), dims say \(62, 10\)", temp=True),
     case("NgramWeights.from_numpy", "empty", lambda w: _from_numpy(w, word=w.host_layer.word[:0]), ValueError,

@@ -1,0 +1,37 @@
+"""The rule every example follows, as user code does: imports from the standard library, numpy /
+ml_dtypes, or names a public package exports (``__all__``), plus public names of the modules a
+given example is allowed beyond that face; no ``sys.path`` edits, no ``# noqa: E402``."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import sys
+from pathlib import Path
+
+PUBLIC = {"gpu_runtime", "layers.ngram_embed", "layers.overlay", "layers.tensor_parallel"}
+THIRD_PARTY = {"numpy", "ml_dtypes"}
+
+
+def assert_public_imports(path: Path, beyond: set[str] | frozenset[str] = frozenset()) -> None:
+    """``path``'s imports keep to the rule; ``beyond``: modules without ``__all__`` whose public
+    names it may import too."""
+    name, source = path.name, path.read_text()
+    assert "sys.path" not in source and "E402" not in source, name
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                root = alias.name.split(".")[0]
+                assert root in sys.stdlib_module_names or root in THIRD_PARTY, f"{name}: import {alias.name}"
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            assert node.level == 0, f"{name}: a relative import"
+            if module.split(".")[0] in sys.stdlib_module_names:
+                continue
+            assert module in PUBLIC | beyond, f"{name}: from {module} import ..."
+            exported = importlib.import_module(module)
+            for alias in node.names:
+                if module in PUBLIC:
+                    assert alias.name in exported.__all__, f"{name}: {module}.{alias.name} is not exported"
+                else:
+                    assert not alias.name.startswith("_") and hasattr(exported, alias.name), (module, alias.name)

@@ -1,0 +1,220 @@
+"""The command-line tools (CPU): ``make kernels`` is incremental, and every ``python -m`` tool has
+a complete ``--help`` that needs neither a GPU nor torch."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import os
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from gpu_runtime import compiler, precompile
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# -- make kernels: incremental ----------------------------------------------------------------
+@pytest.fixture
+def kernels(tmp_path, monkeypatch) -> Path:
+    """Three modules and their headers: a.cu and c.cu include a.cuh, b.cu includes b.cuh, which
+    includes common.cuh; a fresh cache."""
+    monkeypatch.setenv("GPU_RUNTIME_CACHE_DIR", str(tmp_path / "cache"))
+    src = tmp_path / "kernels"
+    src.mkdir()
+    (src / "a.cuh").write_text("#define A 1\n")
+    (src / "common.cuh").write_text("#define C 3\n")
+    (src / "b.cuh").write_text('#include "common.cuh"\n#define B (2 + C)\n')
+    for name, header, value in (("a", "a.cuh", "A"), ("b", "b.cuh", "B"), ("c", "a.cuh", "A + 1")):
+        (src / f"{name}.cu").write_text(
+            f'#include "{header}"\nextern "C" __global__ void k_{name}(float* x) {{ x[0] += {value}; }}\n'
+        )
+    return src
+
+
+@pytest.fixture
+def nvrtc_runs(monkeypatch) -> list[str]:
+    """The modules NVRTC compiles, in order (the real compiler runs)."""
+    runs: list[str] = []
+    real = compiler._nvrtc_compile
+
+    def counted(source, name, target, options):
+        runs.append(Path(name).stem)
+        return real(source, name, target, options)
+
+    monkeypatch.setattr(compiler, "_nvrtc_compile", counted)
+    return runs
+
+
+def build(kernels: Path, runs: list[str], capsys, *args: str, arch: str = "compute_90") -> tuple[int, set, str]:
+    """One precompile run over ``kernels``: (exit status, modules NVRTC compiled, output)."""
+    runs.clear()
+    rc = precompile.main(["--arch", arch, *args, *map(str, sorted(kernels.glob("*.cu")))])
+    out = capsys.readouterr()
+    return rc, set(runs), out.out + out.err
+
+
+def test_second_run_compiles_nothing(kernels, nvrtc_runs, capsys):
+    rc, built, out = build(kernels, nvrtc_runs, capsys)
+    assert rc == 0 and built == {"a", "b", "c"}
+    assert "ok   a " in out and "3 compiled, 0 up to date" in out
+    rc, built, out = build(kernels, nvrtc_runs, capsys)
+    assert rc == 0 and built == set()
+    assert "ok " not in out and "3 kernel modules up to date for compute_90 (nothing compiled" in out
+    rc, built, out = build(kernels, nvrtc_runs, capsys, "-v")
+    assert built == set() and "up to date b" in out
+    rc, built, out = build(kernels, nvrtc_runs, capsys, "--force")
+    assert rc == 0 and built == {"a", "b", "c"}
+
+
+def test_a_changed_header_rebuilds_exactly_its_dependents(kernels, nvrtc_runs, capsys):
+    build(kernels, nvrtc_runs, capsys)
+    (kernels / "a.cuh").write_text("#define A 5\n")
+    assert build(kernels, nvrtc_runs, capsys)[1] == {"a", "c"}
+    (kernels / "common.cuh").write_text("#define C 4\n")  # included by b.cuh, not by b.cu
+    assert build(kernels, nvrtc_runs, capsys)[1] == {"b"}
+    (kernels / "c.cu").write_text((kernels / "c.cu").read_text() + "// edited\n")
+    assert build(kernels, nvrtc_runs, capsys)[1] == {"c"}
+    os.utime(kernels / "a.cuh")  # a new mtime, the same bytes: the key is the content
+    assert build(kernels, nvrtc_runs, capsys)[1] == set()
+
+
+def test_a_changed_target_options_or_nvrtc_rebuilds_every_module(kernels, nvrtc_runs, capsys, monkeypatch):
+    build(kernels, nvrtc_runs, capsys)
+    assert build(kernels, nvrtc_runs, capsys, arch="compute_80")[1] == {"a", "b", "c"}
+    assert build(kernels, nvrtc_runs, capsys, arch="compute_80")[1] == set()
+    assert build(kernels, nvrtc_runs, capsys)[1] == set()  # each target's build is remembered
+    monkeypatch.setattr(compiler, "BASE_OPTIONS", (*compiler.BASE_OPTIONS, "-DEXTRA=1"))
+    assert build(kernels, nvrtc_runs, capsys)[1] == {"a", "b", "c"}
+    major, minor = compiler.nvrtc_version()
+    monkeypatch.setattr(compiler, "nvrtc_version", lambda: (major, minor + 1))
+    assert build(kernels, nvrtc_runs, capsys)[1] == {"a", "b", "c"}
+
+
+def test_a_missing_or_damaged_image_is_rebuilt(kernels, nvrtc_runs, capsys):
+    build(kernels, nvrtc_runs, capsys)
+    cache = Path(os.environ["GPU_RUNTIME_CACHE_DIR"])
+    (entry_a,) = cache.glob("a-compute_90-*.bin")
+    (entry_b,) = cache.glob("b-compute_90-*.bin")
+    entry_a.unlink()
+    entry_b.write_bytes(entry_b.read_bytes()[:-1])
+    assert build(kernels, nvrtc_runs, capsys)[1] == {"a", "b"}
+    (cache / precompile.MANIFEST).write_text("not json")
+    assert build(kernels, nvrtc_runs, capsys)[1] == {"a", "b", "c"}
+
+
+@pytest.mark.parametrize(
+    "body, says, rebuilt",
+    [
+        ('extern "C" __global__ void k_b(float* x) { x[0] = undefined_name; }\n', "undefined_name", set()),
+        # a warning evicts the module's images (the runtime must not load it): the good one comes back
+        ('extern "C" __global__ void k_b(float* x) { int unused = 1; x[0] = 0; }\n', "warnings are errors here", {"b"}),
+    ],
+    ids=["error", "warning"],
+)
+def test_an_error_or_warning_fails_every_run_until_fixed(kernels, nvrtc_runs, capsys, body, says, rebuilt):
+    build(kernels, nvrtc_runs, capsys)
+    good = (kernels / "b.cu").read_text()
+    (kernels / "b.cu").write_text(body)
+    for _ in range(2):  # never recorded as built: the second run compiles (and fails) again
+        rc, built, out = build(kernels, nvrtc_runs, capsys)
+        assert rc == 1 and built == {"b"}
+        assert "FAIL b" in out and says in out and "1 failed" in out
+    (kernels / "b.cu").write_text(good)
+    rc, built, out = build(kernels, nvrtc_runs, capsys)
+    assert rc == 0 and built == rebuilt and "FAIL" not in out  # the good source's build is still on record
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="no make")
+def test_make_kernels_twice_without_a_gpu(kernels, tmp_path):
+    """What CI runs: ``make kernels`` (no ARCH) with no device visible: PTX for compute_90, and
+    the second run compiles nothing."""
+    env = dict(os.environ, GPU_RUNTIME_KERNEL_DIR=str(kernels), CUDA_VISIBLE_DEVICES="")
+    runs = [
+        subprocess.run(["make", "--no-print-directory", "kernels", f"PYTHON={sys.executable}"],
+                       cwd=ROOT, env=env, capture_output=True, text=True)
+        for _ in range(2)
+    ]
+    assert [r.returncode for r in runs] == [0, 0], runs[-1].stderr
+    assert "ok   a                    compute_90" in runs[0].stdout
+    assert "ok " not in runs[1].stdout
+    assert "3 kernel modules up to date for compute_90" in runs[1].stdout
+
+
+# -- --help of every python -m tool -------------------------------------------------------------
+TOOLS = [
+    "layers.precompile",
+    "gpu_runtime.precompile",
+    *(f"bench.{name}" for name in
+      ("launch", "kernels", "overlay", "ngram_embed", "cached", "decode", "host_gather", "tensor_parallel", "gemm")),
+    "tests.sanitize",
+    "tests.bad_inputs",
+]
+
+
+def _module(tool: str):
+    return importlib.import_module("tests.bad_inputs.__main__" if tool == "tests.bad_inputs" else tool)
+
+
+@pytest.fixture(scope="module")
+def helps(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """Every tool's ``--help``, run at once, with no device visible and torch and CuPy made
+    unimportable (a module of each name that raises ImportError, first on the path)."""
+    blocked = tmp_path_factory.mktemp("no_torch")
+    for name in ("torch", "cupy"):
+        (blocked / f"{name}.py").write_text(f"raise ImportError('{name} is blocked in this test')\n")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=os.pathsep.join([str(blocked), str(ROOT)]))
+
+    def run(tool: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", tool, "--help"], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=120)
+
+    with ThreadPoolExecutor(8) as pool:
+        return dict(zip(TOOLS, pool.map(run, TOOLS)))
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_help_is_complete_and_needs_no_gpu_or_torch(helps, tool):
+    run = helps[tool]
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith(f"usage: python -m {tool} ")
+    mod = _module(tool)
+    assert _flat(mod.__doc__) in _flat(run.stdout), "the description is cut: --help holds the whole docstring"
+    parser = precompile.make_parser() if tool == "layers.precompile" else getattr(mod, "make_parser", lambda: None)()
+    for action in parser._actions if parser is not None else []:
+        for option in action.option_strings:
+            assert option in run.stdout, f"{tool} --help does not mention {option}"
+        assert action.help, f"{tool}: {action.option_strings or action.dest} has no help text"
+    if tool.startswith("bench."):
+        assert "## title" in run.stdout, "a benchmark's help says how its tables read"
+
+
+def test_every_runnable_bench_module_is_listed():
+    """A new benchmark gets a --help test (bench.common and bench.decode_serving have no main)."""
+    runnable = {p.stem for p in (ROOT / "bench").glob("*.py") if 'if __name__ == "__main__":' in p.read_text()}
+    assert {f"bench.{name}" for name in runnable} == {t for t in TOOLS if t.startswith("bench.")}
+    makefile = (ROOT / "Makefile").read_text()
+    benches = next(line for line in makefile.splitlines() if line.startswith("BENCHES ?="))
+    assert set(benches.split("=", 1)[1].split()) <= runnable
+
+
+def test_every_bench_table_has_a_header_line():
+    """Each ``print_table`` call passes ``note=``: the line above the table saying what its rows
+    and columns are (the keyword is required, but a GPU run is what would find a missing one)."""
+    calls = 0
+    for path in (ROOT / "bench").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "print_table":
+                calls += 1
+                note = next((k.value for k in node.keywords if k.arg == "note"), None)
+                assert note is not None, f"{path.name}:{node.lineno}: print_table without note="
+    assert calls >= 19

@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from gpu_runtime import validate
-from gpu_runtime.backend import check_backend
 
 from ..dense_weight import FP8, DenseWeight
 from .checkpoint import NgramCheckpoint
@@ -45,7 +44,6 @@ def load_weights(
     headers, manifest, placement), then uploaded into ``cls(dims, word, tables, projs, gpu,
     shard=)``, which owns it; a failure after the first upload frees what was built. With a
     ``shard`` only its word rows and tables are read and uploaded."""
-    check_backend(gpu, "NgramWeights.from_pretrained: gpu")
     validate.positive(cache_rows, "cache_rows")
     if table_dir is None and isinstance(placement, str) and placement == "files":
         raise ValueError(_NEEDS_TABLE_DIR)

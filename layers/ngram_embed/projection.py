@@ -21,6 +21,7 @@ from gpu_runtime import DevicePtr, validate
 from ..kernel_files import load_kernel
 from ..ops import embed as embed_ops
 from ..ops import gemm as gemm_ops
+from ..tensor_parallel import Collective
 from .resources import Resources
 from .weights import NgramWeights
 
@@ -43,12 +44,11 @@ def check_collective(what: str, collective: Any, weights: NgramWeights) -> None:
             f"{what}: collective given, but the weights are not a tensor-parallel shard "
             f"(NgramWeights.from_pretrained(..., shard=(rank, size)))"
         )
-    for name in ("allreduce_bf16", "rank", "size", "closed"):
-        if not hasattr(collective, name):
-            raise TypeError(
-                f"{what}: collective must be a layers.tensor_parallel.Collective "
-                f"(allreduce_bf16, rank, size, closed), got {type(collective).__name__}"
-            )
+    if not isinstance(collective, Collective):
+        raise TypeError(
+            f"{what}: collective must be a layers.tensor_parallel.Collective "
+            f"(allreduce_bf16, rank, size, closed), got {type(collective).__name__}"
+        )
     validate.require_open(collective.closed, f"{what}: its collective")
     if (collective.rank, collective.size) != (shard.rank, shard.size):
         raise ValueError(
@@ -122,40 +122,25 @@ class RowProjection:
     def project(self, rows: int, word_ids: int, out: int, stream: int, word_over: int = 0) -> None:
         """The GEMM with the word-row epilogue into ``out [rows, D]`` (a rank: over the summed
         buffer, whose row i holds row i's word row)."""
-        h = self.dims.hidden_size
-        if self.shard is None:
-            gemm_ops.dense_gemm_bf16_word(
-                self.gpu,
-                self.gemm_kernel,
-                self.buf,
-                self.projs,
-                out,
-                rows,
-                h,
-                self.cols,
-                word_ids,
-                self.weights.word.weight,
-                self.inv_scale,
-                stream,
-                overlap=True,
-                path=self.path,
-                word_over=word_over,
-            )
-        else:
-            assert self.row_ids is not None
-            gemm_ops.dense_gemm_bf16_word(
-                self.gpu,
-                self.gemm_kernel,
-                self.rows_at(rows),
-                self.projs,
-                out,
-                rows,
-                h,
-                self.cols,
-                self.row_ids,
-                self.buf,
-                self.inv_scale,
-                stream,
-                path=self.path,
-                word_over=word_over,
-            )
+        if self.row_ids is None:  # the word rows are the word table's, at the rows' word ids
+            a, ids, word = self.buf, word_ids, self.weights.word.weight
+        else:  # a rank: row i's word row is row i of the summed buffer's front
+            a, ids, word = self.rows_at(rows), self.row_ids, self.buf
+        # Programmatic dependent launch only behind the gather: a rank's GEMM follows the all-reduce.
+        gemm_ops.dense_gemm_bf16_word(
+            self.gpu,
+            self.gemm_kernel,
+            a,
+            self.projs,
+            out,
+            rows,
+            self.dims.hidden_size,
+            self.cols,
+            ids,
+            word,
+            self.inv_scale,
+            stream,
+            overlap=self.shard is None,
+            path=self.path,
+            word_over=word_over,
+        )

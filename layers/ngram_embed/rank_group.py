@@ -10,6 +10,7 @@ from typing import Any
 
 from gpu_runtime import validate
 
+from ..tensor_parallel import CollectiveGroup
 from .fused import FusedNgramEmbedding
 from .runner_checks import out_address
 
@@ -24,7 +25,7 @@ def embed_all(
 ) -> int:
     """Rank r embeds the batch into ``outs[r]`` on ``streams[r]`` (every rank's output is the
     same, the single-GPU fused path's). Returns the rows. Everything is checked before any upload."""
-    if not hasattr(group, "allreduce_bf16_all"):
+    if not isinstance(group, CollectiveGroup):
         raise TypeError(f"embed_all: group must be a CollectiveGroup, got {type(group).__name__}")
     validate.require_open(group.closed, "embed_all: the group")
     if not (len(ranks) == len(outs) == len(streams) == group.size):

@@ -4,6 +4,7 @@ SHELL := /bin/bash
 PYTHON ?= python3
 ARCH ?=
 LOG_DIR ?= .logs
+RESULTS ?= bench/RESULTS.md
 BENCHES ?= launch kernels overlay ngram_embed cached decode host_gather tensor_parallel
 SANITIZERS ?= memcheck racecheck initcheck synccheck
 SANITIZE_TESTS ?= tests
@@ -21,15 +22,21 @@ kernels:
 test:
 	$(PYTHON) -m pytest
 
+# The benchmarks' log goes to $(LOG_DIR)/bench.log and their tables, under the machine, commit
+# and date, to $(RESULTS) (bench/results.py; COMMIT=... names the commit where the tree is no git
+# checkout).
 bench:
-	@for b in $(BENCHES); do echo "== bench.$$b"; PYTHONUNBUFFERED=1 $(PYTHON) -m bench.$$b || exit 1; done
+	@mkdir -p $(LOG_DIR)
+	@for b in $(BENCHES); do echo "== bench.$$b"; PYTHONUNBUFFERED=1 $(PYTHON) -m bench.$$b || exit 1; done \
+	  2>&1 | tee $(LOG_DIR)/bench.log
+	$(PYTHON) -m bench.results $(LOG_DIR)/bench.log --out $(RESULTS) $(if $(COMMIT),--commit "$(COMMIT)")
 
 # Every test with GPU tests required (REQUIRE_GPU turns a skipped GPU test into a failure),
 # then the benchmarks; logs under $(LOG_DIR).
 gpu-check: kernels
 	@mkdir -p $(LOG_DIR)
 	REQUIRE_GPU=1 $(PYTHON) -m pytest -q 2>&1 | tee $(LOG_DIR)/test.log
-	$(MAKE) --no-print-directory bench 2>&1 | tee $(LOG_DIR)/bench.log
+	$(MAKE) --no-print-directory bench
 
 # Every GPU test under each compute-sanitizer tool (tests/sanitize.py: one pass per tool, each
 # split over SANITIZE_JOBS processes on the one device), then a table of tool, tests, errors.

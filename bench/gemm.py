@@ -96,7 +96,7 @@ def gemm_rows(gpu: CudaBackend, bw: float, rate: float | None) -> list[tuple]:
     for path, (m, n, k) in [(None, s) for s in SHAPES] + FORCED:
         set_bytes = (m * k + n * k + m * n) * 2
         sets = _input_sets(set_bytes, gpu.l2_bytes)
-        chosen = gemm.plan(m, n, k, path, wgmma=wgmma, tma=tma, tma_store=tma,  # aligned buffers
+        chosen = gemm.plan(m, n, k, path, wgmma=wgmma, tma=tma, tma_store=tma, gemv=wgmma,  # aligned buffers
                            sms=gpu.sm_count).path
         ms = _ours_ms(gpu, m, n, k, sets, pool, path)
         t_ms = _torch_ms(m, n, k, sets) if path is None else None
@@ -133,7 +133,7 @@ def one_shape(spec: str, path: str | None) -> None:
     with CudaBackend() as gpu:
         sets = _input_sets((m * k + n * k + m * n) * 2, gpu.l2_bytes)
         tma = gemm.tma_available(gpu)
-        chosen = gemm.plan(m, n, k, path, wgmma=gemm.wgmma_available(gpu), tma=tma, tma_store=tma,
+        chosen = gemm.plan(m, n, k, path, wgmma=gemm.wgmma_available(gpu), tma=tma, tma_store=tma, gemv=tma,
                            sms=gpu.sm_count)
         us = _ours_ms(gpu, m, n, k, sets, pool, path) * 1e3
         print(f"{m}x{n}x{k} {chosen.path} ({chosen.kernel}, grid {chosen.grid}, block "
@@ -159,7 +159,7 @@ def sweep(spec: str) -> None:
         tma = gemm.tma_available(gpu)
         for m in SWEEP_ROWS:
             sets = _input_sets((m * k + n * k + m * n) * 2, gpu.l2_bytes)
-            chosen = gemm.plan(m, n, k, None, wgmma=gemm.wgmma_available(gpu), tma=tma, tma_store=tma,
+            chosen = gemm.plan(m, n, k, None, wgmma=gemm.wgmma_available(gpu), tma=tma, tma_store=tma, gemv=tma,
                                sms=gpu.sm_count).path
             auto = _ours_ms(gpu, m, n, k, sets, pool, None) * 1e3
             forced = [_ours_ms(gpu, m, n, k, sets, pool, p) * 1e3 for p in SWEEP_PATHS]

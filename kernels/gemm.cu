@@ -19,6 +19,9 @@
 // runs the scalar fallback (gemm_simt): slow but correct, so no launch shape gives wrong output.
 //
 // Paths (256 threads = 8 warps each), one header each:
+//   gemv    gemm_gemv.cuh: m <= 4 with fast loads and m * k <= 16384 (a decode step), 32 w rows
+//           per CTA streamed through a 192 KB cp.async ring, CUDA-core fp32 dot products, a
+//           butterfly sum per warp; 224 KB of shared memory (launched with less: small).
 //   small   gemm_small.cuh: m <= 64 (decode), mma.sync with the K loop split across the warps
 //           and a fixed-order reduction; 120 to 192 KB of shared memory.
 //   tiled   gemm_tiled.cuh: mma.sync, CTA tiles L = 128x256, M = 128x128, S = 64x64 (96, 64,
@@ -34,8 +37,9 @@
 // which path a launch runs, and the entry points.
 //
 // Entry points (same signature):
-//   dense_gemm_bf16_pipelined  the contract's kernel: small for m <= 64, else tiled (config from
-//                              the dynamic shared memory, as dense_gemm_bf16_tiled);
+//   dense_gemm_bf16_pipelined  the contract's kernel: gemv for m <= 4 when launched with its
+//                              shared memory, small for m <= 64, else tiled (config from the
+//                              dynamic shared memory, as dense_gemm_bf16_tiled);
 //   dense_gemm_bf16_small_m    small path for any m (rows in blocks of 64);
 //   dense_gemm_bf16_tiled      tiled path, config chosen by the dynamic shared memory given
 //                              (>= 96 KB: L, >= 64 KB: M, >= 32 KB: S);
@@ -57,6 +61,14 @@ namespace gemm {
 
 constexpr uint32_t kThreads = 256;
 constexpr uint32_t kWarps = kThreads / 32;
+
+// gemv path
+constexpr uint32_t kGemvMaxRows = 4;    // rows of a it takes (NR = 1, 2 or 4 accumulators)
+constexpr uint32_t kGemvCols = 32;      // w rows (columns of c) per work item: 4 per warp
+constexpr uint32_t kGemvChunk = 256;    // k per stage: 8 per lane
+constexpr uint32_t kGemvStages = 12;    // cp.async ring depth (16 KB stages)
+constexpr uint32_t kGemvAElems = 16384; // m * k at most: a is staged whole in shared memory
+constexpr uint32_t kGemvSmem = kGemvStages * kGemvCols * kGemvChunk * 2 + kGemvAElems * 2;
 
 // small path
 constexpr uint32_t kSmallMaxRows = 64;  // rows of a per work item (8 n8 tiles)
@@ -136,6 +148,7 @@ __host__ __device__ constexpr uint32_t tile_smem_bytes() {
 #include "gemm_common.cuh"
 #include "gemm_epilogue.cuh"
 #include "gemm_simt.cuh"
+#include "gemm_gemv.cuh"
 #include "gemm_small.cuh"
 #include "gemm_tiled.cuh"
 #include "gemm_wgmma.cuh"
@@ -145,6 +158,21 @@ __host__ __device__ constexpr uint32_t tile_smem_bytes() {
 namespace gemm {
 
 // -- which path a launch runs ------------------------------------------------------------------
+// gemv when the launch gives its shared memory and the operands suit it (it waits itself).
+template <class Ep>
+__device__ __forceinline__ bool run_gemv(const bf16* a, const bf16* w, bf16* c, uint32_t m,
+                                         uint32_t n, uint32_t k, const Ep& ep) {
+    if (m > kGemvMaxRows || static_cast<uint64_t>(m) * k > kGemvAElems || !fast_loads(a, w, k) ||
+        !block_is_256() || dynamic_smem_bytes() < kGemvSmem)
+        return false;
+    switch (m) {
+        case 1: gemv_gemm<1>(a, w, c, m, n, k, ep); break;
+        case 2: gemv_gemm<2>(a, w, c, m, n, k, ep); break;
+        default: gemv_gemm<4>(a, w, c, m, n, k, ep); break;
+    }
+    return true;
+}
+
 template <class Ep>
 __device__ __forceinline__ bool run_small(const bf16* a, const bf16* w, bf16* c, uint32_t m,
                                           uint32_t n, uint32_t k, const Ep& ep) {
@@ -176,10 +204,12 @@ __device__ __forceinline__ bool run_tiled(const bf16* a, const bf16* w, bf16* c,
     return true;
 }
 
-// small for m <= 64, tiled above (config from the shared memory), simt if the launch fits neither.
+// gemv where it fits, small for m <= 64, tiled above (config from the shared memory), simt if the
+// launch fits none.
 template <class Ep>
 __device__ __forceinline__ void pipelined_gemm(const bf16* a, const bf16* w, bf16* c, uint32_t m,
                                                uint32_t n, uint32_t k, const Ep& ep) {
+    if (run_gemv(a, w, c, m, n, k, ep)) return;
     const bool done = m <= kSmallMaxRows ? run_small(a, w, c, m, n, k, ep) : run_tiled(a, w, c, m, n, k, ep);
     if (!done) gemm_simt(a, w, c, m, n, k, ep);
 }
@@ -225,10 +255,11 @@ __device__ __forceinline__ void tma_or_simt_gemm(const TensorMap& amap, const Te
 
 // The word entry points run after the n-gram gather that writes a and word_ids, and may be
 // launched overlapping it (programmatic dependent launch): they wait for it (pdl_wait) before
-// reading a or word_ids. The small path requests its first weight stages before waiting.
+// reading a or word_ids. The gemv and small paths request their first weight stages before waiting.
 template <class Ep>
 __device__ __forceinline__ void dependent_gemm(const bf16* a, const bf16* w, bf16* c, uint32_t m,
                                                uint32_t n, uint32_t k, const Ep& ep) {
+    if (run_gemv(a, w, c, m, n, k, ep)) return;  // it waits itself
     if (m <= kSmallMaxRows && run_small(a, w, c, m, n, k, ep)) return;  // it waits itself
     pdl_wait();
     if (m <= kSmallMaxRows || !run_tiled(a, w, c, m, n, k, ep)) gemm_simt(a, w, c, m, n, k, ep);

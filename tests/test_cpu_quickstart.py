@@ -30,6 +30,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from layers.ngram_embed import NgramCheckpoint, NgramWeights
 from tests.helpers.checkpoint import PROJ, SCALE, TABLE, WORD, layer_bytes, tiny_config
@@ -90,6 +91,17 @@ def _env(tmp_path: Path) -> dict[str, str]:
     except importlib.metadata.PackageNotFoundError:
         env["PYTHONPATH"] = str(ROOT)
     return env
+
+
+def _registry_reachable(tmp_path: Path) -> bool:
+    """Whether pip can fetch the build backend (``hatchling``, from ``pyproject.toml``) from the
+    configured package registry: one attempt, no retries, 20 s at most."""
+    probe = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--retries", "0", "--timeout", "10",
+             "--dest", str(tmp_path / "probe"), "hatchling>=1.24"]
+    try:
+        return subprocess.run(probe, capture_output=True, timeout=20).returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
 
 
 def _run(tmp_path: Path, *args: str, guard: bool = False) -> subprocess.CompletedProcess:
@@ -219,6 +231,8 @@ def test_readme_quickstart_runs_as_written_from_a_fresh_copy(tmp_path):
     environment first on PATH, no GPU visible and no kernel cache: two commands, no ``make``,
     and the last prints the README's output."""
     commands = _readme_commands()
+    if not _registry_reachable(tmp_path):
+        pytest.skip("no package registry reachable: the README's `pip install .` fetches its build backend from one")
     assert len(commands) == 2 and not any(c.startswith("make") for c in commands), commands
     clone = tmp_path / "clone"
     listed = subprocess.run(

@@ -62,6 +62,29 @@ def test_small_plan_sizes_by_m(m, nt):
     assert p.grid == 4096 // 32
 
 
+@pytest.mark.parametrize("m, k, path", [
+    (1, 4096, "gemv"), (2, 4096, "gemv"), (3, 4096, "gemv"), (4, 4096, "gemv"), (1, 16384, "gemv"),
+    (4, 8192, "small"),  # a (m x k) too large for its shared memory
+    (5, 4096, "small"), (1, 4100, "small"),  # k % 8 != 0: rows are not 16-byte pieces
+])
+def test_few_rows_run_gemv_on_sm90a(m, k, path):
+    """path=None takes gemv on an sm_90a backend where m, k and the operands suit it: the
+    contract's kernel with GEMV_SMEM, a CTA per 32 columns; elsewhere, or misaligned, small."""
+    gpu = Sm90aBackend()
+    kern = load_kernel(gpu, "gemm", gemm.KERNEL)
+    for a in (_p(0), DevicePtr(_p(0) + 2)):
+        dense_gemm_bf16_pipelined(gpu, kern, a, _weight(4100, k), _p(2), m, 4100, k, 0)
+    aligned, misaligned = gpu.launches
+    assert aligned.kernel == misaligned.kernel == kern
+    want = gemm.GEMV_SMEM if path == "gemv" else gemm.small_smem(m)
+    assert (aligned.grid, aligned.shared_mem) == (((4100 + 31) // 32 if path == "gemv" else 129, 1, 1), want)
+    assert misaligned.shared_mem == gemm.small_smem(m)
+    other = RecordingBackend()  # not sm_90a: small
+    dense_gemm_bf16_pipelined(other, load_kernel(other, "gemm", gemm.KERNEL), _p(0), _weight(4100, k), _p(2),
+                              m, 4100, k, 0)
+    assert other.launches[0].shared_mem == gemm.small_smem(m)
+
+
 @pytest.mark.parametrize("m, n, expected", [
     (65, 4096, (64, 64)), (128, 4096, (64, 64)), (1000, 4096, (128, 256)), (1000, 2048, (128, 128)),
     (4096, 4096, (128, 256)), (4096, 100, (64, 64)), (100000, 100, (128, 128)),
@@ -203,6 +226,7 @@ def test_tma_falls_back_to_wgmma_for_operands_a_tensor_map_cannot_describe(a_off
     ("tma_store", "dense_gemm_bf16_wgmma", 197632),
     ("tma_splitk", "dense_gemm_bf16_pipelined", 4 * (64 + 64) * 64),  # ... so path=None's plan
     ("simt", "dense_gemm_bf16_simt", 0),
+    ("gemv", "dense_gemm_bf16_pipelined", 4 * (64 + 64) * 64),  # not sm_90a: path=None's plan
 ])
 def test_forced_paths_launch_their_kernel(path, name, smem):
     gpu = RecordingBackend()
@@ -226,6 +250,10 @@ def _cu_constants() -> dict[str, int]:
 def test_launcher_constants_mirror_the_kernel():
     cu = _cu_constants()
     assert cu["kThreads"] == gemm.THREADS
+    assert (cu["kGemvMaxRows"], cu["kGemvCols"], cu["kGemvChunk"], cu["kGemvStages"], cu["kGemvAElems"],
+            cu["kGemvSmem"]) == (gemm.GEMV_MAX_ROWS, gemm.GEMV_COLS, gemm.GEMV_CHUNK, gemm.GEMV_STAGES,
+                                 gemm.GEMV_A_ELEMS, gemm.GEMV_SMEM)
+    assert gemm.GEMV_SMEM <= MAX_SHARED_OPTIN
     assert (cu["kSmallMaxRows"], cu["kSmallCols"], cu["kSmallStages"], cu["kSmallStagesNT8"],
             cu["kSmallWPieces"], cu["kPieceBytes"]) == (
         gemm.SMALL_MAX_ROWS, gemm.SMALL_COLS, gemm.SMALL_STAGES, gemm.SMALL_STAGES_NT8,
@@ -358,7 +386,7 @@ def test_gemm_matches_reference(gpu, rng, m, n, k):
 
 
 # -- GPU: every path forced, aligned and not ---------------------------------------------------
-FORCED_SHAPES = [(1, 1, 1), (3, 100, 7), (17, 264, 264), (64, 257, 1000), (130, 300, 520),
+FORCED_SHAPES = [(1, 1, 1), (3, 100, 7), (2, 264, 1000), (4, 4100, 4096), (17, 264, 264), (64, 257, 1000), (130, 300, 520),
                  (1000, 520, 72), (257, 4096, 256)]
 ALIGNMENTS = {"aligned": (0, 0), "c_off2": (0, 2), "all_off2": (2, 2), "ab_off8": (8, 0)}
 
@@ -374,7 +402,7 @@ def test_every_path_matches_reference(gpu, rng, path, m, n, k, alignment):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m, n, k", [(1, 40, 7), (5, 72, 4096), (64, 96, 1032), (200, 264, 2048),
+@pytest.mark.parametrize("m, n, k", [(1, 40, 7), (3, 72, 4096), (5, 72, 4096), (64, 96, 1032), (200, 264, 2048),
                                      (129, 257, 4104)])
 @pytest.mark.parametrize("path", [None, *gemm.PATHS])
 def test_exact_sums_are_bit_exact(gpu, rng, path, m, n, k):

@@ -346,12 +346,13 @@ def test_word_gemm_matches_reference(gpu, rng, m, n, k):
 # -- GPU: every path forced, aligned and not -------------------------------------------------------
 def _paths(m: int) -> list[str | None]:
     """The paths the word launcher runs for this m (small needs m <= 64, tiled m > 64)."""
-    fixed = ["small"] if m <= gemm.SMALL_MAX_ROWS else [
+    fixed = ["gemv", "small"] if m <= gemm.SMALL_MAX_ROWS else [
         "small", "tiled", "tiled_128x256", "tiled_128x128", "tiled_64x64"]
     return [None, *fixed, "wgmma", "tma", "tma_store", "tma_splitk", "simt"]
 
 
-FORCED = [(m, n, k, path) for m, n, k in [(1, 1, 1), (3, 100, 7), (17, 264, 264), (64, 257, 1000),
+FORCED = [(m, n, k, path) for m, n, k in [(1, 1, 1), (3, 100, 7), (2, 264, 1000), (4, 4100, 4096),
+                                          (17, 264, 264), (64, 257, 1000),
                                           (130, 300, 520), (512, 4096, 512), (257, 520, 72)]
           for path in _paths(m) if not (path == "simt" and m * n * k > 1 << 28)]
 ALIGNMENTS = {"aligned": (0, 0, 0), "c_off2": (0, 2, 0), "word_off2": (0, 0, 2),
@@ -371,7 +372,7 @@ def test_every_path_matches_reference(gpu, rng, m, n, k, path, alignment):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m, n, k, path", [(m, n, k, p) for m, n, k in
-                                           [(1, 40, 7), (5, 72, 4096), (64, 96, 1032),
+                                           [(1, 40, 7), (3, 72, 4096), (5, 72, 4096), (64, 96, 1032),
                                             (200, 264, 2048), (129, 257, 4104)]
                                            for p in _paths(m)])
 @pytest.mark.parametrize("word_off, replaced", [(0, False), (2, False), (0, True)])
@@ -418,10 +419,12 @@ def test_the_small_path_is_batch_invariant(gpu, rng, k):
 
 # -- GPU: the word kernel launched with other launch shapes (scalar fallback honours the epilogue) --
 @pytest.mark.gpu
-@pytest.mark.parametrize("m, n, k", [(16, 300, 264), (200, 300, 72)])
+@pytest.mark.parametrize("m, n, k", [(3, 300, 264), (16, 300, 264), (200, 300, 72)])
 @pytest.mark.parametrize("grid, block, smem", [
     ((1, 1, 1), (256, 1, 1), "plan"),
     ((7, 3, 2), (256, 1, 1), "plan"),
+    ((1, 1, 1), (256, 1, 1), gemm.GEMV_SMEM),  # the gemv path for m <= 4
+    ((7, 3, 2), (256, 1, 1), gemm.GEMV_SMEM),
     ((5, 1, 1), (128, 1, 1), 0),
     ((2, 1, 1), (32, 2, 2), 1024),
 ])

@@ -6,6 +6,9 @@ of ``gemm.cu``: a CPU test compares them). A launch whose block or shared memory
 its path still computes the right answer (the kernels fall back to a scalar loop), only slowly.
 
 Paths (``path=`` forces one; how each one works: docs/design_notes.md):
+- ``gemv``   m <= 4 (a decode step's rows; ``use_gemv``) on sm_90a with operands it can stream
+  (``gemv_available``): w through a deep cp.async ring, requested before a programmatic
+  dependent launch waits; a forced one it cannot take runs what ``path=None`` would.
 - ``small``  m <= 64 (the n-gram layer's decode/prefill GEMMs): 32 columns of c per CTA.
 - ``tiled``  mma.sync tensor-core tiles 128x256, 128x128 or 64x64 (``pick_tile``).
 - ``wgmma``  sm_90a wgmma 128x256 tiles: large m on an sm_90a device when the TMA path cannot take
@@ -71,6 +74,12 @@ def tma_available(gpu: GpuBackend) -> bool:
 def tma_operands(a: int, w: int, k: int) -> bool:
     """Tensor maps need 16-byte aligned bases and a row pitch (k bf16) that is a multiple of 16."""
     return k % 8 == 0 and int(a) % 16 == 0 and int(w) % 16 == 0
+
+
+def gemv_available(gpu: GpuBackend, a: int, w: int, k: int) -> bool:
+    """The gemv path needs its 224 KB of shared memory (sm_90a devices give a block 227 KB) and
+    16-byte rows: the conditions of a TMA operand."""
+    return wgmma_available(gpu) and tma_operands(a, w, k)
 
 
 def _check_gemm(
@@ -182,7 +191,9 @@ def _launch_plan(
     wgmma = wgmma_available(gpu)
     tma = tma_available(gpu) and tma_operands(a, w.weight, k)
     tma_store = tma and tma_operands(c, c, n)
-    return plan(m, n, k, path, wgmma=wgmma, tma=tma, tma_store=tma_store, sms=getattr(gpu, "sm_count", SMS), word=word)
+    gemv = gemv_available(gpu, a, w.weight, k)
+    sms = getattr(gpu, "sm_count", SMS)
+    return plan(m, n, k, path, wgmma=wgmma, tma=tma, tma_store=tma_store, gemv=gemv, sms=sms, word=word)
 
 
 # rows of a and of w per box of the TMA paths' maps (k: WG_BK); tma_store also maps c (64 x 64);

@@ -23,6 +23,7 @@ KERNELS = {
     "simt": "dense_gemm_bf16_simt",
 }
 PATHS = (
+    "gemv",
     "small",
     "tiled",
     "tiled_128x256",
@@ -53,6 +54,17 @@ WORD_TWINS = {
 
 THREADS = 256
 WARPS = THREADS // 32
+
+# gemv path (gemm.cu: kGemv*): run by the contract's kernel (and dense_gemm_bf16_word) when launched
+# with GEMV_SMEM bytes; path=None takes it for m <= GEMV_MAX_ROWS where ``use_gemv`` holds, on a
+# device that gives a block that much shared memory (the launcher's ``gemv``: sm_90a) and
+# operands it can stream (k % 8 == 0, a and w 16-byte aligned)
+GEMV_MAX_ROWS = 4
+GEMV_COLS = 32
+GEMV_CHUNK = 256
+GEMV_STAGES = 12
+GEMV_A_ELEMS = 16384
+GEMV_SMEM = GEMV_STAGES * GEMV_COLS * GEMV_CHUNK * 2 + GEMV_A_ELEMS * 2
 
 # small path (gemm.cu: kSmall*)
 SMALL_MAX_ROWS = 64
@@ -174,6 +186,11 @@ def use_wgmma(m: int, n: int) -> bool:
     )
 
 
+def use_gemv(m: int, k: int) -> bool:
+    """The gemv path's shapes: a few rows of a, staged whole in its shared memory."""
+    return m <= GEMV_MAX_ROWS and m * k <= GEMV_A_ELEMS
+
+
 def use_splitk(m: int, k: int) -> bool:
     """The split-K path for the mid-size m, where it measures faster than small and tiled."""
     lo, hi = SPLIT_AUTO_ROWS
@@ -190,20 +207,25 @@ def plan(
     wgmma: bool = False,
     tma: bool = False,
     tma_store: bool = False,
+    gemv: bool = False,
     sms: int = SMS,
     word: bool = False,
 ) -> GemmPlan:
     """The launch for ``c[m,n] = a[m,k] @ w[n,k]^T`` (all sizes >= 1).
 
-    ``path=None`` chooses: for m > 64 with enough 128x256 tiles, tma_store (when ``tma`` and
+    ``path=None`` chooses: gemv where ``use_gemv`` holds and ``gemv`` (the device and the operands
+    allow it: ``gemm.gemv_available``); for m > 64 with enough 128x256 tiles, tma_store (when ``tma`` and
     ``tma_store``: the device has TMA, a and w suit a tensor map, and so does c), tma (c does not)
     or wgmma (when ``wgmma``: no TMA); else tma_splitk where ``use_splitk`` (and ``tma``); else
     small for m <= 64 and the tiled config ``pick_tile`` gives above, both run by the contract's
-    kernel. A forced TMA path falls back the same way. ``sms``: the persistent TMA grid.
+    kernel. A forced TMA or gemv path falls back the same way. ``sms``: the persistent TMA grid.
     ``word=True`` (``word_plan``): the same launch, run by the word-epilogue kernels
     (``_word_twin``).
     """
-    p = _path_plan(m, n, k, path, wgmma, tma, tma_store, sms)
+    if (path is None or path == "gemv") and gemv and use_gemv(m, k):
+        p = GemmPlan("gemv", KERNEL, _grid(_cdiv(n, GEMV_COLS)), GEMV_SMEM)
+    else:
+        p = _path_plan(m, n, k, None if path == "gemv" else path, wgmma, tma, tma_store, sms)
     return _word_twin(p, m, path) if word else p
 
 

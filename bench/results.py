@@ -1,0 +1,126 @@
+"""``bench/RESULTS.md`` from a benchmark log: the machine, the commit and the date above every
+table that ``make bench`` printed, so that the recorded figures are never typed by hand.
+
+``make bench`` (and ``make gpu-check``) run it after the benchmarks: the log is their output
+(``== bench.<name>`` lines, then each benchmark's lines and markdown tables). Each benchmark
+becomes a section; a table keeps its title, its note line and its rows (each row's figure, its
+floor and anchor columns and their ratios, as the benchmark printed them); the other lines a
+benchmark printed (measured ceilings, checks, targets met or not) are kept as a list above its
+tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def git_commit() -> str | None:
+    """HEAD of the checkout this file is in, ``+ uncommitted changes`` when the tree differs;
+    None outside a git checkout (the GPU machine gets a copy of the tree without ``.git``)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=30)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() + (" + uncommitted changes" if dirty.stdout.strip() else "")
+
+
+def device_line() -> str:
+    """The GPU, its SM count and the driver's CUDA version, from the driver (no GPU: a note)."""
+    try:
+        from cuda.bindings import driver as cu
+
+        from gpu_runtime import CudaBackend
+        from gpu_runtime.driver import call
+
+        with CudaBackend() as gpu:
+            version = int(call(cu.cuDriverGetVersion))
+            return f"{gpu.name}, {gpu.sm_count} SMs, L2 {gpu.l2_bytes >> 20} MB, CUDA driver {version // 1000}.{version % 1000 // 10}"
+    except Exception as exc:  # noqa: BLE001 -- the record still says what it could not ask
+        return f"unknown ({type(exc).__name__}: {exc})"
+
+
+def sections(log: str) -> list[tuple[str, list[str]]]:
+    """(benchmark, its markdown lines) for each ``== bench.<name>`` of the log, in order: each
+    table as ``### title``, its note and its rows; every other line a benchmark printed as a list
+    item."""
+    out: list[tuple[str, list[str]]] = []
+    body: list[str] = []
+    state = "free"  # "head": after a table's title, before its rows; "rows": inside them
+    for line in log.splitlines():
+        if line.startswith("== bench."):
+            body = []
+            out.append((line[3:].strip(), body))
+            state = "free"
+            continue
+        if not out:
+            continue
+        if line.startswith("## "):
+            body += ["", "#" + line]
+            state = "head"
+            continue
+        if state == "head":
+            if line.startswith("|"):
+                body += ["", line]
+                state = "rows"
+            elif line.strip():
+                body += ["", line.strip()]
+            continue
+        if state == "rows" and line.startswith("|"):
+            body.append(line)
+            continue
+        if line.strip():
+            if state == "rows" or (body and not body[-1].startswith("- ")):
+                body.append("")
+            body.append(f"- {line.strip()}")
+        state = "free"
+    return out
+
+
+def render(log: str, *, commit: str | None, device: str, when: datetime) -> str:
+    lines = [
+        "# Benchmark results",
+        "",
+        "Written by `python -m bench.results` from the last `make bench` log; do not edit by hand.",
+        "",
+        f"- machine: {device}",
+        f"- commit: {commit or 'unknown (not a git checkout; pass --commit)'}",
+        f"- date: {when.strftime('%Y-%m-%d %H:%M UTC')}",
+        f"- Python {platform.python_version()}",
+    ]
+    for name, body in sections(log):
+        lines += ["", f"## {name}", *body]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.results", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("log", type=Path, help="the output of `make bench` (gpu-check: $(LOG_DIR)/bench.log)")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "RESULTS.md",
+                        help="where to write (default: bench/RESULTS.md)")
+    parser.add_argument("--commit", help="the commit the benchmarks ran on (default: this checkout's HEAD)")
+    args = parser.parse_args(argv)
+    if not args.log.is_file():
+        parser.error(f"no benchmark log at {args.log}")
+    text = render(args.log.read_text(), commit=args.commit or git_commit(), device=device_line(),
+                  when=datetime.now(timezone.utc))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    print(f"bench.results: wrote {args.out} ({text.count(chr(10))} lines)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -104,13 +104,18 @@ def render(log: str, *, commit: str | None, device: str, when: datetime) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
+def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.results", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("log", type=Path, help="the output of `make bench` (gpu-check: $(LOG_DIR)/bench.log)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "RESULTS.md",
                         help="where to write (default: bench/RESULTS.md)")
     parser.add_argument("--commit", help="the commit the benchmarks ran on (default: this checkout's HEAD)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = make_parser()
     args = parser.parse_args(argv)
     if not args.log.is_file():
         parser.error(f"no benchmark log at {args.log}")

@@ -63,9 +63,9 @@ def test_small_plan_sizes_by_m(m, nt):
 
 
 @pytest.mark.parametrize("m, k, path", [
-    (1, 4096, "gemv"), (2, 4096, "gemv"), (3, 4096, "gemv"), (4, 4096, "gemv"), (1, 16384, "gemv"),
-    (4, 8192, "small"),  # a (m x k) too large for its shared memory
-    (5, 4096, "small"), (1, 4100, "small"),  # k % 8 != 0: rows are not 16-byte pieces
+    (1, 256, "gemv"), (2, 256, "gemv"), (3, 200, "gemv"), (4, 256, "gemv"),
+    (1, 264, "small"), (1, 4096, "small"),  # k above GEMV_AUTO_MAX_K (forced: gemv, below)
+    (5, 256, "small"), (1, 252, "small"),  # k % 8 != 0: rows are not 16-byte pieces
 ])
 def test_few_rows_run_gemv_on_sm90a(m, k, path):
     """path=None takes gemv on an sm_90a backend where m, k and the operands suit it: the
@@ -83,6 +83,16 @@ def test_few_rows_run_gemv_on_sm90a(m, k, path):
     dense_gemm_bf16_pipelined(other, load_kernel(other, "gemm", gemm.KERNEL), _p(0), _weight(4100, k), _p(2),
                               m, 4100, k, 0)
     assert other.launches[0].shared_mem == gemm.small_smem(m)
+
+
+@pytest.mark.parametrize("m, k, forced", [(1, 4096, "gemv"), (4, 4096, "gemv"), (1, 16384, "gemv"),
+                                          (4, 4104, "small"), (2, 8200, "small"), (5, 64, "small")])
+def test_forced_gemv_takes_any_k_its_shared_memory_holds(m, k, forced):
+    gpu = Sm90aBackend()
+    dense_gemm_bf16_pipelined(gpu, load_kernel(gpu, "gemm", gemm.KERNEL), _p(0), _weight(4096, k), _p(2),
+                              m, 4096, k, 0, path="gemv")
+    (launch,) = gpu.launches
+    assert launch.shared_mem == (gemm.GEMV_SMEM if forced == "gemv" else gemm.small_smem(m))
 
 
 @pytest.mark.parametrize("m, n, expected", [

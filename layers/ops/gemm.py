@@ -6,9 +6,10 @@ of ``gemm.cu``: a CPU test compares them). A launch whose block or shared memory
 its path still computes the right answer (the kernels fall back to a scalar loop), only slowly.
 
 Paths (``path=`` forces one; how each one works: docs/design_notes.md):
-- ``gemv``   m <= 4 (a decode step's rows; ``use_gemv``) on sm_90a with operands it can stream
-  (``gemv_available``): w through a deep cp.async ring, requested before a programmatic
-  dependent launch waits; a forced one it cannot take runs what ``path=None`` would.
+- ``gemv``   m <= 4 and k <= 256 (the seed path's per-table projections at decode; ``use_gemv``)
+  on sm_90a with operands it can stream (``gemv_available``): w through a deep cp.async ring,
+  requested before a programmatic dependent launch waits; forced, any k with m * k <= 16384; a
+  forced one it cannot take runs what ``path=None`` would.
 - ``small``  m <= 64 (the n-gram layer's decode/prefill GEMMs): 32 columns of c per CTA.
 - ``tiled``  mma.sync tensor-core tiles 128x256, 128x128 or 64x64 (``pick_tile``).
 - ``wgmma``  sm_90a wgmma 128x256 tiles: large m on an sm_90a device when the TMA path cannot take

@@ -56,14 +56,18 @@ THREADS = 256
 WARPS = THREADS // 32
 
 # gemv path (gemm.cu: kGemv*): run by the contract's kernel (and dense_gemm_bf16_word) when launched
-# with GEMV_SMEM bytes; path=None takes it for m <= GEMV_MAX_ROWS where ``use_gemv`` holds, on a
-# device that gives a block that much shared memory (the launcher's ``gemv``: sm_90a) and
-# operands it can stream (k % 8 == 0, a and w 16-byte aligned)
+# with GEMV_SMEM bytes, for the shapes ``use_gemv`` allows, on a device that gives a block that much
+# shared memory (the launcher's ``gemv``: sm_90a) and operands it can stream (k % 8 == 0, a and w
+# 16-byte aligned). path=None takes it up to k = GEMV_AUTO_MAX_K (bench.gemm on the H200, us, one
+# run: 1x4096x256 4.58 against small's 5.0 and cuBLAS's 4.67; 1x4096x4096 13.3 against 13.7 cold,
+# but the decode step with its weights hot in L2 13.9 against 13.6: small there; k between 256 and
+# 4096 not measured yet)
 GEMV_MAX_ROWS = 4
 GEMV_COLS = 32
 GEMV_CHUNK = 256
 GEMV_STAGES = 12
 GEMV_A_ELEMS = 16384
+GEMV_AUTO_MAX_K = 256
 GEMV_SMEM = GEMV_STAGES * GEMV_COLS * GEMV_CHUNK * 2 + GEMV_A_ELEMS * 2
 
 # small path (gemm.cu: kSmall*)
@@ -186,9 +190,10 @@ def use_wgmma(m: int, n: int) -> bool:
     )
 
 
-def use_gemv(m: int, k: int) -> bool:
-    """The gemv path's shapes: a few rows of a, staged whole in its shared memory."""
-    return m <= GEMV_MAX_ROWS and m * k <= GEMV_A_ELEMS
+def use_gemv(m: int, k: int, forced: bool = False) -> bool:
+    """The gemv path's shapes: a few rows of a, staged whole in its shared memory; unless
+    ``forced``, k up to GEMV_AUTO_MAX_K, where it measured faster than small."""
+    return m <= GEMV_MAX_ROWS and m * k <= GEMV_A_ELEMS and (forced or k <= GEMV_AUTO_MAX_K)
 
 
 def use_splitk(m: int, k: int) -> bool:
@@ -222,7 +227,7 @@ def plan(
     ``word=True`` (``word_plan``): the same launch, run by the word-epilogue kernels
     (``_word_twin``).
     """
-    if (path is None or path == "gemv") and gemv and use_gemv(m, k):
+    if (path is None or path == "gemv") and gemv and use_gemv(m, k, forced=path == "gemv"):
         p = GemmPlan("gemv", KERNEL, _grid(_cdiv(n, GEMV_COLS)), GEMV_SMEM)
     else:
         p = _path_plan(m, n, k, None if path == "gemv" else path, wgmma, tma, tma_store, sms)

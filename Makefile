@@ -22,14 +22,16 @@ kernels:
 test:
 	$(PYTHON) -m pytest
 
-# The benchmarks' log goes to $(LOG_DIR)/bench.log and their tables, under the machine, commit
-# and date, to $(RESULTS) (bench/results.py; COMMIT=... names the commit where the tree is no git
-# checkout).
+# The benchmarks' log goes to $(LOG_DIR)/bench.log and, when every benchmark ran (BENCHES not
+# given), their tables under the machine, commit and date to $(RESULTS) (bench/results.py;
+# COMMIT=... names the commit where the tree is no git checkout): a subset never replaces the
+# full record.
 bench:
 	@mkdir -p $(LOG_DIR)
 	@for b in $(BENCHES); do echo "== bench.$$b"; PYTHONUNBUFFERED=1 $(PYTHON) -m bench.$$b || exit 1; done \
 	  2>&1 | tee $(LOG_DIR)/bench.log
-	$(PYTHON) -m bench.results $(LOG_DIR)/bench.log --out $(RESULTS) $(if $(COMMIT),--commit "$(COMMIT)")
+	$(if $(filter file,$(origin BENCHES)),$(PYTHON) -m bench.results $(LOG_DIR)/bench.log --out $(RESULTS) \
+	  $(if $(COMMIT),--commit "$(COMMIT)"),@echo "bench: BENCHES given, $(RESULTS) left as it is")
 
 # Every test with GPU tests required (REQUIRE_GPU turns a skipped GPU test into a failure),
 # then the benchmarks; logs under $(LOG_DIR).

@@ -30,7 +30,8 @@ SHAPES = [(1, 4096, 256), (16, 4096, 256), (128, 4096, 256), (4096, 4096, 256),
           (1, 4096, 4096), (64, 4096, 4096), (128, 4096, 4096), (4096, 4096, 4096),
           (8192, 8192, 8192)]
 # the paths path=None passes over, on the shapes where it chooses between them
-FORCED = [("small", (1, 4096, 256)), ("gemv", (1, 4096, 4096)), ("tma_splitk", (1, 4096, 256)), ("tma_splitk", (16, 4096, 256)),
+FORCED = [("small", (1, 4096, 256)), ("gemv", (1, 4096, 4096)),
+          ("tma_splitk", (1, 4096, 256)), ("tma_splitk", (16, 4096, 256)),
           ("tma_splitk", (128, 4096, 256)), ("tma_splitk", (1, 4096, 4096)),
           ("small", (64, 4096, 4096)), ("tiled", (128, 4096, 4096)),
           ("tma", (4096, 4096, 256)), ("tma", (4096, 4096, 4096)), ("tma", (8192, 8192, 8192)),
@@ -132,9 +133,8 @@ def one_shape(spec: str, path: str | None) -> None:
     pool = rng.standard_normal(_POOL_VALUES).astype(np.float32).astype(ml_dtypes.bfloat16)
     with CudaBackend() as gpu:
         sets = _input_sets((m * k + n * k + m * n) * 2, gpu.l2_bytes)
-        tma = gemm.tma_available(gpu)
-        chosen = gemm.plan(m, n, k, path, wgmma=gemm.wgmma_available(gpu), tma=tma, tma_store=tma, gemv=tma,
-                           sms=gpu.sm_count)
+        wgmma, tma = gemm.wgmma_available(gpu), gemm.tma_available(gpu)
+        chosen = gemm.plan(m, n, k, path, wgmma=wgmma, tma=tma, tma_store=tma, gemv=wgmma, sms=gpu.sm_count)
         us = _ours_ms(gpu, m, n, k, sets, pool, path) * 1e3
         print(f"{m}x{n}x{k} {chosen.path} ({chosen.kernel}, grid {chosen.grid}, block "
               f"{chosen.threads}, {chosen.shared_mem} B): {us:.2f} us, "
@@ -156,11 +156,10 @@ def sweep(spec: str) -> None:
     pool = rng.standard_normal(_POOL_VALUES).astype(np.float32).astype(ml_dtypes.bfloat16)
     rows = []
     with CudaBackend() as gpu:
-        tma = gemm.tma_available(gpu)
+        wgmma, tma = gemm.wgmma_available(gpu), gemm.tma_available(gpu)
         for m in SWEEP_ROWS:
             sets = _input_sets((m * k + n * k + m * n) * 2, gpu.l2_bytes)
-            chosen = gemm.plan(m, n, k, None, wgmma=gemm.wgmma_available(gpu), tma=tma, tma_store=tma, gemv=tma,
-                               sms=gpu.sm_count).path
+            chosen = gemm.plan(m, n, k, None, wgmma=wgmma, tma=tma, tma_store=tma, gemv=wgmma, sms=gpu.sm_count).path
             auto = _ours_ms(gpu, m, n, k, sets, pool, None) * 1e3
             forced = [_ours_ms(gpu, m, n, k, sets, pool, p) * 1e3 for p in SWEEP_PATHS]
             t_ms = _torch_ms(m, n, k, sets)

@@ -8,9 +8,7 @@ sequence and step.
 Rows (every time in microseconds):
   ours          ``dec.step`` captured on its own in R graphs, graph r reading slice r of a
                 pre-uploaded random token pool [R, B]; the graphs are replayed in a fixed random
-                order, so the n-gram ids change every step and few rows are L2-hot. B = 1 runs as
-                one kernel (ngram_decode_step) where the device allows; "two kernels" is the
-                gather + GEMM it replaces, the same bits.
+                order, so the n-gram ids change every step and few rows are L2-hot.
   bare graph    a graph of one tiny kernel (residual_add's bf16_scaled_add on 1 element): the
                 floor of any graph replay from Python. Target: ours host <= 1.3x this host.
   torch         its best form of the same step: token history per slot on the device
@@ -222,10 +220,6 @@ def ours_rows(ctx: Ctx, weights: NgramWeights, label: str, row_bytes: int | None
     dec = NgramDecoder(weights, max_seqs=MAX_SEQS, max_rows=MAX_ROWS, stream=ctx.stream)
     try:
         rows = [decode_row(ctx, dec, label, b, row_bytes) for b in BATCHES]
-        if dec.one_kernel:  # batch 1 ran as one kernel: the gather + GEMM it replaces, beside it
-            dec.one_kernel = False
-            rows.append(decode_row(ctx, dec, f"{label}, two kernels", 1, row_bytes))
-            dec.one_kernel = True
         err = dec.check_errors()
         print(f"{label}: decoder errors after all steps: {err!r}", flush=True)
         return rows

@@ -1,7 +1,7 @@
-// Part of gemm.cu (and of ngram_decode.cu's one-kernel step): launch geometry and the PTX
-// instructions that every path of the GEMM uses.
+// Part of gemm.cu (included after its sizes): launch geometry and the PTX instructions that every
+// path of the GEMM uses.
 #pragma once
-#include "gemm_sizes.cuh"
+#include "common.cuh"
 
 namespace gemm {
 

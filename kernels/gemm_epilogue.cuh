@@ -1,5 +1,5 @@
-// Part of gemm.cu (and of ngram_decode.cu's one-kernel step): the epilogues (the fp32 value each
-// accumulator becomes just before its one bf16 rounding) and the stores of c that apply them.
+// Part of gemm.cu (included after its sizes): the epilogues (the fp32 value each accumulator
+// becomes just before its one bf16 rounding) and the stores of c that apply them.
 //
 // ep.row(row, m) gives the row's epilogue, taken once per output row a thread stores (hoisted out
 // of the column loops); for row >= m it is a harmless dummy that is never applied. Its
@@ -61,17 +61,6 @@ struct WordEpilogue {
             : nullptr;
         if (o != nullptr) return Row{o, scale, pairs};
         return Row{id == kNoWord ? nullptr : word + static_cast<uint64_t>(id) * n, scale, pairs};
-    }
-};
-
-// WordEpilogue with each row's word row given in `rows` ([m] pointers, null: the row is written as
-// zeros; shared memory will do): ngram_decode.cu's one-kernel step picks them while it gathers.
-struct WordRowsEpilogue {
-    const bf16* const* rows;
-    float scale;
-    bool pairs;  // every row 4-byte aligned
-    __device__ __forceinline__ WordEpilogue::Row row(uint64_t r, uint32_t m) const {
-        return WordEpilogue::Row{r < m ? rows[r] : nullptr, scale, pairs};
     }
 };
 

@@ -1,5 +1,5 @@
-// Part of gemm.cu (and of ngram_decode.cu's one-kernel step): the small path, for m <= 64 (decode;
-// bound by reading w once).
+// Part of gemm.cu (included after its sizes): the small path, for m <= 64 (decode; bound by
+// reading w once).
 //
 // A work item is 32 columns of c (two m16 tiles of w rows) for up to 64 rows of a (NT = 1, 2, 4 or
 // 8 n8 tiles of a rows, from min(m, 64)). The K loop is split across the 8 warps (warp i takes
@@ -10,33 +10,20 @@
 // warp, 6 stages (4 for NT = 8). Partial fp32 accumulators are reduced across warps through shared
 // memory in a fixed order: still one rounding, no workspace. Shared memory: 8 warps x stages x
 // (4 + NT) x 512 B = 120 KB (NT=1), 144 KB (NT=2), 192 KB (NT=4, NT=8).
-// The first item's prologue requests its w pieces, then calls `stage`: WaitForA (pdl_wait: a comes
-// from the kernel before, gemm.cu's entry points) reads a through the ring as w; a stage with
-// kSharedA (ngram_decode.cu's one-kernel step) instead writes all m rows of a (k % 8 == 0) into
-// shared memory after the ring (small_smem_bytes(m) onward) and the K loop reads them there: the
-// same values in the same order, so the same bits.
 #pragma once
 #include "gemm_epilogue.cuh"
 #include "gemm_pipeline.cuh"
 
 namespace gemm {
 
-struct WaitForA {
-    static constexpr bool kSharedA = false;
-    static constexpr uint32_t kPre = ~0u;  // prologue stages of w requested before the stage: all
-    __device__ __forceinline__ void operator()(uint32_t) const { pdl_wait(); }
-};
-
 // Lane (g = lane / 4, t = lane % 4) of a warp copies, per 32-wide k-chunk, k = chunk*32 + 8t ..
 // +7 of: w rows col0 + 8p + g (piece p: w tile p / 2, upper 8 rows for odd p) and a rows
 // row0 + 8j + g (piece 4 + j). mma k-slots 2t, 2t+1 (then 2t+8, 2t+9) take the lane's elements
 // 0-1 (2-3) in the first mma of the chunk and 4-5 (6-7) in the second; a and w agree on this
 // permutation of k, so each product pairs equal k.
-template <uint32_t NT, class Ep, class Stage = WaitForA>
+template <uint32_t NT, class Ep>
 __device__ __forceinline__ void small_m_gemm(const bf16* a, const bf16* w, bf16* c, uint32_t m,
-                                             uint32_t n, uint32_t k, const Ep& ep,
-                                             const Stage& stage = Stage{}) {
-    constexpr bool kSharedA = Stage::kSharedA;
+                                             uint32_t n, uint32_t k, const Ep& ep) {
     constexpr uint32_t kStages = small_stages(NT);
     constexpr uint32_t kPieces = kSmallWPieces + NT;
     constexpr uint32_t kStageBytes = kPieces * kPieceBytes;
@@ -48,7 +35,6 @@ __device__ __forceinline__ void small_m_gemm(const bf16* a, const bf16* w, bf16*
     const uint32_t chunks = ceil_div(k, kSmallChunk);
     const uint32_t mine = warp < chunks ? (chunks - warp + kWarps - 1) / kWarps : 0;
     const uint32_t ring = smem_u32(smem_raw) + warp * kStages * kStageBytes + lane * 16;
-    const uint32_t a_sh = smem_u32(smem_raw) + kWarps * kStages * kStageBytes;  // kSharedA: a's rows
     float* red = reinterpret_cast<float*>(smem_raw);
     const uint64_t slices = ceil_div(n, kSmallCols);
     const uint64_t items = slices * ceil_div(m, kSmallMaxRows);
@@ -65,11 +51,11 @@ __device__ __forceinline__ void small_m_gemm(const bf16* a, const bf16* w, bf16*
         bool aok[NT];
         row_sources(a, row0 + g, 8, m, k, asrc, aok);
         // parts: 1 = the w pieces of a stage, 2 = its a pieces, 3 = both.
-        auto load = [&](uint32_t st, uint32_t i, uint32_t parts = 3) {
+        auto load = [&](uint32_t stage, uint32_t i, uint32_t parts = 3) {
             with_load_kind(fast, [&](auto kind) {
                 const uint32_t kk = (warp + i * kWarps) * kSmallChunk + 8 * t;
                 const bool kin = kk < k;
-                const uint32_t dst = ring + st * kStageBytes;
+                const uint32_t dst = ring + stage * kStageBytes;
                 if (parts & 1) load_rows(kind, wsrc, wok, dst, kPieceBytes, kk, kin, k);
                 if (parts & 2)
                     load_rows(kind, asrc, aok, dst + kSmallWPieces * kPieceBytes, kPieceBytes, kk,
@@ -91,37 +77,23 @@ __device__ __forceinline__ void small_m_gemm(const bf16* a, const bf16* w, bf16*
         // makes it wait longer.
         const bool first = item == block_rank();
         if (first) {
-            constexpr uint32_t pre = Stage::kPre < kStages - 1 ? Stage::kPre : kStages - 1;
 #pragma unroll 1
-            for (uint32_t s = 0; s < pre; ++s)
+            for (uint32_t s = 0; s < kStages - 1; ++s)
                 if (s < mine) load(s, s, 1);
-            stage(a_sh);
-#pragma unroll 1
-            for (uint32_t s = pre; s < kStages - 1; ++s)
-                if (s < mine) load(s, s, 1);
+            pdl_wait();
         }
-        const uint32_t parts = kSharedA ? (first ? 0 : 1) : (first ? 2 : 3);
-        pipe.start([&](uint32_t st, uint32_t i) { load(st, i, parts); });
+        pipe.start([&](uint32_t stage, uint32_t i) { load(stage, i, first ? 2 : 3); });
         for (uint32_t i = 0; i < mine; ++i) {
             pipe.wait();  // this lane's copies of chunk i have landed
             // Refill the stage read in iteration i-1 (its values were consumed by that
             // iteration's mma, and only this lane ever touches its slots).
-            pipe.refill(i, [&](uint32_t st, uint32_t j) { load(st, j, kSharedA ? 1 : 3); });
+            pipe.refill(i, load);
             const uint32_t src = ring + pipe.stage(i) * kStageBytes;
             uint4 wv[kSmallWPieces], av[NT];
 #pragma unroll
             for (uint32_t p = 0; p < kSmallWPieces; ++p) wv[p] = ld_shared16(src + p * kPieceBytes);
-            if constexpr (kSharedA) {  // rows past m and k past the end read as zeros, as copied
-                const uint32_t kk = (warp + i * kWarps) * kSmallChunk + 8 * t;
 #pragma unroll
-                for (uint32_t j = 0; j < NT; ++j) {
-                    const uint32_t row = row0 + 8 * j + g;
-                    av[j] = row < m && kk < k ? ld_shared16(a_sh + 2 * (row * k + kk)) : make_uint4(0, 0, 0, 0);
-                }
-            } else {
-#pragma unroll
-                for (uint32_t j = 0; j < NT; ++j) av[j] = ld_shared16(src + (kSmallWPieces + j) * kPieceBytes);
-            }
+            for (uint32_t j = 0; j < NT; ++j) av[j] = ld_shared16(src + (kSmallWPieces + j) * kPieceBytes);
 #pragma unroll
             for (uint32_t ti = 0; ti < 2; ++ti) {
                 const uint4 lo = wv[2 * ti], hi = wv[2 * ti + 1];  // w rows g and g + 8
@@ -163,9 +135,6 @@ __device__ __forceinline__ void small_m_gemm(const bf16* a, const bf16* w, bf16*
             store_pair(c, row, col0 + col, n, s0, s1, vec, ep.row(row, m));
         }
         __syncthreads();  // the next item's copies overwrite the reduction buffer
-    }
-    if constexpr (kSharedA) {  // a block without work items stages too: the stage may have duties
-        if (block_rank() >= items) stage(a_sh);
     }
 }
 

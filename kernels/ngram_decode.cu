@@ -29,7 +29,6 @@
 // sequences of one call on the same slot (or a fork whose destination is another pair's source
 // or destination) race on that slot's history (in bounds, result unspecified).
 #include "ngram_hash.cuh"
-#include "gemm_small.cuh"
 
 namespace {
 
@@ -42,8 +41,6 @@ constexpr uint32_t kErrSlot = 2;      // a slot >= max_seqs
 constexpr uint32_t kErrSeqlens = 4;   // cu_seqlens not a partition of 0..rows
 constexpr uint32_t kErrRollback = 8;  // a rollback deeper than the history holds
 constexpr uint32_t kErrAdapter = 16;  // an adapter index >= num_adapters
-constexpr uint32_t kErrLaunch = 32;   // ngram_decode_step launched with a shape it cannot run
-constexpr uint32_t kStepMaxRows = 8;  // ngram_decode_step: rows of one call (the small path's NT = 1)
 
 // Rows [start, end) of sequence s: uniform `per_seq` rows each when cu_seqlens is null.
 struct Span {
@@ -115,14 +112,13 @@ struct Adapters {
 
 // Append every sequence's tokens to its slot's history (run by one block, after every read):
 // a thread per sequence, so a batch of up to blockDim.x sequences costs one chain of loads.
-// `first` is this thread's index in the team that runs it, `stride` the team's size.
 __device__ void commit(const uint32_t* tokens, const uint32_t* cu, const uint32_t* slots,
                        uint32_t* hist, uint32_t* state, uint32_t* errors, uint32_t rows,
                        uint32_t num_seqs, uint32_t per_seq, uint32_t max_seqs, uint32_t hist_len,
-                       uint32_t vocab, uint32_t first, uint32_t stride) {
-    if (cu != nullptr && first == 0 && (__ldg(cu) != 0 || __ldg(cu + num_seqs) != rows))
+                       uint32_t vocab) {
+    if (cu != nullptr && threadIdx.x == 0 && (__ldg(cu) != 0 || __ldg(cu + num_seqs) != rows))
         atomicOr(errors, kErrSeqlens);
-    for (uint32_t s = first; s < num_seqs; s += stride) {
+    for (uint32_t s = threadIdx.x; s < num_seqs; s += blockDim.x) {
         const Span sp = span_of(cu, per_seq, s);
         const uint32_t slot = __ldg(slots + s);
         if (!sp.sane(rows)) {
@@ -143,193 +139,6 @@ __device__ void commit(const uint32_t* tokens, const uint32_t* cu, const uint32_
     }
 }
 
-// What every (row, table) pair of a gather call reads.
-struct Call {
-    const uint32_t* tokens;
-    const uint32_t* cu;  // cu_seqlens, or null: per_seq rows each
-    const uint32_t* slots;
-    const uint32_t* hist;
-    const uint32_t* state;
-    const uint64_t* tables;
-    const uint64_t* pows;
-    uint32_t rows, num_seqs, per_seq, max_seqs, hist_len, vocab, num_tables, max_ngram, splits, td, eos;
-};
-
-// Row r's sequence, its rows, slot and token, and what the row may do.
-struct RowInfo {
-    uint32_t s;
-    Span sp;
-    uint32_t slot, token;
-    RowCheck check;
-};
-
-__device__ __forceinline__ RowInfo row_info(const Call& g, uint32_t r) {
-    const uint32_t s = seq_of(g.cu, g.per_seq, g.num_seqs, r);
-    const Span sp = span_of(g.cu, g.per_seq, s);
-    const uint32_t slot = __ldg(g.slots + s);
-    const uint32_t token = __ldg(g.tokens + r);
-    return RowInfo{s, sp, slot, token, check_row(sp, r, g.rows, slot, token, g.max_seqs, g.vocab)};
-}
-
-// A row's word pair: the flags it raises, its word id (kNoWord: the row is written as zeros) and
-// its adapter's replacement word row (null: the base table's).
-struct WordPick {
-    uint32_t flags, word;
-    const bf16* over;
-};
-
-__device__ __forceinline__ WordPick word_pick(const Adapters& ad, const RowInfo& x) {
-    WordPick p{x.check.flags, x.check.skip ? kNoWord : x.token, nullptr};
-    if (!x.check.skip && ad.index != nullptr) {
-        const uint32_t a = __ldg(ad.index + x.s);
-        if (a != kNoAdapter && a >= ad.num) {
-            p.flags |= kErrAdapter;
-            p.word = kNoWord;
-        } else if (a != kNoAdapter) {
-            p.over = ad.row_of(a, x.token);
-        }
-    }
-    return p;
-}
-
-// Whether the look-back window and the history ring fit a warp (window_lane's case).
-__device__ __forceinline__ bool short_window(const Call& g) {
-    return g.max_ngram <= kWarp && g.hist_len <= kWarp;
-}
-
-// Row r's token d = lane positions back (kNoToken before the context start), for a row that is not
-// skipped and a short_window call. The ring is read whole (lane e: entry e) beside pos, not after
-// it, and picked with a shuffle: one dependent load fewer per step. Every lane of the warp.
-__device__ __forceinline__ uint32_t window_lane(const Call& g, const RowInfo& x, uint32_t r,
-                                                uint32_t lane) {
-    const uint32_t at = r - x.sp.start;  // the row's position in this call's tokens
-    const uint32_t* h = g.hist + static_cast<uint64_t>(x.slot) * g.hist_len;
-    const uint32_t ring = lane < g.hist_len ? h[lane] : kNoToken;
-    const uint32_t pos = g.state[2 * x.slot];
-    const uint32_t here =
-        lane <= at && lane < g.max_ngram ? clean(__ldg(g.tokens + r - lane), g.vocab) : kNoToken;
-    const uint32_t back = lane - at;  // positions before this call (lane > at)
-    const bool in_ring = lane > at && back <= pos;
-    const uint32_t old = __shfl_sync(ngram::kFull, ring, in_ring ? (pos - back) % g.hist_len : 0);
-    return lane <= at ? here : in_ring ? old : kNoToken;
-}
-
-// Row r's id in table c (descriptor t) for a row that is not skipped; `mine` is window_lane's
-// token where short_window(g) (unused otherwise). Every lane of the warp.
-__device__ __forceinline__ uint32_t table_id(const Call& g, const RowInfo& x, uint32_t r, uint32_t c,
-                                             const ngram::Table& t, uint32_t mine, uint32_t lane) {
-    const uint64_t* p = g.pows + static_cast<uint64_t>(c) * g.max_ngram;
-    const uint32_t order = c / g.splits + 2;
-    if (short_window(g))
-        return ngram::hash_id([mine](uint32_t) { return mine; }, p, order, t.rows, g.eos, lane);
-    const uint32_t at = r - x.sp.start;  // the row's position in this call's tokens
-    const uint32_t* h = g.hist + static_cast<uint64_t>(x.slot) * g.hist_len;
-    const uint32_t pos = g.state[2 * x.slot];
-    const auto window = [=](uint32_t d) -> uint32_t {
-        if (d <= at) return clean(__ldg(g.tokens + r - d), g.vocab);
-        const uint32_t back = d - at;  // positions before this call
-        return back > pos ? kNoToken : h[(pos - back) % g.hist_len];
-    };
-    return ngram::hash_id(window, p, order, t.rows, g.eos, lane);
-}
-
-// dst[0:td] = row r's row of table c (zeros for a skipped row): one warp, every lane.
-__device__ __forceinline__ void table_row(const Call& g, const RowInfo& x, uint32_t r, uint32_t c,
-                                          bf16* dst, uint32_t lane) {
-    if (x.check.skip) {
-        zero_row(dst, g.td, lane);
-        return;
-    }
-    const ngram::Table t = ngram::load_table(g.tables, c);
-    const uint32_t mine = short_window(g) ? window_lane(g, x, r, lane) : kNoToken;
-    ngram::copy_table_row(t, table_id(g, x, r, c, t, mine, lane), dst, g.td, lane);
-}
-
-// Called by every thread of every block once its reads of the histories are done: the last
-// block to get here appends the tokens to them (threadfence before the count, as CUDA's
-// threadFenceReduction) and resets the count in ctrl[1] for the next launch.
-__device__ __forceinline__ void commit_when_last(const Call& g, uint32_t* hist, uint32_t* state,
-                                                 uint32_t* ctrl) {
-    __shared__ bool last;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        last = atomicAdd(ctrl + 1, 1u) == gridDim.x - 1;
-    }
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    commit(g.tokens, g.cu, g.slots, hist, state, ctrl, g.rows, g.num_seqs, g.per_seq, g.max_seqs,
-           g.hist_len, g.vocab, threadIdx.x, blockDim.x);
-    if (threadIdx.x == 0) ctrl[1] = 0;
-}
-
-// The one-kernel step's stage of gemm::small_m_gemm (kSharedA): every row's T table rows into
-// shared memory (row r at a + r * T * td) and its word row into word_rows[r] (block 0 raises the
-// flags). Warp w takes row w % rows and every nq-th table from w / rows (nq: the warps on that
-// row), so each warp walks the chain of dependent loads (slot, history, table rows) once, with up
-// to four tables' rows prefetched together. Then thread 0 counts the block in ctrl[1]: `ticket`
-// is the count before it (gridDim.x - 1: the last block to have read the histories).
-struct StepGather {
-    static constexpr bool kSharedA = true;
-    static constexpr uint32_t kBatch = 4;  // tables whose rows are requested together
-#ifndef NGRAM_STEP_PRE
-#define NGRAM_STEP_PRE 0
-#endif
-    static constexpr uint32_t kPre = NGRAM_STEP_PRE;  // w stages requested before the gather
-    const Call& g;
-    const Adapters& ad;
-    const bf16* word;
-    uint32_t hidden;
-    uint32_t* ctrl;
-    const bf16** word_rows;
-    uint32_t& ticket;
-
-    __device__ __forceinline__ void operator()(uint32_t a_sh) const {
-        pdl_wait();  // the tokens (and the histories) may come from the kernel before
-        bf16* a = reinterpret_cast<bf16*>(gemm::smem_raw + (a_sh - gemm::smem_u32(gemm::smem_raw)));
-        const uint32_t lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-        const uint32_t rows = g.rows, tables = g.num_tables, td = g.td;
-        const uint32_t r = warp % rows, q = warp / rows, nq = (gemm::kWarps - r + rows - 1) / rows;
-        bf16* dst = a + static_cast<uint64_t>(r) * tables * td;
-        const RowInfo x = row_info(g, r);
-        if (q == 0 && lane == 0) {
-            const WordPick p = word_pick(ad, x);
-            if (p.flags && blockIdx.x == 0) atomicOr(ctrl, p.flags);
-            word_rows[r] = p.over != nullptr ? p.over
-                           : p.word == kNoWord ? nullptr
-                                               : word + static_cast<uint64_t>(p.word) * hidden;
-        }
-        if (x.check.skip) {
-            for (uint32_t c = q; c < tables; c += nq) zero_row(dst + c * td, td, lane);
-        } else {
-            const uint32_t mine = short_window(g) ? window_lane(g, x, r, lane) : kNoToken;
-            for (uint32_t c0 = q; c0 < tables; c0 += kBatch * nq) {
-                uint32_t ids[kBatch];
-#pragma unroll
-                for (uint32_t j = 0; j < kBatch; ++j) {
-                    const uint32_t c = c0 + j * nq;
-                    if (c >= tables) break;
-                    const ngram::Table t = ngram::load_table(g.tables, c);
-                    ids[j] = table_id(g, x, r, c, t, mine, lane);
-                    ngram::prefetch_table_row(t, ids[j], td, lane);
-                }
-#pragma unroll
-                for (uint32_t j = 0; j < kBatch; ++j) {
-                    const uint32_t c = c0 + j * nq;
-                    if (c >= tables) break;
-                    ngram::copy_table_row(ngram::load_table(g.tables, c), ids[j], dst + c * td, td, lane);
-                }
-            }
-        }
-        __syncthreads();  // a and word_rows complete; this block's reads of the histories done
-        if (threadIdx.x == 0) {
-            __threadfence();
-            ticket = atomicAdd(ctrl + 1, 1u);
-        }
-    }
-};
-
 }  // namespace
 
 // out[r, c*td:(c+1)*td] = row id_c(r) of table c (r < rows), word_ids[r] = tokens[r] (kNoWord for
@@ -344,8 +153,6 @@ extern "C" __global__ void ngram_decode_gather(
     const bf16* const* adapter_rows, const int32_t* adapter_counts, uint32_t num_adapters,
     uint32_t hidden, const bf16** word_over) {
     pdl_launch_dependents();  // the GEMM may start streaming its weights (it waits for our rows)
-    const Call g{tokens, cu_seqlens, slots, hist, state, tables, pows, rows, num_seqs, per_seq,
-                 max_seqs, hist_len, vocab, num_tables, max_ngram, splits, td, eos};
     const Adapters ad{adapters, adapter_maps, adapter_rows, adapter_counts, num_adapters, hidden};
     const uint32_t lane = threadIdx.x % kWarp;
     const uint64_t pairs = static_cast<uint64_t>(rows) * (num_tables + 1);  // + the word pairs
@@ -356,57 +163,78 @@ extern "C" __global__ void ngram_decode_gather(
         // keeps a host-memory table's pages within the GPU's TLB reach (2.3x faster at prefill).
         const uint32_t c = static_cast<uint32_t>(i / rows);
         const uint32_t r = static_cast<uint32_t>(i - static_cast<uint64_t>(c) * rows);
-        const RowInfo x = row_info(g, r);
-        if (c < num_tables) {
-            table_row(g, x, r, c, out + (static_cast<uint64_t>(r) * num_tables + c) * td, lane);
-        } else if (lane == 0) {  // the row's word pair: its flags, word id and replacement row
-            const WordPick p = word_pick(ad, x);
-            if (p.flags) atomicOr(ctrl, p.flags);
-            word_ids[r] = p.word;
-            if (word_over != nullptr) word_over[r] = p.over;
+        const uint32_t s = seq_of(cu_seqlens, per_seq, num_seqs, r);
+        const Span sp = span_of(cu_seqlens, per_seq, s);
+        const uint32_t slot = __ldg(slots + s);
+        const uint32_t token = __ldg(tokens + r);
+        const RowCheck check = check_row(sp, r, rows, slot, token, max_seqs, vocab);
+        if (c == num_tables) {  // the row's word pair: its flags, word id and replacement row
+            if (lane == 0) {
+                uint32_t flags = check.flags, word = check.skip ? kNoWord : token;
+                const bf16* over = nullptr;
+                if (!check.skip && ad.index != nullptr) {
+                    const uint32_t a = __ldg(ad.index + s);
+                    if (a != kNoAdapter && a >= ad.num) {
+                        flags |= kErrAdapter;
+                        word = kNoWord;
+                    } else if (a != kNoAdapter) {
+                        over = ad.row_of(a, token);
+                    }
+                }
+                if (flags) atomicOr(ctrl, flags);
+                word_ids[r] = word;
+                if (word_over != nullptr) word_over[r] = over;
+            }
+            continue;
         }
+        bf16* dst = out + (static_cast<uint64_t>(r) * num_tables + c) * td;
+        if (check.skip) {
+            zero_row(dst, td, lane);
+            continue;
+        }
+        const uint32_t at = r - sp.start;  // the row's position in this call's tokens
+        const uint32_t* h = hist + static_cast<uint64_t>(slot) * hist_len;
+        const ngram::Table t = ngram::load_table(tables, c);
+        const uint64_t* p = pows + static_cast<uint64_t>(c) * max_ngram;
+        const uint32_t order = c / splits + 2;
+        uint32_t id;
+        if (max_ngram <= kWarp && hist_len <= kWarp) {
+            // Lane d holds token d back. The ring is read whole (lane e: entry e) beside pos,
+            // not after it, and picked with a shuffle: one dependent load fewer per step.
+            const uint32_t ring = lane < hist_len ? h[lane] : kNoToken;
+            const uint32_t pos = state[2 * slot];
+            const uint32_t here = lane <= at && lane < max_ngram ? clean(__ldg(tokens + r - lane), vocab) : kNoToken;
+            const uint32_t back = lane - at;  // positions before this call (lane > at)
+            const bool in_ring = lane > at && back <= pos;
+            const uint32_t old = __shfl_sync(ngram::kFull, ring, in_ring ? (pos - back) % hist_len : 0);
+            const uint32_t mine = lane <= at ? here : in_ring ? old : kNoToken;
+            id = ngram::hash_id([mine](uint32_t) { return mine; }, p, order, t.rows, eos, lane);
+        } else {
+            const uint32_t pos = state[2 * slot];
+            const auto window = [=](uint32_t d) -> uint32_t {
+                if (d <= at) return clean(__ldg(tokens + r - d), vocab);
+                const uint32_t back = d - at;  // positions before this call
+                return back > pos ? kNoToken : h[(pos - back) % hist_len];
+            };
+            id = ngram::hash_id(window, p, order, t.rows, eos, lane);
+        }
+        ngram::copy_table_row(t, id, dst, td, lane);
     }
-    commit_when_last(g, hist, state, ctrl);
-}
 
-// The whole decode call in one kernel, for rows <= kStepMaxRows (a step of up to eight tokens):
-// out[r, :] = bf16((gathered row r @ proj^T + word row) * scale), the same bits as
-// ngram_decode_gather followed by dense_gemm_bf16_word on the small path (gemm_small.cuh). Each
-// block requests the first stages of its 32-column slice of proj [hidden, T*td], then gathers every
-// row's T table rows into its shared memory and picks the word rows (StepGather: its own copy, so
-// no block waits for another), then runs the small path's K loop reading a there. The last block
-// to have read the histories appends the tokens after its own columns (warp 0). Launched with 256
-// threads and small_smem_bytes(rows) + rows * T * td * 2 bytes of dynamic shared memory, td % 8 ==
-// 0 (layers/ops/ngram_decode.py); any other launch writes nothing and flags kErrLaunch. May be a
-// programmatic dependent of the kernel that writes the tokens: it waits for it before reading them.
-extern "C" __global__ void __launch_bounds__(256, 1) ngram_decode_step(
-    const uint32_t* tokens, const uint32_t* cu_seqlens, const uint32_t* slots, uint32_t* hist,
-    uint32_t* state, const uint64_t* tables, const uint64_t* pows, uint32_t* ctrl, uint32_t rows,
-    uint32_t num_seqs, uint32_t per_seq, uint32_t max_seqs, uint32_t hist_len, uint32_t vocab,
-    uint32_t num_tables, uint32_t max_ngram, uint32_t splits, uint32_t td, uint32_t eos,
-    const uint32_t* adapters, const int32_t* const* adapter_maps, const bf16* const* adapter_rows,
-    const int32_t* adapter_counts, uint32_t num_adapters, uint32_t hidden, const bf16* proj,
-    const bf16* word, bf16* out, float scale) {
-    const uint32_t k = num_tables * td;
-    if (!gemm::block_is_256() || rows == 0 || rows > kStepMaxRows || td % 8 != 0 ||
-        gemm::dynamic_smem_bytes() < gemm::small_smem_bytes(rows) + 2ull * rows * k) {
-        if (blockIdx.x == 0 && threadIdx.x == 0) atomicOr(ctrl, kErrLaunch);
-        return;
-    }
-    const Call g{tokens, cu_seqlens, slots, hist, state, tables, pows, rows, num_seqs, per_seq,
-                 max_seqs, hist_len, vocab, num_tables, max_ngram, splits, td, eos};
-    const Adapters ad{adapters, adapter_maps, adapter_rows, adapter_counts, num_adapters, hidden};
-    __shared__ const bf16* word_rows[kStepMaxRows];
-    uint32_t ticket = 0;
-    const StepGather gather{g, ad, word, hidden, ctrl, word_rows, ticket};
-    const gemm::WordRowsEpilogue ep{word_rows, scale, (reinterpret_cast<uintptr_t>(word) & 3) == 0};
-    gemm::small_m_gemm<1>(nullptr, proj, out, rows, hidden, k, ep, gather);
-    if (threadIdx.x < kWarp && __shfl_sync(ngram::kFull, ticket, 0) == gridDim.x - 1) {
+    // The last block to get here appends the tokens to the histories: every other block has
+    // finished reading them (threadfence before the count, as CUDA's threadFenceReduction).
+    __shared__ bool last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
         __threadfence();
-        commit(tokens, cu_seqlens, slots, hist, state, ctrl, rows, num_seqs, per_seq, max_seqs,
-               hist_len, vocab, threadIdx.x, kWarp);
-        if (threadIdx.x == 0) ctrl[1] = 0;  // ready for the next launch
+        last = atomicAdd(ctrl + 1, 1u) == gridDim.x - 1;
     }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    commit(tokens, cu_seqlens, slots, hist, state, ctrl, rows, num_seqs, per_seq, max_seqs,
+           hist_len, vocab);
+    if (threadIdx.x == 0) ctrl[1] = 0;  // ready for the next launch
 }
 
 // Append sequence s's tokens (tokens[cu_seqlens[s]:cu_seqlens[s+1]]) to slot slots[s]'s history

@@ -83,15 +83,4 @@ __device__ __forceinline__ void copy_table_row(const Table& t, uint32_t id, bf16
     }
 }
 
-// Ask L2 for the row copy_table_row(t, id, ...) will read (nothing for an absent table), so that
-// several rows' loads are in flight at once; one warp.
-__device__ __forceinline__ void prefetch_table_row(const Table& t, uint32_t id, uint32_t td,
-                                                   uint32_t lane) {
-    if (t.absent()) return;
-    const uint64_t bytes = t.scale == 0 ? 2ull * td : td;
-    const char* row = reinterpret_cast<const char*>(t.data) + id * bytes;
-    for (uint64_t off = 16ull * lane; off < bytes; off += 16ull * kWarp)
-        asm volatile("prefetch.global.L2 [%0];" :: "l"(row + off));
-}
-
 }  // namespace ngram

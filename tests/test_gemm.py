@@ -249,8 +249,8 @@ def test_forced_paths_launch_their_kernel(path, name, smem):
 
 
 def _cu_constants() -> dict[str, int]:
-    """Every ``constexpr uint32_t kName = <integer expression>;`` in gemm_sizes.cuh, evaluated."""
-    text = re.sub(r"//[^\n]*", "", (kernel_dir() / "gemm_sizes.cuh").read_text())
+    """Every ``constexpr uint32_t kName = <integer expression>;`` in gemm.cu, evaluated."""
+    text = re.sub(r"//[^\n]*", "", (kernel_dir() / "gemm.cu").read_text())
     values: dict[str, int] = {}
     for name, expr in re.findall(r"^constexpr\s+uint32_t\s+(k\w+)\s*=\s*([^;]+);", text, re.M):
         values[name] = int(eval(expr.replace("/", "//"), {"__builtins__": {}}, dict(values)))

@@ -60,10 +60,6 @@ LAUNCHERS = {
         lambda g, k: ngram_decode.ngram_decode_gather(
             g, k, _p(0), _p(1), _p(2), _p(3), _p(4), _p(5), _p(6), _p(7), _p(8), _p(9),
             9, 2, 0, 4, 5, 500, 6, 4, 2, 7, 11, 3),
-    ("ngram_decode", "ngram_decode_step"):
-        lambda g, k: ngram_decode.ngram_decode_step(
-            g, k, _p(0), _p(1), _p(2), _p(3), _p(4), _p(5), _p(6), _p(7),
-            3, 1, 0, 4, 5, 500, 6, 4, 2, 8, 11, _p(8), _p(9), _p(10), 0.25, 16, 3),
     ("ngram_decode", "ngram_decode_seed"):
         lambda g, k: ngram_decode.ngram_decode_seed(g, k, _p(0), _p(1), _p(2), _p(3), _p(4), _p(5),
                                                     9, 2, 4, 5, 500, 3),

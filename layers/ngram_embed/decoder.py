@@ -4,13 +4,11 @@ serving loops that capture their whole decode step in one CUDA graph (``docs/NGR
 Each slot (one live request) keeps its last ``N - 1 + max_draft`` tokens in device memory; one
 kernel reads the windows from that history, gathers every table's row and the word row (or an
 adapter's), and appends the tokens; the fused path's GEMM then rounds once, bit for bit
-``FusedNgramEmbedding``. A call of at most eight rows (a decode step of up to eight sequences,
-or drafts) runs both in one kernel where the device allows (``one_kernel``), with the same bits.
-Every call takes device buffers only and does no host synchronisation, allocation or upload, so
-it can be recorded in the caller's capture: ``prefill`` / ``step`` (ragged prompts / k tokens
-per sequence), ``seed`` (a prefix-cache hit: history only), ``fork`` (samples, beams),
-``rollback`` (rejected drafts), ``reset``. A ``PAD_SLOT`` entry writes zero rows and touches no
-history.
+``FusedNgramEmbedding``. Every call takes device buffers only and does no host synchronisation,
+allocation or upload, so it can be recorded in the caller's capture: ``prefill`` / ``step``
+(ragged prompts / k tokens per sequence), ``seed`` (a prefix-cache hit: history only), ``fork``
+(samples, beams), ``rollback`` (rejected drafts), ``reset``. A ``PAD_SLOT`` entry writes zero
+rows and touches no history.
 
 Static under capture: the call's addresses, ``num_seqs``, ``num_tokens``, ``k`` and whether
 ``adapters`` is given. Tokens, slots, ``cu_seqlens``, counts and adapter indices are read on the
@@ -31,7 +29,6 @@ import numpy as np
 from gpu_runtime import interop, validate
 
 from ..kernel_files import load_kernel
-from ..ops import gemm as gemm_ops
 from ..ops import ngram_decode as decode_ops
 from ..ops.ngram_decode import NO_ADAPTER, NO_ADAPTERS, PAD_SLOT, AdapterTables, DecodeError
 from ..overlay.slots import OverlaySlots
@@ -65,10 +62,7 @@ class NgramDecoder(Closing):
     ``adapter_slots``: the ``OverlaySlots`` whose embedding rows ``adapters=`` selects (its
     vocab and row width must be the model's). ``batch_invariant``: every row's bits the same
     whatever else is in its call (and equal to the fused path's alone, ``projection.gemm_path``).
-    ``collective``: a tensor-parallel shard's all-reduce (required for a shard's weights).
-    ``one_kernel``: whether calls of at most eight rows whose word GEMM takes the small path run
-    as one kernel (``ngram_decode_step``, the same bits; sm_90a, not a shard); True where allowed,
-    and may be set False (to compare the two-kernel form)."""
+    ``collective``: a tensor-parallel shard's all-reduce (required for a shard's weights)."""
 
     def __init__(
         self,
@@ -101,7 +95,6 @@ class NgramDecoder(Closing):
         self.adapter_slots, self.collective = adapter_slots, collective
         self.hist_len = max(dims.max_ngram - 1 + max_draft, 1)
         self.gather_kernel = load_kernel(gpu, decode_ops.MODULE, decode_ops.GATHER)
-        self.step_kernel = load_kernel(gpu, decode_ops.MODULE, decode_ops.STEP)
         self.seed_kernel = load_kernel(gpu, decode_ops.MODULE, decode_ops.SEED)
         self.fork_kernel = load_kernel(gpu, decode_ops.MODULE, decode_ops.FORK)
         self.rollback_kernel = load_kernel(gpu, decode_ops.MODULE, decode_ops.ROLLBACK)
@@ -117,10 +110,6 @@ class NgramDecoder(Closing):
             gpu.memset(self.hist, 0xFF, max_seqs * self.hist_len * 4, stream)
             gpu.memset(self.state, 0, max_seqs * 2 * 4, stream)
             gpu.memset(self.ctrl, 0, 2 * 4, stream)
-            # one kernel where the device gives a block the shared memory (sm_90) and not on a
-            # shard (whose GEMM follows the all-reduce)
-            self.one_kernel = weights.shard is None and gemm_ops.wgmma_available(gpu)
-            self._step_rows: dict[int, bool] = {}  # rows -> _one_kernel_fits, less one_kernel
         except BaseException:
             own.close()
             raise
@@ -330,72 +319,8 @@ class NgramDecoder(Closing):
         tables = self._adapter_tables(adapters, num_seqs)
         if rows == 0:
             return
-        if self._one_kernel_fits(rows):
-            self._launch_step(*indices, num_seqs, rows, per_seq, out, stream, tables)
-            return
         self.launch_gather(*indices, num_seqs, rows, per_seq, stream, tables)
         self.projection.finish(rows, self.word_ids, out, stream, tables.word_over)
-
-    def _one_kernel_fits(self, rows: int) -> bool:
-        """A call of ``rows`` rows runs as one kernel: ``one_kernel``, the kernel takes that many
-        rows, and the word GEMM would run the small path there (whose sums it reproduces)."""
-        if not self.one_kernel:
-            return False
-        fits = self._step_rows.get(rows)
-        if fits is None:
-            dims, proj = self.dims, self.projection
-            plan = gemm_ops.launch_plan(
-                self.gpu, proj.buf, proj.projs, proj.buf, rows, dims.hidden_size, proj.cols, proj.path, word=True
-            )
-            fits = decode_ops.step_fits(rows, dims.num_tables(), dims.table_dim()) and plan.path == "small"
-            self._step_rows[rows] = fits
-        return fits
-
-    def _launch_step(
-        self,
-        tokens: int,
-        cu_seqlens: int,
-        slots: int,
-        num_seqs: int,
-        rows: int,
-        per_seq: int,
-        out: int,
-        stream: int,
-        adapters: AdapterTables = NO_ADAPTERS,
-    ) -> None:
-        """A call as one kernel (gather and projection; ``_one_kernel_fits``), its arguments
-        checked, as ``launch_gather`` takes them (and ``out``)."""
-        dims, proj = self.dims, self.projection
-        decode_ops.ngram_decode_step(
-            self.gpu,
-            self.step_kernel,
-            tokens,
-            cu_seqlens,
-            slots,
-            self.hist,
-            self.state,
-            proj.desc,
-            proj.pows,
-            self.ctrl,
-            rows,
-            num_seqs,
-            per_seq,
-            self.max_seqs,
-            self.hist_len,
-            dims.vocab_size,
-            dims.num_tables(),
-            dims.max_ngram,
-            dims.splits,
-            dims.table_dim(),
-            dims.eos_id,
-            proj.projs.weight,
-            self.weights.word.weight,
-            out,
-            proj.inv_scale,
-            dims.hidden_size,
-            stream,
-            adapters,
-        )
 
     def launch_gather(
         self,

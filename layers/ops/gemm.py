@@ -176,7 +176,7 @@ def _launch(
     checked arguments, by name in ``args`` (its ``locals()``): ``kernel`` where the plan runs
     it, else the path's own kernel of ``gemm.cu``, with the TMA paths' tensor maps."""
     a, w, c, m, n, k = args["a"], args["w"], args["c"], args["m"], args["n"], args["k"]
-    p = launch_plan(gpu, a, w, c, m, n, k, path, word=name == WORD_KERNEL)
+    p = _launch_plan(gpu, a, w, c, m, n, k, path, word=name == WORD_KERNEL)
     handle = kernel if p.kernel == name else load_kernel(gpu, MODULE, p.kernel)
     maps = _tensor_maps(gpu, p.path, a, w, c, m, n, k) if p.path in _TMA_BOXES else {}
     spec_args = {**args, "w": w.weight, **maps}
@@ -184,12 +184,11 @@ def _launch(
     _SPECS[p.kernel].launch_from(gpu, handle, grid, block, stream, spec_args, shared_mem=p.shared_mem, overlap=overlap)
 
 
-def launch_plan(
+def _launch_plan(
     gpu: GpuBackend, a: int, w: DenseWeight, c: int, m: int, n: int, k: int, path: str | None, word: bool
 ) -> GemmPlan:
     """``plan`` for this backend and these operands (the TMA paths only where the device and the
-    operands allow them: a and w for loads, c too for TMA stores): what a launch of the GEMM (the
-    word GEMM with ``word``) runs."""
+    operands allow them: a and w for loads, c too for TMA stores)."""
     wgmma = wgmma_available(gpu)
     tma = tma_available(gpu) and tma_operands(a, w.weight, k)
     tma_store = tma and tma_operands(c, c, n)

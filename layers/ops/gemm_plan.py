@@ -1,9 +1,9 @@
 """The launch plans of ``gemm.py``'s GEMMs: from (m, n, k), which kernel of ``gemm.cu`` runs each
 path and with what grid and shared memory (``plan``, ``word_plan``), and the constants behind
-them, each mirroring a ``constexpr`` in ``gemm_sizes.cuh`` (a CPU test compares them).
+them, each mirroring a ``constexpr`` in ``gemm.cu`` (a CPU test compares them).
 
 Pure functions of their arguments: what the device and the operands allow (wgmma, TMA) the
-launcher works out (``gemm.launch_plan``) and passes in. ``gemm`` re-exports every name here
+launcher works out (``gemm._launch_plan``) and passes in. ``gemm`` re-exports every name here
 (``gemm.plan``, ``gemm.SPLIT_SMEM`` ...), where the tests and benchmarks read them.
 """
 
@@ -55,7 +55,7 @@ WORD_TWINS = {
 THREADS = 256
 WARPS = THREADS // 32
 
-# gemv path (gemm_sizes.cuh: kGemv*): run by the contract's kernel (and dense_gemm_bf16_word) when launched
+# gemv path (gemm.cu: kGemv*): run by the contract's kernel (and dense_gemm_bf16_word) when launched
 # with GEMV_SMEM bytes, for the shapes ``use_gemv`` allows, on a device that gives a block that much
 # shared memory (the launcher's ``gemv``: sm_90a) and operands it can stream (k % 8 == 0, a and w
 # 16-byte aligned). path=None takes it up to k = GEMV_AUTO_MAX_K (bench.gemm on the H200, us, one
@@ -70,7 +70,7 @@ GEMV_A_ELEMS = 16384
 GEMV_AUTO_MAX_K = 256
 GEMV_SMEM = GEMV_STAGES * GEMV_COLS * GEMV_CHUNK * 2 + GEMV_A_ELEMS * 2
 
-# small path (gemm_sizes.cuh: kSmall*)
+# small path (gemm.cu: kSmall*)
 SMALL_MAX_ROWS = 64
 SMALL_COLS = 32
 SMALL_STAGES = 6  # ring depth for NT <= 4
@@ -78,22 +78,22 @@ SMALL_STAGES_NT8 = 4  # ... and for NT = 8
 SMALL_W_PIECES = 4
 PIECE_BYTES = 32 * 16
 
-# tiled path (gemm_sizes.cuh: kTile*; the kernel takes the largest config its shared memory holds)
+# tiled path (gemm.cu: kTile*; the kernel takes the largest config its shared memory holds)
 TILE_K = 32
 TILE_STAGES = 4
 TILE_CONFIGS = ((128, 256), (128, 128), (64, 64))  # largest first
 FILL_TILES = 128
 PAD_SLACK = 1.1
 
-# wgmma path (gemm_sizes.cuh: kWg*)
+# wgmma path (gemm.cu: kWg*)
 WG_BM, WG_BN, WG_BK, WG_STAGES = 128, 256, 64, 4
 WG_SMEM = WG_STAGES * (WG_BM + WG_BN) * WG_BK * 2 + 1024
 
-# TMA path (gemm_sizes.cuh: kTma*): the wgmma tile, a producer and two consumer warpgroups, a persistent
+# TMA path (gemm.cu: kTma*): the wgmma tile, a producer and two consumer warpgroups, a persistent
 # grid of one CTA per SM
 TMA_THREADS, TMA_CONSUMERS, TMA_STAGES = 384, 2, 4
 TMA_SMEM = TMA_STAGES * (WG_BM + WG_BN) * WG_BK * 2 + 1024 + 16 * TMA_STAGES
-# ... with the TMA-store epilogue (gemm_sizes.cuh: kTmaStore*): 3 stages, a 64 x 256 bf16 staging area per
+# ... with the TMA-store epilogue (gemm.cu: kTmaStore*): 3 stages, a 64 x 256 bf16 staging area per
 # consumer; c must suit a tensor map too (16-byte aligned, n % 8 == 0), else it runs ``tma``
 TMA_STORE_STAGES, TMA_STAGING_BYTES = 3, 64 * WG_BN * 2
 TMA_STORE_SMEM = (
@@ -101,7 +101,7 @@ TMA_STORE_SMEM = (
 )
 SMS = 132  # H100 / H200 SXM: the persistent grid when the backend does not say
 
-# TMA split-K path (gemm_sizes.cuh: kSplit*): 64 w rows x 64 tokens a tile for m <= 64, 128 tokens above
+# TMA split-K path (gemm.cu: kSplit*): 64 w rows x 64 tokens a tile for m <= 64, 128 tokens above
 # (``split_rows``); k over a cluster of SPLIT_K CTAs and, inside each, over its two consumers (a
 # stage: one 64-wide k box of w and of a for each). One shared-memory size holds either tile.
 SPLIT_K, SPLIT_BN, SPLIT_BM, SPLIT_WIDE_BM = 2, 64, 64, 128

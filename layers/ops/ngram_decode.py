@@ -1,6 +1,5 @@
 """Launchers of ``kernels/ngram_decode.cu``: the device-resident n-gram decoder's gather (with its
-history update), its one-kernel step (gather and projection together, for a few rows),
-history-only seed, fork and rollback. Arguments in the kernels' positional order.
+history update), history-only seed, fork and rollback. Arguments in the kernels' positional order.
 
 Device state (``layers/ngram_embed/decoder.py`` owns it): ``hist [max_seqs, hist_len]`` u32 token
 ring per slot, ``state [max_seqs, 2]`` u32 (pos, hi) per slot, ``ctrl [2]`` u32 (error flags,
@@ -15,28 +14,17 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
 
 from gpu_runtime import GpuBackend, KernelHandle, validate
 
-from .gemm_plan import SMALL_COLS, small_smem
 from .ngram_fused import NO_TOKEN, check_tables
-from .specs import (
-    NGRAM_DECODE_FORK,
-    NGRAM_DECODE_GATHER,
-    NGRAM_DECODE_ROLLBACK,
-    NGRAM_DECODE_SEED,
-    NGRAM_DECODE_STEP,
-)
+from .specs import NGRAM_DECODE_FORK, NGRAM_DECODE_GATHER, NGRAM_DECODE_ROLLBACK, NGRAM_DECODE_SEED
 
 MODULE = "ngram_decode"
 GATHER = "ngram_decode_gather"
-STEP = "ngram_decode_step"
 SEED = "ngram_decode_seed"
 FORK = "ngram_decode_fork"
 ROLLBACK = "ngram_decode_rollback"
-STEP_MAX_ROWS = 8  # ngram_decode_step's rows per call (ngram_decode.cu: kStepMaxRows)
-STEP_MAX_SMEM = 232448  # the dynamic shared memory an H100 / H200 block may opt in to
 PAD_SLOT = 0xFFFFFFFF  # a padded batch entry: zero rows, no history read or written, no flag
 NO_ADAPTER = 0xFFFFFFFF  # a sequence served by the base word table
 
@@ -50,7 +38,6 @@ class DecodeError(enum.IntFlag):
     SEQLENS = 4  # cu_seqlens not 0 <= ... <= num_tokens, non-decreasing: rows left out zeroed
     ROLLBACK = 8  # a rollback count deeper than the history (over max_draft): slot unchanged
     ADAPTER = 16  # an adapter index >= the adapter slots (not NO_ADAPTER): its rows zeroed
-    LAUNCH = 32  # ngram_decode_step launched with a shape it cannot run (a launcher bug): nothing written
 
 
 @dataclass(frozen=True)
@@ -88,37 +75,6 @@ _PAIRS_PER_BLOCK = 256 // 32
 _MAX_BLOCKS = 4 * 132 * 8  # pairs are grid-strided past this
 
 
-def _check_call(name: str, args: dict[str, Any]) -> dict[str, Any]:
-    """The checks of a gather call's arguments (by name, as the launcher received them), shared by
-    ``ngram_decode_gather`` and ``ngram_decode_step``; returns them checked, the table arguments
-    under the kernels' names."""
-    checked = {
-        what: validate.u32(args[what], f"{name} {what}")
-        for what in ("rows", "num_seqs", "per_seq", "max_seqs", "hist_len", "vocab")
-    }
-    num_tables, max_ngram, splits, td, eos = check_tables(
-        name, args["num_tables"], args["max_ngram"], args["splits"], args["table_dim"], args["eos"]
-    )
-    rows, num_seqs, max_seqs, hist_len = (checked[w] for w in ("rows", "num_seqs", "max_seqs", "hist_len"))
-    if max_seqs < 1 or hist_len < max_ngram - 1 or hist_len < 1:
-        raise ValueError(
-            f"{name}: max_seqs must be >= 1 and hist_len >= max(1, max_ngram - 1); got {max_seqs}, {hist_len}"
-        )
-    if not 1 <= checked["vocab"] < NO_TOKEN:
-        raise ValueError(f"{name}: vocab must be in 1..2**32-2, got {checked['vocab']}")
-    if num_seqs > max_seqs:
-        raise ValueError(f"{name}: num_seqs {num_seqs} over max_seqs {max_seqs}")
-    if not args["cu_seqlens"] and rows != num_seqs * checked["per_seq"]:
-        raise ValueError(f"{name}: rows {rows} != num_seqs {num_seqs} * per_seq {checked['per_seq']}")
-    if rows and num_seqs == 0:
-        raise ValueError(f"{name}: {rows} rows in no sequence")
-    adapters: AdapterTables = args["adapters"]
-    if adapters.index and not (adapters.maps and adapters.rows and adapters.counts and adapters.word_over):
-        raise ValueError(f"{name}: adapter indices need every adapter table and word_over")
-    tables = {"num_tables": num_tables, "max_ngram": max_ngram, "splits": splits, "td": td, "eos": eos}
-    return {**args, **checked, **tables, **adapters.kernel_args()}
-
-
 def ngram_decode_gather(
     gpu: GpuBackend,
     kernel: KernelHandle,
@@ -151,81 +107,32 @@ def ngram_decode_gather(
     ``word_ids [rows]`` (and, with ``adapters``, their replacement word rows into its
     ``word_over``), then append each sequence's tokens to the history of ``slots[s]``.
     ``rows == 0`` launches nothing."""
-    args = _check_call(GATHER, locals())
-    rows, num_tables = args["rows"], args["num_tables"]
-    if rows:
-        grid = (min(-(-rows * (num_tables + 1) // _PAIRS_PER_BLOCK), _MAX_BLOCKS), 1, 1)  # + the word pairs
-        NGRAM_DECODE_GATHER.launch_from(gpu, kernel, grid, _BLOCK, stream, args)
-
-
-def step_smem(rows: int, num_tables: int, table_dim: int) -> int:
-    """``ngram_decode_step``'s dynamic shared memory: the small path's ring, then the gathered rows."""
-    return small_smem(rows) + 2 * rows * num_tables * table_dim
-
-
-def step_fits(rows: int, num_tables: int, table_dim: int) -> bool:
-    """Whether ``ngram_decode_step`` runs a call of ``rows`` rows: 1..STEP_MAX_ROWS rows, td % 8 ==
-    0, and its shared memory (``step_smem``) within STEP_MAX_SMEM. The caller also makes sure the
-    word GEMM would run the small path (the sums the kernel reproduces) on a device with the
-    shared memory (sm_90: ``NgramDecoder.one_kernel``)."""
-    return 1 <= rows <= STEP_MAX_ROWS and table_dim % 8 == 0 and step_smem(rows, num_tables, table_dim) <= STEP_MAX_SMEM
-
-
-def ngram_decode_step(
-    gpu: GpuBackend,
-    kernel: KernelHandle,
-    tokens: int,
-    cu_seqlens: int,
-    slots: int,
-    hist: int,
-    state: int,
-    tables: int,
-    pows: int,
-    ctrl: int,
-    rows: int,
-    num_seqs: int,
-    per_seq: int,
-    max_seqs: int,
-    hist_len: int,
-    vocab: int,
-    num_tables: int,
-    max_ngram: int,
-    splits: int,
-    table_dim: int,
-    eos: int | None,
-    proj: int,
-    word: int,
-    out: int,
-    scale: float,
-    hidden: int,
-    stream: int,
-    adapters: AdapterTables = NO_ADAPTERS,
-) -> None:
-    """``ngram_decode_gather`` and the word GEMM in one kernel (its rows and histories as the
-    gather's): ``out [rows, hidden] = bf16((gathered rows @ proj^T + word row) * scale)``, proj
-    the concatenated projections ``[hidden, T*td]`` bf16, word the word table ``[vocab, hidden]``
-    (or, with ``adapters``, a row's replacement row): the small path's bits. Only where
-    ``step_fits``: anything else is a ``ValueError`` here. A programmatic dependent launch: it
-    streams proj while the kernel before runs and waits for it before reading the tokens.
-    ``rows == 0`` launches nothing."""
-    args = _check_call(STEP, locals())
-    rows = args["rows"]
+    rows = validate.u32(rows, f"{GATHER} rows")
+    num_seqs = validate.u32(num_seqs, f"{GATHER} num_seqs")
+    per_seq = validate.u32(per_seq, f"{GATHER} per_seq")
+    max_seqs = validate.u32(max_seqs, f"{GATHER} max_seqs")
+    hist_len = validate.u32(hist_len, f"{GATHER} hist_len")
+    vocab = validate.u32(vocab, f"{GATHER} vocab")
+    num_tables, max_ngram, splits, table_dim, eos = check_tables(GATHER, num_tables, max_ngram, splits, table_dim, eos)
+    if max_seqs < 1 or hist_len < max_ngram - 1 or hist_len < 1:
+        raise ValueError(
+            f"{GATHER}: max_seqs must be >= 1 and hist_len >= max(1, max_ngram - 1); got {max_seqs}, {hist_len}"
+        )
+    if not 1 <= vocab < NO_TOKEN:
+        raise ValueError(f"{GATHER}: vocab must be in 1..2**32-2, got {vocab}")
+    if num_seqs > max_seqs:
+        raise ValueError(f"{GATHER}: num_seqs {num_seqs} over max_seqs {max_seqs}")
+    if not cu_seqlens and rows != num_seqs * per_seq:
+        raise ValueError(f"{GATHER}: rows {rows} != num_seqs {num_seqs} * per_seq {per_seq}")
     if rows == 0:
         return
-    hidden = validate.count(hidden, f"{STEP} hidden", limit=1 << 32)
-    if adapters.index and adapters.hidden != hidden:
-        raise ValueError(f"{STEP}: adapter rows {adapters.hidden} wide, the output {hidden}")
-    scale = validate.real32(scale, f"{STEP} scale")
-    tables, td = args["num_tables"], args["td"]
-    if not step_fits(rows, tables, td):
-        raise ValueError(
-            f"{STEP}: {rows} rows of {tables} x {td} do not fit the one-kernel step (1..{STEP_MAX_ROWS} rows, "
-            f"td % 8 == 0, shared memory {step_smem(rows, tables, td)} <= {STEP_MAX_SMEM})"
-        )
-    args.update(hidden=hidden, scale=scale)
-    grid = (-(-hidden // SMALL_COLS), 1, 1)
-    smem = step_smem(rows, tables, td)
-    NGRAM_DECODE_STEP.launch_from(gpu, kernel, grid, _BLOCK, stream, args, shared_mem=smem, overlap=True)
+    if num_seqs == 0:
+        raise ValueError(f"{GATHER}: {rows} rows in no sequence")
+    if adapters.index and not (adapters.maps and adapters.rows and adapters.counts and adapters.word_over):
+        raise ValueError(f"{GATHER}: adapter indices need every adapter table and word_over")
+    grid = (min(-(-rows * (num_tables + 1) // _PAIRS_PER_BLOCK), _MAX_BLOCKS), 1, 1)  # + the word pairs
+    args = dict(locals(), td=table_dim, **adapters.kernel_args())
+    NGRAM_DECODE_GATHER.launch_from(gpu, kernel, grid, _BLOCK, stream, args)
 
 
 def ngram_decode_seed(

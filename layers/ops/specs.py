@@ -66,17 +66,6 @@ NGRAM_DECODE_GATHER = _spec(
     "U num_adapters hidden",
     "P? word_over",
 )
-NGRAM_DECODE_STEP = _spec(
-    "ngram_decode_step",
-    "P tokens",
-    "P? cu_seqlens",
-    "P slots hist state tables pows ctrl",
-    "U rows num_seqs per_seq max_seqs hist_len vocab num_tables max_ngram splits td eos",
-    "P? adapters adapter_maps adapter_rows adapter_counts",
-    "U num_adapters hidden",
-    "P proj word out",
-    "F scale",
-)
 NGRAM_DECODE_SEED = _spec(
     "ngram_decode_seed", "P tokens cu_seqlens slots hist state ctrl", "U rows num_seqs max_seqs hist_len vocab"
 )
@@ -134,9 +123,7 @@ SPECS: dict[str, dict[str, KernelSpec]] = {  # kernel module -> kernel name -> i
         GEMM_TMA_STORE,
         GEMM_WORD_TMA_STORE,
     ),
-    "ngram_decode": _by_name(
-        NGRAM_DECODE_GATHER, NGRAM_DECODE_STEP, NGRAM_DECODE_SEED, NGRAM_DECODE_FORK, NGRAM_DECODE_ROLLBACK
-    ),
+    "ngram_decode": _by_name(NGRAM_DECODE_GATHER, NGRAM_DECODE_SEED, NGRAM_DECODE_FORK, NGRAM_DECODE_ROLLBACK),
     "ngram_fused": _by_name(NGRAM_GATHER),
     "residual_add": _by_name(SCALED_ADD, RESIDUAL_ADD),
     "row_cache": _by_name(SCATTER_ROWS),

@@ -29,8 +29,8 @@ class World:
     collective = None
 
     def __init__(self, gpu, rng, *, max_seqs=6, max_rows=96, max_draft=3, kinds="bf", eos=True,
-                 max_ngram=3, splits=2, adapters=0, override=60, batch_invariant=False, table_dim=24):
-        dims = small_dims(max_ngram=max_ngram, splits=splits, table_dim=table_dim, hidden_size=72,
+                 max_ngram=3, splits=2, adapters=0, override=60, batch_invariant=False):
+        dims = small_dims(max_ngram=max_ngram, splits=splits, table_dim=24, hidden_size=72,
                           base_rows=997, vocab_size=600, eos_id=5 if eos else None)
         self.gpu, self.rng, self.dims = gpu, rng, dims
         self.host = random_layer(rng, dims, kinds)

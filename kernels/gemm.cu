@@ -52,8 +52,7 @@
 //   dense_gemm_bf16_word_small_m  as dense_gemm_bf16_small_m (any m: batch invariant);
 //   dense_gemm_bf16_word_wgmma as dense_gemm_bf16_wgmma, with the word epilogue.
 // Both may be launched as programmatic dependents of the gather that writes a and word_ids
-// (they wait for it before reading either; the gemv, small and split-K paths request their first
-// w stages first).
+// (they wait for it before reading either; the small path requests its first w stages first).
 // word_ids are not bounds-checked here (the kernel is not told the vocabulary size): the caller
 // guarantees word_ids[i] < vocab or word_ids[i] == kNoWord (that row is written as zeros).
 #include "common.cuh"
@@ -236,26 +235,21 @@ __device__ __forceinline__ void wgmma_or_tiled_gemm(const bf16* a, const bf16* w
 // stores (cmap is read only by the latter); kTmaSplitK: tma_splitk_gemm.
 enum TmaPath : uint32_t { kTmaLoadOnly, kTmaStoreC, kTmaSplitK };
 
-// `dependent`: a programmatic dependent of the kernel that writes a and the epilogue's inputs:
-// the split-K path requests its first w boxes before waiting for it (pdl_wait), the others wait
-// first.
 template <uint32_t P, class Ep>
 __device__ __forceinline__ void tma_or_simt_gemm(const TensorMap& amap, const TensorMap& wmap,
                                                   const TensorMap& cmap, const bf16* a,
                                                   const bf16* w, bf16* c, uint32_t m, uint32_t n,
-                                                  uint32_t k, const Ep& ep, bool dependent = false) {
+                                                  uint32_t k, const Ep& ep) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     if (P == kTmaSplitK ? splitk_launch_fits() : tma_launch_fits<P == kTmaStoreC>()) {
         if constexpr (P == kTmaSplitK) {
-            tma_splitk_gemm(amap, wmap, c, m, n, k, ep, dependent);
+            tma_splitk_gemm(amap, wmap, c, m, n, k, ep);
         } else {
-            if (dependent) pdl_wait();
             tma_gemm<P == kTmaStoreC>(amap, wmap, cmap, c, m, n, k, ep);
         }
         return;
     }
 #endif
-    if (dependent) pdl_wait();
     gemm_simt(a, w, c, m, n, k, ep);
 }
 
@@ -402,6 +396,7 @@ dense_gemm_bf16_word_tma_splitk(const __grid_constant__ TensorMap a_map,
                                 const bf16* w, bf16* c, uint32_t m, uint32_t n, uint32_t k,
                                 const uint32_t* word_ids, const bf16* word,
                                 const bf16* const* word_over, float scale) {
+    pdl_wait();
     gemm::tma_or_simt_gemm<gemm::kTmaSplitK>(a_map, w_map, a_map, a, w, c, m, n, k,
-                              gemm::word_epilogue(word_ids, word, word_over, n, scale), true);
+                              gemm::word_epilogue(word_ids, word, word_over, n, scale));
 }

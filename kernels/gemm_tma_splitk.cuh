@@ -88,13 +88,10 @@ __device__ __forceinline__ bool splitk_launch_fits() {
 // Tiles are (64 columns of c) x (BM rows of c). kRanks = kSplitK: k split over the cluster, cluster
 // c_id takes tiles c_id, c_id + clusters, ...; kRanks = 1: each CTA takes tiles of its own (block
 // b: b, b + blocks, ...), k split only between its consumers, summed in its own shared memory.
-// `dependent`: a (and the epilogue's inputs) come from the kernel before, a programmatic launch's
-// primary: thread 0 requests the w boxes of the ring's first stages, then waits for it (pdl_wait)
-// before any a box; every other thread waits for it first.
 template <uint32_t BM, uint32_t kRanks, class Ep>
 __device__ __forceinline__ void tma_splitk_tiles(const TensorMap& amap, const TensorMap& wmap,
                                                  bf16* c, uint32_t m, uint32_t n, uint32_t k,
-                                                 const Ep& ep, bool dependent) {
+                                                 const Ep& ep) {
     using T = SplitTile<BM>;
     static_assert(kSplitBN == 64 && kSplitBN % (2 * kRanks) == 0, "one m64 wgmma per tile, row pairs per CTA");
     static_assert(kRanks == 1 || kRanks == kSplitK, "k over the whole cluster or inside the CTA");
@@ -115,40 +112,28 @@ __device__ __forceinline__ void tma_splitk_tiles(const TensorMap& amap, const Te
     const uint32_t lane = tid & 31, wq = (tid >> 5) & 3, g = lane >> 2, t = lane & 3;
     const bool vec = vector_stores(c, n);
     uint32_t it = 0;  // k-tiles through the ring so far, this CTA
-    if (dependent && tid != 0) pdl_wait();
 
     for (uint64_t tile = block_rank() / kRanks; tile < tiles; tile += groups) {
         const uint32_t n0 = static_cast<uint32_t>(tile % tiles_n) * kSplitBN;
         const uint32_t m0 = static_cast<uint32_t>(tile / tiles_n) * BM;
         if (wg == 0) {
             if (tid == 0) {
-                // k-tile kt's boxes into its stage (past k or m: zero-filled); parts as gemm_small's
-                const auto load = [&](uint32_t kt, uint32_t parts) {
+                for (uint32_t kt = kt0; kt < kt1; ++kt) {
                     const uint32_t s = (it + kt - kt0) % kStages;
+                    const uint32_t use = (it + kt - kt0) / kStages;
+                    mbar_wait(empty + 8 * s, (use & 1) ^ 1);
+                    mbar_expect_tx(full + 8 * s, T::kStageBytes);
                     const uint32_t sw = base + s * T::kStageBytes;
-                    if (parts & 1) {  // first: the stage free, then its bytes expected
-                        mbar_wait(empty + 8 * s, (((it + kt - kt0) / kStages) & 1) ^ 1);
-                        mbar_expect_tx(full + 8 * s, T::kStageBytes);
-                    }
 #pragma unroll
-                    for (uint32_t h = 0; h < kTmaConsumers; ++h) {
+                    for (uint32_t h = 0; h < kTmaConsumers; ++h) {  // past k or m: zero-filled boxes
                         const uint32_t k0 = kt * kSplitBK + h * kWgBK;
-                        if (parts & 1) tma_load_2d(sw + h * kWBox, wmap, k0, n0, full + 8 * s);
+                        tma_load_2d(sw + h * kWBox, wmap, k0, n0, full + 8 * s);
 #pragma unroll
-                        for (uint32_t q = 0; q < BM / 64 && (parts & 2); ++q)  // 64-row boxes: one N = BM operand
+                        for (uint32_t q = 0; q < BM / 64; ++q)  // 64-row boxes, back to back: one N = BM operand
                             tma_load_2d(sw + kTmaConsumers * kWBox + h * kABox + q * 64 * WgmmaLayout::kRowBytes,
                                         amap, k0, m0 + 64 * q, full + 8 * s);
                     }
-                };
-                uint32_t kt = kt0;
-                if (dependent && it == 0) {  // the fresh ring's stages: w now, a once it is written
-                    const uint32_t ahead = min(kt1 - kt0, kStages);
-                    for (uint32_t j = 0; j < ahead; ++j) load(kt0 + j, 1);
-                    pdl_wait();
-                    for (uint32_t j = 0; j < ahead; ++j) load(kt0 + j, 2);
-                    kt += ahead;
                 }
-                for (; kt < kt1; ++kt) load(kt, 3);
             }
         } else {
             const uint32_t cw = wg - 1;
@@ -216,17 +201,17 @@ __device__ __forceinline__ void tma_splitk_tiles(const TensorMap& amap, const Te
 template <class Ep>
 __device__ __forceinline__ void tma_splitk_gemm(const TensorMap& amap, const TensorMap& wmap,
                                                 bf16* c, uint32_t m, uint32_t n, uint32_t k,
-                                                const Ep& ep, bool dependent) {
+                                                const Ep& ep) {
     if (threadIdx.x == 0) {  // the maps' descriptors on their way before the first TMA needs them
         asm volatile("prefetch.tensormap [%0];\n" :: "l"(reinterpret_cast<uint64_t>(&amap)) : "memory");
         asm volatile("prefetch.tensormap [%0];\n" :: "l"(reinterpret_cast<uint64_t>(&wmap)) : "memory");
     }
     if (k <= kSplitShortK) {
-        tma_splitk_tiles<kSplitBM, 1>(amap, wmap, c, m, n, k, ep, dependent);
+        tma_splitk_tiles<kSplitBM, 1>(amap, wmap, c, m, n, k, ep);
     } else if (m <= kSplitBM) {
-        tma_splitk_tiles<kSplitBM, kSplitK>(amap, wmap, c, m, n, k, ep, dependent);
+        tma_splitk_tiles<kSplitBM, kSplitK>(amap, wmap, c, m, n, k, ep);
     } else {
-        tma_splitk_tiles<kSplitWideBM, kSplitK>(amap, wmap, c, m, n, k, ep, dependent);
+        tma_splitk_tiles<kSplitWideBM, kSplitK>(amap, wmap, c, m, n, k, ep);
     }
 }
 

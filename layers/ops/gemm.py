@@ -190,9 +190,9 @@ def _launch_plan(
     """``plan`` for this backend and these operands (the TMA paths only where the device and the
     operands allow them: a and w for loads, c too for TMA stores)."""
     wgmma = wgmma_available(gpu)
-    tma = tma_available(gpu) and tma_operands(a, w.weight, k)
+    gemv = wgmma and tma_operands(a, w.weight, k)  # gemv_available, without asking twice
+    tma = gemv and isinstance(gpu, TensorMaps)  # tma_available and the operands
     tma_store = tma and tma_operands(c, c, n)
-    gemv = gemv_available(gpu, a, w.weight, k)
     sms = getattr(gpu, "sm_count", SMS)
     return plan(m, n, k, path, wgmma=wgmma, tma=tma, tma_store=tma_store, gemv=gemv, sms=sms, word=word)
 

@@ -17,11 +17,13 @@ import ctypes
 import itertools
 import struct
 
+from typing import Any
+
 import numpy as np
 from cuda.bindings import driver as cu
 
 from bench.common import bench_parser, host_time_us, print_table
-from gpu_runtime import CudaBackend, KernelLaunch, compiler, driver
+from gpu_runtime import CudaBackend, KernelLaunch, KernelSpec, compiler, driver
 from gpu_runtime.cuda_backend import DRIVER_MODULES
 from layers.kernel_files import kernel_dir, load_kernel
 from layers.ops.embed import batched_embed
@@ -30,6 +32,20 @@ from layers.ops.specs import SCALED_ADD
 from layers.ops.token_overlay import embed_overlay_routed
 
 N = 1024
+
+
+class BackendRoutedSpec(KernelSpec):
+    """A spec that refuses the backend's direct route: every launch goes through
+    ``gpu.launch_spec`` (the path a spec launch took before ``KernelSpec.allow_direct``)."""
+
+    __slots__ = ()
+
+    def allow_direct(self, kernel: int, backend: object, launch: Any, refusal: Any) -> dict[int, Any]:
+        return {}
+
+
+SCALED_ADD_ROUTED = BackendRoutedSpec(
+    SCALED_ADD.name, **{p.name: "P?" if p.name in SCALED_ADD.nullable else p.kind for p in SCALED_ADD.params})
 
 
 def bare_launcher(gpu: CudaBackend, kernel: int, out: int, x: int, stream: int):
@@ -156,6 +172,9 @@ def main(argv: list[str] | None = None) -> None:
             (KernelLaunch(gpu, kernel).grid([1, 1, 1]).block([256, 1, 1])
              .arg_ptr(out).arg_ptr(x).arg_f32(0.5).arg_u32(N).launch(stream))
 
+        def ours_spec_routed(i: int) -> None:
+            SCALED_ADD_ROUTED.launch(gpu, kernel, (1, 1, 1), (256, 1, 1), stream, out=out, x=x, scale=0.5, n=N)
+
         def ours_launcher(i: int) -> None:
             scaled_add(gpu, kernel, out, x, 0.5, N, stream)
 
@@ -165,6 +184,7 @@ def main(argv: list[str] | None = None) -> None:
         cases = [("bare cuLaunchKernel, prebuilt args", bare_launcher(gpu, kernel, out, x, stream)),
                  ("KernelLaunch builder", ours),
                  ("KernelSpec launch (SCALED_ADD)", ours_spec),
+                 ("KernelSpec launch, no direct route", ours_spec_routed),
                  ("layers.ops.scaled_add launcher", ours_launcher),
                  ("cuda.core launch", None if stub else cuda_core_launcher(gpu, out, x)),
                  ("CuPy RawKernel", None if stub else cupy_launcher())]

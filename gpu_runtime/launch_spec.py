@@ -20,6 +20,12 @@ or a non-number for an f32, is a ``TypeError``; a null pointer (unless ``P?``), 
 its kind's range or an f32 overflow is a ``ValueError``; each names the kernel and the
 parameter. An f32 may be infinite or NaN, as with ``KernelLaunch.arg_f32``: a launcher that
 needs it finite says so.
+
+A launch goes through ``gpu.launch_spec``, unless the backend allowed a direct route: once a
+backend has checked a kernel with a spec on a thread, it may call ``allow_direct``, and that
+thread's plain launches of the kernel on that backend (no ``overlap``, at most 48 KiB of dynamic
+shared memory) then call the backend's driver function straight from the launcher (about a third
+of a spec launch's Python; NOTES.md, "Launch cost").
 """
 
 from __future__ import annotations
@@ -39,6 +45,11 @@ from .signatures import Param, Signature
 
 F32_MAX = 3.4028234663852886e38
 NULLABLE = "P?"
+DIRECT_SHARED_MAX = 48 * 1024  # a direct launch needs no shared-memory opt-in
+DriverLaunch = Callable[
+    ..., tuple[Any]
+]  # cuLaunchKernel's signature: (kernel, gx, gy, gz, bx, by, bz, shared, stream, params, extra)
+LaunchRefusal = Callable[[Any, str, Any, Sequence[int], Sequence[int], int], Exception]
 _RESERVED = {"shared_mem", "overlap"}  # the launch's own keyword options
 
 
@@ -47,7 +58,7 @@ class KernelSpec:
     that may be null), and ``launch`` and ``launch_from``, which bind them by name (keywords, or
     a mapping's entries). ``offsets`` / ``sizes``: where each argument lies in the packed buffer."""
 
-    __slots__ = ("name", "params", "nullable", "kinds", "offsets", "sizes", "packer", "launch", "launch_from")
+    __slots__ = ("name", "params", "nullable", "kinds", "offsets", "sizes", "packer", "launch", "launch_from", "_local")
 
     name: str
     params: Signature
@@ -58,6 +69,7 @@ class KernelSpec:
     packer: struct.Struct
     launch: Callable[..., None]
     launch_from: Callable[..., None]
+    _local: threading.local  # .plan: this thread's _SpecPlan
 
     def __init__(self, kernel: str, /, **params: str) -> None:
         for pname, kind in params.items():
@@ -73,6 +85,7 @@ class KernelSpec:
         self.kinds = self.params.kinds
         self.offsets, self.sizes = layout(self.kinds)
         self.packer = struct.Struct(struct_format(self.kinds))
+        self._local = threading.local()
         self.launch, self.launch_from = _launchers(self)
 
     def __repr__(self) -> str:
@@ -81,6 +94,28 @@ class KernelSpec:
 
     def _kind(self, param: Param) -> str:
         return NULLABLE if param.name in self.nullable else param.kind
+
+    def thread_plan(self) -> _SpecPlan:
+        """This thread's packed-argument buffer for the spec (made at its first use)."""
+        try:
+            return self._local.plan
+        except AttributeError:
+            plan = self._local.plan = _SpecPlan(self.kinds)
+            return plan
+
+    def allow_direct(
+        self, kernel: int, backend: object, launch: DriverLaunch, refusal: LaunchRefusal
+    ) -> dict[int, Any]:
+        """For backends, not users. Let this thread's plain launches of ``kernel`` on
+        ``backend`` call ``launch`` (with
+        ``cuLaunchKernel``'s arguments) instead of ``gpu.launch_spec``; a nonzero status it returns
+        is raised as ``refusal(status, "cuLaunchKernel", kernel, grid, block, shared_mem)``. A
+        backend calls this only after its own checks of ``kernel`` with this spec passed on this
+        thread. Returns the thread's table, which the backend clears when it closes (the next
+        launch then goes through ``launch_spec`` again, and its refusal)."""
+        table = self.thread_plan().direct
+        table[int(kernel)] = (backend, launch, refusal)
+        return table
 
     def check_signature(self, signature: Sequence[Param], where: str) -> None:
         """``TypeError`` unless ``signature`` (read from the source) has this spec's parameter
@@ -143,6 +178,17 @@ class KernelSpec:
             raise ValueError(f"{what}: {value!r} overflows f32")
 
 
+class _SpecPlan(ArgPlan):
+    """A thread's packed arguments for one spec, and its direct routes: kernel -> (backend,
+    driver launch, refusal), from ``KernelSpec.allow_direct``."""
+
+    __slots__ = ("direct",)
+
+    def __init__(self, kinds: str) -> None:
+        super().__init__(kinds)
+        self.direct: dict[int, tuple[object, DriverLaunch, LaunchRefusal]] = {}
+
+
 def _show(params: Sequence[Param]) -> str:
     return ", ".join(f"{p.name}: {KIND_NAMES[p.kind]}" for p in params)
 
@@ -169,11 +215,11 @@ def _launchers(spec: KernelSpec) -> tuple[Callable[..., None], Callable[..., Non
         for p in spec.params
         if p.kind == "T"
     ]
-    body = (  # the values bound to their names: check, pack, hand to the backend
+    body = (  # the values bound to their names: check, pack, launch (directly, or through the backend)
         f"    try:\n"
         f"        plan = local.plan\n"
         f"    except AttributeError:\n"
-        f"        plan = local.plan = ArgPlan(spec.kinds)\n"
+        f"        plan = spec.thread_plan()\n"
         f"    try:\n"
         f"        bad = {' or '.join(guards) or 'False'}\n"
         f"        if not bad:\n"
@@ -184,6 +230,19 @@ def _launchers(spec: KernelSpec) -> tuple[Callable[..., None], Callable[..., Non
         f"        raise spec.refusal(({names}))\n"
         f"    if type(stream) is not int or stream < 0:\n"
         f"        stream = check_stream(stream, spec.name + ': stream')\n"
+        f"    direct = plan.direct.get(kernel)\n"
+        f"    if direct is not None and direct[0] is gpu and not overlap and type(shared_mem) is int \\\n"
+        f"            and shared_mem <= {DIRECT_SHARED_MAX}:\n"
+        f"        try:\n"
+        f"            gx, gy, gz = grid\n"
+        f"            bx, by, bz = block\n"
+        f"            (err,) = direct[1](kernel, gx, gy, gz, bx, by, bz, shared_mem, stream, plan.params, 0)\n"
+        f"        except (TypeError, ValueError, OverflowError):\n"
+        f"            pass  # not launched: the backend's launch_spec below phrases the refusal\n"
+        f"        else:\n"
+        f"            if err:\n"
+        f"                raise direct[2](err, 'cuLaunchKernel', kernel, grid, block, shared_mem)\n"
+        f"            return\n"
         f"    try:\n"
         f"        gpu.launch_spec(spec, kernel, grid, block, shared_mem, stream, plan.params, ({names}),\n"
         f"                        overlap)\n"
@@ -203,8 +262,7 @@ def _launchers(spec: KernelSpec) -> tuple[Callable[..., None], Callable[..., Non
     )
     namespace: dict[str, Any] = {
         "spec": spec,
-        "local": threading.local(),  # one argument buffer a thread, for both
-        "ArgPlan": ArgPlan,
+        "local": spec._local,  # one argument buffer a thread, for both
         "pack_into": spec.packer.pack_into,
         "struct_error": struct.error,
         "check_stream": validate.stream,

@@ -4,8 +4,11 @@
 // ep.row(row, m) gives the row's epilogue, taken once per output row a thread stores (hoisted out
 // of the column loops); for row >= m it is a harmless dummy that is never applied. Its
 // apply(col, v) maps one element, apply2(col, v0, v1) the pair (col, col + 1) of a vector store
-// (n even, col even, so col + 1 < n). Everything is inlined into every path's store, so a path is
-// written once and instantiated per epilogue; the plain one compiles to the code it replaced.
+// (n even, col even, so col + 1 < n). A row may also hand its operand to a store that stages it in
+// shared memory ahead of time (the TMA-store path): staged(col0) says whether the 16-byte pieces
+// from col0 on can be copied from src(col), and apply2(v0, v1, bits) applies a pair read back.
+// Everything is inlined into every path's store, so a path is written once and instantiated per
+// epilogue; the plain one compiles to the code it replaced.
 #pragma once
 #include "gemm_common.cuh"
 
@@ -15,6 +18,9 @@ struct PlainEpilogue {
     struct Row {
         __device__ __forceinline__ float apply(uint32_t, float v) const { return v; }
         __device__ __forceinline__ void apply2(uint32_t, float&, float&) const {}
+        __device__ __forceinline__ bool staged(uint32_t) const { return false; }
+        __device__ __forceinline__ const void* src(uint32_t) const { return nullptr; }
+        __device__ __forceinline__ void apply2(float&, float&, uint32_t) const {}
     };
     __device__ __forceinline__ Row row(uint64_t, uint32_t) const { return Row{}; }
 };
@@ -52,6 +58,18 @@ struct WordEpilogue {
                 v0 = add(v0, __ldg(p + col));
                 v1 = add(v1, __ldg(p + col + 1));
             }
+        }
+        // a zero row (p null) needs no operand; a word row is staged where its pieces are 16-byte
+        // aligned (every row of a 16-byte aligned table with n % 8 == 0: the TMA-store path's)
+        __device__ __forceinline__ bool staged(uint32_t col0) const {
+            return p != nullptr && (reinterpret_cast<uintptr_t>(p + col0) & 15) == 0;
+        }
+        __device__ __forceinline__ const void* src(uint32_t col) const { return p + col; }
+        __device__ __forceinline__ void apply2(float& v0, float& v1, uint32_t bits) const {
+            __nv_bfloat162 x;
+            memcpy(&x, &bits, 4);
+            v0 = add(v0, x.x);
+            v1 = add(v1, x.y);
         }
     };
     __device__ __forceinline__ Row row(uint64_t r, uint32_t m) const {

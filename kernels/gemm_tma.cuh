@@ -15,7 +15,8 @@
 //              flight and release the stage before it (each warp's lane 0 arrives on its empty
 //              barrier once wgmma.wait_group says the group that read it retired). Then they
 //              store their 64x256 fp32 accumulators through the epilogue (store_fragment), as
-//              the wgmma path does.
+//              the wgmma path does, or with TMA stores (store_tile_tma), the epilogue's operands
+//              then staged in shared memory during the main loop (stage_operands).
 // Mbarrier phases: the n-th use of stage s (n = it / kTmaStages over the CTA's whole k-tile
 // sequence) waits for full-phase parity n & 1; the producer waits for empty-phase parity
 // (n & 1) ^ 1, which a fresh barrier already satisfies for n = 0.
@@ -107,34 +108,72 @@ __device__ __forceinline__ bool tma_launch_fits() {
            dynamic_smem_bytes() >= (kStore ? kTmaStoreSmem : kTmaSmem);
 }
 
-// The TMA-store epilogue: a consumer's 64 x 256 results, through the epilogue and rounded, into
-// its staging area as four 64 x 64 boxes (128-byte rows, chunk ch of row r at ch ^ (r & 7): the
-// SWIZZLE_128B layout of c_map, and conflict-free for the fragment's writes), then stored by one
-// thread with TMA (clipped at m and n). The staging area is reused once the previous tile's
-// stores have read it (bulk wait_group.read).
-template <class Ep>
-__device__ __forceinline__ void store_tile_tma(const TensorMap& cmap, uint32_t stage, const float* d,
-                                               uint32_t row0, uint32_t n0, uint32_t m, uint32_t n,
-                                               uint32_t cw, const Ep& ep) {
+// The TMA-store epilogue. Each consumer owns a 64 x 256 staging area: four 64 x 64 boxes, 128-byte
+// rows, 16-byte chunk ch of row r at ch ^ (r & 7) (the SWIZZLE_128B layout of c_map, and
+// conflict-free for the fragment's writes). Thread (wq, g, t) owns rows r = 16 wq + g and r + 8,
+// and in each 16-byte chunk (column group j = 8 box + ch) the 4 bytes at 4t: columns 8j + 2t, +1.
+//
+// stage_operands, early in a tile's main loop: once the previous tile's TMA store has read the
+// staging area (bulk wait_group.read), the rows' epilogue operands (word rows) are copied into it
+// with cp.async, each 16-byte chunk at the place where its results will go. Thread t copies chunks
+// j = t, t + 4, ... of its two rows; where a row cannot be staged (not 16-byte aligned, or a chunk
+// crossing n) its pairs are loaded when applied. The epilogue then costs no memory round trip per
+// column group (read one at a time behind the st.shared, 32 of them a tile: NOTES-gemm.md).
+template <class Row>
+__device__ __forceinline__ void stage_operands(uint32_t stage, uint32_t n0, uint32_t n, uint32_t cw,
+                                               const Row& e0, const Row& e8) {
     const uint32_t tid = threadIdx.x & 127, lane = tid & 31, wq = tid >> 5, g = lane >> 2, t = lane & 3;
     if (tid == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
     warpgroup_bar(1 + cw);
+    const uint32_t r = wq * 16 + g;
+    const bool s0 = e0.staged(n0), s8 = e8.staged(n0);
+#pragma unroll
+    for (uint32_t j = t; j < kWgBN / 8; j += 4) {
+        const uint32_t col = n0 + 8 * j, box = stage + (j / 8) * 8192, ch = j % 8;
+        if (col + 8 > n) continue;
+        if (s0) cp_async16(box + r * 128 + ((ch ^ (r & 7)) << 4), e0.src(col), 16);
+        if (s8) cp_async16(box + (r + 8) * 128 + ((ch ^ ((r + 8) & 7)) << 4), e8.src(col), 16);
+    }
+    cp_async_commit();
+}
+
+// A consumer's 64 x 256 results, through e0 / e8 (staged by stage_operands, or loaded here) and
+// rounded, into its staging area, then stored by one thread with TMA (clipped at m and n).
+template <class Row>
+__device__ __forceinline__ void store_tile_tma(const TensorMap& cmap, uint32_t stage, const float* d,
+                                               uint32_t row0, uint32_t n0, uint32_t n, uint32_t cw,
+                                               const Row& e0, const Row& e8) {
+    const uint32_t tid = threadIdx.x & 127, lane = tid & 31, wq = tid >> 5, g = lane >> 2, t = lane & 3;
+    cp_async_wait<0>();
+    warpgroup_bar(1 + cw);  // every thread's chunks have landed
     const uint32_t r = wq * 16 + g;  // row of the consumer's 64 (and r + 8)
-    const auto e0 = ep.row(row0 + r, m), e8 = ep.row(row0 + r + 8, m);
+    const bool s0 = e0.staged(n0), s8 = e8.staged(n0);
 #pragma unroll
     for (uint32_t j = 0; j < kWgBN / 8; ++j) {
         const uint32_t col = n0 + 8 * j + 2 * t, box = stage + (j / 8) * 8192, ch = j % 8;
+        const uint32_t a0 = box + r * 128 + ((ch ^ (r & 7)) << 4) + 4 * t;
+        const uint32_t a8 = box + (r + 8) * 128 + ((ch ^ ((r + 8) & 7)) << 4) + 4 * t;
+        const bool whole = n0 + 8 * j + 8 <= n;  // the chunk was staged (for a staged row)
         float v[4] = {d[4 * j], d[4 * j + 1], d[4 * j + 2], d[4 * j + 3]};
         if (col < n) {  // past n the word row must not be read; TMA drops those columns
-            e0.apply2(col, v[0], v[1]);
-            e8.apply2(col, v[2], v[3]);
+            if (s0 && whole) {
+                uint32_t bits;
+                asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(bits) : "r"(a0) : "memory");
+                e0.apply2(v[0], v[1], bits);
+            } else {
+                e0.apply2(col, v[0], v[1]);
+            }
+            if (s8 && whole) {
+                uint32_t bits;
+                asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(bits) : "r"(a8) : "memory");
+                e8.apply2(v[2], v[3], bits);
+            } else {
+                e8.apply2(col, v[2], v[3]);
+            }
         }
         const __nv_bfloat162 lo = __floats2bfloat162_rn(v[0], v[1]), hi = __floats2bfloat162_rn(v[2], v[3]);
-        asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(box + r * 128 + ((ch ^ (r & 7)) << 4) + 4 * t),
-                     "r"(*reinterpret_cast<const uint32_t*>(&lo)) : "memory");
-        asm volatile("st.shared.b32 [%0], %1;\n"
-                     :: "r"(box + (r + 8) * 128 + ((ch ^ ((r + 8) & 7)) << 4) + 4 * t),
-                     "r"(*reinterpret_cast<const uint32_t*>(&hi)) : "memory");
+        asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(a0), "r"(*reinterpret_cast<const uint32_t*>(&lo)) : "memory");
+        asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(a8), "r"(*reinterpret_cast<const uint32_t*>(&hi)) : "memory");
     }
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // visible to the TMA unit
     warpgroup_bar(1 + cw);
@@ -193,6 +232,10 @@ __device__ __forceinline__ void tma_gemm(const TensorMap& amap, const TensorMap&
         uint64_t tm, tn;
         grouped_tile(tile, tiles_m, tiles_n, tm, tn);
         const uint32_t m0 = static_cast<uint32_t>(tm) * kWgBM, n0 = static_cast<uint32_t>(tn) * kWgBN;
+        // d[4j + e]: row 16*wq + g (+8 for e >= 2), column 8j + 2t (+1 for odd e).
+        const uint32_t row = m0 + cw * 64 + wq * 16 + g;
+        const auto e0 = ep.row(row, m), e8 = ep.row(row + 8, m);
+        const uint32_t stage_at = ktiles > 1 ? 1 : 0;  // behind a k-tile's wgmma, once e0 / e8 are known
         float d[128];
 #pragma unroll
         for (uint32_t i = 0; i < 128; ++i) d[i] = 0.0f;
@@ -203,6 +246,9 @@ __device__ __forceinline__ void tma_gemm(const TensorMap& amap, const TensorMap&
             const uint32_t sa = base + s * kWgStageBytes;
             const uint32_t sa_wg = sa + cw * 64 * WgmmaLayout::kRowBytes, sb = sa + kABytes;
             wgmma_k_tile(d, sa_wg, sb);
+            if constexpr (kStore) {
+                if (kt == stage_at) stage_operands(staging + cw * kTmaStagingBytes, n0, n, cw, e0, e8);
+            }
             asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
             wg_fence_operands(d);
             // the group of the previous k-tile retired: its stage may be refilled
@@ -213,15 +259,13 @@ __device__ __forceinline__ void tma_gemm(const TensorMap& amap, const TensorMap&
         if (ktiles > 0 && lane == 0) mbar_arrive(empty + 8 * ((it - 1) % kTmaStages));
 
         if constexpr (kStore) {
-            store_tile_tma(cmap, staging + cw * kTmaStagingBytes, d, m0 + cw * 64, n0, m, n, cw, ep);
-            continue;
-        }
-        // d[4j + e]: row 16*wq + g (+8 for e >= 2), column 8j + 2t (+1 for odd e).
-        const uint32_t row = m0 + cw * 64 + wq * 16 + g;
-        const auto e0 = ep.row(row, m), e8 = ep.row(row + 8, m);
+            if (ktiles == 0) stage_operands(staging + cw * kTmaStagingBytes, n0, n, cw, e0, e8);
+            store_tile_tma(cmap, staging + cw * kTmaStagingBytes, d, m0 + cw * 64, n0, n, cw, e0, e8);
+        } else {
 #pragma unroll
-        for (uint32_t j = 0; j < kWgBN / 8; ++j)
-            store_fragment(c, row, n0 + 8 * j + 2 * t, m, n, d + 4 * j, vec, e0, e8);
+            for (uint32_t j = 0; j < kWgBN / 8; ++j)
+                store_fragment(c, row, n0 + 8 * j + 2 * t, m, n, d + 4 * j, vec, e0, e8);
+        }
     }
     if constexpr (kStore) {
         if ((tid & 127) == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");

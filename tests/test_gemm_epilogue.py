@@ -355,7 +355,9 @@ FORCED = [(m, n, k, path) for m, n, k in [(1, 1, 1), (3, 100, 7), (2, 264, 1000)
                                           (17, 264, 264), (64, 257, 1000),
                                           (130, 300, 520), (512, 4096, 512), (257, 520, 72)]
           for path in _paths(m) if not (path == "simt" and m * n * k > 1 << 28)]
-ALIGNMENTS = {"aligned": (0, 0, 0), "c_off2": (0, 2, 0), "word_off2": (0, 0, 2),
+# word_off8: pairs of 4 bytes, but rows not 16-byte aligned (the TMA-store twin loads them when
+# applied instead of staging them in shared memory)
+ALIGNMENTS = {"aligned": (0, 0, 0), "c_off2": (0, 2, 0), "word_off2": (0, 0, 2), "word_off8": (0, 0, 8),
               "all_off2": (2, 2, 2), "ab_off8": (8, 0, 0)}
 
 
@@ -375,12 +377,13 @@ def test_every_path_matches_reference(gpu, rng, m, n, k, path, alignment):
                                            [(1, 40, 7), (3, 72, 4096), (5, 72, 4096), (64, 96, 1032),
                                             (200, 264, 2048), (129, 257, 4104)]
                                            for p in _paths(m)])
-@pytest.mark.parametrize("word_off, replaced", [(0, False), (2, False), (0, True)])
+@pytest.mark.parametrize("word_off, replaced", [(0, False), (2, False), (0, True), (8, True)])
 def test_exact_sums_are_bit_exact(gpu, rng, m, n, k, path, word_off, replaced):
     """Integers in [-8, 8]: acc is exact in fp32 in any order, so the epilogue (fp32 add, fp32
     multiply, one nearest-even rounding) must reproduce the reference bit for bit. ``replaced``:
     about half the rows take a replacement word row through ``word_over`` (an adapter's row), bit
-    for bit as if the word table held it at their id."""
+    for bit as if the word table held it at their id (with ``word_off`` 8, a mix of rows staged
+    in shared memory and rows loaded when applied, on the TMA-store twin)."""
     a = rng.integers(-8, 9, (m, k)).astype(np.float32).astype(BF16)
     w = rng.integers(-8, 9, (n, k)).astype(np.float32).astype(BF16)
     word = random_bf16(rng, (VOCAB, n), scale=8.0)

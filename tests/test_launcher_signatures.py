@@ -443,3 +443,35 @@ def test_spec_launch_per_thread_and_closed_backend(scripted):
     with pytest.raises(ClosedError, match="backend is closed"):
         KernelLaunch(gpu, k).arg_ptr(1).arg_ptr(2).arg_f32(1.0).arg_u32(3).launch(0)
     assert len(driver.launches) == 101
+
+
+def test_spec_launch_takes_the_direct_route_once_checked(scripted, monkeypatch, tmp_path):
+    """After the first launch of a (kernel, spec) pair on a thread, its plain launches call the
+    driver from the spec's launcher: the backend's ``launch_spec`` only sees the first one, the
+    overlapped ones and those over 48 KiB of shared memory. A second backend gets no route from
+    the first's, and a closed one loses its routes."""
+    gpu, driver, k = scripted
+    gpu.max_shared_optin = 227 * 1024  # the scripted device reports none
+    seen = []
+    through = gpu.launch_spec
+    monkeypatch.setattr(gpu, "launch_spec", lambda *a, **kw: (seen.append(a[0].name), through(*a, **kw)))
+    args = dict(dst=1, src=2, scale=0.5, n=3)
+    for _ in range(3):
+        ADD.launch(gpu, k, (1, 1, 1), (32, 1, 1), 0, **args)
+    ADD.launch(gpu, k, (1, 1, 1), (32, 1, 1), 0, **args, overlap=True)
+    ADD.launch(gpu, k, (1, 1, 1), (32, 1, 1), 0, **args, shared_mem=48 * 1024)
+    ADD.launch(gpu, k, (1, 1, 1), (32, 1, 1), 0, **args, shared_mem=48 * 1024 + 4)
+    assert seen == ["add"] * 3  # the first, the overlapped one, the one over 48 KiB
+    assert [how for how, *_ in driver.launches] == ["plain"] * 3 + ["overlap"] + ["plain"] * 2
+    plain = [config[2] for how, _, config, _ in driver.launches if how == "plain"]
+    assert plain == [0] * 3 + [48 * 1024, 48 * 1024 + 4]
+    assert {tuple(raw) for *_, raw in driver.launches} == {tuple(_packed(1, 2, 0.5, 3))}
+
+    other = CudaBackend()  # the same kernel handle value on another backend: its own checks
+    with pytest.raises(GpuError, match="not loaded by this backend"):
+        ADD.launch(other, k, (1, 1, 1), (32, 1, 1), 0, **args)
+    gpu.close()
+    with pytest.raises(ClosedError, match="backend is closed"):
+        ADD.launch(gpu, k, (1, 1, 1), (32, 1, 1), 0, **args)
+    assert len(driver.launches) == 6
+    other.close()

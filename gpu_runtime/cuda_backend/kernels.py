@@ -39,6 +39,7 @@ class CudaKernels(CudaContext):
     _loaded: dict[int, _Loaded]
     _checked: set[tuple[int, Any]]  # (kernel, kinds or KernelSpec) pairs that passed the checks
     _shared_set: dict[int, int]  # kernel -> dynamic shared memory opted in to
+    _direct_tables: dict[int, dict[int, Any]]  # id -> a spec's per-thread table of direct routes (launch.py)
 
     def _init_kernels(self) -> None:
         self._modules = {}
@@ -47,6 +48,7 @@ class CudaKernels(CudaContext):
         self._loaded = {}
         self._checked = set()
         self._shared_set = {}
+        self._direct_tables = {}
 
     def _release_kernels(self) -> None:
         for module in self._modules.values():
@@ -57,6 +59,10 @@ class CudaKernels(CudaContext):
         self._checked.clear()
         for table in self._thread_tables:  # every thread's: its next launch meets the checks again
             table.clear()
+        for direct in self._direct_tables.values():  # the specs' routes to this backend, too
+            for kernel in [k for k, route in direct.items() if route[0] is self]:
+                direct.pop(kernel, None)
+        self._direct_tables.clear()
 
     # -- loading ----------------------------------------------------------------------------
     def kernel(self, source: str | os.PathLike, name: str) -> KernelHandle:

@@ -4,7 +4,9 @@ Two entry points share the submission: ``launch`` (``KernelLaunch``: kinds and v
 position, already range-checked by the builder; packed here) and ``launch_spec``
 (``KernelSpec``: packed by the spec into its own buffer). Both check each new kernel and
 argument shape once (``kernels.py``); the rest is what every launch pays, so it is kept to a
-few lookups.
+few lookups. Once a (kernel, spec) pair passed on a thread, ``launch_spec`` gives the spec a
+direct route (``KernelSpec.allow_direct``): that thread's plain launches of the pair then call
+``cuLaunchKernel`` from the spec's launcher and only come here to phrase a refusal.
 """
 
 from __future__ import annotations
@@ -62,6 +64,9 @@ class CudaLaunch(CudaKernels):
             checked = False
         if not checked:
             self._check_spec(kernel, spec)
+            direct = spec.allow_direct(kernel, self, cu.cuLaunchKernel, self._launch_error)
+            with self._lock:
+                self._direct_tables[id(direct)] = direct
         self._submit(kernel, params, grid, block, shared_mem, stream, overlap)
 
     def _submit(

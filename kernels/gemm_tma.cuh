@@ -137,6 +137,20 @@ __device__ __forceinline__ void stage_operands(uint32_t stage, uint32_t n0, uint
     cp_async_commit();
 }
 
+// (v0, v1) at column col through row e: its operand pair read back from the staging area at
+// addr where it was staged, else loaded now.
+template <class Row>
+__device__ __forceinline__ void apply_pair(const Row& e, bool staged, uint32_t addr, uint32_t col,
+                                           float& v0, float& v1) {
+    if (staged) {
+        uint32_t bits;
+        asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(bits) : "r"(addr) : "memory");
+        e.apply2(v0, v1, bits);
+    } else {
+        e.apply2(col, v0, v1);
+    }
+}
+
 // A consumer's 64 x 256 results, through e0 / e8 (staged by stage_operands, or loaded here) and
 // rounded, into its staging area, then stored by one thread with TMA (clipped at m and n).
 template <class Row>
@@ -156,20 +170,8 @@ __device__ __forceinline__ void store_tile_tma(const TensorMap& cmap, uint32_t s
         const bool whole = n0 + 8 * j + 8 <= n;  // the chunk was staged (for a staged row)
         float v[4] = {d[4 * j], d[4 * j + 1], d[4 * j + 2], d[4 * j + 3]};
         if (col < n) {  // past n the word row must not be read; TMA drops those columns
-            if (s0 && whole) {
-                uint32_t bits;
-                asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(bits) : "r"(a0) : "memory");
-                e0.apply2(v[0], v[1], bits);
-            } else {
-                e0.apply2(col, v[0], v[1]);
-            }
-            if (s8 && whole) {
-                uint32_t bits;
-                asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(bits) : "r"(a8) : "memory");
-                e8.apply2(v[2], v[3], bits);
-            } else {
-                e8.apply2(col, v[2], v[3]);
-            }
+            apply_pair(e0, s0 && whole, a0, col, v[0], v[1]);
+            apply_pair(e8, s8 && whole, a8, col, v[2], v[3]);
         }
         const __nv_bfloat162 lo = __floats2bfloat162_rn(v[0], v[1]), hi = __floats2bfloat162_rn(v[2], v[3]);
         asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(a0), "r"(*reinterpret_cast<const uint32_t*>(&lo)) : "memory");

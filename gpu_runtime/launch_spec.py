@@ -24,8 +24,8 @@ needs it finite says so.
 A launch goes through ``gpu.launch_spec``, unless the backend allowed a direct route: once a
 backend has checked a kernel with a spec on a thread, it may call ``allow_direct``, and that
 thread's plain launches of the kernel on that backend (no ``overlap``, at most 48 KiB of dynamic
-shared memory) then call the backend's driver function straight from the launcher (about a third
-of a spec launch's Python; NOTES.md, "Launch cost").
+shared memory) then call the backend's driver function straight from the launcher, skipping the
+backend's frames.
 """
 
 from __future__ import annotations
@@ -46,9 +46,8 @@ from .signatures import Param, Signature
 F32_MAX = 3.4028234663852886e38
 NULLABLE = "P?"
 DIRECT_SHARED_MAX = 48 * 1024  # a direct launch needs no shared-memory opt-in
-DriverLaunch = Callable[
-    ..., tuple[Any]
-]  # cuLaunchKernel's signature: (kernel, gx, gy, gz, bx, by, bz, shared, stream, params, extra)
+# cuLaunchKernel's signature: (kernel, gx, gy, gz, bx, by, bz, shared, stream, params, extra) -> (status,)
+DriverLaunch = Callable[..., tuple[Any]]
 LaunchRefusal = Callable[[Any, str, Any, Sequence[int], Sequence[int], int], Exception]
 _RESERVED = {"shared_mem", "overlap"}  # the launch's own keyword options
 
@@ -106,13 +105,13 @@ class KernelSpec:
     def allow_direct(
         self, kernel: int, backend: object, launch: DriverLaunch, refusal: LaunchRefusal
     ) -> dict[int, Any]:
-        """For backends, not users. Let this thread's plain launches of ``kernel`` on
-        ``backend`` call ``launch`` (with
-        ``cuLaunchKernel``'s arguments) instead of ``gpu.launch_spec``; a nonzero status it returns
-        is raised as ``refusal(status, "cuLaunchKernel", kernel, grid, block, shared_mem)``. A
-        backend calls this only after its own checks of ``kernel`` with this spec passed on this
-        thread. Returns the thread's table, which the backend clears when it closes (the next
-        launch then goes through ``launch_spec`` again, and its refusal)."""
+        """For backends, not users. Let this thread's plain launches of ``kernel`` on ``backend``
+        call ``launch`` (with ``cuLaunchKernel``'s arguments) instead of ``backend.launch_spec``;
+        a nonzero status it returns is raised as ``refusal(status, "cuLaunchKernel", kernel,
+        grid, block, shared_mem)``. A backend calls this only after its own checks of ``kernel``
+        with this spec passed on this thread. Returns the thread's table, from which the backend
+        removes its routes when it closes (the next launch then goes through ``launch_spec``
+        again, and meets its refusal)."""
         table = self.thread_plan().direct
         table[int(kernel)] = (backend, launch, refusal)
         return table

@@ -14,6 +14,7 @@ from . import validate
 GRID_MAX = ((1 << 31) - 1, 65535, 65535)
 BLOCK_MAX = (1024, 1024, 64)
 MAX_THREADS = 1024
+SHARED_WITHOUT_OPT_IN = 48 * 1024  # more dynamic shared memory than this needs the kernel's opt-in
 
 
 def _dims(dims: Sequence[int], limits: tuple[int, int, int], what: str) -> tuple[int, int, int]:

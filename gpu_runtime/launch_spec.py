@@ -38,14 +38,12 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import validate
+from . import launch_config, validate
 from .backend import check_backend
 from .packing import KIND_NAMES, TENSOR_MAP_BYTES, ArgPlan, layout, struct_format
 from .signatures import Param, Signature
 
-F32_MAX = 3.4028234663852886e38
 NULLABLE = "P?"
-DIRECT_SHARED_MAX = 48 * 1024  # a direct launch needs no shared-memory opt-in
 # cuLaunchKernel's signature: (kernel, gx, gy, gz, bx, by, bz, shared, stream, params, extra) -> (status,)
 DriverLaunch = Callable[..., tuple[Any]]
 LaunchRefusal = Callable[[Any, str, Any, Sequence[int], Sequence[int], int], Exception]
@@ -173,7 +171,7 @@ class KernelSpec:
                 raise ValueError(f"{what}: a tensor map is {TENSOR_MAP_BYTES} bytes, got {len(value)}")
         elif isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise TypeError(f"{what} must be a real number, got {value!r}")
-        elif math.isfinite(value) and abs(value) > F32_MAX:  # type: ignore[operator]  # typeshed: abs(Real) lacks >
+        elif math.isfinite(value) and abs(value) > validate.F32_MAX:  # type: ignore[operator]  # typeshed: abs(Real) lacks >
             raise ValueError(f"{what}: {value!r} overflows f32")
 
 
@@ -231,7 +229,7 @@ def _launchers(spec: KernelSpec) -> tuple[Callable[..., None], Callable[..., Non
         f"        stream = check_stream(stream, spec.name + ': stream')\n"
         f"    direct = plan.direct.get(kernel)\n"
         f"    if direct is not None and direct[0] is gpu and not overlap and type(shared_mem) is int \\\n"
-        f"            and shared_mem <= {DIRECT_SHARED_MAX}:\n"
+        f"            and shared_mem <= {launch_config.SHARED_WITHOUT_OPT_IN}:\n"
         f"        try:\n"
         f"            gx, gy, gz = grid\n"
         f"            bx, by, bz = block\n"

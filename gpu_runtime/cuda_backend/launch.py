@@ -19,11 +19,10 @@ from cuda.bindings import driver as cu
 
 from .. import launch_config
 from ..errors import CudaError
+from ..launch_config import SHARED_WITHOUT_OPT_IN
 from ..launch_spec import KernelSpec
 from ..pointers import KernelHandle
 from .kernels import CudaKernels
-
-_STATIC_SHARED = 48 * 1024  # more dynamic shared memory than this needs the kernel's opt-in
 
 
 class CudaLaunch(CudaKernels):
@@ -84,7 +83,7 @@ class CudaLaunch(CudaKernels):
         ``cuLaunchKernelEx`` with programmatic stream serialisation. Grid, block and shared
         memory reach the driver unchecked (a ``KernelSpec`` launch's): a bad one fails there (in
         the bindings' conversion, or as CUDA_ERROR_INVALID_VALUE) and is phrased after."""
-        if shared_mem > _STATIC_SHARED and self._shared_set.get(kernel, 0) < shared_mem:
+        if shared_mem > SHARED_WITHOUT_OPT_IN and self._shared_set.get(kernel, 0) < shared_mem:
             self._raise_shared_limit(kernel, shared_mem)
         try:
             if overlap and self.overlap:

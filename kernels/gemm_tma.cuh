@@ -119,6 +119,11 @@ __device__ __forceinline__ bool tma_launch_fits() {
 // j = t, t + 4, ... of its two rows; where a row cannot be staged (not 16-byte aligned, or a chunk
 // crossing n) its pairs are loaded when applied. The epilogue then costs no memory round trip per
 // column group (read one at a time behind the st.shared, 32 of them a tile: NOTES-gemm.md).
+// The staging area's 16-byte chunk of column group j (8 a 64-wide box) in row r.
+__device__ __forceinline__ uint32_t staging_chunk(uint32_t stage, uint32_t r, uint32_t j) {
+    return stage + (j / 8) * 8192 + r * 128 + (((j % 8) ^ (r & 7)) << 4);
+}
+
 template <class Row>
 __device__ __forceinline__ void stage_operands(uint32_t stage, uint32_t n0, uint32_t n, uint32_t cw,
                                                const Row& e0, const Row& e8) {
@@ -129,10 +134,10 @@ __device__ __forceinline__ void stage_operands(uint32_t stage, uint32_t n0, uint
     const bool s0 = e0.staged(n0), s8 = e8.staged(n0);
 #pragma unroll
     for (uint32_t j = t; j < kWgBN / 8; j += 4) {
-        const uint32_t col = n0 + 8 * j, box = stage + (j / 8) * 8192, ch = j % 8;
+        const uint32_t col = n0 + 8 * j;
         if (col + 8 > n) continue;
-        if (s0) cp_async16(box + r * 128 + ((ch ^ (r & 7)) << 4), e0.src(col), 16);
-        if (s8) cp_async16(box + (r + 8) * 128 + ((ch ^ ((r + 8) & 7)) << 4), e8.src(col), 16);
+        if (s0) cp_async16(staging_chunk(stage, r, j), e0.src(col), 16);
+        if (s8) cp_async16(staging_chunk(stage, r + 8, j), e8.src(col), 16);
     }
     cp_async_commit();
 }
@@ -164,9 +169,8 @@ __device__ __forceinline__ void store_tile_tma(const TensorMap& cmap, uint32_t s
     const bool s0 = e0.staged(n0), s8 = e8.staged(n0);
 #pragma unroll
     for (uint32_t j = 0; j < kWgBN / 8; ++j) {
-        const uint32_t col = n0 + 8 * j + 2 * t, box = stage + (j / 8) * 8192, ch = j % 8;
-        const uint32_t a0 = box + r * 128 + ((ch ^ (r & 7)) << 4) + 4 * t;
-        const uint32_t a8 = box + (r + 8) * 128 + ((ch ^ ((r + 8) & 7)) << 4) + 4 * t;
+        const uint32_t col = n0 + 8 * j + 2 * t;
+        const uint32_t a0 = staging_chunk(stage, r, j) + 4 * t, a8 = staging_chunk(stage, r + 8, j) + 4 * t;
         const bool whole = n0 + 8 * j + 8 <= n;  // the chunk was staged (for a staged row)
         float v[4] = {d[4 * j], d[4 * j + 1], d[4 * j + 2], d[4 * j + 3]};
         if (col < n) {  // past n the word row must not be read; TMA drops those columns

@@ -155,14 +155,14 @@ extern "C" __global__ void ngram_decode_gather(
     pdl_launch_dependents();  // the GEMM may start streaming its weights (it waits for our rows)
     const Adapters ad{adapters, adapter_maps, adapter_rows, adapter_counts, num_adapters, hidden};
     const uint32_t lane = threadIdx.x % kWarp;
-    const uint64_t pairs = static_cast<uint64_t>(rows) * (num_tables + 1);  // + the word pairs
     const uint64_t warps = static_cast<uint64_t>(gridDim.x) * blockDim.x / kWarp;
-    uint64_t i = (static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
-    for (; i < pairs; i += warps) {  // warp-uniform: the hash's ballots see all 32 lanes
-        // Table-major (i = c * rows + r): the warps in flight read one table at a time, which
-        // keeps a host-memory table's pages within the GPU's TLB reach (2.3x faster at prefill).
-        const uint32_t c = static_cast<uint32_t>(i / rows);
-        const uint32_t r = static_cast<uint32_t>(i - static_cast<uint64_t>(c) * rows);
+    const uint64_t first = (static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
+    // Table-major pairs (i = c * rows + r, c == num_tables: the word pairs): the warps in flight
+    // read one table at a time, which keeps a host-memory table's pages within the GPU's TLB
+    // reach (for host tables the launcher gives each warp one pair: pair_launch in
+    // layers/ops/ngram_fused.py). Warp-uniform: the hash's ballots see all 32 lanes.
+    for (ngram::PairWalk pair(first, warps, rows); pair.c <= num_tables; pair.next()) {
+        const uint32_t c = static_cast<uint32_t>(pair.c), r = pair.r;
         const uint32_t s = seq_of(cu_seqlens, per_seq, num_seqs, r);
         const Span sp = span_of(cu_seqlens, per_seq, s);
         const uint32_t slot = __ldg(slots + s);

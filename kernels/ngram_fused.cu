@@ -4,8 +4,9 @@
 // Why this shape:
 // * One warp per (output row r, table c) pair, grid-strided so any R*T fits a capped grid, in
 //   table-major order i = c*R + r: the warps in flight read one table at a time, which keeps a
-//   host-memory table's pages within the GPU's TLB reach (NgramTable.Host; no cost on the
-//   device). Out row r is the T gathered rows side by side, each warp writing one td piece.
+//   host-memory table's pages within the GPU's TLB reach (NgramTable.Host, whose launches give
+//   each warp one pair: pair_launch in layers/ops/ngram_fused.py). Out row r is the T gathered
+//   rows side by side, each warp writing one td piece.
 // * The hash and the row copy are ngram_hash.cuh's, shared with ngram_decode.cu (vector paths
 //   when td and the addresses allow, element-wise otherwise; fp8 dequantised with one rounding).
 // * Cached tables (flag bit 0) take their row from slots[r*T + c] instead of the hash: their rows
@@ -23,12 +24,12 @@ extern "C" __global__ void ngram_gather(const uint32_t* windows, const uint64_t*
                                         uint32_t eos) {
     pdl_launch_dependents();  // the GEMM may start streaming its weights (it waits for our rows)
     const uint32_t lane = threadIdx.x % ngram::kWarp;
-    const uint64_t pairs = static_cast<uint64_t>(rows_r) * num_tables;
     const uint64_t warps = static_cast<uint64_t>(gridDim.x) * blockDim.x / ngram::kWarp;
-    uint64_t i = (static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / ngram::kWarp;
-    for (; i < pairs; i += warps) {  // warp-uniform: the hash's ballots see all 32 lanes
-        const uint32_t c = static_cast<uint32_t>(i / rows_r);
-        const uint64_t r = i - static_cast<uint64_t>(c) * rows_r;
+    const uint64_t first = (static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / ngram::kWarp;
+    // warp-uniform: the hash's ballots see all 32 lanes
+    for (ngram::PairWalk pair(first, warps, rows_r); pair.c < num_tables; pair.next()) {
+        const uint32_t c = static_cast<uint32_t>(pair.c);
+        const uint64_t r = pair.r;
         const uint64_t rc = r * num_tables + c;  // the pair's place in [R, T] (slots, ids_out, out)
         const ngram::Table t = ngram::load_table(tables, c);
         const uint32_t* w = windows + r * max_ngram;

@@ -5,7 +5,8 @@
 //   copy, so lane d takes term d (32 terms at a time when N > 32) and a ballot finds the first
 //   look-back cut; every term is reduced below M_c < 2**32 before the warp sum, so the sum of 32
 //   terms plus the running residue stays far below 2**64. Tokens < 2**32 times V**d mod M_c
-//   < 2**32 fit 64 bits, so no product needs more. The look-back rule is layers/ngram_embed/ids.py:
+//   < 2**32 fit 64 bits, so no product needs more. The reductions divide nothing (Modulus: an
+//   f64 quotient and one correction). The look-back rule is layers/ngram_embed/ids.py:
 //   d = 0 always counts; the first d >= 1 whose token is before the context start (kNoToken)
 //   or is the EOS ends the n-gram there (that term and all later ones contribute 0).
 // * A table descriptor is 4 u64 (layers/ops/ngram_fused.py): data address, scale address (0 for
@@ -29,12 +30,29 @@ __device__ __forceinline__ uint64_t warp_sum(uint64_t v) {
     return v;
 }
 
+// x mod m for 1 <= m < 2**32 and x / m < 2**32, without a 64-bit division. The f64 quotient
+// x * (1 / m) carries three roundings of at most 2**-53 each on a value below 2**32, so it is off
+// by less than 2**-18: its truncation is the true quotient or one off either way, and one
+// correction of the remainder gives the exact residue.
+struct Modulus {
+    uint64_t m;
+    double inv;
+    __device__ __forceinline__ explicit Modulus(uint64_t m_)
+        : m(m_), inv(__drcp_rn(static_cast<double>(m_))) {}
+    __device__ __forceinline__ uint64_t reduce(uint64_t x) const {
+        const uint64_t q = static_cast<uint64_t>(__dmul_rn(__ull2double_rn(x), inv));
+        const int64_t r = static_cast<int64_t>(x - q * m), sm = static_cast<int64_t>(m);
+        return static_cast<uint64_t>(r < 0 ? r + sm : r >= sm ? r - sm : r);
+    }
+};
+
 // (sum_{d < n} w(d) * pows[d]) mod m, cut at the first d >= 1 with w(d) == kNoToken or eos.
 // `w(d)` is the token d positions back (only called for d < n). Called by all 32 lanes of a
 // warp; every lane returns the id.
 template <class Window>
 __device__ uint32_t hash_id(const Window& w, const uint64_t* pows, uint32_t n, uint64_t m,
                             uint32_t eos, uint32_t lane) {
+    const Modulus mod(m);  // every pows[d] < m: terms tok * pows[d] < 2**32 * m, sums < 33 * m
     uint64_t acc = 0;
     for (uint32_t base = 0; base < n; base += kWarp) {
         const uint32_t d = base + lane;
@@ -47,12 +65,31 @@ __device__ uint32_t hash_id(const Window& w, const uint64_t* pows, uint32_t n, u
         const uint32_t stops = __ballot_sync(kFull, stop);
         const uint32_t cut = stops ? static_cast<uint32_t>(__ffs(static_cast<int>(stops))) - 1 : kWarp;
         uint64_t term = 0;
-        if (d < n && lane < cut) term = static_cast<uint64_t>(tok) * __ldg(pows + d) % m;
-        acc = (acc + warp_sum(term)) % m;
+        if (d < n && lane < cut) term = mod.reduce(static_cast<uint64_t>(tok) * __ldg(pows + d));
+        acc = mod.reduce(acc + warp_sum(term));
         if (stops) break;
     }
-    return static_cast<uint32_t>(acc);
+    return static_cast<uint32_t>(acc < m ? acc : acc % m);  // in range even for pows >= m
 }
+
+// The pairs i = c * rows + r (table c, row r) of a warp's grid-stride loop, stepped without a
+// division: the warp's first pair, then `step` pairs on each time.
+struct PairWalk {
+    uint64_t c, dc;
+    uint32_t r, dr, rows;
+    __device__ __forceinline__ PairWalk(uint64_t first, uint64_t step, uint32_t rows_)
+        : c(first / rows_), dc(step / rows_), r(static_cast<uint32_t>(first % rows_)),
+          dr(static_cast<uint32_t>(step % rows_)), rows(rows_) {}
+    __device__ __forceinline__ void next() {
+        c += dc;
+        if (r >= rows - dr) {  // r + dr >= rows, without overflowing 32 bits
+            r -= rows - dr;
+            ++c;
+        } else {
+            r += dr;
+        }
+    }
+};
 
 struct Table {
     uint64_t data, scale, rows, flags;

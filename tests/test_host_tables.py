@@ -9,14 +9,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpu_runtime import ClosedError, CudaBackend, DevicePtr, GpuBackend
+from gpu_runtime import ClosedError, CudaBackend, DeviceArray, DevicePtr, GpuBackend
 from layers import reference as ref
 from layers.kernel_files import load_kernel
-from layers.ngram_embed import (HostTable, HostWeight, NgramEmbedding, NgramTable, NgramWeights, TableFile,
+from layers.ngram_embed import (PAD_SLOT, FusedNgramEmbedding, HostTable, HostWeight, NgramDecoder, NgramEmbedding,
+                                NgramTable, NgramWeights, TableFile,
                                 TableFormatError, gather_entry, ngram_ids_tail, write_table)
 from layers.ngram_embed.tables import check_table
 from layers.ops import embed as embed_ops
-from layers.ops.ngram_fused import CACHED
+from layers.ops.ngram_fused import CACHED, pair_launch
 from layers.dense_weight import BF16, FP8, DenseWeight
 from tests.helpers.fakes import MemoryBackend, RecordingBackend
 from tests.helpers import PAGE, Guarded, bits, page_aligned, random_bf16, random_fp8, run_on_poisoned
@@ -25,6 +26,7 @@ from tests.helpers.ngram import IdentityCache, device_layer, device_weights, fre
 from tests.helpers.row_cache import table_file
 
 OUT = DevicePtr(0x900000)
+ONE_BLOCK_AN_SM = 227 * 1024 // 2 + 1024  # over half an H200 SM's 228 KiB of shared memory
 
 
 # ==== HostWeight on a host-memory backend =======================================================
@@ -285,6 +287,29 @@ def test_host_and_device_placements_gather_the_same_rows(rng):
             np.testing.assert_array_equal(bits(a), bits(b))
 
 
+@pytest.mark.parametrize("placement", ["device", "host", ["host", "device", "device", "device"]])
+def test_prefill_sized_gathers_of_host_tables_take_one_pair_a_warp(placement):
+    """Past one wave of (row, table) pairs, the gathers of a runner with any table in host memory
+    take one pair a warp and one block an SM (``pair_launch``); decode-sized calls and device
+    tables keep the capped grid."""
+    gpu = RecordingBackend()
+    gpu.sm_count, gpu.max_shared_optin = 132, 227 * 1024  # type: ignore[attr-defined]
+    dims = small_dims()  # 4 tables
+    host = random_layer(np.random.default_rng(5), dims, "bf")
+    rows = 8000  # decoder: 40000 pairs (word pairs too), 5000 blocks; fused: twice the rows, 8000 blocks
+    with NgramWeights.from_numpy(dims, host.word, _tables_arg(host), host.projs, gpu, placement=placement) as w, \
+            NgramDecoder(w, max_seqs=2, max_rows=rows) as dec, FusedNgramEmbedding(w, 2 * rows) as fused:
+        gpu.launches.clear()
+        dec.prefill(OUT, OUT + 64, OUT + 128, 2, rows, OUT)
+        dec.step(OUT, OUT + 128, 2, OUT)
+        fused.embed(np.arange(2 * rows) % dims.vocab_size, 2 * rows, OUT)
+        gathers = [(k.grid[0], k.shared_mem) for k in gpu.launches if gpu.kernel_of(k)[1].endswith("gather")]
+    capped = 4 * 132 * 8
+    on_host = placement != "device"
+    assert gathers == ([(5000, ONE_BLOCK_AN_SM), (2, 0), (8000, ONE_BLOCK_AN_SM)] if on_host else
+                       [(capped, 0), (2, 0), (capped, 0)])
+
+
 def test_refused_weights_free_the_host_tables_they_pinned():
     gpu = HostMem()
     dims = small_dims()
@@ -487,3 +512,50 @@ def test_host_tables_from_table_files_equal_device_tables(gpu, rng, tmp_path):
         free_layer(resident)
     assert all(f.closed for f in files)
     assert (gpu.host_registrations, _pinned_held(gpu)) == (registered, held)
+
+
+@pytest.mark.gpu
+def test_prefill_sized_gathers_of_host_tables_equal_device_tables(gpu, rng):
+    """``pair_launch``'s host shape (one pair a warp, one block an SM, all the shared memory a
+    block may have): a decoder's ragged prefill, captured after one eager call on padding, and
+    the fused path give the device tables' bits."""
+    dims = small_dims(max_ngram=3, splits=2, table_dim=24, hidden_size=72,
+                      base_rows=int(rng.integers(500, 3000)), eos_id=3)
+    host = random_layer(rng, dims, "bf")
+    t, h, rows = dims.num_tables(), dims.hidden_size, 2500
+    assert pair_launch(gpu, rows * t, True)[1] > 0, "too few rows for the host shape on this GPU"
+    tokens = rng.integers(0, dims.vocab_size, rows).astype(np.uint32)
+    cu = np.array([0, *np.sort(rng.choice(np.arange(1, rows), 2, replace=False)), rows], np.uint32)
+    stream = gpu.create_stream()
+    args = [DeviceArray.from_numpy(gpu, a) for a in (tokens, cu, np.arange(3, dtype=np.uint32),
+                                                     np.full(3, PAD_SLOT, np.uint32))]
+    got: dict[str, list[np.ndarray]] = {}
+    try:
+        for placement in ("host", "device"):
+            with NgramWeights.from_numpy(dims, host.word, _tables_arg(host), host.projs, gpu,
+                                         placement=placement) as w, \
+                    NgramDecoder(w, max_seqs=3, max_rows=rows, stream=stream) as dec, \
+                    FusedNgramEmbedding(w, rows, stream) as fused:
+                gpu.synchronize(0)
+
+                def prefill(out: int) -> None:
+                    tok, cu_d, slots, pad = (a.ptr for a in args)
+                    dec.prefill(tok, cu_d, pad, 3, rows, out, stream)  # the documented eager first call
+                    gpu.begin_capture(stream)
+                    dec.prefill(tok, cu_d, slots, 3, rows, out, stream)
+                    graph = gpu.end_capture(stream)
+                    gpu.launch_graph(graph, stream)
+                    gpu.synchronize(stream)
+                    gpu.destroy_graph(graph)
+
+                got[placement] = [run_on_poisoned(gpu, rng, prefill, rows, h, stream),
+                                  run_on_poisoned(gpu, rng, lambda o: fused.embed(tokens, rows, o, stream), rows, h,
+                                                  stream)]
+                assert dec.check_errors() == 0
+    finally:
+        gpu.synchronize(stream)
+        for a in args:
+            a.free()
+        gpu.destroy_stream(stream)
+    for what, a, b in zip(("decoder prefill", "fused path"), got["host"], got["device"]):
+        np.testing.assert_array_equal(bits(a), bits(b), err_msg=what)

@@ -20,7 +20,7 @@ from gpu_runtime.signatures import parse_signatures
 from layers.kernel_files import kernel_dir, load_kernel
 from layers.ngram_embed.dims import NgramDims
 from layers.ngram_embed.ids import ngram_ids_array
-from layers.ops.ngram_fused import NO_EOS, NO_TOKEN, ngram_gather
+from layers.ops.ngram_fused import NO_EOS, NO_TOKEN, ngram_gather, pair_launch
 from tests.helpers.fakes import RecordingBackend
 from tests.helpers import Guarded, bits
 from tests.helpers.ngram_gather import Tables, context, make_tables, pows_for, windows_for
@@ -91,6 +91,34 @@ def test_grid_is_capped_for_many_pairs():
     assert launch.grid == (4 * 132 * 8, 1, 1)
 
 
+ONE_BLOCK_AN_SM = 227 * 1024 // 2 + 1024  # over half an H200 SM's 228 KiB: one block an SM
+
+
+class _SizedBackend(RecordingBackend):
+    """A recording backend that reports an H200's SMs and shared memory opt-in."""
+
+    sm_count, max_shared_optin = 132, 227 * 1024
+
+
+@pytest.mark.parametrize("gpu_type, rows, host, grid, shared", [
+    (_SizedBackend, 2112, False, 1056, 0),
+    (_SizedBackend, 2112, True, 1056, 0),  # 8448 pairs: one wave, every warp one pair already
+    (_SizedBackend, 2114, True, 1057, ONE_BLOCK_AN_SM),  # past it: one pair a warp, one block an SM
+    (_SizedBackend, 1_000_000, False, 4 * 132 * 8, 0),
+    (_SizedBackend, 1_000_000, True, 500_000, ONE_BLOCK_AN_SM),
+    (RecordingBackend, 1_000_000, True, 500_000, 0),  # no opt-in reported: in order, 8 blocks an SM
+])
+def test_host_tables_past_one_wave_take_one_pair_a_warp(gpu_type, rows, host, grid, shared):
+    gpu = gpu_type()
+    _launch(gpu, rows=rows, num_tables=4, max_ngram=3, splits=2, host_tables=host)
+    (launch,) = gpu.launches
+    assert (launch.grid, launch.shared_mem) == ((grid, 1, 1), shared)
+
+
+def test_the_grid_never_passes_the_drivers_limit():
+    assert pair_launch(_SizedBackend(), 2**40, True)[0] == (2**31 - 1, 1, 1)  # the kernel strides past it
+
+
 def test_zero_rows_launch_nothing():
     gpu = RecordingBackend()
     _launch(gpu, rows=0)
@@ -113,6 +141,7 @@ def test_zero_rows_launch_nothing():
     (dict(rows=1 << 32), ValueError),
     (dict(rows=2.0), TypeError),
     (dict(table_dim=True), TypeError),
+    (dict(host_tables=1), TypeError),
 ])
 def test_refusals_launch_nothing(over, error):
     gpu = RecordingBackend()

@@ -365,4 +365,5 @@ class NgramDecoder(Closing):
             dims.eos_id,
             stream,
             adapters,
+            proj.host_tables,
         )

@@ -293,6 +293,7 @@ class FusedNgramEmbedding(Closing):
             dims.table_dim(),
             dims.eos_id,
             stream,
+            proj.host_tables,
         )
 
     def _word_ids(self, rows: int) -> int:

@@ -23,6 +23,7 @@ from ..ops import embed as embed_ops
 from ..ops import gemm as gemm_ops
 from ..tensor_parallel import Collective
 from .resources import Resources
+from .tables import HostTable
 from .weights import NgramWeights
 
 
@@ -81,6 +82,7 @@ class RowProjection:
         self.gemm_kernel = load_kernel(gpu, "gemm", gemm_ops.WORD_KERNEL)
         self.projs = weights.concat_projections(stream)
         self.desc, self.pows = weights.table_descriptors(stream)
+        self.host_tables = any(isinstance(t, HostTable) for t in weights.tables)  # the gathers' shape
         self.buf = own.alloc(max_rows * (self.word_cols + self.cols) * 2)
         self.row_ids: DevicePtr | None = None
         if self.shard is not None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from gpu_runtime import GpuBackend, KernelHandle, validate
 
-from .ngram_fused import NO_TOKEN, check_tables
+from .ngram_fused import NO_TOKEN, check_tables, pair_launch
 from .specs import NGRAM_DECODE_FORK, NGRAM_DECODE_GATHER, NGRAM_DECODE_ROLLBACK, NGRAM_DECODE_SEED
 
 MODULE = "ngram_decode"
@@ -70,9 +70,8 @@ class AdapterTables:
 
 NO_ADAPTERS = AdapterTables(0, 0, 0, 0, 0, 0, 0)
 
-_BLOCK = (256, 1, 1)  # 8 warps, one (row, table) pair (or sequence, or fork pair) each
+_BLOCK = (256, 1, 1)  # 8 warps, one sequence (or fork pair) each; the gather's: pair_launch
 _PAIRS_PER_BLOCK = 256 // 32
-_MAX_BLOCKS = 4 * 132 * 8  # pairs are grid-strided past this
 
 
 def ngram_decode_gather(
@@ -101,13 +100,16 @@ def ngram_decode_gather(
     eos: int | None,
     stream: int,
     adapters: AdapterTables = NO_ADAPTERS,
+    host_tables: bool = False,
 ) -> None:
     """Gather every table's row of ``rows`` tokens (ragged by ``cu_seqlens [num_seqs + 1]``, or
     ``per_seq`` each when ``cu_seqlens`` is 0) into ``out [rows, T*td]``, their word ids into
     ``word_ids [rows]`` (and, with ``adapters``, their replacement word rows into its
     ``word_over``), then append each sequence's tokens to the history of ``slots[s]``.
+    ``host_tables``: some table is in host memory (the launch's shape, ``pair_launch``).
     ``rows == 0`` launches nothing."""
     rows = validate.u32(rows, f"{GATHER} rows")
+    host_tables = validate.boolean(host_tables, f"{GATHER} host_tables")
     num_seqs = validate.u32(num_seqs, f"{GATHER} num_seqs")
     per_seq = validate.u32(per_seq, f"{GATHER} per_seq")
     max_seqs = validate.u32(max_seqs, f"{GATHER} max_seqs")
@@ -130,9 +132,9 @@ def ngram_decode_gather(
         raise ValueError(f"{GATHER}: {rows} rows in no sequence")
     if adapters.index and not (adapters.maps and adapters.rows and adapters.counts and adapters.word_over):
         raise ValueError(f"{GATHER}: adapter indices need every adapter table and word_over")
-    grid = (min(-(-rows * (num_tables + 1) // _PAIRS_PER_BLOCK), _MAX_BLOCKS), 1, 1)  # + the word pairs
+    grid, shared = pair_launch(gpu, rows * (num_tables + 1), host_tables)  # + the word pairs
     args = dict(locals(), td=table_dim, **adapters.kernel_args())
-    NGRAM_DECODE_GATHER.launch_from(gpu, kernel, grid, _BLOCK, stream, args)
+    NGRAM_DECODE_GATHER.launch_from(gpu, kernel, grid, _BLOCK, stream, args, shared_mem=shared)
 
 
 def ngram_decode_seed(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from gpu_runtime import GpuBackend, KernelHandle, validate
 
+from .gemm_plan import SMS
 from .specs import NGRAM_GATHER
 
 NO_TOKEN = 0xFFFFFFFF  # a window entry before the context start
@@ -26,6 +27,27 @@ ABSENT = 2  # flags bit 1: another rank holds the table (tensor parallelism): it
 _BLOCK = (256, 1, 1)  # 8 warps, one (row, table) pair each
 _PAIRS_PER_BLOCK = 256 // 32
 _MAX_BLOCKS = 4 * 132 * 8  # pairs are grid-strided past this: plenty to fill an H100/H200
+_BLOCKS_PER_SM = 2048 // 256  # of _BLOCK, resident at once
+_GRID_X_MAX = 2**31 - 1
+
+
+def pair_launch(gpu: GpuBackend, pairs: int, host_tables: bool) -> tuple[tuple[int, int, int], int]:
+    """(grid, dynamic shared memory) of either gather over ``pairs`` (row, table) pairs: one warp
+    a pair, taken in table-major order, the warps striding over what the grid does not cover.
+
+    Device tables: a grid of at most ``_MAX_BLOCKS``. Tables in host memory (``host_tables``), once
+    the pairs outnumber what the GPU holds at once: one pair a warp, one block an SM. Blocks start
+    in order, so the pairs in flight stay one window that moves through the tables; a capped
+    grid's warps drift apart and read many tables at once, beyond the GPU's TLB reach over mapped
+    host memory (21 against 34 GB/s at an 8192-token prefill, NOTES.md). The kernels use no
+    dynamic shared memory: asking for over half of what an SM has (a block's opt-in maximum, about
+    an SM's, halved, plus 1 KiB) keeps a second block off the SM.
+    """
+    blocks = -(-pairs // _PAIRS_PER_BLOCK)
+    if host_tables and blocks > getattr(gpu, "sm_count", SMS) * _BLOCKS_PER_SM:
+        optin = int(getattr(gpu, "max_shared_optin", 0))
+        return (min(blocks, _GRID_X_MAX), 1, 1), optin // 2 + 1024 if optin else 0
+    return (min(blocks, _MAX_BLOCKS), 1, 1), 0
 
 
 def ngram_gather(
@@ -44,23 +66,27 @@ def ngram_gather(
     table_dim: int,
     eos: int | None,
     stream: int,
+    host_tables: bool = False,
 ) -> None:
     """``out[r, c*td:(c+1)*td] = row id_c(r) of table c`` for every output row ``r < rows`` and
     table ``c < num_tables``, fp8 rows dequantised and rounded once to bf16; the ids also go to
     ``ids_out [rows, T]`` unless it is 0. ``slots [rows, T]`` may be 0 when no table is cached.
+    ``host_tables``: some table is in host memory (the launch's shape, ``pair_launch``).
     ``rows == 0`` launches nothing.
 
     The kernel cannot see table sizes or slot ranges: every hashed table must have
     ``1 <= M_c < 2**32`` rows and every slot of a cached table must be one of its rows.
     """
     rows = validate.u32(rows, "ngram_gather rows")
+    host_tables = validate.boolean(host_tables, "ngram_gather host_tables")
     num_tables, max_ngram, splits, table_dim, eos = check_tables(
         "ngram_gather", num_tables, max_ngram, splits, table_dim, eos
     )
     if rows == 0:
         return
-    grid = (min(-(-rows * num_tables // _PAIRS_PER_BLOCK), _MAX_BLOCKS), 1, 1)
-    NGRAM_GATHER.launch_from(gpu, kernel, grid, _BLOCK, stream, dict(locals(), rows_r=rows, td=table_dim))
+    grid, shared = pair_launch(gpu, rows * num_tables, host_tables)
+    args = dict(locals(), rows_r=rows, td=table_dim)
+    NGRAM_GATHER.launch_from(gpu, kernel, grid, _BLOCK, stream, args, shared_mem=shared)
 
 
 def check_tables(

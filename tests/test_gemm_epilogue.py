@@ -395,6 +395,23 @@ def test_exact_sums_are_bit_exact(gpu, rng, m, n, k, path, word_off, replaced):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("path", _paths(200))
+def test_rows_without_a_word_are_zeros_beside_exact_rows(gpu, rng, path):
+    """Word id 0xFFFFFFFF (a bad or padded row) writes the row as zeros; the rows beside it stay
+    bit for bit (on the TMA-store twin: warps that mix staged rows and zero rows, n a whole tile)."""
+    m, n, k = 200, 512, 256
+    a = rng.integers(-8, 9, (m, k)).astype(np.float32).astype(BF16)
+    w = rng.integers(-8, 9, (n, k)).astype(np.float32).astype(BF16)
+    word = random_bf16(rng, (VOCAB, n), scale=8.0)
+    ids = rng.integers(0, VOCAB, m).astype(np.uint32)
+    zero = rng.random(m) < 0.3
+    ids[zero] = 0xFFFFFFFF
+    got = run_word(gpu, rng, a, w, word, ids, SCALE, path=path)
+    assert not bits(got[zero]).any()
+    np.testing.assert_array_equal(bits(got[~zero]), bits(word_gemm_ref(a[~zero], w, word, ids[~zero], SCALE)))
+
+
+@pytest.mark.gpu
 def test_repeated_and_extreme_ids(gpu, rng):
     """Every row the same id, then the first and last table rows: ids index rows of n values."""
     m, n, k = 130, 300, 64

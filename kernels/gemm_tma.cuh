@@ -156,14 +156,6 @@ __device__ __forceinline__ void apply_pair(const Row& e, bool staged, uint32_t a
     }
 }
 
-// Rows r and r + 8 of a thread's column pair (v[0], v[1] and v[2], v[3]), rounded, into the
-// staging area at a0 and a8.
-__device__ __forceinline__ void store_results(uint32_t a0, uint32_t a8, const float* v) {
-    const __nv_bfloat162 lo = __floats2bfloat162_rn(v[0], v[1]), hi = __floats2bfloat162_rn(v[2], v[3]);
-    asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(a0), "r"(*reinterpret_cast<const uint32_t*>(&lo)) : "memory");
-    asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(a8), "r"(*reinterpret_cast<const uint32_t*>(&hi)) : "memory");
-}
-
 // A consumer's 64 x 256 results, through e0 / e8 (staged by stage_operands, or loaded here) and
 // rounded, into its staging area, then stored by one thread with TMA (clipped at m and n).
 template <class Row>
@@ -175,35 +167,22 @@ __device__ __forceinline__ void store_tile_tma(const TensorMap& cmap, uint32_t s
     warpgroup_bar(1 + cw);  // every thread's chunks have landed
     const uint32_t r = wq * 16 + g;  // row of the consumer's 64 (and r + 8)
     const bool s0 = e0.staged(n0), s8 = e8.staged(n0);
-    if (s0 && s8 && n0 + kWgBN <= n) {  // every pair staged and inside n: no loads, no checks
 #pragma unroll
-        for (uint32_t j = 0; j < kWgBN / 8; ++j) {
-            // row r + 8 has r's swizzle (r & 7 == g), 8 rows of 128 bytes on
-            const uint32_t a0 = staging_chunk(stage, r, j) + 4 * t, a8 = a0 + 8 * 128;
-            uint32_t b0, b8;
-            asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(b0) : "r"(a0) : "memory");
-            asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(b8) : "r"(a8) : "memory");
-            float v[4] = {d[4 * j], d[4 * j + 1], d[4 * j + 2], d[4 * j + 3]};
-            e0.apply2(v[0], v[1], b0);
-            e8.apply2(v[2], v[3], b8);
-            store_results(a0, a8, v);
+    for (uint32_t j = 0; j < kWgBN / 8; ++j) {
+        const uint32_t col = n0 + 8 * j + 2 * t;
+        const uint32_t a0 = staging_chunk(stage, r, j) + 4 * t, a8 = staging_chunk(stage, r + 8, j) + 4 * t;
+        const bool whole = n0 + 8 * j + 8 <= n;  // the chunk was staged (for a staged row)
+        float v[4] = {d[4 * j], d[4 * j + 1], d[4 * j + 2], d[4 * j + 3]};
+        if (col < n) {  // past n the word row must not be read; TMA drops those columns
+            apply_pair(e0, s0 && whole, a0, col, v[0], v[1]);
+            apply_pair(e8, s8 && whole, a8, col, v[2], v[3]);
         }
-    } else {
-#pragma unroll
-        for (uint32_t j = 0; j < kWgBN / 8; ++j) {
-            const uint32_t col = n0 + 8 * j + 2 * t;
-            const uint32_t a0 = staging_chunk(stage, r, j) + 4 * t, a8 = staging_chunk(stage, r + 8, j) + 4 * t;
-            const bool whole = n0 + 8 * j + 8 <= n;  // the chunk was staged (for a staged row)
-            float v[4] = {d[4 * j], d[4 * j + 1], d[4 * j + 2], d[4 * j + 3]};
-            if (col < n) {  // past n the word row must not be read; TMA drops those columns
-                apply_pair(e0, s0 && whole, a0, col, v[0], v[1]);
-                apply_pair(e8, s8 && whole, a8, col, v[2], v[3]);
-            }
-            store_results(a0, a8, v);
-        }
+        const __nv_bfloat162 lo = __floats2bfloat162_rn(v[0], v[1]), hi = __floats2bfloat162_rn(v[2], v[3]);
+        asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(a0), "r"(*reinterpret_cast<const uint32_t*>(&lo)) : "memory");
+        asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(a8), "r"(*reinterpret_cast<const uint32_t*>(&hi)) : "memory");
     }
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // visible to the TMA unit
-    warpgroup_bar(1 + cw);  // one barrier instruction for both paths (bar.sync is warp-aligned)
+    warpgroup_bar(1 + cw);
     if (tid == 0) {
 #pragma unroll
         for (uint32_t b = 0; b < 4; ++b) tma_store_2d(cmap, stage + b * 8192, n0 + 64 * b, row0);

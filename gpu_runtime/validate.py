@@ -2,10 +2,10 @@
 ``ClosedError`` for a closed object.
 
 Each check returns the normalised value (an ``int``, ``float`` or ``bool``; an int subclass such
-as ``DevicePtr`` is returned as it is; ``backend`` returns the backend); ``what`` names the
-argument in the message (``"alloc size"``, ``"scaled_add n"``, ``"DeviceBuffer: gpu"``). Every
-public entry point checks its ``gpu`` with ``backend`` and its stream with ``stream`` before it
-does anything else. Launchers call these on every launch, so each starts
+as ``DevicePtr`` is returned as it is); ``what`` names the argument in the message
+(``"alloc size"``, ``"scaled_add n"``, ``"DeviceBuffer: stream"``). Every public entry point
+checks its ``gpu`` with ``gpu_runtime.backend.check_backend`` and its stream with ``stream``
+before it does anything else. Launchers call these on every launch, so each starts
 with a fast path for the common case (a plain in-range value) before the general checks.
 """
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 import numbers
 import operator
-from typing import TypeVar
 
 import numpy as np
 
@@ -23,7 +22,6 @@ from .pointers import DevicePtr
 
 F32_MAX = 3.4028234663852886e38
 STREAM_LIMIT = 1 << 64  # a CUstream handle is a pointer
-_T = TypeVar("_T")
 
 
 def integer(value: object, what: str) -> int:

@@ -400,7 +400,7 @@ def test_a_tensor_parallel_construction_without_nccl_names_the_extra_first(monke
 
 
 def test_the_checks_take_what_the_runtime_hands_out():
-    """``validate.stream`` takes numpy integers and ``validate.backend`` any GpuBackend (and
+    """``validate.stream`` takes numpy integers and ``check_backend`` any GpuBackend (and
     None where optional); a bool is not a stream."""
     assert validate.stream(np.uint64(7), "s") == 7 and type(validate.stream(np.int32(3), "s")) is int
     with pytest.raises(TypeError, match="x: stream must be a stream handle .*, got bool True"):

@@ -26,8 +26,8 @@ ABSENT = 2  # flags bit 1: another rank holds the table (tensor parallelism): it
 
 _BLOCK = (256, 1, 1)  # 8 warps, one (row, table) pair each
 _PAIRS_PER_BLOCK = 256 // 32
-_MAX_BLOCKS = 4 * 132 * 8  # pairs are grid-strided past this: plenty to fill an H100/H200
 _BLOCKS_PER_SM = 2048 // 256  # of _BLOCK, resident at once
+_MAX_BLOCKS = 4 * SMS * _BLOCKS_PER_SM  # pairs are grid-strided past this: four waves of an H100/H200
 _GRID_X_MAX = 2**31 - 1
 
 

@@ -3,12 +3,19 @@
 Each ``arg_*`` range-checks its value and records a kind letter; ``launch`` hands kinds and
 values to the backend, which packs them to the C ABI and checks them, once per kernel and shape,
 against the kernel's own signature. Kept lean: the n-gram layer launches dozens of kernels a call.
+
+Once a backend has checked a (kernel, kinds) shape on a thread it may grant it a direct route
+(``allow_direct``): that thread's plain launches of the shape on that backend (no ``overlap``, at
+most 48 KiB of dynamic shared memory) pack into the backend's buffer and call its driver function
+from ``launch``, skipping the backend's frames; a refusal is phrased by the backend's function.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from . import launch_config, validate
 from .backend import GpuBackend, check_backend
@@ -17,6 +24,9 @@ from .pointers import DevicePtr, KernelHandle
 _U32 = 1 << 32
 _U64 = 1 << 64
 _I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
+_SHARED_DIRECT = launch_config.SHARED_WITHOUT_OPT_IN
+# This thread's direct routes: (kernel, kinds) -> (backend, pack, params, driver launch, refusal).
+_ROUTES = threading.local()
 
 
 class KernelLaunch:
@@ -41,19 +51,25 @@ class KernelLaunch:
         """The seed's spelling, ``KernelLaunch::new(gpu, kernel)``."""
         return cls(gpu, kernel)
 
-    # Each setter has a fast path for plain in-range ints (the common case: ``_plain_dims``, or
-    # one type test, about 1 us cheaper for grid and block together; limits written as literals,
-    # which Python loads faster than names) and falls back to the general conversion and
-    # checks, which also phrase errors.
+    # Each setter has a fast path for plain in-range ints (the common case, written inline with
+    # its limits as literals: a helper call or named constants cost more than the checks) and
+    # falls back to the general conversion and checks, which also phrase errors.
     def grid(self, dims: Sequence[int]) -> KernelLaunch:
-        self._grid = _plain_dims(dims, 2147483647, 65535, 65535) or launch_config.grid_dims(dims)
+        try:
+            x, y, z = dims
+            plain = type(x) is type(y) is type(z) is int and 0 < x <= 2147483647 and 0 < y <= 65535 and 0 < z <= 65535
+        except (TypeError, ValueError):
+            plain = False
+        self._grid = (x, y, z) if plain else launch_config.grid_dims(dims)
         return self
 
     def block(self, dims: Sequence[int]) -> KernelLaunch:
-        block = _plain_dims(dims, 1024, 1024, 64)
-        if block is None or block[0] * block[1] * block[2] > 1024:
-            block = launch_config.block_dims(dims)
-        self._block = block
+        try:
+            x, y, z = dims
+            plain = type(x) is type(y) is type(z) is int and 0 < x <= 1024 and 0 < y <= 1024 and 0 < z <= 64
+        except (TypeError, ValueError):
+            plain = False
+        self._block = (x, y, z) if plain and x * y * z <= 1024 else launch_config.block_dims(dims)
         return self
 
     def shared_mem(self, nbytes: int) -> KernelLaunch:
@@ -108,21 +124,43 @@ class KernelLaunch:
         reading its output."""
         if type(stream) is not int or stream < 0:
             stream = validate.stream(stream, "KernelLaunch.launch: stream")
-        if overlap:
-            self._gpu.launch(
-                self._kernel, self._grid, self._block, self._shared, stream, self._kinds, self._args, overlap=True
-            )
+        kernel, shared = self._kernel, self._shared
+        try:
+            route = _ROUTES.table[(kernel, self._kinds)]
+        except (AttributeError, KeyError):  # no route on this thread (yet)
+            route = None
+        if route is not None and route[0] is self._gpu and not overlap and shared <= _SHARED_DIRECT:
+            route[1](self._args)
+            gx, gy, gz = self._grid
+            bx, by, bz = self._block
+            (err,) = route[3](kernel, gx, gy, gz, bx, by, bz, shared, stream, route[2], 0)
+            if err:
+                raise route[4](err, "cuLaunchKernel", kernel, self._grid, self._block, shared)
+        elif overlap:
+            self._gpu.launch(kernel, self._grid, self._block, shared, stream, self._kinds, self._args, overlap=True)
         else:
-            self._gpu.launch(self._kernel, self._grid, self._block, self._shared, stream, self._kinds, self._args)
+            self._gpu.launch(kernel, self._grid, self._block, shared, stream, self._kinds, self._args)
 
-
-def _plain_dims(dims: Sequence[int], x_max: int, y_max: int, z_max: int) -> tuple[int, int, int] | None:
-    """``dims`` as a tuple if it is three plain ints in ``1..x_max``, ``1..y_max``, ``1..z_max``
-    (the setters' fast path), else None."""
-    try:
-        x, y, z = dims
-    except (TypeError, ValueError):
-        return None
-    if type(x) is int and type(y) is int and type(z) is int and 0 < x <= x_max and 0 < y <= y_max and 0 < z <= z_max:
-        return (x, y, z)
-    return None
+    @staticmethod
+    def allow_direct(
+        kernel: int,
+        kinds: str,
+        backend: object,
+        pack: Callable[[Sequence[Any]], None],
+        params: int,
+        launch: Callable[..., tuple[Any]],
+        refusal: Callable[..., Exception],
+    ) -> dict[tuple[int, str], Any]:
+        """For backends, not users. Let this thread's plain launches of ``kernel`` with argument
+        kinds ``kinds`` on ``backend`` write their values with ``pack`` (into the buffer that the
+        ``void*[]`` at ``params`` points into) and call ``launch`` (``cuLaunchKernel``'s
+        arguments) instead of ``backend.launch``; a nonzero status is raised as ``refusal(status,
+        "cuLaunchKernel", kernel, grid, block, shared_mem)``. A backend calls this only after its
+        own checks of the shape passed on this thread. Returns the thread's table, from which the
+        backend removes its routes when it closes."""
+        try:
+            table = _ROUTES.table
+        except AttributeError:
+            table = _ROUTES.table = {}
+        table[(int(kernel), kinds)] = (backend, pack, params, launch, refusal)
+        return table

@@ -475,3 +475,44 @@ def test_spec_launch_takes_the_direct_route_once_checked(scripted, monkeypatch, 
         ADD.launch(gpu, k, (1, 1, 1), (32, 1, 1), 0, **args)
     assert len(driver.launches) == 6
     other.close()
+
+
+def test_builder_launch_takes_the_direct_route_once_checked(scripted, monkeypatch):
+    """As a spec launch: after a (kernel, kinds) shape's first launch on a thread, the builder's
+    plain launches call the driver themselves, with the same packed bytes; overlapped ones and
+    those over 48 KiB still go through the backend. A driver refusal on the route is phrased by
+    the backend; a second backend gets no route from the first's, and a closed one loses its."""
+    gpu, driver, k = scripted
+    gpu.max_shared_optin = 227 * 1024
+    seen = []
+    through = gpu.launch
+    monkeypatch.setattr(gpu, "launch", lambda *a, **kw: (seen.append(a[5]), through(*a, **kw)))
+
+    def built(backend, n):
+        return KernelLaunch(backend, k).grid([2, 1, 1]).block([32, 1, 1]).arg_ptr(1).arg_ptr(2).arg_f32(0.5).arg_u32(n)
+
+    for n in (3, 4, 5):
+        built(gpu, n).launch(7)
+    built(gpu, 6).launch(7, overlap=True)
+    built(gpu, 7).shared_mem(48 * 1024).launch(7)
+    built(gpu, 8).shared_mem(48 * 1024 + 4).launch(7)
+    assert seen == ["PPFU"] * 3  # the first, the overlapped one, the one over 48 KiB
+    assert [how for how, *_ in driver.launches] == ["plain"] * 3 + ["overlap"] + ["plain"] * 2
+    plain = [config for how, _, config, _ in driver.launches if how == "plain"]
+    assert plain == [((2, 1, 1), (32, 1, 1), shared, 7) for shared in (0, 0, 0, 48 * 1024, 48 * 1024 + 4)]
+    assert [raw for *_, raw in driver.launches] == [_packed(1, 2, 0.5, n) for n in range(3, 9)]
+
+    driver.fail_with = driver.cu.CUresult.CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES
+    with pytest.raises(CudaError, match=r"CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES: cuLaunchKernel \(add\.add grid"):
+        built(gpu, 9).launch(7)
+    driver.fail_with = None
+    assert seen == ["PPFU"] * 3 and len(driver.launches) == 7  # the refused one is recorded too
+
+    other = CudaBackend()  # the same kernel handle value on another backend: its own checks
+    with pytest.raises(GpuError, match="not loaded by this backend"):
+        built(other, 3).launch(0)
+    gpu.close()
+    with pytest.raises(ClosedError, match="backend is closed"):
+        built(gpu, 3).launch(0)
+    assert len(driver.launches) == 7
+    other.close()

@@ -39,7 +39,7 @@ class CudaKernels(CudaContext):
     _loaded: dict[int, _Loaded]
     _checked: set[tuple[int, Any]]  # (kernel, kinds or KernelSpec) pairs that passed the checks
     _shared_set: dict[int, int]  # kernel -> dynamic shared memory opted in to
-    _direct_tables: dict[int, dict[int, Any]]  # id -> a spec's per-thread table of direct routes (launch.py)
+    _direct_tables: dict[int, dict[Any, Any]]  # id -> a launcher's per-thread table of direct routes (launch.py)
 
     def _init_kernels(self) -> None:
         self._modules = {}
@@ -59,9 +59,9 @@ class CudaKernels(CudaContext):
         self._checked.clear()
         for table in self._thread_tables:  # every thread's: its next launch meets the checks again
             table.clear()
-        for direct in self._direct_tables.values():  # the specs' routes to this backend, too
-            for kernel in [k for k, route in direct.items() if route[0] is self]:
-                direct.pop(kernel, None)
+        for direct in self._direct_tables.values():  # the launchers' routes to this backend, too
+            for key in [k for k, route in direct.items() if route[0] is self]:
+                direct.pop(key, None)
         self._direct_tables.clear()
 
     # -- loading ----------------------------------------------------------------------------

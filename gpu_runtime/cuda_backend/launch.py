@@ -4,9 +4,10 @@ Two entry points share the submission: ``launch`` (``KernelLaunch``: kinds and v
 position, already range-checked by the builder; packed here) and ``launch_spec``
 (``KernelSpec``: packed by the spec into its own buffer). Both check each new kernel and
 argument shape once (``kernels.py``); the rest is what every launch pays, so it is kept to a
-few lookups. Once a (kernel, spec) pair passed on a thread, ``launch_spec`` gives the spec a
-direct route (``KernelSpec.allow_direct``): that thread's plain launches of the pair then call
-``cuLaunchKernel`` from the spec's launcher and only come here to phrase a refusal.
+few lookups. Once a (kernel, spec) pair or a (kernel, kinds) shape passed on a thread, the
+launcher gets a direct route (``KernelSpec.allow_direct``, ``KernelLaunch.allow_direct``): that
+thread's plain launches of it then call ``cuLaunchKernel`` from the launcher and only come here
+to phrase a refusal.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from cuda.bindings import driver as cu
 
 from .. import launch_config
 from ..errors import CudaError
+from ..kernel_args import KernelLaunch
 from ..launch_config import SHARED_WITHOUT_OPT_IN
 from ..launch_spec import KernelSpec
 from ..pointers import KernelHandle
@@ -42,6 +44,11 @@ class CudaLaunch(CudaKernels):
             plan = self._tls.shapes[(kernel, kinds)]
         except (AttributeError, KeyError):  # a new thread, or a new launch shape on this one
             plan = self._launch_shape(kernel, kinds)
+            direct = KernelLaunch.allow_direct(
+                kernel, kinds, self, plan.pack, plan.params, cu.cuLaunchKernel, self._launch_error
+            )
+            with self._lock:
+                self._direct_tables[id(direct)] = direct
         plan.pack(args)
         self._submit(kernel, plan.params, grid, block, shared_mem, stream, overlap)
 

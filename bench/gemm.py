@@ -144,8 +144,8 @@ def one_shape(spec: str, path: str | None) -> None:
                   f"{_max_active_clusters(gpu, chosen)} (the launch has {chosen.grid // gemm.SPLIT_K})")
 
 
-SWEEP_ROWS = (1, 8, 16, 32, 48, 64, 96, 128, 192, 256)
-SWEEP_PATHS = ("small", "tiled", "tma_splitk")
+SWEEP_ROWS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
+SWEEP_PATHS = ("gemv", "small", "tiled", "tma_splitk")
 
 
 def sweep(spec: str) -> None:
@@ -161,7 +161,8 @@ def sweep(spec: str) -> None:
             sets = _input_sets((m * k + n * k + m * n) * 2, gpu.l2_bytes)
             chosen = gemm.plan(m, n, k, None, wgmma=wgmma, tma=tma, tma_store=tma, gemv=wgmma, sms=gpu.sm_count).path
             auto = _ours_ms(gpu, m, n, k, sets, pool, None) * 1e3
-            forced = [_ours_ms(gpu, m, n, k, sets, pool, p) * 1e3 for p in SWEEP_PATHS]
+            forced = [_ours_ms(gpu, m, n, k, sets, pool, p) * 1e3 if p != "gemv" or gemm.use_gemv(m, k, True)
+                      else None for p in SWEEP_PATHS]  # gemv: only where it runs when forced
             t_ms = _torch_ms(m, n, k, sets)
             rows.append((m, chosen, auto, *forced, t_ms * 1e3 if t_ms else None,
                          t_ms * 1e3 / auto if t_ms else None))

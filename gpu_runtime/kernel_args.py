@@ -19,12 +19,12 @@ from typing import Any
 
 from . import launch_config, validate
 from .backend import GpuBackend, check_backend
+from .launch_config import SHARED_WITHOUT_OPT_IN
 from .pointers import DevicePtr, KernelHandle
 
 _U32 = 1 << 32
 _U64 = 1 << 64
 _I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
-_SHARED_DIRECT = launch_config.SHARED_WITHOUT_OPT_IN
 # This thread's direct routes: (kernel, kinds) -> (backend, pack, params, driver launch, refusal).
 _ROUTES = threading.local()
 
@@ -129,7 +129,7 @@ class KernelLaunch:
             route = _ROUTES.table[(kernel, self._kinds)]
         except (AttributeError, KeyError):  # no route on this thread (yet)
             route = None
-        if route is not None and route[0] is self._gpu and not overlap and shared <= _SHARED_DIRECT:
+        if route is not None and route[0] is self._gpu and not overlap and shared <= SHARED_WITHOUT_OPT_IN:
             route[1](self._args)
             gx, gy, gz = self._grid
             bx, by, bz = self._block

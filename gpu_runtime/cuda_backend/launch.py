@@ -44,11 +44,11 @@ class CudaLaunch(CudaKernels):
             plan = self._tls.shapes[(kernel, kinds)]
         except (AttributeError, KeyError):  # a new thread, or a new launch shape on this one
             plan = self._launch_shape(kernel, kinds)
-            direct = KernelLaunch.allow_direct(
-                kernel, kinds, self, plan.pack, plan.params, cu.cuLaunchKernel, self._launch_error
+            self._keep_routes(
+                KernelLaunch.allow_direct(
+                    kernel, kinds, self, plan.pack, plan.params, cu.cuLaunchKernel, self._launch_error
+                )
             )
-            with self._lock:
-                self._direct_tables[id(direct)] = direct
         plan.pack(args)
         self._submit(kernel, plan.params, grid, block, shared_mem, stream, overlap)
 
@@ -70,10 +70,14 @@ class CudaLaunch(CudaKernels):
             checked = False
         if not checked:
             self._check_spec(kernel, spec)
-            direct = spec.allow_direct(kernel, self, cu.cuLaunchKernel, self._launch_error)
-            with self._lock:
-                self._direct_tables[id(direct)] = direct
+            self._keep_routes(spec.allow_direct(kernel, self, cu.cuLaunchKernel, self._launch_error))
         self._submit(kernel, params, grid, block, shared_mem, stream, overlap)
+
+    def _keep_routes(self, table: dict[Any, Any]) -> None:
+        """Remember a launcher's per-thread table of direct routes, from which close() removes
+        this backend's."""
+        with self._lock:
+            self._direct_tables[id(table)] = table
 
     def _submit(
         self,

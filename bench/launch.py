@@ -16,6 +16,7 @@ import argparse
 import ctypes
 import itertools
 import struct
+import types
 
 from typing import Any
 
@@ -25,7 +26,9 @@ from cuda.bindings import driver as cu
 from bench.common import bench_parser, host_time_us, print_table
 from gpu_runtime import CudaBackend, KernelLaunch, KernelSpec, compiler, driver
 from gpu_runtime.cuda_backend import DRIVER_MODULES
+from layers.dense_weight import BF16, DenseWeight
 from layers.kernel_files import kernel_dir, load_kernel
+from layers.ops import gemm
 from layers.ops.embed import batched_embed
 from layers.ops.residual import scaled_add
 from layers.ops.specs import SCALED_ADD
@@ -40,7 +43,7 @@ class BackendRoutedSpec(KernelSpec):
 
     __slots__ = ()
 
-    def allow_direct(self, kernel: int, backend: object, launch: Any, refusal: Any) -> dict[int, Any]:
+    def allow_direct(self, kernel: int, backend: object, *route: Any) -> dict[int, Any]:
         return {}
 
 
@@ -108,8 +111,10 @@ def cupy_launcher():
 
 def stub_driver() -> None:
     """Make ``CudaBackend()`` run on a driver that answers every call at once (this process only):
-    handles from a counter, no parameter layouts to report, launches that do nothing."""
+    handles from a counter, no parameter layouts to report, an H200's shared memory opt-in,
+    zeroed tensor maps, launches that do nothing."""
     handles = itertools.count(0x7F00_0000_0000, 1 << 20)
+    opt_in = cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
 
     def call(fn, *args, detail=""):
         name = fn.__name__
@@ -117,6 +122,10 @@ def stub_driver() -> None:
             return b"stub\0"
         if name in ("cuModuleLoadData", "cuModuleGetFunction", "cuStreamCreate", "cuMemAlloc"):
             return next(handles)
+        if name == "cuDeviceGetAttribute" and args[0] == opt_in:
+            return 227 * 1024
+        if name == "cuTensorMapEncodeTiled":
+            return types.SimpleNamespace(opaque=[0] * 16)
         return 0
 
     driver.init = lambda: None
@@ -146,7 +155,26 @@ def stub_rows(gpu: CudaBackend, out: int, x: int, stream: int) -> list:
 
     return [("KernelLaunch builder, batched_embed", embed_builder),
             ("layers.ops.batched_embed launcher", embed_launcher),
-            ("layers.ops.embed_overlay_routed launcher", overlay_launcher)]
+            ("layers.ops.embed_overlay_routed launcher", overlay_launcher),
+            *gemm_rows(gpu, stream, [(64, 4096, 4096)])]
+
+
+def gemm_rows(gpu: CudaBackend, stream: int, shapes: list[tuple[int, int, int]]) -> list:
+    """The GEMM launcher at each (m, n, k), operands at fixed addresses (as an engine's are):
+    the Python of its checks and launch, the plan worked out at the first call."""
+    kernel = load_kernel(gpu, "gemm", gemm.KERNEL)
+    rows = []
+    for m, n, k in shapes:
+        a, w, c = gpu.alloc(2 * m * k), gpu.alloc(2 * n * k), gpu.alloc(2 * m * n)
+        weight = DenseWeight(w, (n, k), BF16)
+        path = gemm.plan(m, n, k, wgmma=gemm.wgmma_available(gpu), tma=gemm.tma_available(gpu),
+                         tma_store=gemm.tma_available(gpu), gemv=gemm.wgmma_available(gpu)).path
+
+        def launcher(i: int, a=a, weight=weight, c=c, m=m, n=n, k=k) -> None:
+            gemm.dense_gemm_bf16_pipelined(gpu, kernel, a, weight, c, m, n, k, stream)
+
+        rows.append((f"layers.ops GEMM launcher, {m}x{n}x{k} {path}", launcher))
+    return rows
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -186,6 +214,7 @@ def main(argv: list[str] | None = None) -> None:
                  ("KernelSpec launch (SCALED_ADD)", ours_spec),
                  ("KernelSpec launch, no direct route", ours_spec_routed),
                  ("layers.ops.scaled_add launcher", ours_launcher),
+                 *gemm_rows(gpu, stream, [(1, 64, 64)]),  # a GEMM the GPU runs faster than the host launches it
                  ("cuda.core launch", None if stub else cuda_core_launcher(gpu, out, x)),
                  ("CuPy RawKernel", None if stub else cupy_launcher())]
         if stub:

@@ -23,9 +23,9 @@ needs it finite says so.
 
 A launch goes through ``gpu.launch_spec``, unless the backend allowed a direct route: once a
 backend has checked a kernel with a spec on a thread, it may call ``allow_direct``, and that
-thread's plain launches of the kernel on that backend (no ``overlap``, at most 48 KiB of dynamic
-shared memory) then call the backend's driver function straight from the launcher, skipping the
-backend's frames.
+thread's plain launches of the kernel on that backend (no ``overlap``; at most 48 KiB of dynamic
+shared memory, or as much as the backend has opted the kernel in to) then call the backend's
+driver function straight from the launcher, skipping the backend's frames.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import math
 import numbers
 import struct
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from . import launch_config, validate
@@ -47,6 +47,7 @@ NULLABLE = "P?"
 # cuLaunchKernel's signature: (kernel, gx, gy, gz, bx, by, bz, shared, stream, params, extra) -> (status,)
 DriverLaunch = Callable[..., tuple[Any]]
 LaunchRefusal = Callable[[Any, str, Any, Sequence[int], Sequence[int], int], Exception]
+_NO_OPT_IN: Mapping[int, int] = {}  # a route for launches within 48 KiB of shared memory only
 _RESERVED = {"shared_mem", "overlap"}  # the launch's own keyword options
 
 
@@ -101,17 +102,24 @@ class KernelSpec:
             return plan
 
     def allow_direct(
-        self, kernel: int, backend: object, launch: DriverLaunch, refusal: LaunchRefusal
+        self,
+        kernel: int,
+        backend: object,
+        launch: DriverLaunch,
+        refusal: LaunchRefusal,
+        opted_in: Mapping[int, int] = _NO_OPT_IN,
     ) -> dict[int, Any]:
         """For backends, not users. Let this thread's plain launches of ``kernel`` on ``backend``
         call ``launch`` (with ``cuLaunchKernel``'s arguments) instead of ``backend.launch_spec``;
         a nonzero status it returns is raised as ``refusal(status, "cuLaunchKernel", kernel,
-        grid, block, shared_mem)``. A backend calls this only after its own checks of ``kernel``
+        grid, block, shared_mem)``. Launches with more than 48 KiB of dynamic shared memory take
+        the route only up to ``opted_in[kernel]``: the backend's live table of the shared memory
+        each kernel is opted in to. A backend calls this only after its own checks of ``kernel``
         with this spec passed on this thread. Returns the thread's table, from which the backend
         removes its routes when it closes (the next launch then goes through ``launch_spec``
         again, and meets its refusal)."""
         table = self.thread_plan().direct
-        table[int(kernel)] = (backend, launch, refusal)
+        table[int(kernel)] = (backend, launch, refusal, opted_in)
         return table
 
     def check_signature(self, signature: Sequence[Param], where: str) -> None:
@@ -177,13 +185,13 @@ class KernelSpec:
 
 class _SpecPlan(ArgPlan):
     """A thread's packed arguments for one spec, and its direct routes: kernel -> (backend,
-    driver launch, refusal), from ``KernelSpec.allow_direct``."""
+    driver launch, refusal, opted-in shared memory), from ``KernelSpec.allow_direct``."""
 
     __slots__ = ("direct",)
 
     def __init__(self, kinds: str) -> None:
         super().__init__(kinds)
-        self.direct: dict[int, tuple[object, DriverLaunch, LaunchRefusal]] = {}
+        self.direct: dict[int, tuple[object, DriverLaunch, LaunchRefusal, Mapping[int, int]]] = {}
 
 
 def _show(params: Sequence[Param]) -> str:
@@ -227,13 +235,15 @@ def _launchers(spec: KernelSpec) -> tuple[Callable[..., None], Callable[..., Non
         f"        raise spec.refusal(({names}))\n"
         f"    if type(stream) is not int or stream < 0:\n"
         f"        stream = check_stream(stream, spec.name + ': stream')\n"
-        f"    if not overlap and (not shared_mem or type(shared_mem) is int\n"
-        f"                        and shared_mem <= {launch_config.SHARED_WITHOUT_OPT_IN}):\n"
+        f"    if not overlap:\n"
         f"        try:\n"
         f"            direct = plan.direct[kernel]\n"
         f"        except KeyError:\n"
         f"            direct = None  # not checked on this thread yet, or another backend's kernel\n"
-        f"        if direct is not None and direct[0] is gpu:\n"
+        f"        if direct is not None and direct[0] is gpu and (\n"
+        f"                not shared_mem or type(shared_mem) is int\n"
+        f"                and (shared_mem <= {launch_config.SHARED_WITHOUT_OPT_IN}\n"
+        f"                     or shared_mem <= direct[3].get(kernel, 0))):\n"
         f"            try:\n"
         f"                gx, gy, gz = grid\n"
         f"                bx, by, bz = block\n"

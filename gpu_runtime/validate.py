@@ -54,6 +54,8 @@ def count(value: object, what: str, *, limit: int | None = None) -> int:
 
 def positive(value: object, what: str, *, limit: int | None = None) -> int:
     """An integer >= 1 (and < ``limit``)."""
+    if type(value) is int and value >= 1 and (limit is None or value < limit):
+        return value
     return _at_least(1, value, what, limit)
 
 

@@ -16,6 +16,7 @@ round-to-nearest-even).
 from __future__ import annotations
 
 import re
+import weakref
 from functools import partial
 
 import numpy as np
@@ -209,6 +210,85 @@ def test_forced_splitk_plan_short_k_takes_a_cta_per_tile(m, k, ctas):
     p = gemm.plan(m, 4100, k, "tma_splitk", tma=True)
     assert (p.kernel, p.grid, p.shared_mem) == ("dense_gemm_bf16_tma_splitk", ctas, gemm.SPLIT_SMEM)
     assert gemm.split_rows(m, k) == (64 if k <= gemm.SPLIT_SHORT_K or m <= 64 else 128)
+
+
+def test_a_repeated_launch_reuses_its_recipe_and_new_operands_get_their_own(monkeypatch):
+    """The plan, the path's kernel and the tensor maps are worked out once per (backend, kernel,
+    path, operands, sizes): a repeated launch is the same launch, and another a, c or m (another
+    key) gets maps and a plan of its own."""
+    monkeypatch.setattr(gemm, "_RECIPES", {})  # none of other tests' (and no clearing when full)
+    gpu = TmaBackend()
+    kern = load_kernel(gpu, "gemm", gemm.KERNEL)
+    planned = []
+    through = gemm._launch_plan
+    monkeypatch.setattr(gemm, "_launch_plan", lambda *a, **kw: (planned.append(a[4:7]), through(*a, **kw))[1])
+    w = _weight(4096, 512)
+    calls = [(_p(0), _p(2), 4096), (_p(0), _p(2), 4096), (_p(3), _p(2), 4096), (_p(0), _p(4), 4096),
+             (_p(0), _p(2), 64), (_p(0), _p(2), 4096)]
+    for a, c, m in calls:
+        dense_gemm_bf16_pipelined(gpu, kern, a, w, c, m, 4096, 512, 3)
+    assert planned == [(4096, 4096, 512), (4096, 4096, 512), (4096, 4096, 512), (64, 4096, 512)]
+    for launch, (a, c, m) in zip(gpu.launches, calls, strict=True):
+        if m == 64:
+            assert gpu.kernel_of(launch) == ("gemm", "dense_gemm_bf16_tma_splitk")
+            assert launch.args[:2] == [fake_tensor_map(int(a), 64, 512, 64, 64),
+                                       fake_tensor_map(0x200000, 4096, 512, 64, 64)]
+            assert launch.args[2:] == [int(a), 0x200000, int(c), 64, 4096, 512]
+        else:
+            assert gpu.kernel_of(launch) == ("gemm", "dense_gemm_bf16_tma_store")
+            assert launch.args[:3] == [fake_tensor_map(int(a), 4096, 512, 128, 64),
+                                       fake_tensor_map(0x200000, 4096, 512, 256, 64),
+                                       fake_tensor_map(int(c), 4096, 4096, 64, 64)]
+            assert launch.args[3:] == [int(a), 0x200000, int(c), 4096, 4096, 512]
+    other = TmaBackend()  # the same operands on another backend: its own recipe
+    dense_gemm_bf16_pipelined(other, load_kernel(other, "gemm", gemm.KERNEL), _p(0), w, _p(2), 4096, 4096, 512, 3)
+    assert len(planned) == 5 and other.launches[0].args == gpu.launches[0].args
+
+
+def test_a_recipe_is_not_used_for_another_backend_at_its_address(monkeypatch):
+    """A recipe names its backend weakly: one whose backend is gone (another object may have
+    its id) is worked out again; a backend that refuses weak references gets no recipe kept."""
+    monkeypatch.setattr(gemm, "_RECIPES", {})
+    gpu = TmaBackend()
+    kern = load_kernel(gpu, "gemm", gemm.KERNEL)
+    dense_gemm_bf16_pipelined(gpu, kern, _p(0), _weight(4096, 512), _p(2), 64, 4096, 512, 3)
+    (key,) = [key for key, recipe in gemm._RECIPES.items() if recipe.gpu() is gpu]
+    gone = TmaBackend()
+    dead = weakref.ref(gone)
+    del gone
+    gemm._RECIPES[key] = gemm._RECIPES[key]._replace(gpu=dead, grid=(1, 1, 1), args={})  # as if made for it
+    dense_gemm_bf16_pipelined(gpu, kern, _p(0), _weight(4096, 512), _p(2), 64, 4096, 512, 3)
+    first, again = gpu.launches
+    assert (again.grid, again.args) == (first.grid, first.args)
+
+    def refused(obj):
+        raise TypeError(f"cannot create weak reference to {type(obj).__name__!r} object")
+
+    monkeypatch.setattr(gemm.weakref, "ref", refused)
+    size = len(gemm._RECIPES)
+    for _ in range(2):
+        dense_gemm_bf16_pipelined(gpu, kern, _p(0), _weight(4096, 512), _p(5), 64, 4096, 512, 3)
+    assert len(gemm._RECIPES) == size and gpu.launches[-1].args[2:] == [int(_p(0)), 0x200000, int(_p(5)), 64, 4096, 512]
+
+
+def test_recipes_are_bounded(monkeypatch):
+    monkeypatch.setattr(gemm, "_RECIPES_MAX", 4)
+    monkeypatch.setattr(gemm, "_RECIPES", {})
+    gpu = RecordingBackend()
+    kern = load_kernel(gpu, "gemm", gemm.KERNEL)
+    for i in range(10):
+        dense_gemm_bf16_pipelined(gpu, kern, _p(0), _weight(4096, 256), _p(10 + i), 16, 4096, 256, 0)
+        assert len(gemm._RECIPES) <= 4
+    assert [launch.args[2] for launch in gpu.launches] == [int(_p(10 + i)) for i in range(10)]
+
+
+def test_an_operand_that_cannot_be_a_key_is_refused_as_before(monkeypatch):
+    monkeypatch.setattr(gemm, "_RECIPES", {})
+    gpu = RecordingBackend()
+    kern = load_kernel(gpu, "gemm", gemm.KERNEL)
+    with pytest.raises(TypeError, match="dense_gemm_bf16_pipelined a must be an int, got list"):
+        dense_gemm_bf16_pipelined(gpu, kern, [0x100000], _weight(4096, 256), _p(2), 16, 4096, 256, 0)
+    assert gpu.launches == [] and gemm._RECIPES == {}
 
 
 @pytest.mark.parametrize("a_off, w_off, k", [(2, 0, 512), (0, 8, 512), (0, 0, 516)])

@@ -71,6 +71,23 @@ def test_small_m_launches_the_given_kernel_with_the_plain_plan(m):
     assert launch.args == [int(_p(0)), 0x200000, int(_p(2)), m, 4096, 256, int(_p(3)), int(_p(4)), 0, 0.125]
 
 
+def test_a_repeated_launch_takes_each_calls_epilogue_arguments():
+    """The launch worked out for the operands is reused (gemm's recipes), but word_ids, word,
+    word_over and scale are the call's own, as are the stream and the overlap."""
+    gpu = TmaBackend()
+    kern = load_kernel(gpu, "gemm", gemm.WORD_KERNEL)
+    w = _weight(4096, 4096)
+    epilogues = [(_p(3), _p(4), 0, 0.25, 7), (_p(5), _p(6), int(_p(7)), 0.5, 8), (_p(3), _p(4), 0, 0.125, 9)]
+    for i, (ids, word, over, scale, stream) in enumerate(epilogues):
+        dense_gemm_bf16_word(gpu, kern, _p(0), w, _p(2), 64, 4096, 4096, ids, word, scale, stream,
+                             word_over=over, overlap=i == 1)
+    for launch, (ids, word, over, scale, stream) in zip(gpu.launches, epilogues, strict=True):
+        assert gpu.kernel_of(launch) == ("gemm", "dense_gemm_bf16_word_tma_splitk")
+        assert launch.args[2:] == [int(_p(0)), 0x200000, int(_p(2)), 64, 4096, 4096, int(ids), int(word), over, scale]
+        assert launch.stream == stream
+    assert [launch.overlap for launch in gpu.launches] == [False, True, False]
+
+
 @pytest.mark.parametrize("m, n", [(65, 4096), (1000, 2048), (4096, 4096), (300, 72)])
 def test_large_m_without_wgmma_runs_tiled_on_the_given_kernel(m, n):
     gpu = RecordingBackend()

@@ -316,7 +316,8 @@ def test_spec_launch_refusals_name_kernel_and_parameter(over, error, message):
 class _ScriptedDriver:
     """A driver for ``CudaBackend`` without a GPU (its ``call``, and the bindings' parameter
     layout and launch functions): handles from a counter, a parameter layout per kernel, and
-    launches recorded with the bytes their arguments point at."""
+    launches recorded with the bytes their arguments point at, and the shared memory each
+    kernel was opted in to."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, sizes: list[int]) -> None:
         from cuda.bindings import driver as cu
@@ -324,6 +325,7 @@ class _ScriptedDriver:
         self.cu, self.sizes = cu, sizes
         self.handles = itertools.count(0x7F00_0000_0000, 1 << 20)
         self.launches: list[tuple] = []
+        self.opt_ins: list[int] = []  # cuFuncSetAttribute's values (the scripted kernels take only that one)
         self.layout_queries = 0
         self.fail_with = None
         scripted_device(monkeypatch, self.call)
@@ -339,6 +341,8 @@ class _ScriptedDriver:
             return b"scripted\0"
         if name in ("cuModuleLoadData", "cuModuleGetFunction", "cuStreamCreate"):
             return next(self.handles)
+        if name == "cuFuncSetAttribute":
+            self.opt_ins.append(args[2])
         return 0
 
     def param_info(self, kernel, i):
@@ -448,8 +452,8 @@ def test_spec_launch_per_thread_and_closed_backend(scripted):
 def test_spec_launch_takes_the_direct_route_once_checked(scripted, monkeypatch, tmp_path):
     """After the first launch of a (kernel, spec) pair on a thread, its plain launches call the
     driver from the spec's launcher: the backend's ``launch_spec`` only sees the first one, the
-    overlapped ones and those over 48 KiB of shared memory. A second backend gets no route from
-    the first's, and a closed one loses its routes."""
+    overlapped ones and those over 48 KiB of shared memory beyond what it has opted the kernel
+    in to. A second backend gets no route from the first's, and a closed one loses its routes."""
     gpu, driver, k = scripted
     gpu.max_shared_optin = 227 * 1024  # the scripted device reports none
     seen = []
@@ -459,12 +463,15 @@ def test_spec_launch_takes_the_direct_route_once_checked(scripted, monkeypatch, 
     for _ in range(3):
         ADD.launch(gpu, k, (1, 1, 1), (32, 1, 1), 0, **args)
     ADD.launch(gpu, k, (1, 1, 1), (32, 1, 1), 0, **args, overlap=True)
-    ADD.launch(gpu, k, (1, 1, 1), (32, 1, 1), 0, **args, shared_mem=48 * 1024)
-    ADD.launch(gpu, k, (1, 1, 1), (32, 1, 1), 0, **args, shared_mem=48 * 1024 + 4)
-    assert seen == ["add"] * 3  # the first, the overlapped one, the one over 48 KiB
-    assert [how for how, *_ in driver.launches] == ["plain"] * 3 + ["overlap"] + ["plain"] * 2
+    shared = [48 * 1024, 48 * 1024 + 4, 48 * 1024 + 4, 48 * 1024 + 2, 64 * 1024, 64 * 1024]
+    for size in shared:
+        ADD.launch(gpu, k, (1, 1, 1), (32, 1, 1), 0, **args, shared_mem=size)
+    # the first, the overlapped one, and the first over 48 KiB and over its opt-in (which opt in)
+    assert seen == ["add"] * 4
+    assert driver.opt_ins == [48 * 1024 + 4, 64 * 1024]
+    assert [how for how, *_ in driver.launches] == ["plain"] * 3 + ["overlap"] + ["plain"] * len(shared)
     plain = [config[2] for how, _, config, _ in driver.launches if how == "plain"]
-    assert plain == [0] * 3 + [48 * 1024, 48 * 1024 + 4]
+    assert plain == [0] * 3 + shared
     assert {tuple(raw) for *_, raw in driver.launches} == {tuple(_packed(1, 2, 0.5, 3))}
 
     other = CudaBackend()  # the same kernel handle value on another backend: its own checks
@@ -473,7 +480,9 @@ def test_spec_launch_takes_the_direct_route_once_checked(scripted, monkeypatch, 
     gpu.close()
     with pytest.raises(ClosedError, match="backend is closed"):
         ADD.launch(gpu, k, (1, 1, 1), (32, 1, 1), 0, **args)
-    assert len(driver.launches) == 6
+    with pytest.raises(ClosedError, match="backend is closed"):  # the opted-in route is gone too
+        ADD.launch(gpu, k, (1, 1, 1), (32, 1, 1), 0, **args, shared_mem=48 * 1024 + 4)
+    assert len(driver.launches) == 4 + len(shared)
     other.close()
 
 

@@ -7,7 +7,8 @@ argument shape once (``kernels.py``); the rest is what every launch pays, so it 
 few lookups. Once a (kernel, spec) pair or a (kernel, kinds) shape passed on a thread, the
 launcher gets a direct route (``KernelSpec.allow_direct``, ``KernelLaunch.allow_direct``): that
 thread's plain launches of it then call ``cuLaunchKernel`` from the launcher and only come here
-to phrase a refusal.
+to phrase a refusal (a spec's route also takes launches over 48 KiB of shared memory once
+``_shared_set`` holds the kernel's opt-in to that much; a builder's does not).
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ class CudaLaunch(CudaKernels):
             checked = False
         if not checked:
             self._check_spec(kernel, spec)
-            self._keep_routes(spec.allow_direct(kernel, self, cu.cuLaunchKernel, self._launch_error))
+            self._keep_routes(spec.allow_direct(kernel, self, cu.cuLaunchKernel, self._launch_error, self._shared_set))
         self._submit(kernel, params, grid, block, shared_mem, stream, overlap)
 
     def _keep_routes(self, table: dict[Any, Any]) -> None:

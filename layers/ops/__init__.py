@@ -7,7 +7,9 @@ the spec refuses a value of the wrong type or range and a null pointer where the
 one, naming the kernel and the parameter (``gpu_runtime.validate``'s policy). A launcher whose
 argument list would not fit a line launches with ``spec.launch_from(..., locals())``: its
 parameters carry the kernel's names (any other name is passed explicitly, as ``td=table_dim``),
-and a value it checks or converts is rebound to the same name, so the kernel gets that one.
+and a value it checks or converts is rebound to the same name, so the kernel gets that one. The
+GEMM launchers instead keep each operand set's launch (plan, kernel, tensor maps, arguments) as
+a recipe, so a repeated GEMM costs its checks and one spec launch (``gemm._launch``).
 """
 
 from .embed import batched_embed, batched_embed_fp8, embed_from_argmax

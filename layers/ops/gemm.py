@@ -132,7 +132,7 @@ def dense_gemm_bf16_pipelined(
     """
     m, n, k = _check_gemm(KERNEL, kernel, w, m, n, k, path)
     if m and n and k:
-        _launch(KERNEL, gpu, kernel, stream, path, a, w, c, m, n, k)
+        _launch(KERNEL, gpu, kernel, stream, path, (a, w, c, m, n, k))
 
 
 def dense_gemm_bf16_word(
@@ -170,7 +170,7 @@ def dense_gemm_bf16_word(
     scale = validate.real32(scale, f"{WORD_KERNEL} scale")
     if m and n and k:
         epilogue = {"word_ids": word_ids, "word": word, "scale": scale, "word_over": word_over}
-        _launch(WORD_KERNEL, gpu, kernel, stream, path, a, w, c, m, n, k, epilogue, overlap)
+        _launch(WORD_KERNEL, gpu, kernel, stream, path, (a, w, c, m, n, k), epilogue, overlap)
 
 
 class _Recipe(NamedTuple):
@@ -194,23 +194,22 @@ _RECIPES: dict[tuple[Any, ...], _Recipe] = {}
 _RECIPES_MAX = 1024
 
 
+_Operands = tuple[int, DenseWeight, int, int, int, int]  # a, w, c, m, n, k
+
+
 def _launch(
     name: str,
     gpu: GpuBackend,
     kernel: KernelHandle,
     stream: int,
     path: str | None,
-    a: int,
-    w: DenseWeight,
-    c: int,
-    m: int,
-    n: int,
-    k: int,
+    operands: _Operands,
     epilogue: dict[str, Any] | None = None,
     overlap: bool = False,
 ) -> None:
     """Launch the GEMM of launcher ``name`` (``KERNEL`` or ``WORD_KERNEL``) from its checked
-    arguments, the word launcher's ``epilogue`` arguments by name, through the call's recipe."""
+    ``operands``, the word launcher's ``epilogue`` arguments by name, through their recipe."""
+    a, w, c, m, n, k = operands
     key = (id(gpu), name, kernel, path, a, w.weight, c, m, n, k)
     try:
         recipe, keyed = _RECIPES.get(key), True
@@ -218,7 +217,7 @@ def _launch(
         recipe, keyed = None, False
     fresh = recipe is None or recipe.gpu() is not gpu
     if recipe is None or fresh:
-        recipe = _recipe(name, gpu, kernel, path, a, w, c, m, n, k)
+        recipe = _recipe(name, gpu, kernel, path, operands)
     args = recipe.args if epilogue is None else {**recipe.args, **epilogue}
     recipe.launch_from(
         gpu, recipe.kernel, recipe.grid, recipe.block, stream, args, shared_mem=recipe.shared_mem, overlap=overlap
@@ -229,20 +228,10 @@ def _launch(
         _RECIPES[key] = recipe
 
 
-def _recipe(
-    name: str,
-    gpu: GpuBackend,
-    kernel: KernelHandle,
-    path: str | None,
-    a: int,
-    w: DenseWeight,
-    c: int,
-    m: int,
-    n: int,
-    k: int,
-) -> _Recipe:
+def _recipe(name: str, gpu: GpuBackend, kernel: KernelHandle, path: str | None, operands: _Operands) -> _Recipe:
     """The plan of these operands on ``gpu``: ``kernel`` where the plan runs it, else the path's
     own kernel of ``gemm.cu``, with the TMA paths' tensor maps."""
+    a, w, c, m, n, k = operands
     p = _launch_plan(gpu, a, w, c, m, n, k, path, word=name == WORD_KERNEL)
     handle = kernel if p.kernel == name else load_kernel(gpu, MODULE, p.kernel)
     maps = _tensor_maps(gpu, p.path, a, w, c, m, n, k) if p.path in _TMA_BOXES else {}

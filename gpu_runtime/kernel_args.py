@@ -5,16 +5,17 @@ values to the backend, which packs them to the C ABI and checks them, once per k
 against the kernel's own signature. Kept lean: the n-gram layer launches dozens of kernels a call.
 
 Once a backend has checked a (kernel, kinds) shape on a thread it may grant it a direct route
-(``allow_direct``): that thread's plain launches of the shape on that backend (no ``overlap``, at
-most 48 KiB of dynamic shared memory) pack into the backend's buffer and call its driver function
-from ``launch``, skipping the backend's frames; a refusal is phrased by the backend's function.
+(``allow_direct``): that thread's plain launches of the shape on that backend (no ``overlap``; at
+most 48 KiB of dynamic shared memory, or as much as the backend has opted the kernel in to) pack
+into the backend's buffer and call its driver function from ``launch``, skipping the backend's
+frames; a refusal is phrased by the backend's function.
 """
 
 from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from . import launch_config, validate
@@ -25,8 +26,10 @@ from .pointers import DevicePtr, KernelHandle
 _U32 = 1 << 32
 _U64 = 1 << 64
 _I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
-# This thread's direct routes: (kernel, kinds) -> (backend, pack, params, driver launch, refusal).
+# This thread's direct routes: (kernel, kinds) -> (backend, pack, params, driver launch, refusal,
+# opted-in shared memory).
 _ROUTES = threading.local()
+_NO_OPT_IN: Mapping[int, int] = {}  # a route for launches within 48 KiB of shared memory only
 
 
 class KernelLaunch:
@@ -129,7 +132,12 @@ class KernelLaunch:
             route = _ROUTES.table[(kernel, self._kinds)]
         except (AttributeError, KeyError):  # no route on this thread (yet)
             route = None
-        if route is not None and route[0] is self._gpu and not overlap and shared <= SHARED_WITHOUT_OPT_IN:
+        if (
+            route is not None
+            and route[0] is self._gpu
+            and not overlap
+            and (shared <= SHARED_WITHOUT_OPT_IN or shared <= route[5].get(kernel, 0))
+        ):
             route[1](self._args)
             gx, gy, gz = self._grid
             bx, by, bz = self._block
@@ -150,17 +158,20 @@ class KernelLaunch:
         params: int,
         launch: Callable[..., tuple[Any]],
         refusal: Callable[..., Exception],
+        opted_in: Mapping[int, int] = _NO_OPT_IN,
     ) -> dict[tuple[int, str], Any]:
         """For backends, not users. Let this thread's plain launches of ``kernel`` with argument
         kinds ``kinds`` on ``backend`` write their values with ``pack`` (into the buffer that the
         ``void*[]`` at ``params`` points into) and call ``launch`` (``cuLaunchKernel``'s
         arguments) instead of ``backend.launch``; a nonzero status is raised as ``refusal(status,
-        "cuLaunchKernel", kernel, grid, block, shared_mem)``. A backend calls this only after its
-        own checks of the shape passed on this thread. Returns the thread's table, from which the
-        backend removes its routes when it closes."""
+        "cuLaunchKernel", kernel, grid, block, shared_mem)``. Launches with more than 48 KiB of
+        dynamic shared memory take the route only up to ``opted_in[kernel]`` (as
+        ``KernelSpec.allow_direct``). A backend calls this only after its own checks of the shape
+        passed on this thread. Returns the thread's table, from which the backend removes its
+        routes when it closes."""
         try:
             table = _ROUTES.table
         except AttributeError:
             table = _ROUTES.table = {}
-        table[(int(kernel), kinds)] = (backend, pack, params, launch, refusal)
+        table[(int(kernel), kinds)] = (backend, pack, params, launch, refusal, opted_in)
         return table

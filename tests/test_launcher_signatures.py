@@ -489,8 +489,9 @@ def test_spec_launch_takes_the_direct_route_once_checked(scripted, monkeypatch, 
 def test_builder_launch_takes_the_direct_route_once_checked(scripted, monkeypatch):
     """As a spec launch: after a (kernel, kinds) shape's first launch on a thread, the builder's
     plain launches call the driver themselves, with the same packed bytes; overlapped ones and
-    those over 48 KiB still go through the backend. A driver refusal on the route is phrased by
-    the backend; a second backend gets no route from the first's, and a closed one loses its."""
+    those over 48 KiB beyond the kernel's opt-in still go through the backend. A driver refusal
+    on the route is phrased by the backend; a second backend gets no route from the first's, and
+    a closed one loses its."""
     gpu, driver, k = scripted
     gpu.max_shared_optin = 227 * 1024
     seen = []
@@ -516,6 +517,10 @@ def test_builder_launch_takes_the_direct_route_once_checked(scripted, monkeypatc
         built(gpu, 9).launch(7)
     driver.fail_with = None
     assert seen == ["PPFU"] * 3 and len(driver.launches) == 7  # the refused one is recorded too
+    built(gpu, 10).shared_mem(48 * 1024 + 4).launch(7)  # within the kernel's opt-in: direct
+    built(gpu, 11).shared_mem(64 * 1024).launch(7)  # beyond it: the backend opts in again
+    assert seen == ["PPFU"] * 4 and driver.opt_ins == [48 * 1024 + 4, 64 * 1024]
+    assert [config[2] for _, _, config, _ in driver.launches[7:]] == [48 * 1024 + 4, 64 * 1024]
 
     other = CudaBackend()  # the same kernel handle value on another backend: its own checks
     with pytest.raises(GpuError, match="not loaded by this backend"):
@@ -523,5 +528,5 @@ def test_builder_launch_takes_the_direct_route_once_checked(scripted, monkeypatc
     gpu.close()
     with pytest.raises(ClosedError, match="backend is closed"):
         built(gpu, 3).launch(0)
-    assert len(driver.launches) == 7
+    assert len(driver.launches) == 9
     other.close()

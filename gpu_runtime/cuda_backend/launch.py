@@ -7,8 +7,8 @@ argument shape once (``kernels.py``); the rest is what every launch pays, so it 
 few lookups. Once a (kernel, spec) pair or a (kernel, kinds) shape passed on a thread, the
 launcher gets a direct route (``KernelSpec.allow_direct``, ``KernelLaunch.allow_direct``): that
 thread's plain launches of it then call ``cuLaunchKernel`` from the launcher and only come here
-to phrase a refusal (a spec's route also takes launches over 48 KiB of shared memory once
-``_shared_set`` holds the kernel's opt-in to that much; a builder's does not).
+to phrase a refusal (a route also takes launches over 48 KiB of shared memory once
+``_shared_set`` holds the kernel's opt-in to that much).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class CudaLaunch(CudaKernels):
             plan = self._launch_shape(kernel, kinds)
             self._keep_routes(
                 KernelLaunch.allow_direct(
-                    kernel, kinds, self, plan.pack, plan.params, cu.cuLaunchKernel, self._launch_error
+                    kernel, kinds, self, plan.pack, plan.params, cu.cuLaunchKernel, self._launch_error, self._shared_set
                 )
             )
         plan.pack(args)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Any
 
 import numpy as np
 
@@ -36,13 +37,49 @@ WARMUP, ITERS = 2, 10
 BLOCK = 16 << 20  # random block tiled into the table
 
 
-def fill_random(host: np.ndarray, rng: np.random.Generator) -> None:
-    """Tile one random block of finite bf16 values of modest size over ``host`` (uint8)."""
-    block = rng.integers(0, 256, min(BLOCK, host.size), dtype=np.uint8)
+def random_block(rng: np.random.Generator, nbytes: int) -> np.ndarray:
+    """A block of random finite bf16 values of modest size (uint8, at most 16 MiB), to tile over
+    a table of ``nbytes``."""
+    block = rng.integers(0, 256, min(BLOCK, nbytes), dtype=np.uint8)
     block[1::2] &= 0x3F  # high bytes: exponents well inside the finite range
+    return block
+
+
+def fill_random(host: np.ndarray, rng: np.random.Generator) -> None:
+    """Tile one ``random_block`` over ``host`` (uint8)."""
+    block = random_block(rng, host.size)
     for off in range(0, host.size, block.size):
         n = min(block.size, host.size - off)
         host[off:off + n] = block[:n]
+
+
+def gathered(gpu: CudaBackend, kernel: Any, ids: int, n: int, table: int, out: int) -> np.ndarray:
+    """The bytes of ``batched_embed`` of the ``n`` rows of ``table`` that ``ids`` name."""
+    batched_embed(gpu, kernel, ids, table, out, n, DIM, 0)
+    got = np.empty(n * ROW_BYTES, np.uint8)
+    gpu.copy_d2h(got, out)
+    return got
+
+
+def time_gather(gpu: CudaBackend, kernel: Any, table: int, rows: int, out: int, n: int, batch: int,
+                rng: np.random.Generator, label: str = "") -> float:
+    """Median GPU us of ``batched_embed`` of ``n`` rows from ``table`` (``rows`` rows) into
+    ``out``, ``batch`` calls back to back behind a gate, fresh random rows for every call."""
+    calls = (WARMUP + ITERS) * batch
+    ids = rng.integers(0, rows, calls * n, dtype=np.uint32)
+    ids_dev = gpu.alloc(ids.nbytes)
+    try:
+        gpu.copy_h2d_async(ids, ids_dev)
+        us, expired = gated_gpu_us(
+            lambda i: batched_embed(gpu, kernel, ids_dev + (i % calls) * n * 4, table, out, n, DIM, 0),
+            batch=batch, warmup=WARMUP, iters=ITERS)
+    finally:
+        gpu.synchronize()
+        gpu.free(ids_dev)
+    if expired:
+        print(f"  note: {n} rows{label}: {expired} of {ITERS} gates expired (host time leaked into those "
+              "measurements)")
+    return us
 
 
 def pinned_copy_rate(gpu: CudaBackend, nbytes: int = 256 << 20) -> float:
@@ -78,43 +115,28 @@ def main(argv: list[str] | None = None) -> None:
         host_weight = gpu.host_device_ptr(host)
         dev_table = gpu.alloc(nbytes)
         gpu.upload_pinned_async(host, dev_table, 0)  # the same bytes, by one DMA
-        out = gpu.alloc(max(n for n, _ in SHAPES) * ROW_BYTES * 2)
-        out2 = out + max(n for n, _ in SHAPES) * ROW_BYTES
+        out = gpu.alloc(max(n for n, _ in SHAPES) * ROW_BYTES)
         gpu.synchronize()
         pcie = pinned_copy_rate(gpu)
         print(f"pinned host-to-device copy: {pcie / 1e9:.1f} GB/s (one 256 MiB DMA)", flush=True)
 
-        table_rows = []
-        for n, batch in SHAPES:
-            calls = (WARMUP + ITERS) * batch
-            # fresh rows for every call, the device run's ids after the host run's (the gate's copy
-            # also flushes L2 before each batch)
-            ids = rng.integers(0, rows, 2 * calls * n, dtype=np.uint32)
+        for n, _ in SHAPES:  # the two tables give the same bits (one call checked)
+            ids = rng.integers(0, rows, n, dtype=np.uint32)
             ids_dev = gpu.alloc(ids.nbytes)
             gpu.copy_h2d_async(ids, ids_dev)
-            # the two tables give the same bits (one call checked)
-            batched_embed(gpu, k, ids_dev, host_weight, out, n, DIM, 0)
-            batched_embed(gpu, k, ids_dev, dev_table, out2, n, DIM, 0)
-            a, b = np.empty(n * ROW_BYTES, np.uint8), np.empty(n * ROW_BYTES, np.uint8)
-            gpu.copy_d2h(a, out)
-            gpu.copy_d2h(b, out2)
-            assert np.array_equal(a, b), "host and device gathers differ"
-            times = {}
-            for run, (where, table) in enumerate((("host", host_weight), ("device", dev_table))):
-                first = run * calls
-                us, expired = gated_gpu_us(
-                    lambda i, table=table, first=first: batched_embed(
-                        gpu, k, ids_dev + (first + i % calls) * n * 4, table, out, n, DIM, 0),
-                    batch=batch, warmup=WARMUP, iters=ITERS)
-                times[where] = us
-                if expired:
-                    print(f"  note: {n} rows from {where}: {expired} of {ITERS} gates expired "
-                          "(host time leaked into those measurements)")
+            same = np.array_equal(gathered(gpu, k, ids_dev, n, host_weight, out),
+                                  gathered(gpu, k, ids_dev, n, dev_table, out))
             gpu.free(ids_dev)
+            assert same, "host and device gathers differ"
+        table_rows = []
+        for n, batch in SHAPES:
+            # fresh rows for every call (the gate's copy also flushes L2 before each batch)
+            host_us = time_gather(gpu, k, host_weight, rows, out, n, batch, rng, " from host")
+            dev_us = time_gather(gpu, k, dev_table, rows, out, n, batch, rng, " from device")
             moved = n * ROW_BYTES
-            table_rows.append((n, n * ROW_BYTES, times["host"], times["device"], times["host"] / times["device"],
-                               moved / (times["host"] * 1e-6) / 1e9, moved / (times["device"] * 1e-6) / 1e9))
-            print(f"{n} rows: host {times['host']:.2f} us, device {times['device']:.2f} us", flush=True)
+            table_rows.append((n, moved, host_us, dev_us, host_us / dev_us,
+                               moved / (host_us * 1e-6) / 1e9, moved / (dev_us * 1e-6) / 1e9))
+            print(f"{n} rows: host {host_us:.2f} us, device {dev_us:.2f} us", flush=True)
 
         gpu.free(out)
         gpu.free(dev_table)

@@ -151,8 +151,8 @@ TOOLS = [
     "layers.precompile",
     "gpu_runtime.precompile",
     *(f"bench.{name}" for name in
-      ("launch", "kernels", "overlay", "ngram_embed", "cached", "decode", "host_gather", "tensor_parallel", "gemm",
-       "results")),
+      ("launch", "kernels", "overlay", "ngram_embed", "cached", "decode", "host_gather", "host_pages",
+       "tensor_parallel", "gemm", "results")),
     "tests.sanitize",
     "tests.bad_inputs",
 ]

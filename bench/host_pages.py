@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import mmap
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -119,14 +120,12 @@ def vmm(location: Any, numa: int) -> Way:
             try:
                 call(cu.cuMemMap, ptr, size, 0, handle, 0)
                 try:
-                    access = cu.CUmemAccessDesc()
-                    access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-                    access.location.id = gpu.device
-                    access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-                    call(cu.cuMemSetAccess, ptr, size, [access], 1)
+                    call(cu.cuMemSetAccess, ptr, size, [_access(cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE,
+                                                                 gpu.device)], 1)
                     for off, n in tile(block, nbytes):
                         call(cu.cuMemcpyHtoD, ptr + off, block.ctypes.data, n)
-                    yield ptr, f"cuMemCreate, granularity {gran >> 10} KiB"
+                    cpu = cpu_access(ptr, size, location, numa, block)
+                    yield ptr, f"cuMemCreate, granularity {gran >> 10} KiB; CPU: {cpu}"
                 finally:
                     call(cu.cuMemUnmap, ptr, size)
             finally:
@@ -135,6 +134,38 @@ def vmm(location: Any, numa: int) -> Way:
             call(cu.cuMemRelease, handle)
 
     return way
+
+
+def _access(location: Any, ident: int) -> Any:
+    access = cu.CUmemAccessDesc()
+    access.location.type = location
+    access.location.id = ident
+    access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    return access
+
+
+def cpu_mapped(ptr: int) -> bool:
+    """Whether this process's CPU page tables map the address (``/proc/self/maps``), so that a
+    read of it cannot fault."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= ptr < hi:
+                return line.split()[1].startswith("r")
+    return False
+
+
+def cpu_access(ptr: int, size: int, location: Any, numa: int, block: np.ndarray) -> str:
+    """Whether the CPU can be given access to the host allocation at ``ptr`` (a table ``alloc_host``
+    could hand out as a numpy array), and reads what the device wrote there."""
+    try:
+        call(cu.cuMemSetAccess, ptr, size, [_access(location, numa)], 1)
+    except RuntimeError as exc:
+        return f"refused ({str(exc)[:40]})"
+    if not cpu_mapped(ptr):
+        return "granted, not in /proc/self/maps"
+    seen = np.ctypeslib.as_array((ctypes.c_uint8 * block.size).from_address(ptr))
+    return "reads the table" if np.array_equal(seen, block) else "reads other bytes"
 
 
 def ways() -> dict[str, Way]:
@@ -193,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
                     same = np.array_equal(gathered(gpu, k, ids_dev, check_ids.size, table, out), want)
                     assert same, f"{name}: the gather differs from the device table's"
                     times = timings(table)
-            except (OSError, ValueError, RuntimeError, AttributeError) as exc:  # CudaError: a RuntimeError; an enum these bindings lack: AttributeError
+            except (OSError, ValueError, RuntimeError, AttributeError) as exc:  # CudaError, or an enum not bound
                 print(f"{name}: not available here: {exc}", flush=True)
                 table_rows.append((name, f"refused: {str(exc)[:60]}", "-", "-", "-", "-"))
                 continue

@@ -90,9 +90,9 @@ class PinnedStaging:
             for event, _, _ in self._busy:
                 self._events.append(event)
             for event in self._events:
-                cu.cuEventDestroy(event)
+                call(cu.cuEventDestroy, event)
             for host in self._owned:
-                cu.cuMemFreeHost(host)
+                call(cu.cuMemFreeHost, host)
             self._free.clear()
             self._busy.clear()
             self._events.clear()

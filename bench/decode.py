@@ -39,6 +39,7 @@ bench/decode_serving.py.
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -432,10 +433,23 @@ def zero_copy_probe(ctx: Ctx, weights: NgramWeights, out_per_table: bool = False
     return len(tables) * PREFILL * cols * 2 / (us * 1e-6) / 1e9
 
 
+def make_parser() -> argparse.ArgumentParser:
+    parser = bench_parser(__doc__, "bench.decode")
+    parser.add_argument("--steps-only", action="store_true",
+                        help="only the decode-step rows (bare graph and ours): no torch, prefill or serving calls "
+                             "(A/B runs of a kernel change, e.g. under GPU_RUNTIME_KERNEL_DIR)")
+    parser.add_argument("--placements", default=",".join(PLACEMENTS),
+                        help=f"table placements, comma-separated (default {','.join(PLACEMENTS)})")
+    return parser
+
+
 def main(argv: list[str] | None = None) -> None:
-    bench_parser(__doc__, "bench.decode").parse_args(argv)
-    torch = torch_or_none()
-    if torch is None:
+    args = make_parser().parse_args(argv)
+    placements = [p for p in args.placements.split(",") if p]
+    if not placements or not set(placements) <= set(PLACEMENTS):
+        raise SystemExit(f"bench.decode: --placements takes some of {', '.join(PLACEMENTS)}, got {args.placements!r}")
+    torch = None if args.steps_only else torch_or_none()
+    if torch is None and not args.steps_only:
         print("torch with CUDA not available: the torch rows are skipped", flush=True)
     rng = np.random.default_rng(0)
     dims = DIMS
@@ -457,7 +471,7 @@ def main(argv: list[str] | None = None) -> None:
         try:
             rows = [bare_graph_row(ctx)]
             prefills, probe, probe_own_out = [], None, None
-            for placement in PLACEMENTS:
+            for placement in placements:
                 placed = placement_weights(ctx, weights, placement)
                 if placed is None:
                     print(f"placement {placement!r}: not written yet, skipped")
@@ -466,6 +480,8 @@ def main(argv: list[str] | None = None) -> None:
                 try:
                     rows += ours_rows(ctx, p_weights, f"ours, {placement} tables, step in caller's graph",
                                       row_bytes)
+                    if args.steps_only:
+                        continue
                     prefills.append(prefill_row(ctx, p_weights, placement))
                     if placement == "host":
                         probe = zero_copy_probe(ctx, p_weights)
@@ -477,12 +493,15 @@ def main(argv: list[str] | None = None) -> None:
             if torch is not None:
                 rows += torch_rows(ctx, weights)
                 torch.cuda.synchronize()
-            serving_rows(gpu, stream, weights, rng)
+            if not args.steps_only:
+                serving_rows(gpu, stream, weights, rng)
         finally:
             gpu.synchronize(stream)
             weights.close()
             gpu.free(out)
         report(rows)
+        if args.steps_only:
+            return
         print_table(f"prefill of one {PREFILL}-token prompt (GPU us, back to back)",
                     ["tables", "tokens", "prefill us", "gather us", "gathered GB/s",
                      "x zero-copy probe"],

@@ -84,22 +84,24 @@ def registered(advice: int) -> Way:
     def way(gpu: CudaBackend, nbytes: int, block: np.ndarray) -> Iterator[Table]:
         before = anon_huge_kib()
         mm = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        views: list[np.ndarray] = []  # the arrays over mm: gone before it closes
         try:
-            base = np.frombuffer(mm, dtype=np.uint8)
-            start = -base.ctypes.data % HUGE  # 2 MiB-aligned, so that whole huge pages fit
+            views.append(np.frombuffer(mm, dtype=np.uint8))
+            start = -views[0].ctypes.data % HUGE  # 2 MiB-aligned, so that whole huge pages fit
             mm.madvise(advice, start, nbytes)
-            host = base[start:start + nbytes]
+            views.append(views[0][start:start + nbytes])
             for off, n in tile(block, nbytes):
-                host[off:off + n] = block[:n]
+                views[1][off:off + n] = block[:n]
             huge = (anon_huge_kib() - before) << 10
-            table = int(gpu.register_host(host))
+            table = int(gpu.register_host(views[1]))
             try:
                 yield table, f"mmap, {huge / nbytes:.0%} in huge pages"
             finally:
-                gpu.unregister_host(host)
-                del host, base
+                gpu.unregister_host(views[1])
         finally:
-            mm.close()
+            views.clear()
+            with contextlib.suppress(BufferError):  # an error's traceback may hold a view: freed with it
+                mm.close()
 
     return way
 

@@ -19,7 +19,7 @@ from layers.ngram_embed import NgramDecoder, NgramEmbedding
 from layers.ngram_embed.decoder import NO_ROW_CACHE
 from layers.overlay import OverlaySlots
 from tests.helpers.fakes import RecordingBackend, refused
-from tests.helpers import decoder_checks
+from tests.helpers import bits, decoder_checks
 from tests.helpers.decoder import World
 from tests.helpers.ngram import assert_runners_borrow_the_weights, device_weights, random_layer, small_dims
 
@@ -168,6 +168,28 @@ def test_long_histories_take_the_unshuffled_window_path(gpu, rng):
     w = World(gpu, rng, max_draft=40, max_rows=160)
     try:
         decoder_checks.k_token_steps_with_rollbacks(w)
+    finally:
+        w.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens", [[30, 10], [70, 30]])
+def test_split_k_shapes_equal_the_fused_path_and_the_reference(gpu, rng, lens):
+    """12 tables of 24 (k = 288 > 256): the word GEMM, the gather's programmatic dependent, takes
+    the split-K path over a 2-CTA cluster (the second CTA one k-stage), with 64-token tiles for
+    40 rows and 128-token tiles for 100; prefill and steps equal the fused path bit for bit and
+    the fused reference within its rounding."""
+    w = World(gpu, rng, max_ngram=4, splits=4, max_rows=128, eos=False)
+    try:
+        assert w.dims.num_tables() * w.dims.table_dim() == 288
+        got, want = w.prefill([0, 1], lens)
+        np.testing.assert_array_equal(bits(got), bits(want))
+        for i, s in enumerate([0, 1]):
+            rows = got[:lens[0]] if i == 0 else got[lens[0]:]
+            ref_rows = ref.ngram_embed_fused(w.dims, w.host.word, w.host.tables, w.host.projs,
+                                             np.asarray(w.ctx[s]), len(rows))
+            g, x = rows.astype(np.float64), ref_rows.astype(np.float64)
+            assert (np.abs(g - x) <= np.abs(x) * 2.0**-7 + 1e-6).all()
     finally:
         w.close()
 

@@ -172,24 +172,30 @@ def test_long_histories_take_the_unshuffled_window_path(gpu, rng):
         w.close()
 
 
+def _assert_near_the_fused_reference(w, got, slots, lens):
+    """Each slot's prefill rows (``got``, slot after slot) against the numpy fused reference for
+    its context, within the reference's rounding."""
+    starts = np.cumsum([0, *lens])
+    for s, lo, hi in zip(slots, starts[:-1], starts[1:]):
+        want = ref.ngram_embed_fused(w.dims, w.host.word, w.host.tables, w.host.projs,
+                                     np.asarray(w.ctx[s]), int(hi - lo))
+        g, x = got[lo:hi].astype(np.float64), want.astype(np.float64)
+        assert (np.abs(g - x) <= np.abs(x) * 2.0**-7 + 1e-6).all()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("lens", [[30, 10], [70, 30]])
 def test_split_k_shapes_equal_the_fused_path_and_the_reference(gpu, rng, lens):
     """12 tables of 24 (k = 288 > 256): the word GEMM, the gather's programmatic dependent, takes
     the split-K path over a 2-CTA cluster (the second CTA one k-stage), with 64-token tiles for
-    40 rows and 128-token tiles for 100; prefill and steps equal the fused path bit for bit and
-    the fused reference within its rounding."""
+    40 rows and 128-token tiles for 100; the prefill's rows equal the fused path's bit for bit
+    and the fused reference within its rounding."""
     w = World(gpu, rng, max_ngram=4, splits=4, max_rows=128, eos=False)
     try:
         assert w.dims.num_tables() * w.dims.table_dim() == 288
         got, want = w.prefill([0, 1], lens)
         np.testing.assert_array_equal(bits(got), bits(want))
-        for i, s in enumerate([0, 1]):
-            rows = got[:lens[0]] if i == 0 else got[lens[0]:]
-            ref_rows = ref.ngram_embed_fused(w.dims, w.host.word, w.host.tables, w.host.projs,
-                                             np.asarray(w.ctx[s]), len(rows))
-            g, x = rows.astype(np.float64), ref_rows.astype(np.float64)
-            assert (np.abs(g - x) <= np.abs(x) * 2.0**-7 + 1e-6).all()
+        _assert_near_the_fused_reference(w, got, [0, 1], lens)
     finally:
         w.close()
 
@@ -199,11 +205,6 @@ def test_outputs_match_the_fused_reference(gpu, rng):
     w = World(gpu, rng, kinds="fb", max_ngram=4, splits=2, eos=False)
     try:
         got, _ = w.prefill([0, 1], [20, 3])
-        for i, s in enumerate([0, 1]):
-            rows = got[:20] if i == 0 else got[20:]
-            want = ref.ngram_embed_fused(w.dims, w.host.word, w.host.tables, w.host.projs,
-                                         np.asarray(w.ctx[s]), len(rows))
-            g, x = rows.astype(np.float64), want.astype(np.float64)
-            assert (np.abs(g - x) <= np.abs(x) * 2.0**-7 + 1e-6).all()
+        _assert_near_the_fused_reference(w, got, [0, 1], [20, 3])
     finally:
         w.close()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -45,12 +46,21 @@ def random_block(rng: np.random.Generator, nbytes: int) -> np.ndarray:
     return block
 
 
+def tile(block: np.ndarray, nbytes: int) -> Iterator[tuple[int, int]]:
+    """(offset, length) of each copy of ``block`` tiled over ``nbytes``."""
+    for off in range(0, nbytes, block.size):
+        yield off, min(block.size, nbytes - off)
+
+
+def fill(host: np.ndarray, block: np.ndarray) -> None:
+    """Tile ``block`` over ``host`` (both uint8)."""
+    for off, n in tile(block, host.size):
+        host[off:off + n] = block[:n]
+
+
 def fill_random(host: np.ndarray, rng: np.random.Generator) -> None:
     """Tile one ``random_block`` over ``host`` (uint8)."""
-    block = random_block(rng, host.size)
-    for off in range(0, host.size, block.size):
-        n = min(block.size, host.size - off)
-        host[off:off + n] = block[:n]
+    fill(host, random_block(rng, host.size))
 
 
 def gathered(gpu: CudaBackend, kernel: Any, ids: int, n: int, table: int, out: int) -> np.ndarray:

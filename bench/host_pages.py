@@ -30,7 +30,7 @@ import numpy as np
 from cuda.bindings import driver as cu
 
 from bench.common import bench_parser, print_table
-from bench.host_gather import DIM, ROW_BYTES, gathered, random_block, time_gather
+from bench.host_gather import DIM, ROW_BYTES, fill, gathered, random_block, tile, time_gather
 from gpu_runtime import CudaBackend
 from gpu_runtime.driver import call
 from layers.kernel_files import load_kernel
@@ -42,12 +42,6 @@ WAYS = ("hostalloc", "register-4k", "register-thp", "vmm-host", "vmm-numa0")
 
 Table = tuple[int, str]  # (the table's device address, what backs it)
 Way = Callable[[CudaBackend, int, np.ndarray], contextlib.AbstractContextManager[Table]]
-
-
-def tile(block: np.ndarray, nbytes: int) -> Iterator[tuple[int, int]]:
-    """(offset, length) of each copy of ``block`` tiled over ``nbytes``."""
-    for off in range(0, nbytes, block.size):
-        yield off, min(block.size, nbytes - off)
 
 
 def anon_huge_kib() -> int:
@@ -72,8 +66,7 @@ def thp_mode() -> str:
 def hostalloc(gpu: CudaBackend, nbytes: int, block: np.ndarray) -> Iterator[Table]:
     host = gpu.alloc_host(nbytes, mapped=True)
     try:
-        for off, n in tile(block, nbytes):
-            host[off:off + n] = block[:n]
+        fill(host, block)
         yield int(gpu.host_device_ptr(host)), "cuMemHostAlloc"
     finally:
         gpu.free_host(host)
@@ -90,8 +83,7 @@ def registered(advice: int) -> Way:
             start = -views[0].ctypes.data % HUGE  # 2 MiB-aligned, so that whole huge pages fit
             mm.madvise(advice, start, nbytes)
             views.append(views[0][start:start + nbytes])
-            for off, n in tile(block, nbytes):
-                views[1][off:off + n] = block[:n]
+            fill(views[1], block)
             huge = (anon_huge_kib() - before) << 10
             table = int(gpu.register_host(views[1]))
             try:

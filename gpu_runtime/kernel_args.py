@@ -29,7 +29,6 @@ _I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
 # This thread's direct routes: (kernel, kinds) -> (backend, pack, params, driver launch, refusal,
 # opted-in shared memory).
 _ROUTES = threading.local()
-_NO_OPT_IN: Mapping[int, int] = {}  # a route for launches within 48 KiB of shared memory only
 
 
 class KernelLaunch:
@@ -158,7 +157,7 @@ class KernelLaunch:
         params: int,
         launch: Callable[..., tuple[Any]],
         refusal: Callable[..., Exception],
-        opted_in: Mapping[int, int] = _NO_OPT_IN,
+        opted_in: Mapping[int, int] = launch_config.NO_OPT_IN,
     ) -> dict[tuple[int, str], Any]:
         """For backends, not users. Let this thread's plain launches of ``kernel`` with argument
         kinds ``kinds`` on ``backend`` write their values with ``pack`` (into the buffer that the

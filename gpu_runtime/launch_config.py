@@ -7,7 +7,7 @@ launch for real, so that they refuse what the device would).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from . import validate
 
@@ -15,6 +15,7 @@ GRID_MAX = ((1 << 31) - 1, 65535, 65535)
 BLOCK_MAX = (1024, 1024, 64)
 MAX_THREADS = 1024
 SHARED_WITHOUT_OPT_IN = 48 * 1024  # more dynamic shared memory than this needs the kernel's opt-in
+NO_OPT_IN: Mapping[int, int] = {}  # a direct route's opt-ins when it takes only launches within 48 KiB
 
 
 def _dims(dims: Sequence[int], limits: tuple[int, int, int], what: str) -> tuple[int, int, int]:

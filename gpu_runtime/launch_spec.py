@@ -47,7 +47,6 @@ NULLABLE = "P?"
 # cuLaunchKernel's signature: (kernel, gx, gy, gz, bx, by, bz, shared, stream, params, extra) -> (status,)
 DriverLaunch = Callable[..., tuple[Any]]
 LaunchRefusal = Callable[[Any, str, Any, Sequence[int], Sequence[int], int], Exception]
-_NO_OPT_IN: Mapping[int, int] = {}  # a route for launches within 48 KiB of shared memory only
 _RESERVED = {"shared_mem", "overlap"}  # the launch's own keyword options
 
 
@@ -107,7 +106,7 @@ class KernelSpec:
         backend: object,
         launch: DriverLaunch,
         refusal: LaunchRefusal,
-        opted_in: Mapping[int, int] = _NO_OPT_IN,
+        opted_in: Mapping[int, int] = launch_config.NO_OPT_IN,
     ) -> dict[int, Any]:
         """For backends, not users. Let this thread's plain launches of ``kernel`` on ``backend``
         call ``launch`` (with ``cuLaunchKernel``'s arguments) instead of ``backend.launch_spec``;

@@ -3,11 +3,16 @@ driver call, cuda.core and CuPy.
 
 Kernel: ``bf16_scaled_add`` (4 arguments: two pointers, an f32, a u32) on 1024 elements, so
 the GPU keeps up and the loop measures the host. "bare" is ``cuLaunchKernel`` with an argument
-array built once outside the loop: the floor for any Python launcher on cuda-python.
+array built once outside the loop: the floor for any Python launcher on cuda-python. Its second
+row also builds the ``CUfunction`` and ``CUstream`` objects once (the bindings convert an int
+into one at every call); our launchers hand the driver the kernel's ``CUfunction``, the stream as
+the caller's int.
 
 ``python -m bench.launch --stub`` runs the same rows (and a few more launchers) on a
 ``CudaBackend`` over a stubbed driver, without a GPU: every driver call answers at once, so the
 table is the Python each path costs on top of the driver call (NVRTC still compiles the kernels).
+``--stub --bindings`` keeps cuda-bindings' own ``cuLaunchKernel`` (its argument conversion) over
+``bench/fake_libcuda.c``, a driver library whose every call returns at once (built with ``cc``).
 """
 
 from __future__ import annotations
@@ -15,8 +20,12 @@ from __future__ import annotations
 import argparse
 import ctypes
 import itertools
+import os
 import struct
+import subprocess
+import tempfile
 import types
+from pathlib import Path
 
 from typing import Any
 
@@ -51,7 +60,11 @@ SCALED_ADD_ROUTED = BackendRoutedSpec(
     SCALED_ADD.name, **{p.name: "P?" if p.name in SCALED_ADD.nullable else p.kind for p in SCALED_ADD.params})
 
 
-def bare_launcher(gpu: CudaBackend, kernel: int, out: int, x: int, stream: int):
+def bare_launcher(gpu: CudaBackend, kernel: int, out: int, x: int, stream: int, handles: bool = False):
+    """``cuLaunchKernel`` with a prebuilt argument array; ``handles``: the kernel and the stream
+    given as the bindings' ``CUfunction`` / ``CUstream`` objects, built once, instead of ints."""
+    if handles:
+        kernel, stream = cu.CUfunction(kernel), cu.CUstream(stream)  # type: ignore[assignment]
     buf = ctypes.create_string_buffer(24)
     struct.pack_into("@QQfI", buf, 0, out, x, 0.5, N)
     base = ctypes.addressof(buf)
@@ -109,10 +122,11 @@ def cupy_launcher():
     return go
 
 
-def stub_driver() -> None:
+def stub_driver(bindings: bool = False) -> None:
     """Make ``CudaBackend()`` run on a driver that answers every call at once (this process only):
     handles from a counter, no parameter layouts to report, an H200's shared memory opt-in,
-    zeroed tensor maps, launches that do nothing."""
+    zeroed tensor maps, launches that do nothing. ``bindings``: launches go through the bindings'
+    own ``cuLaunchKernel`` to ``fake_libcuda``'s, which does nothing."""
     handles = itertools.count(0x7F00_0000_0000, 1 << 20)
     opt_in = cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
 
@@ -120,7 +134,9 @@ def stub_driver() -> None:
         name = fn.__name__
         if name == "cuDeviceGetName":
             return b"stub\0"
-        if name in ("cuModuleLoadData", "cuModuleGetFunction", "cuStreamCreate", "cuMemAlloc"):
+        if name == "cuModuleGetFunction":
+            return cu.CUfunction(next(handles))  # the driver's object, as the bindings return it
+        if name in ("cuModuleLoadData", "cuStreamCreate", "cuMemAlloc"):
             return next(handles)
         if name == "cuDeviceGetAttribute" and args[0] == opt_in:
             return 227 * 1024
@@ -134,7 +150,24 @@ def stub_driver() -> None:
     for module in DRIVER_MODULES:
         module.call = call
     cu.cuFuncGetParamInfo = None  # "this driver cannot report layouts": the checks skip them
-    cu.cuLaunchKernel = lambda *args: (0,)
+    if bindings:
+        load_fake_libcuda()
+    else:
+        cu.cuLaunchKernel = lambda *args: (0,)
+
+
+def load_fake_libcuda() -> None:
+    """Build ``fake_libcuda.c`` (``$CC``, default ``cc``) and load it as ``libcuda.so.1``, before
+    the bindings look for the driver: they then find this one (the loader matches the name)."""
+    source = Path(__file__).with_name("fake_libcuda.c")
+    with tempfile.TemporaryDirectory() as tmp:
+        lib = os.path.join(tmp, "libcuda.so.1")
+        subprocess.run([os.environ.get("CC", "cc"), "-O2", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1",
+                        "-o", lib, str(source)], check=True)
+        ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
+    (err,) = cu.cuInit(0)
+    if err:
+        raise RuntimeError(f"the bindings did not load fake_libcuda ({err!r}): was a driver loaded first?")
 
 
 def stub_rows(gpu: CudaBackend, out: int, x: int, stream: int) -> list:
@@ -182,13 +215,19 @@ def make_parser() -> argparse.ArgumentParser:
                           "only for their rows.")
     parser.add_argument("--stub", action="store_true",
                         help="no GPU: run on a stubbed driver, so the rows are the Python cost of each path")
+    parser.add_argument("--bindings", action="store_true",
+                        help="with --stub: launch through cuda-bindings' cuLaunchKernel over bench/fake_libcuda.c "
+                             "(needs a C compiler), so the rows include the bindings' argument conversion")
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
-    stub = make_parser().parse_args(argv).stub
+    args = make_parser().parse_args(argv)
+    stub = args.stub
+    if args.bindings and not stub:
+        raise SystemExit("bench.launch: --bindings needs --stub")
     if stub:
-        stub_driver()
+        stub_driver(bindings=args.bindings)
     with CudaBackend() as gpu:
         kernel = load_kernel(gpu, "residual_add", "bf16_scaled_add")
         stream = gpu.create_stream()
@@ -210,6 +249,7 @@ def main(argv: list[str] | None = None) -> None:
             SCALED_ADD.launch(gpu, kernel, (1, 1, 1), (256, 1, 1), stream, out=out, x=x, scale=0.5, n=N)
 
         cases = [("bare cuLaunchKernel, prebuilt args", bare_launcher(gpu, kernel, out, x, stream)),
+                 ("bare, CUfunction and CUstream objects", bare_launcher(gpu, kernel, out, x, stream, handles=True)),
                  ("KernelLaunch builder", ours),
                  ("KernelSpec launch (SCALED_ADD)", ours_spec),
                  ("KernelSpec launch, no direct route", ours_spec_routed),
@@ -232,9 +272,12 @@ def main(argv: list[str] | None = None) -> None:
         bare = times["bare cuLaunchKernel, prebuilt args"]
         rows = [(name, times.get(name), times[name] / bare if name in times else None)
                 for name, _ in cases]
-        what = "stubbed driver: Python us per launch" if stub else "host us per launch"
+        what = ("stubbed driver under the bindings' cuLaunchKernel: Python us per launch" if args.bindings else
+                "stubbed driver: Python us per launch" if stub else "host us per launch")
+        launch_call = "the driver's cuLaunchKernel (which returns at once)" if args.bindings else "cuLaunchKernel"
         note = ("The driver is stubbed (every call returns at once): each row is a launch path, us/launch the Python "
-                "it costs on top of cuLaunchKernel, x bare that over the bare call with prebuilt arguments (cuda.core and CuPy not run)."
+                f"it costs on top of {launch_call}, x bare that over the bare call with prebuilt arguments "
+                "(cuda.core and CuPy not run)."
                 if stub else
                 "Each row is a launch path of one kernel; us/launch is host time per launch (tight loop, best of 3), "
                 "x bare that over the bare cuLaunchKernel with prebuilt arguments; - where not installed.")

@@ -27,7 +27,7 @@ _U32 = 1 << 32
 _U64 = 1 << 64
 _I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
 # This thread's direct routes: (kernel, kinds) -> (backend, pack, params, driver launch, refusal,
-# opted-in shared memory).
+# opted-in shared memory, driver kernel).
 _ROUTES = threading.local()
 
 
@@ -140,7 +140,7 @@ class KernelLaunch:
             route[1](self._args)
             gx, gy, gz = self._grid
             bx, by, bz = self._block
-            (err,) = route[3](kernel, gx, gy, gz, bx, by, bz, shared, stream, route[2], 0)
+            (err,) = route[3](route[6], gx, gy, gz, bx, by, bz, shared, stream, route[2], 0)
             if err:
                 raise route[4](err, "cuLaunchKernel", kernel, self._grid, self._block, shared)
         elif overlap:
@@ -158,11 +158,13 @@ class KernelLaunch:
         launch: Callable[..., tuple[Any]],
         refusal: Callable[..., Exception],
         opted_in: Mapping[int, int] = launch_config.NO_OPT_IN,
+        driver_kernel: object = None,
     ) -> dict[tuple[int, str], Any]:
         """For backends, not users. Let this thread's plain launches of ``kernel`` with argument
         kinds ``kinds`` on ``backend`` write their values with ``pack`` (into the buffer that the
         ``void*[]`` at ``params`` points into) and call ``launch`` (``cuLaunchKernel``'s
-        arguments) instead of ``backend.launch``; a nonzero status is raised as ``refusal(status,
+        arguments, the kernel given as ``driver_kernel``, by default ``kernel``) instead of
+        ``backend.launch``; a nonzero status is raised as ``refusal(status,
         "cuLaunchKernel", kernel, grid, block, shared_mem)``. Launches with more than 48 KiB of
         dynamic shared memory take the route only up to ``opted_in[kernel]`` (as
         ``KernelSpec.allow_direct``). A backend calls this only after its own checks of the shape
@@ -172,5 +174,6 @@ class KernelLaunch:
             table = _ROUTES.table
         except AttributeError:
             table = _ROUTES.table = {}
-        table[(int(kernel), kinds)] = (backend, pack, params, launch, refusal, opted_in)
+        driver = kernel if driver_kernel is None else driver_kernel
+        table[(int(kernel), kinds)] = (backend, pack, params, launch, refusal, opted_in, driver)
         return table

@@ -107,9 +107,12 @@ class KernelSpec:
         launch: DriverLaunch,
         refusal: LaunchRefusal,
         opted_in: Mapping[int, int] = launch_config.NO_OPT_IN,
+        driver_kernel: object = None,
     ) -> dict[int, Any]:
         """For backends, not users. Let this thread's plain launches of ``kernel`` on ``backend``
-        call ``launch`` (with ``cuLaunchKernel``'s arguments) instead of ``backend.launch_spec``;
+        call ``launch`` (with ``cuLaunchKernel``'s arguments, the kernel given as
+        ``driver_kernel``: the driver's own handle object, by default ``kernel``) instead of
+        ``backend.launch_spec``;
         a nonzero status it returns is raised as ``refusal(status, "cuLaunchKernel", kernel,
         grid, block, shared_mem)``. Launches with more than 48 KiB of dynamic shared memory take
         the route only up to ``opted_in[kernel]``: the backend's live table of the shared memory
@@ -118,7 +121,7 @@ class KernelSpec:
         removes its routes when it closes (the next launch then goes through ``launch_spec``
         again, and meets its refusal)."""
         table = self.thread_plan().direct
-        table[int(kernel)] = (backend, launch, refusal, opted_in)
+        table[int(kernel)] = (backend, launch, refusal, opted_in, kernel if driver_kernel is None else driver_kernel)
         return table
 
     def check_signature(self, signature: Sequence[Param], where: str) -> None:
@@ -184,13 +187,14 @@ class KernelSpec:
 
 class _SpecPlan(ArgPlan):
     """A thread's packed arguments for one spec, and its direct routes: kernel -> (backend,
-    driver launch, refusal, opted-in shared memory), from ``KernelSpec.allow_direct``."""
+    driver launch, refusal, opted-in shared memory, driver kernel), from
+    ``KernelSpec.allow_direct``."""
 
     __slots__ = ("direct",)
 
     def __init__(self, kinds: str) -> None:
         super().__init__(kinds)
-        self.direct: dict[int, tuple[object, DriverLaunch, LaunchRefusal, Mapping[int, int]]] = {}
+        self.direct: dict[int, tuple[object, DriverLaunch, LaunchRefusal, Mapping[int, int], object]] = {}
 
 
 def _show(params: Sequence[Param]) -> str:
@@ -246,7 +250,7 @@ def _launchers(spec: KernelSpec) -> tuple[Callable[..., None], Callable[..., Non
         f"            try:\n"
         f"                gx, gy, gz = grid\n"
         f"                bx, by, bz = block\n"
-        f"                (err,) = direct[1](kernel, gx, gy, gz, bx, by, bz, shared_mem, stream, plan.params, 0)\n"
+        f"                (err,) = direct[1](direct[4], gx, gy, gz, bx, by, bz, shared_mem, stream, plan.params, 0)\n"
         f"            except (TypeError, ValueError, OverflowError):\n"
         f"                pass  # not launched: the backend's launch_spec below phrases the refusal\n"
         f"            else:\n"

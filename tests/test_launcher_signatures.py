@@ -325,6 +325,8 @@ class _ScriptedDriver:
         self.cu, self.sizes = cu, sizes
         self.handles = itertools.count(0x7F00_0000_0000, 1 << 20)
         self.launches: list[tuple] = []
+        self.functions: list[object] = []  # cuModuleGetFunction's answers
+        self.kernels_given: list[object] = []  # the kernel object each launch handed the driver
         self.opt_ins: list[int] = []  # cuFuncSetAttribute's values (the scripted kernels take only that one)
         self.layout_queries = 0
         self.fail_with = None
@@ -339,7 +341,10 @@ class _ScriptedDriver:
         name = fn.__name__
         if name == "cuDeviceGetName":
             return b"scripted\0"
-        if name in ("cuModuleLoadData", "cuModuleGetFunction", "cuStreamCreate"):
+        if name == "cuModuleGetFunction":  # the bindings' object, as the driver's answer
+            self.functions.append(self.cu.CUfunction(next(self.handles)))
+            return self.functions[-1]
+        if name in ("cuModuleLoadData", "cuStreamCreate"):
             return next(self.handles)
         if name == "cuFuncSetAttribute":
             self.opt_ins.append(args[2])
@@ -353,6 +358,7 @@ class _ScriptedDriver:
     def _record(self, how, kernel, config, params):
         pointers = (ctypes.c_void_p * len(self.sizes)).from_address(params)
         raw = [ctypes.string_at(pointers[i], s) for i, s in enumerate(self.sizes)]
+        self.kernels_given.append(kernel)
         self.launches.append((how, int(kernel), config, raw))
         return (self.fail_with or self.cu.CUresult.CUDA_SUCCESS,)
 
@@ -484,6 +490,21 @@ def test_spec_launch_takes_the_direct_route_once_checked(scripted, monkeypatch, 
         ADD.launch(gpu, k, (1, 1, 1), (32, 1, 1), 0, **args, shared_mem=48 * 1024 + 4)
     assert len(driver.launches) == 4 + len(shared)
     other.close()
+
+
+def test_every_launch_path_hands_the_driver_its_function_object(scripted):
+    """The backend's path, both direct routes and the overlapped launch all give the driver the
+    ``CUfunction`` that ``cuModuleGetFunction`` returned (which the bindings need not convert),
+    not the ``KernelHandle`` int."""
+    gpu, driver, k = scripted
+    args = dict(dst=1, src=2, scale=0.5, n=3)
+    for _ in range(2):  # the first through the backend, the second on the route
+        ADD.launch(gpu, k, (1, 1, 1), (32, 1, 1), 0, **args)
+        KernelLaunch(gpu, k).arg_ptr(1).arg_ptr(2).arg_f32(0.5).arg_u32(3).launch(0)
+    ADD.launch(gpu, k, (1, 1, 1), (32, 1, 1), 0, **args, overlap=True)
+    (function,) = driver.functions
+    assert int(function) == int(k) and len(driver.kernels_given) == 5
+    assert all(given is function for given in driver.kernels_given)
 
 
 def test_builder_launch_takes_the_direct_route_once_checked(scripted, monkeypatch):

@@ -37,6 +37,7 @@ class CudaKernels(CudaContext):
     _signatures: dict[Path, dict[str, Signature]]
     _kernels: dict[tuple[Any, str], KernelHandle]  # (source as given, name) -> handle
     _loaded: dict[int, _Loaded]
+    _functions: dict[int, Any]  # kernel -> the driver's CUfunction (the bindings convert it faster than an int)
     _checked: set[tuple[int, Any]]  # (kernel, kinds or KernelSpec) pairs that passed the checks
     _shared_set: dict[int, int]  # kernel -> dynamic shared memory opted in to
     _direct_tables: dict[int, dict[Any, Any]]  # id -> a launcher's per-thread table of direct routes (launch.py)
@@ -46,6 +47,7 @@ class CudaKernels(CudaContext):
         self._signatures = {}
         self._kernels = {}
         self._loaded = {}
+        self._functions = {}
         self._checked = set()
         self._shared_set = {}
         self._direct_tables = {}
@@ -56,6 +58,7 @@ class CudaKernels(CudaContext):
         self._modules.clear()
         self._kernels.clear()
         self._loaded.clear()
+        self._functions.clear()
         self._checked.clear()
         for table in self._thread_tables:  # every thread's: its next launch meets the checks again
             table.clear()
@@ -80,6 +83,7 @@ class CudaKernels(CudaContext):
             handle = KernelHandle(int(fn))
             self._kernels[(source, name)] = handle
             self._loaded[int(handle)] = _Loaded(path.stem, name, path.resolve())
+            self._functions[int(handle)] = fn
             return handle
 
     def _module(self, path: Path) -> Any:

@@ -7,7 +7,8 @@ argument shape once (``kernels.py``); the rest is what every launch pays, so it 
 few lookups. Once a (kernel, spec) pair or a (kernel, kinds) shape passed on a thread, the
 launcher gets a direct route (``KernelSpec.allow_direct``, ``KernelLaunch.allow_direct``): that
 thread's plain launches of it then call ``cuLaunchKernel`` from the launcher and only come here
-to phrase a refusal (a route also takes launches over 48 KiB of shared memory once
+to phrase a refusal. Every launch hands the driver the kernel's ``CUfunction`` object, which the
+bindings convert faster than the ``KernelHandle`` int (a route also takes launches over 48 KiB of shared memory once
 ``_shared_set`` holds the kernel's opt-in to that much).
 """
 
@@ -47,7 +48,15 @@ class CudaLaunch(CudaKernels):
             plan = self._launch_shape(kernel, kinds)
             self._keep_routes(
                 KernelLaunch.allow_direct(
-                    kernel, kinds, self, plan.pack, plan.params, cu.cuLaunchKernel, self._launch_error, self._shared_set
+                    kernel,
+                    kinds,
+                    self,
+                    plan.pack,
+                    plan.params,
+                    cu.cuLaunchKernel,
+                    self._launch_error,
+                    self._shared_set,
+                    self._functions.get(kernel, kernel),
                 )
             )
         plan.pack(args)
@@ -71,7 +80,16 @@ class CudaLaunch(CudaKernels):
             checked = False
         if not checked:
             self._check_spec(kernel, spec)
-            self._keep_routes(spec.allow_direct(kernel, self, cu.cuLaunchKernel, self._launch_error, self._shared_set))
+            self._keep_routes(
+                spec.allow_direct(
+                    kernel,
+                    self,
+                    cu.cuLaunchKernel,
+                    self._launch_error,
+                    self._shared_set,
+                    self._functions.get(kernel, kernel),
+                )
+            )
         self._submit(kernel, params, grid, block, shared_mem, stream, overlap)
 
     def _keep_routes(self, table: dict[Any, Any]) -> None:
@@ -97,16 +115,17 @@ class CudaLaunch(CudaKernels):
         the bindings' conversion, or as CUDA_ERROR_INVALID_VALUE) and is phrased after."""
         if shared_mem > SHARED_WITHOUT_OPT_IN and self._shared_set.get(kernel, 0) < shared_mem:
             self._raise_shared_limit(kernel, shared_mem)
+        function = self._functions.get(kernel, kernel)
         try:
             if overlap and self.overlap:
                 call_name = "cuLaunchKernelEx"
                 config = _overlap_config(tuple(grid), tuple(block), shared_mem, stream)
-                (err,) = cu.cuLaunchKernelEx(config, kernel, params, 0)
+                (err,) = cu.cuLaunchKernelEx(config, function, params, 0)
             else:
                 call_name = "cuLaunchKernel"
                 gx, gy, gz = grid
                 bx, by, bz = block
-                (err,) = cu.cuLaunchKernel(kernel, gx, gy, gz, bx, by, bz, shared_mem, stream, params, 0)
+                (err,) = cu.cuLaunchKernel(function, gx, gy, gz, bx, by, bz, shared_mem, stream, params, 0)
         except (TypeError, ValueError, OverflowError):
             launch_config.check(grid, block, shared_mem)
             raise

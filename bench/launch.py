@@ -26,7 +26,6 @@ import subprocess
 import tempfile
 import types
 from pathlib import Path
-
 from typing import Any
 
 import numpy as np
@@ -64,7 +63,7 @@ def bare_launcher(gpu: CudaBackend, kernel: int, out: int, x: int, stream: int, 
     """``cuLaunchKernel`` with a prebuilt argument array; ``handles``: the kernel and the stream
     given as the bindings' ``CUfunction`` / ``CUstream`` objects, built once, instead of ints."""
     if handles:
-        kernel, stream = cu.CUfunction(kernel), cu.CUstream(stream)  # type: ignore[assignment]
+        kernel, stream = cu.CUfunction(kernel), cu.CUstream(stream)
     buf = ctypes.create_string_buffer(24)
     struct.pack_into("@QQfI", buf, 0, out, x, 0.5, N)
     base = ctypes.addressof(buf)
@@ -122,11 +121,11 @@ def cupy_launcher():
     return go
 
 
-def stub_driver(bindings: bool = False) -> None:
+def stub_driver(bindings: bool = False) -> ctypes.CDLL | None:
     """Make ``CudaBackend()`` run on a driver that answers every call at once (this process only):
     handles from a counter, no parameter layouts to report, an H200's shared memory opt-in,
     zeroed tensor maps, launches that do nothing. ``bindings``: launches go through the bindings'
-    own ``cuLaunchKernel`` to ``fake_libcuda``'s, which does nothing."""
+    own ``cuLaunchKernel`` to ``fake_libcuda``'s, which does nothing; returns that library."""
     handles = itertools.count(0x7F00_0000_0000, 1 << 20)
     opt_in = cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
 
@@ -151,12 +150,12 @@ def stub_driver(bindings: bool = False) -> None:
         module.call = call
     cu.cuFuncGetParamInfo = None  # "this driver cannot report layouts": the checks skip them
     if bindings:
-        load_fake_libcuda()
-    else:
-        cu.cuLaunchKernel = lambda *args: (0,)
+        return load_fake_libcuda()
+    cu.cuLaunchKernel = lambda *args: (0,)
+    return None
 
 
-def load_fake_libcuda() -> None:
+def load_fake_libcuda() -> ctypes.CDLL:
     """Build ``fake_libcuda.c`` (``$CC``, default ``cc``) and load it as ``libcuda.so.1``, before
     the bindings look for the driver: they then find this one (the loader matches the name)."""
     source = Path(__file__).with_name("fake_libcuda.c")
@@ -164,10 +163,11 @@ def load_fake_libcuda() -> None:
         lib = os.path.join(tmp, "libcuda.so.1")
         subprocess.run([os.environ.get("CC", "cc"), "-O2", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1",
                         "-o", lib, str(source)], check=True)
-        ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
+        fake = ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
     (err,) = cu.cuInit(0)
     if err:
         raise RuntimeError(f"the bindings did not load fake_libcuda ({err!r}): was a driver loaded first?")
+    return fake
 
 
 def stub_rows(gpu: CudaBackend, out: int, x: int, stream: int) -> list:

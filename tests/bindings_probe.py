@@ -1,0 +1,79 @@
+"""What the driver receives from each launch path, through cuda-bindings' own ``cuLaunchKernel``
+and ``cuLaunchKernelEx``: run by ``tests/test_bindings_launch.py`` in a process of its own.
+
+The backend runs on ``bench.launch``'s stubbed driver, except that its launches go through the
+bindings to ``bench/fake_libcuda.c``, which records the last one. Each launch below is printed as
+one JSON line: its name and what the fake driver recorded.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+from typing import Any
+
+from bench.launch import stub_driver
+from gpu_runtime import CudaBackend, KernelLaunch
+from layers.kernel_files import load_kernel
+from layers.ops.specs import SCALED_ADD
+
+SIZES = (8, 8, 4, 4)  # bf16_scaled_add(out: pointer, x: pointer, scale: f32, n: u32)
+
+
+class FakeLaunch(ctypes.Structure):
+    """``struct fake_launch`` of ``bench/fake_libcuda.c``."""
+
+    _fields_ = [
+        ("count", ctypes.c_uint64),
+        ("ex", ctypes.c_uint32),
+        ("grid", ctypes.c_uint32 * 3),
+        ("block", ctypes.c_uint32 * 3),
+        ("shared", ctypes.c_uint32),
+        ("function", ctypes.c_uint64),
+        ("stream", ctypes.c_uint64),
+        ("args", ctypes.c_uint64 * 8),
+        ("num_attrs", ctypes.c_uint32),
+        ("attr_id", ctypes.c_uint32),
+        ("attr_value", ctypes.c_uint32),
+    ]
+
+
+def main() -> None:
+    fake = stub_driver(bindings=True)
+    assert fake is not None
+    (ctypes.c_uint32 * 8).in_dll(fake, "fake_arg_sizes")[: len(SIZES)] = list(SIZES)
+    last = FakeLaunch.in_dll(fake, "fake_last_launch")
+    gpu = CudaBackend()
+    kernel = load_kernel(gpu, "residual_add", "bf16_scaled_add")
+    stream = gpu.create_stream()
+    out, x = gpu.alloc(4096), gpu.alloc(4096)
+    print(json.dumps({"kernel": int(kernel), "stream": stream, "out": int(out), "x": int(x)}))
+
+    def spec(n: int, **options: Any) -> None:
+        SCALED_ADD.launch(gpu, kernel, (3, 2, 1), (128, 1, 1), stream, out=out, x=x, scale=0.75, n=n, **options)
+
+    def builder(n: int, overlap: bool = False) -> None:
+        (KernelLaunch(gpu, kernel).grid([5, 1, 1]).block([64, 2, 1]).arg_ptr(out).arg_ptr(x).arg_f32(-2.5)
+         .arg_u32(n).launch(stream, overlap=overlap))
+
+    launches = [
+        ("spec, checked by the backend", lambda: spec(1001)),
+        ("spec, direct route", lambda: spec(1002)),
+        ("spec, overlap", lambda: spec(1003, overlap=True)),
+        ("spec, over 48 KiB of shared memory", lambda: spec(1004, shared_mem=64 * 1024)),
+        ("spec, over 48 KiB, direct route", lambda: spec(1005, shared_mem=64 * 1024)),
+        ("builder, checked by the backend", lambda: builder(2001)),
+        ("builder, direct route", lambda: builder(2002)),
+        ("builder, overlap", lambda: builder(2003, overlap=True)),
+    ]
+    for name, launch in launches:
+        launch()
+        record = {field[0]: getattr(last, field[0]) for field in FakeLaunch._fields_}
+        for key in ("grid", "block", "args"):
+            record[key] = list(record[key])
+        print(json.dumps({"launch": name, **record}))
+    gpu.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import ctypes
 import json
+import subprocess
+import sys
 from typing import Any
 
 from bench.launch import stub_driver
@@ -38,8 +40,15 @@ class FakeLaunch(ctypes.Structure):
     ]
 
 
+NO_FAKE_DRIVER = 77  # the exit status when bench/fake_libcuda.c could not be built
+
+
 def main() -> None:
-    fake = stub_driver(bindings=True)
+    try:
+        fake = stub_driver(bindings=True)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        print(f"bench/fake_libcuda.c not built: {exc}", file=sys.stderr)
+        sys.exit(NO_FAKE_DRIVER)
     assert fake is not None
     (ctypes.c_uint32 * 8).in_dll(fake, "fake_arg_sizes")[: len(SIZES)] = list(SIZES)
     last = FakeLaunch.in_dll(fake, "fake_last_launch")

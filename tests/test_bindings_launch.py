@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 from cuda.bindings import driver as cu
 
+from tests.bindings_probe import NO_FAKE_DRIVER
+
 ROOT = Path(__file__).resolve().parent.parent
 PSS = int(cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
 
@@ -34,6 +36,8 @@ def test_each_launch_path_reaches_the_driver_as_meant(tmp_path):
     run = subprocess.run(
         [sys.executable, "-m", "tests.bindings_probe"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
     )
+    if run.returncode == NO_FAKE_DRIVER:
+        pytest.skip(run.stderr.strip())  # a compiler was found, but it could not build the library
     assert run.returncode == 0, run.stderr
     first, *lines = (json.loads(line) for line in run.stdout.splitlines())
     spec = ([3, 2, 1], [128, 1, 1], 0.75)  # grid, block, scale

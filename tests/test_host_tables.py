@@ -20,7 +20,7 @@ from layers.ops import embed as embed_ops
 from layers.ops.ngram_fused import CACHED, pair_launch
 from layers.dense_weight import BF16, FP8, DenseWeight
 from tests.helpers.fakes import MemoryBackend, RecordingBackend
-from tests.helpers import PAGE, Guarded, bits, page_aligned, random_bf16, random_fp8, run_on_poisoned
+from tests.helpers import PAGE, POISON, Guarded, bits, page_aligned, random_bf16, random_fp8, run_on_poisoned
 from tests.helpers.logging_backend import LoggingBackend
 from tests.helpers.ngram import IdentityCache, device_layer, device_weights, free_layer, random_layer, small_dims
 from tests.helpers.row_cache import table_file
@@ -541,6 +541,7 @@ def test_prefill_sized_gathers_of_host_tables_equal_device_tables(gpu, rng):
                 def prefill(out: int) -> None:
                     tok, cu_d, slots, pad = (a.ptr for a in args)
                     dec.prefill(tok, cu_d, pad, 3, rows, out, stream)  # the documented eager first call
+                    gpu.memset(out, POISON, rows * h * 2, stream)  # it wrote zero rows: poison again
                     gpu.begin_capture(stream)
                     dec.prefill(tok, cu_d, slots, 3, rows, out, stream)
                     graph = gpu.end_capture(stream)

@@ -703,6 +703,7 @@ def test_a_ranks_adapters_replace_the_word_row_inside_the_sum(gpu, rng):
                                  adapter_slots=world.slots, batch_invariant=True) as rank:
             with Guarded(gpu, (8, world.dims.hidden_size), BF16, rng) as out:
                 out.poison()
+                gpu.synchronize(0)  # the poison (stream 0) before the rank's stream writes
                 rank.embed_batch(contexts, [2] * 4, out.ptr, world.stream, adapters=choice)
                 gpu.synchronize(world.stream)
                 got = out.read()
@@ -776,6 +777,9 @@ def test_two_gpus_in_one_process_equal_fused_and_repeat_bit_for_bit(rng):
             outs = [g.alloc(rows * h * 2) for g in gpus]
             results = []
             for _ in range(2):
+                for g, o in zip(gpus, outs):  # poisoned before each run: a repeat must write again
+                    g.memset(o, 0xFF, rows * h * 2)
+                    g.synchronize(0)
                 embed_all(group, ranks.runners, contexts, seq_lens, outs, [0, 0])
                 group.wait([0, 0], timeout_s=30.0)
                 for g, o in zip(gpus, outs):

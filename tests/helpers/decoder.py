@@ -72,14 +72,19 @@ class World:
         return got
 
     def expect(self, slots, lens, rows, adapters=None):
-        """The fused path's rows for the last lens[i] tokens of each slot's context."""
+        """The fused path's rows for the last lens[i] tokens of each slot's context (``rows`` =
+        sum(lens)), every one written: a decoder output equal to them bit for bit was written too
+        (its poison is not finite)."""
         contexts = [np.asarray(self.ctx[s], np.int64) for s in slots]
         with Guarded(self.gpu, (max(rows, 1), self.dims.hidden_size), BF16, self.rng) as want:
             want.poison()
             self.gpu.synchronize(0)
             self.fused.embed_batch(contexts, lens, want.ptr, self.stream, adapters=adapters)
             self.gpu.synchronize(self.stream)
-            return want.read()[:rows]
+            rows_out = want.read()[:rows]
+            want.assert_guards_intact()
+        assert np.isfinite(rows_out.astype(np.float32)).all(), "the fused path left rows unwritten"
+        return rows_out
 
     def prefill(self, slots, lens, adapters=None):
         toks = [self.tokens(n) for n in lens]

@@ -157,6 +157,8 @@ def rank_process(rank, uid, host, contexts, seq_lens, conn, fail):
     rows, h = sum(seq_lens), host.dims.hidden_size
     out = gpu.alloc(rows * h * 2)
     try:
+        gpu.memset(out, 0xFF, rows * h * 2)  # poison: a row the rank leaves unwritten cannot match
+        gpu.synchronize(0)
         runner.embed_batch(contexts, seq_lens, out)
         comm.wait(0, timeout_s=5.0 if fail else 60.0)
         got = np.empty((rows, h), np.uint16)

@@ -5,10 +5,17 @@ out in one line, and hand results to CuPy, Numba, torch or JAX without a copy, t
 ``__cuda_array_interface__`` (v3; bf16 and fp8 export as opaque ``<V2``/``|V1`` typestrs, the
 only spelling the interface has for them) or ``__dlpack__`` (bf16 as DLPack's bfloat16). Either
 view is valid until ``free()``; neither keeps the memory alive past it.
+
+Streams: ``stream`` is where the array's work is queued (0: the legacy default stream). The CUDA
+array interface exports it as its consumer must wait for it (0 as 1, the interface's spelling of
+the legacy default stream); ``__dlpack__(stream=...)`` makes this stream's work complete before
+returning unless the consumer's stream is the same one (``None`` means the legacy default stream,
+as the DLPack protocol says; -1: the consumer asks for no synchronisation).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,7 +35,7 @@ class DeviceArray:
         self.gpu = check_backend(gpu, "DeviceArray: gpu")
         self.stream = validate.stream(stream, "DeviceArray: stream")
         self.ptr = DevicePtr(ptr)
-        self.shape = tuple(int(s) for s in shape)
+        self.shape = _shape(shape, "DeviceArray: shape")
         self.dtype = np.dtype(dtype)
         self.owner = owner
 
@@ -37,8 +44,9 @@ class DeviceArray:
     def empty(cls, gpu: GpuBackend, shape: Sequence[int], dtype: Any, stream: int = 0) -> DeviceArray:
         check_backend(gpu, "DeviceArray.empty: gpu")
         validate.stream(stream, "DeviceArray.empty: stream")
-        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        return cls(gpu, gpu.alloc(max(nbytes, 1)), shape, dtype, owner=True, stream=stream)
+        dims = _shape(shape, "DeviceArray.empty: shape")
+        nbytes = math.prod(dims) * np.dtype(dtype).itemsize
+        return cls(gpu, gpu.alloc(max(nbytes, 1)), dims, dtype, owner=True, stream=stream)
 
     @classmethod
     def from_numpy(cls, gpu: GpuBackend, host: np.ndarray, stream: int = 0) -> DeviceArray:
@@ -46,13 +54,17 @@ class DeviceArray:
         validate.stream(stream, "DeviceArray.from_numpy: stream")
         host = np.ascontiguousarray(host)
         out = cls.empty(gpu, host.shape, host.dtype, stream)
-        gpu.copy_h2d_async(host, out.ptr, stream)
+        try:
+            gpu.copy_h2d_async(host, out.ptr, stream)
+        except BaseException:
+            out.free()
+            raise
         return out
 
     # -- data movement ----------------------------------------------------------------------
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -84,15 +96,16 @@ class DeviceArray:
             "data": (int(self.ptr), False),
             "version": 3,
             "strides": None,
-            "stream": self.stream or None,
+            "stream": self.stream or _LEGACY_STREAM,
         }
 
     def __dlpack__(
         self, *, stream: int | None = None, max_version: Any = None, dl_device: Any = None, copy: bool | None = None
     ) -> Any:
         """An unversioned DLPack capsule over this array (no copy: ``copy=True`` and another
-        ``dl_device`` are refused). A consumer ``stream`` other than this array's own waits for
-        the work queued on it (one synchronisation); -1 or None: none."""
+        ``dl_device`` are refused). The work queued on this array's stream completes first (one
+        synchronisation) unless the consumer's ``stream`` is that stream (None and 1: the legacy
+        default stream, which is this array's 0) or -1 (no synchronisation)."""
         if copy:
             raise BufferError("DeviceArray.__dlpack__: copy=True is not supported (the export is a view)")
         if dl_device is not None and tuple(dl_device) != self.__dlpack_device__():
@@ -101,7 +114,8 @@ class DeviceArray:
             )
         if not self.ptr:
             raise BufferError("DeviceArray.__dlpack__: the array has been freed")
-        if stream is not None and stream != -1 and stream != self.stream:
+        consumer = _LEGACY_STREAM if stream is None else stream
+        if consumer != -1 and consumer != (self.stream or _LEGACY_STREAM):
             self.gpu.synchronize(self.stream)
         return dlpack.export(int(self.ptr), self.shape, self.dtype, self.__dlpack_device__()[1], self)
 
@@ -122,3 +136,17 @@ class DeviceArray:
 
     def __repr__(self) -> str:
         return f"DeviceArray({self.ptr!r}, shape={self.shape}, dtype={self.dtype})"
+
+
+_LEGACY_STREAM = 1  # the legacy default stream, as the array interface and DLPack spell it
+
+
+def _shape(shape: Sequence[int], what: str) -> tuple[int, ...]:
+    """``shape`` as a tuple of ints >= 0 (a negative or non-integer dimension is refused)."""
+    try:
+        dims = tuple(shape) if not isinstance(shape, (str, bytes)) else None
+    except TypeError:
+        dims = None
+    if dims is None:
+        raise TypeError(f"{what} must be a sequence of ints, got {shape!r}")
+    return tuple(validate.count(d, f"{what}[{i}]") for i, d in enumerate(dims))

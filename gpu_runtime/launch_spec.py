@@ -30,11 +30,14 @@ driver function straight from the launcher, skipping the backend's frames.
 
 from __future__ import annotations
 
+import dis
+import functools
 import keyword
 import math
 import numbers
 import struct
 import threading
+import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -47,7 +50,6 @@ NULLABLE = "P?"
 # cuLaunchKernel's signature: (kernel, gx, gy, gz, bx, by, bz, shared, stream, params, extra) -> (status,)
 DriverLaunch = Callable[..., tuple[Any]]
 LaunchRefusal = Callable[[Any, str, Any, Sequence[int], Sequence[int], int], Exception]
-_RESERVED = {"shared_mem", "overlap"}  # the launch's own keyword options
 
 
 class KernelSpec:
@@ -74,8 +76,10 @@ class KernelSpec:
                 raise ValueError(
                     f"KernelSpec {kernel}: {pname}={kind!r} is not a kind ({', '.join(KIND_NAMES)} or {NULLABLE})"
                 )
-            if pname in _RESERVED or pname.startswith("_") or keyword.iskeyword(pname):
-                raise ValueError(f"KernelSpec {kernel}: {pname!r} cannot name a parameter")
+            if pname in _launcher_names() or pname.startswith("_") or keyword.iskeyword(pname):
+                raise ValueError(
+                    f"KernelSpec {kernel}: {pname!r} cannot name a parameter (a keyword, or a name the launcher uses)"
+                )
         self.name = kernel
         self.params = Signature(Param(n, k[0]) for n, k in params.items())
         self.nullable = frozenset(n for n, k in params.items() if k == NULLABLE)
@@ -201,26 +205,30 @@ def _show(params: Sequence[Param]) -> str:
     return ", ".join(f"{p.name}: {KIND_NAMES[p.kind]}" for p in params)
 
 
-def _launchers(spec: KernelSpec) -> tuple[Callable[..., None], Callable[..., None]]:
-    """``launch(gpu, kernel, grid, block, stream, /, *, <each parameter>, shared_mem=0,
-    overlap=False)`` and ``launch_from(gpu, kernel, grid, block, stream, args, /, *,
-    shared_mem=0, overlap=False)``, written out for this spec: Python itself binds the keywords
-    (``launch_from`` looks each parameter up in ``args``, a missing one a ``TypeError``), the
-    checks are one expression, and the values go to ``pack_into`` as plain positional arguments
-    (a ``**kwargs`` version, or one that unpacks a tuple into ``pack_into``, costs several times
-    as much per launch). What ``pack_into`` checks itself (types, ranges, f32 overflow) it is
-    left to; the expression adds what it lets pass: null pointers, bools for integers, and tensor
-    maps that are not exactly 128 bytes, which ``pack_into`` would pad or cut (one test per
-    parameter, a few ns each: bools for pointers and floats are not looked for). The stream
-    passes on one type test; a ``gpu`` that is not a backend is named once its missing
-    ``launch_spec`` is (no cost on the way to the backend)."""
-    names = "".join(f"{p.name}, " for p in spec.params)
-    lookups = "".join(f"args[{p.name!r}], " for p in spec.params)
-    guards = [f"not {p.name}" for p in spec.params if p.kind == "P" and p.name not in spec.nullable]
-    guards += [f"type({p.name}) is bool" for p in spec.params if p.kind in "UIL"]
+@functools.cache
+def _launcher_names() -> frozenset[str]:
+    """Every name the generated launchers bind or read as a variable (their own parameters and
+    locals, the namespace's helpers, the builtins they call): a kernel parameter of that name
+    would shadow one, so none may have it."""
+    every_kind = [Param(f"_{kind}", kind) for kind in KIND_NAMES]  # so that each kind's guard is written
+    code = compile(_launcher_source(every_kind, frozenset()), "<launcher>", "exec")
+    names: set[str] = set()
+    for fn in code.co_consts:
+        if isinstance(fn, types.CodeType):
+            names.update(fn.co_varnames)
+            names.update(i.argval for i in dis.get_instructions(fn) if i.opname in ("LOAD_GLOBAL", "LOAD_NAME"))
+    return frozenset(names)
+
+
+def _launcher_source(params: Sequence[Param], nullable: frozenset[str]) -> str:
+    """The source of ``launch`` and ``launch_from`` for these parameters (see ``_launchers``)."""
+    names = "".join(f"{p.name}, " for p in params)
+    lookups = "".join(f"args[{p.name!r}], " for p in params)
+    guards = [f"not {p.name}" for p in params if p.kind == "P" and p.name not in nullable]
+    guards += [f"type({p.name}) is bool" for p in params if p.kind in "UIL"]
     guards += [
         f"type({p.name}) is not bytes or len({p.name}) != {TENSOR_MAP_BYTES}"  # "128s" pads
-        for p in spec.params
+        for p in params
         if p.kind == "T"
     ]
     body = (  # the values bound to their names: check, pack, launch (directly, or through the backend)
@@ -264,16 +272,33 @@ def _launchers(spec: KernelSpec) -> tuple[Callable[..., None], Callable[..., Non
         f"        check_backend(gpu, spec.name + ': gpu')  # not a backend: refused by name\n"
         f"        raise\n"
     )
-    source = (
+    unpack = f"{names}= {lookups}" if params else "pass"  # (a kernel without parameters)
+    return (
         f"def launch(gpu, kernel, grid, block, stream, /, *, {names}shared_mem=0, overlap=False):\n"
         f"{body}"
         f"def launch_from(gpu, kernel, grid, block, stream, args, /, *, shared_mem=0, overlap=False):\n"
         f"    try:\n"
-        f"        {names}= {lookups}\n"
+        f"        {unpack}\n"
         f"    except KeyError as exc:\n"
         f"        raise spec.missing(exc) from None\n"
         f"{body}"
     )
+
+
+def _launchers(spec: KernelSpec) -> tuple[Callable[..., None], Callable[..., None]]:
+    """``launch(gpu, kernel, grid, block, stream, /, *, <each parameter>, shared_mem=0,
+    overlap=False)`` and ``launch_from(gpu, kernel, grid, block, stream, args, /, *,
+    shared_mem=0, overlap=False)``, written out for this spec: Python itself binds the keywords
+    (``launch_from`` looks each parameter up in ``args``, a missing one a ``TypeError``), the
+    checks are one expression, and the values go to ``pack_into`` as plain positional arguments
+    (a ``**kwargs`` version, or one that unpacks a tuple into ``pack_into``, costs several times
+    as much per launch). What ``pack_into`` checks itself (types, ranges, f32 overflow) it is
+    left to; the expression adds what it lets pass: null pointers, bools for integers, and tensor
+    maps that are not exactly 128 bytes, which ``pack_into`` would pad or cut (one test per
+    parameter, a few ns each: bools for pointers and floats are not looked for). The stream
+    passes on one type test; a ``gpu`` that is not a backend is named once its missing
+    ``launch_spec`` is (no cost on the way to the backend)."""
+    source = _launcher_source(spec.params, spec.nullable)
     namespace: dict[str, Any] = {
         "spec": spec,
         "local": spec._local,  # one argument buffer a thread, for both

@@ -140,6 +140,45 @@ def test_device_array_exports_dlpack_and_releases_it():
         arr.__dlpack__(copy=True)
 
 
+def test_device_array_exports_name_the_stream_a_consumer_waits_for():
+    """The array interface gives the array's stream (0 as 1: the interface's legacy default
+    stream; before, 0 went out as None, "no synchronisation needed"); ``__dlpack__`` completes
+    the array's stream's work unless the consumer is on that stream (None and 1 name the legacy
+    default stream) or asks for none (-1)."""
+    gpu = RecordingBackend()
+    legacy = DeviceArray(gpu, P[1], (4,), np.uint32)
+    own = DeviceArray(gpu, P[2], (4,), np.uint32, stream=77)
+    assert legacy.__cuda_array_interface__["stream"] == 1 and own.__cuda_array_interface__["stream"] == 77
+    cases = [(legacy, None, []), (legacy, 1, []), (legacy, -1, []), (legacy, 2, [0]), (legacy, 77, [0]),
+             (own, None, [77]), (own, 1, [77]), (own, 2, [77]), (own, 77, []), (own, -1, [])]
+    for arr, stream, syncs in cases:
+        before = len(gpu.ops)
+        arr.__dlpack__(stream=stream)  # not consumed: released at once
+        assert [op[1] for op in gpu.ops[before:] if op[0] == "sync"] == syncs, (arr.stream, stream)
+    assert dlpack.live_exports() == 0
+
+
+def test_device_array_refuses_bad_shapes_and_frees_a_failed_upload():
+    gpu = RecordingBackend()
+    for shape, error in (((-1, 4), ValueError), ((2, 2.5), TypeError), ("ab", TypeError), (5, TypeError)):
+        with pytest.raises(error, match="shape"):
+            DeviceArray.empty(gpu, shape, np.float32)
+        with pytest.raises(error, match="shape"):
+            DeviceArray(gpu, P[1], shape, np.float32)
+    assert not [op for op in gpu.ops if op[0] == "alloc"]
+    huge = DeviceArray(gpu, P[1], (2**32, 2**32), np.uint16)  # no int64 wrap in the sizes
+    assert (huge.size, huge.nbytes) == (2**64, 2**65)
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("copy refused")
+
+    gpu.copy_h2d_async = refuse  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="copy refused"):
+        DeviceArray.from_numpy(gpu, np.arange(6, dtype=np.uint32))
+    (alloc,) = [op for op in gpu.ops if op[0] == "alloc"]
+    assert ("free", alloc[1]) in gpu.ops  # the allocation went back
+
+
 def _consume_and_release(capsule) -> None:
     """What a consumer (torch, CuPy) does: rename the capsule, later call the tensor's deleter."""
     import ctypes

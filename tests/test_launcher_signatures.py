@@ -10,6 +10,8 @@ import inspect
 import itertools
 import re
 import struct
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -231,9 +233,33 @@ def test_kernel_spec_names_kinds_and_launch_signature():
         KernelSpec("k", n="Q")
     with pytest.raises(ValueError, match="is not a kind"):
         KernelSpec("k", n="U?")
-    for bad in ("overlap", "shared_mem", "_x", "lambda"):
+    # the launch's options, a private name, a keyword, and names the generated launcher uses: a
+    # parameter "bad" once launched with the launcher's own False, "type" shadowed a builtin
+    for bad in ("overlap", "shared_mem", "_x", "lambda", "bad", "plan", "type", "len", "grid", "stream", "err"):
         with pytest.raises(ValueError, match="cannot name a parameter"):
             KernelSpec("k", **{bad: "U"})
+    for fine in ("params", "buffer", "name", "out"):  # attributes the launcher reads, not variables
+        assert KernelSpec("k", **{fine: "U"}).params.names == (fine,)
+
+
+def test_every_variable_of_the_generated_launcher_is_refused_as_a_parameter():
+    """Found by compiling the launchers, not listed by hand: whatever the template uses."""
+    from gpu_runtime.launch_spec import _launcher_names
+
+    used = {n for n in _launcher_names() if not n.startswith("_")}
+    assert {"gpu", "kernel", "block", "plan", "bad", "direct", "pack_into", "spec", "local", "type", "len"} <= used
+    for name in used:
+        with pytest.raises(ValueError, match="cannot name a parameter"):
+            KernelSpec("k", **{name: "U"})
+
+
+def test_a_spec_without_parameters_launches():
+    spec = KernelSpec("k")
+    gpu = RecordingBackend()
+    k = gpu.kernel("m", "k")
+    spec.launch(gpu, k, (1, 1, 1), (1, 1, 1), 0)
+    spec.launch_from(gpu, k, (2, 1, 1), (1, 1, 1), 0, {})
+    assert [launch.args for launch in gpu.launches] == [[], []]
 
 
 def test_nullable_pointer_spec():
@@ -505,6 +531,57 @@ def test_every_launch_path_hands_the_driver_its_function_object(scripted):
     (function,) = driver.functions
     assert int(function) == int(k) and len(driver.kernels_given) == 5
     assert all(given is function for given in driver.kernels_given)
+
+
+def test_a_source_whose_signature_is_refused_loads_nothing(monkeypatch, tmp_path):
+    """A kernel parameter the runtime cannot pack is refused before the module is compiled or
+    loaded, at every ask (before, the module stayed loaded without signatures, and the second
+    ``kernel()`` returned a handle whose launch failed with a bare ``KeyError``)."""
+    monkeypatch.setenv("GPU_RUNTIME_CACHE_DIR", str(tmp_path / "cache"))
+    driver = _ScriptedDriver(monkeypatch, [8, 8])
+    loads = []
+    through = driver.call
+    scripted_device(monkeypatch, lambda fn, *a, detail="": (loads.append(fn.__name__), through(fn, *a))[1])
+    src = tmp_path / "m.cu"
+    src.write_text('extern "C" __global__ void f(float* o, double x) { o[0] = (float)x; }\n')
+    gpu = CudaBackend()
+    for _ in range(2):
+        with pytest.raises(ValueError, match="unsupported kernel parameter type in 'double x'"):
+            gpu.kernel(src, "f")
+    assert "cuModuleLoadData" not in loads
+    gpu.close()
+
+
+def test_two_threads_opting_in_leave_the_driver_and_the_table_agreeing(scripted, monkeypatch):
+    """Thread A asks for 60000 bytes while thread B's opt-in to 80000 is inside the driver: A
+    waits for it and then needs none, so the driver and the backend's table both hold 80000
+    (before, A's smaller opt-in reached the driver in between, the table kept B's value, and
+    every later 80000-byte launch failed)."""
+    gpu, driver, k = scripted
+    gpu.max_shared_optin = 227 * 1024
+    b_inside, a_launching = threading.Event(), threading.Event()
+    through = driver.call
+
+    def call(fn, *args, detail=""):
+        if fn.__name__ == "cuFuncSetAttribute" and args[2] == 80000:  # B, inside the driver
+            b_inside.set()
+            a_launching.wait(5)
+            time.sleep(0.1)  # room for A to reach the driver, if nothing stops it
+        return through(fn, *args, detail=detail)
+
+    scripted_device(monkeypatch, call)
+    args = dict(dst=1, src=2, scale=0.5, n=3)
+
+    def launch(shared: int) -> None:
+        ADD.launch(gpu, k, (1, 1, 1), (32, 1, 1), 0, **args, shared_mem=shared)
+
+    b = threading.Thread(target=launch, args=(80000,))
+    b.start()
+    assert b_inside.wait(5)
+    a_launching.set()
+    launch(60000)  # A
+    b.join()
+    assert driver.opt_ins == [80000] and gpu._shared_set[int(k)] == 80000
 
 
 def test_builder_launch_takes_the_direct_route_once_checked(scripted, monkeypatch):

@@ -6,6 +6,7 @@ from typing import Any
 
 from cuda.bindings import driver as cu
 
+from .. import validate
 from ..driver import call
 from .context import CudaContext
 
@@ -22,6 +23,7 @@ class CudaGraphs(CudaContext):
         self._graphs.clear()
 
     def begin_capture(self, stream: int) -> None:
+        stream = validate.stream(stream, "begin_capture stream")
         if not stream:
             raise ValueError("begin_capture: the default stream cannot be captured; use create_stream()")
         self._live()
@@ -29,6 +31,7 @@ class CudaGraphs(CudaContext):
         call(cu.cuStreamBeginCapture, stream, mode)
 
     def end_capture(self, stream: int) -> int:
+        stream = validate.stream(stream, "end_capture stream")
         self._live()
         graph = call(cu.cuStreamEndCapture, stream)
         try:
@@ -40,6 +43,7 @@ class CudaGraphs(CudaContext):
         return int(exe)
 
     def abort_capture(self, stream: int) -> None:
+        stream = validate.stream(stream, "abort_capture stream")
         self._live()
         # The status is not checked on purpose: after an error the capture may be invalidated,
         # and ending it then fails; what matters is that the stream stops capturing.
@@ -48,6 +52,8 @@ class CudaGraphs(CudaContext):
             call(cu.cuGraphDestroy, graph)
 
     def launch_graph(self, graph: int, stream: int) -> None:
+        stream = validate.stream(stream, "launch_graph stream")
+        self._live()
         exe = self._graphs.get(int(graph))
         if exe is None:
             raise ValueError(f"launch_graph: 0x{int(graph):x} is not a live graph of this backend")

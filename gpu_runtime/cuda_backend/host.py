@@ -64,11 +64,14 @@ class CudaHostMemory(CudaContext):
 
     def upload_pinned_async(self, host: np.ndarray, dst: int, stream: int = 0) -> None:
         dst = validate.pointer(dst, "upload_pinned_async destination")
+        stream = validate.stream(stream, "upload_pinned_async stream")
         addr, nbytes, _ = host_view(host)
-        if not any(base <= addr and addr + nbytes <= base + size for base, size in self._host.items()):
+        self._live()
+        with self._lock:  # alloc_host / free_host on another thread change the table
+            inside = any(base <= addr and addr + nbytes <= base + size for base, size in self._host.items())
+        if not inside:
             raise ValueError("upload_pinned_async: host buffer is not inside an alloc_host buffer")
         if nbytes:
-            self._live()
             call(cu.cuMemcpyHtoDAsync, dst, addr, nbytes, stream)
 
     def _mapped_range(self, addr: int, nbytes: int) -> int | None:

@@ -93,6 +93,7 @@ class CudaKernels(CudaContext):
         loaded = self._modules.get(key)
         if loaded is not None:
             return loaded
+        signatures = module_signatures(path)  # first: a source it refuses loads nothing
         compiled = compiler.compile_module(path, self.target, self.options)
         try:
             loaded = call(cu.cuModuleLoadData, compiled.image)
@@ -104,7 +105,7 @@ class CudaKernels(CudaContext):
             compiled = compiler.compile_module(path, self.target, self.options)
             loaded = call(cu.cuModuleLoadData, compiled.image)
         self._modules[key] = loaded
-        self._signatures[key] = module_signatures(path)
+        self._signatures[key] = signatures
         return loaded
 
     def kernel_name(self, kernel: int) -> str:
@@ -210,5 +211,7 @@ class CudaKernels(CudaContext):
                 f"device allows {self.max_shared_optin}"
             )
         attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        call(cu.cuFuncSetAttribute, kernel, attr, shared_mem)
-        self._shared_set[kernel] = shared_mem
+        with self._lock:  # the driver's value and the table's move together, and only up
+            if self._shared_set.get(kernel, 0) < shared_mem:
+                call(cu.cuFuncSetAttribute, kernel, attr, shared_mem)
+                self._shared_set[kernel] = shared_mem

@@ -38,7 +38,7 @@ class CudaMemory(CudaContext):
         return DevicePtr(ptr)
 
     def free(self, ptr: int) -> None:
-        if not ptr:
+        if not ptr:  # free(0) does nothing, as C's free(NULL), on a closed backend too
             return
         self._live()
         with self._lock:
@@ -51,23 +51,26 @@ class CudaMemory(CudaContext):
         ptr = validate.pointer(ptr, "memset")
         byte = validate.count(byte, "memset byte", limit=256)
         nbytes = validate.count(nbytes, "memset size")
+        stream = validate.stream(stream, "memset stream")
+        self._live()
         if nbytes:
-            self._live()
             call(cu.cuMemsetD8Async, ptr, byte, nbytes, stream)
 
     def copy_h2d_async(self, host: Host, dst: int, stream: int = 0) -> None:
         dst = validate.pointer(dst, "copy_h2d_async destination")
+        stream = validate.stream(stream, "copy_h2d_async stream")
         addr, nbytes, keep = host_view(host)
+        self._live()
         if nbytes:
-            self._live()
             self._staging.upload(addr, nbytes, dst, stream)
         del keep
 
     def copy_d2h(self, host_out: Host, src: int, stream: int = 0) -> None:
         src = validate.pointer(src, "copy_d2h source")
+        stream = validate.stream(stream, "copy_d2h stream")
         addr, nbytes, keep = host_view(host_out, writable=True)
+        self._live()
         if nbytes:
-            self._live()
             call(cu.cuMemcpyDtoHAsync, addr, src, nbytes, stream)
             call(cu.cuStreamSynchronize, stream)
         del keep
@@ -76,8 +79,9 @@ class CudaMemory(CudaContext):
         dst = validate.pointer(dst, "copy_d2d_async destination")
         src = validate.pointer(src, "copy_d2d_async source")
         nbytes = validate.count(nbytes, "copy size")
+        stream = validate.stream(stream, "copy_d2d_async stream")
+        self._live()
         if nbytes:
-            self._live()
             call(cu.cuMemcpyDtoDAsync, dst, src, nbytes, stream)
 
     def copy_2d_async(
@@ -90,8 +94,9 @@ class CudaMemory(CudaContext):
         src_pitch = validate.count(src_pitch, "src_pitch")
         if dst_pitch < width or src_pitch < width:
             raise ValueError(f"copy_2d_async: pitches ({dst_pitch}, {src_pitch}) below the width {width}")
+        stream = validate.stream(stream, "copy_2d_async stream")
+        self._live()
         if width and height:
-            self._live()
             p = cu.CUDA_MEMCPY2D()
             p.srcMemoryType = p.dstMemoryType = cu.CUmemorytype.CU_MEMORYTYPE_DEVICE
             p.srcDevice, p.srcPitch = src, src_pitch

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from cuda.bindings import driver as cu
 
+from .. import validate
 from ..driver import call
 from ..errors import CudaError
 from .context import CudaContext
@@ -47,6 +48,7 @@ class CudaStreams(CudaContext):
         call(cu.cuStreamDestroy, stream)
 
     def synchronize(self, stream: int = 0) -> None:
+        stream = validate.stream(stream, "synchronize stream")
         self._live()
         call(cu.cuStreamSynchronize, stream)
 
@@ -57,10 +59,12 @@ class CudaStreams(CudaContext):
         return self._own(self._events, int(event))
 
     def record_event(self, event: int, stream: int = 0) -> None:
+        stream = validate.stream(stream, "record_event stream")
         self._live()
         call(cu.cuEventRecord, event, stream)
 
     def wait_event(self, stream: int, event: int) -> None:
+        stream = validate.stream(stream, "wait_event stream")
         self._live()
         call(cu.cuStreamWaitEvent, stream, event, 0)
 

@@ -15,6 +15,7 @@ from cuda.bindings import driver as cu
 
 from gpu_runtime import driver as driver_module
 from gpu_runtime.cuda_backend import DRIVER_MODULES
+from gpu_runtime.errors import CudaError
 
 
 class DriverReached(AssertionError):
@@ -24,13 +25,15 @@ class DriverReached(AssertionError):
 class ScriptedDriver:
     """Stands in for ``gpu_runtime.driver.call`` in ``CudaBackend``: logs every call and answers with
     plausible values (real host memory for ``cuMemHostAlloc``, a fixed offset for mapped
-    device pointers); with ``strict`` set, every call raises ``DriverReached``."""
+    device pointers); a call named in ``refuse`` fails as the driver's refusal would
+    (``CudaError``); with ``strict`` set, every call raises ``DriverReached``."""
 
     DEV_OFFSET = 0x1_0000_0000_0000  # device address = host address + this (a fake, distinct VA)
 
     def __init__(self, read_only_supported: int = 1) -> None:
         self.calls: list[tuple[str, tuple]] = []
         self.strict = False
+        self.refuse: set[str] = set()
         self.read_only_supported = read_only_supported
         self.keep: list[Any] = []
         self.handle = 0x7F00_0000_0000
@@ -40,6 +43,8 @@ class ScriptedDriver:
         if self.strict:
             raise DriverReached(name)
         self.calls.append((name, args))
+        if name in self.refuse:
+            raise CudaError(cu.CUresult.CUDA_ERROR_INVALID_VALUE, name, detail)
         if name == "cuDeviceGetName":
             return b"scripted\0"
         if name == "cuDeviceGetAttribute":

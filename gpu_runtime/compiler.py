@@ -24,6 +24,7 @@ import re
 import tempfile
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -89,23 +90,40 @@ def _check(err: object, what: str, source: str, log: str = "") -> None:
         raise NvrtcError(name, source, log or what)
 
 
-def _headers(source: str, src_dir: Path, seen: set[Path] | None = None) -> list[tuple[str, bytes]]:
-    """(name, bytes) of every header ``source`` includes; local ones followed recursively."""
-    seen = set() if seen is None else seen
+def _headers(source: str, src_dir: Path, include_dirs: Sequence[Path] = ()) -> list[tuple[str, bytes]]:
+    """(name, bytes) of every header the module ``source`` (in ``src_dir``) includes, found where
+    NVRTC looks: a quoted name beside the including file first, then in each ``-I`` folder in
+    the order ``prepare`` gives them (``src_dir``, CUDA's include folder, ``include_dirs``: the
+    caller's own). Headers outside CUDA's folder are followed recursively, CUDA's at their top
+    level."""
+    search = (src_dir, Path(cuda_include_dir()), *include_dirs)
+    return _found_headers(source, src_dir, search, set())
+
+
+def _found_headers(source: str, here: Path, search: Sequence[Path], seen: set[Path]) -> list[tuple[str, bytes]]:
+    cuda = search[1]
     out: list[tuple[str, bytes]] = []
     for quote, name in _INCLUDE.findall(source):
-        local = src_dir / name
-        if local.is_file() and local not in seen:
-            seen.add(local)
-            text = local.read_bytes()
-            out.append((name, text))
-            out.extend(_headers(text.decode(), local.parent, seen))
-        elif quote == "<" or not local.is_file():
-            system = Path(cuda_include_dir()) / name
-            if system.is_file() and system not in seen:
-                seen.add(system)
-                out.append((name, system.read_bytes()))
+        folders = (here, *search) if quote == '"' else search
+        found = next((d / name for d in folders if (d / name).is_file()), None)
+        if found is None or found in seen:
+            continue
+        seen.add(found)
+        text = found.read_bytes()
+        out.append((name, text))
+        if cuda not in found.parents:
+            out.extend(_found_headers(text.decode(), found.parent, search, seen))
     return out
+
+
+def _include_dirs(options: Sequence[str]) -> list[Path]:
+    """The folders of ``-I<dir>`` and ``--include-path=<dir>`` options, in order."""
+    dirs = []
+    for option in options:
+        for prefix in ("-I", "--include-path="):
+            if option.startswith(prefix) and len(option) > len(prefix):
+                dirs.append(Path(option[len(prefix) :]))
+    return dirs
 
 
 def cache_key(
@@ -206,9 +224,10 @@ def prepare(path: Path, target: str, options: tuple[str, ...] = ()) -> Job:
     """Read ``path`` and its headers and key them (no NVRTC call but its version)."""
     path = Path(path)
     source = path.read_bytes()
+    headers = _headers(source.decode(), path.parent, _include_dirs(options))  # the caller's -I folders too
     options = BASE_OPTIONS + (f"-I{path.parent}", f"-I{cuda_include_dir()}") + tuple(options)
     key_options = tuple(o for o in options if not o.startswith("-I"))  # paths differ per machine
-    key = cache_key(source, _headers(source.decode(), path.parent), target, key_options, nvrtc_version())
+    key = cache_key(source, headers, target, key_options, nvrtc_version())
     return Job(path, target, source, options, key)
 
 

@@ -15,6 +15,7 @@ from collections import deque
 from cuda.bindings import driver as cu
 
 from .driver import call
+from .errors import CudaError
 
 _MIN_CLASS = 4096
 
@@ -46,6 +47,11 @@ class PinnedStaging:
             ctypes.memmove(host, src_addr, nbytes)
             try:
                 call(cu.cuMemcpyHtoDAsync, dst, host, nbytes, stream)
+            except BaseException:
+                self._free.setdefault(cls, []).append(host)  # not queued: nothing reads it
+                raise
+            event = 0
+            try:
                 event = (
                     self._events.pop()
                     if self._events
@@ -53,9 +59,20 @@ class PinnedStaging:
                 )
                 call(cu.cuEventRecord, event, stream)
             except BaseException:
-                self._free.setdefault(cls, []).append(host)
+                if event:
+                    self._events.append(event)
+                self._untracked(cls, host, stream)
                 raise
             self._busy.append((event, cls, host))
+
+    def _untracked(self, cls: int, host: int, stream: int) -> None:
+        """A queued copy whose end no event marks: its buffer goes back to the pool only once the
+        stream has finished with it, and stays out (freed at close) if even that is refused."""
+        try:
+            call(cu.cuStreamSynchronize, stream)
+        except CudaError:
+            return
+        self._free.setdefault(cls, []).append(host)
 
     def _acquire(self, cls: int) -> int:
         free = self._free.get(cls)
@@ -89,11 +106,17 @@ class PinnedStaging:
         with self._lock:
             for event, _, _ in self._busy:
                 self._events.append(event)
-            for event in self._events:
-                call(cu.cuEventDestroy, event)
-            for host in self._owned:
-                call(cu.cuMemFreeHost, host)
+            first: CudaError | None = None
+            for destroy, handle in [(cu.cuEventDestroy, e) for e in self._events] + [
+                (cu.cuMemFreeHost, h) for h in self._owned
+            ]:
+                try:  # every one attempted, as the backend's own release
+                    call(destroy, handle)
+                except CudaError as exc:
+                    first = first or exc
             self._free.clear()
             self._busy.clear()
             self._events.clear()
             self._owned.clear()
+        if first is not None:
+            raise first

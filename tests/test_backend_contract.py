@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from gpu_runtime import ClosedError, CudaBackend
+from gpu_runtime import ClosedError, CudaBackend, CudaError
 from tests.helpers.scripted_driver import install_scripted_driver
 
 
@@ -88,3 +88,69 @@ def test_a_graph_launched_from_a_new_thread_binds_the_context_first(monkeypatch)
     names = [name for name, _ in driver.calls]
     assert names == ["cuCtxSetCurrent", "cuGraphLaunch"]
     gpu.close()
+
+
+def test_close_releases_everything_even_after_refusals_and_raises_the_first(monkeypatch):
+    """After a kernel fault the context's wait reports the sticky error and some frees may be
+    refused: close still attempts every release and gives the primary context back, then raises
+    the first error (before, it stopped at the wait and held everything for good)."""
+    driver = install_scripted_driver(monkeypatch)
+    gpu = CudaBackend()
+    ptrs = [gpu.alloc(64), gpu.alloc(128)]
+    gpu.create_stream()
+    gpu.create_event()
+    gpu.alloc_host(4096)
+    driver.refuse = {"cuCtxSynchronize", "cuMemFree", "cuStreamDestroy"}
+    with pytest.raises(CudaError, match="cuCtxSynchronize"):
+        gpu.close()
+    assert gpu.closed and not any(gpu.held().values())
+    assert [args[0] for args in driver.named("cuMemFree")] == [int(p) for p in ptrs]  # both tried
+    for name in ("cuStreamDestroy", "cuEventDestroy", "cuMemFreeHost", "cuDevicePrimaryCtxRelease"):
+        assert len(driver.named(name)) == 1, name
+    driver.calls.clear()
+    gpu.close()  # idempotent: nothing is left to release
+    assert driver.calls == []
+
+
+def test_staging_keeps_a_buffer_out_of_the_pool_until_its_copy_is_known_done(monkeypatch):
+    """A copy queued but its event not recorded: the buffer is reused only after the stream was
+    waited for (before, it went straight back while the copy might still read it), the event
+    is kept for the next upload, and where even the wait is refused the buffer stays out."""
+    import ctypes
+
+    from gpu_runtime import staging
+    from gpu_runtime.errors import CudaError as Refused
+    from cuda.bindings import driver as cu
+
+    keep, log, refuse = [], [], set()
+
+    def call(fn, *args, detail=""):
+        name = fn.__name__
+        log.append((name, args))
+        if name in refuse:
+            raise Refused(cu.CUresult.CUDA_ERROR_ILLEGAL_ADDRESS, name, detail)
+        if name == "cuMemHostAlloc":
+            keep.append(ctypes.create_string_buffer(int(args[0])))
+            return ctypes.addressof(keep[-1])
+        if name == "cuEventCreate":
+            return 0xE0 + len(keep)
+        return None
+
+    monkeypatch.setattr(staging, "call", call)
+    pool = staging.PinnedStaging()
+    data = np.arange(64, dtype=np.uint8)
+    refuse.add("cuEventRecord")
+    with pytest.raises(Refused, match="cuEventRecord"):
+        pool.upload(data.ctypes.data, 64, 0x1000, 7)
+    names = [n for n, _ in log]
+    assert names == ["cuMemHostAlloc", "cuMemcpyHtoDAsync", "cuEventCreate", "cuEventRecord", "cuStreamSynchronize"]
+    host = log[1][1][1]
+    refuse.clear()
+    log.clear()
+    pool.upload(data.ctypes.data, 64, 0x2000, 7)  # the same buffer and event, no new ones
+    assert [n for n, _ in log] == ["cuMemcpyHtoDAsync", "cuEventRecord"] and log[0][1][1] == host
+    monkeypatch.setattr(cu, "cuEventQuery", lambda event: (cu.CUresult.CUDA_ERROR_NOT_READY,))  # still copying
+    refuse.update({"cuEventRecord", "cuStreamSynchronize"})
+    with pytest.raises(Refused):
+        pool.upload(data.ctypes.data, 64, 0x3000, 7)
+    assert pool.buffers == 2 and not pool._free.get(4096)  # the unwaited buffer is not reused

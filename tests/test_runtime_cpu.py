@@ -413,6 +413,26 @@ def test_cache_key_follows_source_header_options_version(tmp_path, cache):
     assert not compiler.compile_module(src, "compute_90").cached
 
 
+def test_cache_key_follows_headers_in_the_callers_include_folders(tmp_path, cache):
+    """A header found through the caller's own ``-I`` folder is keyed too: editing it compiles
+    anew (before, only the module's folder and CUDA's were searched, and the stale image was
+    loaded)."""
+    inc = tmp_path / "inc"
+    inc.mkdir()
+    (inc / "extra.cuh").write_text("#define ADD 1\n")
+    (inc / "nested.cuh").write_text('#include "extra.cuh"\n')
+    src = tmp_path / "mod.cu"
+    src.write_text('#include <nested.cuh>\n' + _BODY)
+    for option in (f"-I{inc}", f"--include-path={inc}"):
+        names = [name for name, _ in compiler._headers(src.read_text(), tmp_path, compiler._include_dirs([option]))]
+        assert names == ["nested.cuh", "extra.cuh"], option
+    first = compiler.compile_module(src, "compute_90", (f"-I{inc}",))
+    assert compiler.compile_module(src, "compute_90", (f"-I{inc}",)).cached
+    (inc / "extra.cuh").write_text("#define ADD 2\n")
+    again = compiler.compile_module(src, "compute_90", (f"-I{inc}",))
+    assert not again.cached and again.image != first.image
+
+
 def test_unwritable_cache_warns_and_compiles(tmp_path, monkeypatch):
     blocker = tmp_path / "file-not-dir"
     blocker.write_text("")
@@ -526,6 +546,8 @@ def test_tensor_map_encodes_once_and_packs_the_opaque_words(monkeypatch):
     ((0x1000, 300, 70, 128, 64), ValueError, "a multiple of 8"),
     ((0x1000, 300, 72, 257, 64), ValueError, "limits"),
     ((0x1000, 300, 72, 128, 72), ValueError, "limits"),
+    ((0x1000, 300, 72, 128, 4), ValueError, r"box cols \(4\) must be a multiple of 8"),  # 8-byte box rows
+    ((0x1000, 300, 72, 128, 60), ValueError, r"box cols \(60\) must be a multiple of 8"),
     ((0, 300, 72, 128, 64), ValueError, "null device pointer"),
     ((0x1000, 0, 72, 128, 64), ValueError, "rows"),
     ((0x1000, 300, 72.0, 128, 64), TypeError, "cols"),

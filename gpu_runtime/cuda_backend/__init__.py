@@ -74,20 +74,32 @@ class CudaBackend(
             }
 
     def close(self) -> None:
-        """Wait for the device, then free everything this backend handed out; idempotent."""
+        """Wait for the device, then free everything this backend handed out; idempotent. Every
+        step runs even where one fails (after a kernel fault the wait reports the sticky error,
+        and frees may be refused too), the primary context is released in any case, and the
+        first error is raised at the end."""
         if self._closed:
             return
         self._bind()
+        first: BaseException | None = None
         with self._lock:
             self._closed = True
-            self._synchronize_context()
-            self._release_memory()
-            self._release_streams()
-            self._release_graphs()
-            self._release_host_memory()
-            self._release_kernels()
-            self._staging.close()
-            self._release_context()
+            for step in (
+                self._synchronize_context,
+                self._release_memory,
+                self._release_streams,
+                self._release_graphs,
+                self._release_host_memory,
+                self._release_kernels,
+                self._staging.close,
+                self._release_context,
+            ):
+                try:
+                    step()
+                except Exception as exc:  # noqa: BLE001 - the rest must run; the first is raised below
+                    first = first or exc
+        if first is not None:
+            raise first
 
     def __enter__(self) -> CudaBackend:
         return self

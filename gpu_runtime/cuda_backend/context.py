@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from cuda.bindings import driver as cu
 
 from .. import compiler, driver, validate
 from ..driver import call
-from ..errors import NoDeviceError
+from ..errors import CudaError, NoDeviceError
 from ..packing import ArgPlan
 
 _CURRENT = threading.local()  # the context the backends last made current, per thread
@@ -90,10 +90,24 @@ class CudaContext:
 
     def _release_all(self, destroy: Any, handles: set[int] | dict[int, Any]) -> None:
         """At close: ``destroy`` each of ``handles`` (a set of them, or a dict keyed by them),
-        then forget them."""
+        then forget them, refused or not (``_release_each``)."""
+        try:
+            self._release_each(destroy, handles)
+        finally:
+            handles.clear()
+
+    def _release_each(self, destroy: Any, handles: Iterable[Any]) -> None:
+        """At close: ``destroy`` each of ``handles``, every one attempted even after a refusal
+        (after a kernel fault the driver may refuse some); the first refusal is raised after the
+        last attempt."""
+        first: CudaError | None = None
         for handle in list(handles):
-            call(destroy, handle)
-        handles.clear()
+            try:
+                call(destroy, handle)
+            except CudaError as exc:
+                first = first or exc
+        if first is not None:
+            raise first
 
     def _synchronize_context(self) -> None:
         call(cu.cuCtxSynchronize)

@@ -18,9 +18,10 @@ class CudaGraphs(CudaContext):
         self._graphs = {}
 
     def _release_graphs(self) -> None:
-        for graph in self._graphs.values():
-            call(cu.cuGraphExecDestroy, graph)
-        self._graphs.clear()
+        try:
+            self._release_each(cu.cuGraphExecDestroy, self._graphs.values())
+        finally:
+            self._graphs.clear()
 
     def begin_capture(self, stream: int) -> None:
         stream = validate.stream(stream, "begin_capture stream")

@@ -29,9 +29,13 @@ class CudaHostMemory(CudaContext):
         self._read_only_register = None
 
     def _release_host_memory(self) -> None:
-        self._release_all(cu.cuMemHostUnregister, self._registered)
-        self._release_all(cu.cuMemFreeHost, self._host)
-        self._mapped.clear()
+        try:
+            self._release_all(cu.cuMemHostUnregister, self._registered)
+        finally:  # the buffers are freed even where an unregistration was refused
+            try:
+                self._release_all(cu.cuMemFreeHost, self._host)
+            finally:
+                self._mapped.clear()
 
     @property
     def host_registrations(self) -> int:

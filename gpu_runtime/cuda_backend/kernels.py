@@ -53,8 +53,12 @@ class CudaKernels(CudaContext):
         self._direct_tables = {}
 
     def _release_kernels(self) -> None:
-        for module in self._modules.values():
-            call(cu.cuModuleUnload, module)
+        try:
+            self._release_each(cu.cuModuleUnload, self._modules.values())
+        finally:
+            self._forget_kernels()
+
+    def _forget_kernels(self) -> None:
         self._modules.clear()
         self._kernels.clear()
         self._loaded.clear()

@@ -19,8 +19,10 @@ class CudaStreams(CudaContext):
         self._events = set()
 
     def _release_streams(self) -> None:
-        self._release_all(cu.cuStreamDestroy, self._streams)
-        self._release_all(cu.cuEventDestroy, self._events)
+        try:
+            self._release_all(cu.cuStreamDestroy, self._streams)
+        finally:  # the events are destroyed even where a stream's destruction was refused
+            self._release_all(cu.cuEventDestroy, self._events)
 
     def _own(self, handles: set[int], handle: int) -> int:
         with self._lock:

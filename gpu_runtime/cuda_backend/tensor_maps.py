@@ -30,7 +30,8 @@ class CudaTensorMaps:
         """The bf16 row-major ``[rows, cols]`` matrix at ``address`` as a ``CUtensorMap`` of
         ``[box_rows, box_cols]`` boxes, 128-byte swizzle, zeros read outside the matrix: the 128
         bytes a ``T`` kernel parameter takes. Needs ``address`` 16-byte aligned, ``cols % 8 == 0``
-        (row pitch a multiple of 16 bytes), ``box_cols * 2 <= 128`` and ``box_rows <= 256``."""
+        (row pitch a multiple of 16 bytes), ``box_cols * 2`` a multiple of 16 and at most 128,
+        and ``box_rows <= 256``."""
         validate.require_open(self._closed, "CudaBackend")
         address = validate.pointer(address, "tensor map address")
         rows = validate.positive(rows, "tensor map rows", limit=_MAX_DIM)
@@ -41,6 +42,8 @@ class CudaTensorMaps:
             raise ValueError(
                 f"tensor map: address {address:#x} must be 16-byte aligned and cols ({cols}) a multiple of 8"
             )
+        if box_cols % 8:
+            raise ValueError(f"tensor map: box cols ({box_cols}) must be a multiple of 8 (16-byte box rows)")
         if box_rows > _MAX_BOX or box_cols * _BF16_BYTES > _SWIZZLE_BYTES:
             raise ValueError(
                 f"tensor map: box {box_rows}x{box_cols} beyond the TMA unit's limits "

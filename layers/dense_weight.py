@@ -15,7 +15,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from gpu_runtime import DeviceBuffer, DevicePtr, GpuBackend, validate
+from gpu_runtime import ClosedError, DeviceBuffer, DevicePtr, GpuBackend, validate
 from gpu_runtime.backend import check_backend
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -88,11 +88,30 @@ class DenseWeight(WeightShape):
         dtype: Any,
         row_scale: DeviceBuffer | None = None,
     ) -> DenseWeight:
-        """A weight over ``weight`` (and ``row_scale``), buffers on ``gpu`` that it owns from now on."""
+        """A weight over ``weight`` (and ``row_scale``), buffers on ``gpu`` that it owns from now
+        on. Refused unless ``shape`` is two positive ints, the dtype bf16 or fp8 (then with
+        ``row_scale``), and each buffer holds what the shape says."""
         check_backend(gpu, "DenseWeight.owning: gpu")
+        try:
+            rows, cols = shape
+        except (TypeError, ValueError):
+            raise ValueError(f"DenseWeight.owning: shape must be (rows, cols), got {shape!r}") from None
+        rows = validate.positive(rows, "DenseWeight.owning: rows")
+        cols = validate.positive(cols, "DenseWeight.owning: cols")
+        dtype = np.dtype(dtype)
+        if dtype not in (BF16, FP8):
+            raise TypeError(f"DenseWeight.owning: dtype must be bfloat16 or float8_e4m3fn, got {dtype}")
+        if (dtype == FP8) != (row_scale is not None):
+            raise ValueError("DenseWeight.owning: row_scale is needed for fp8 weights, and only for them")
+        need = [(weight, rows * cols * dtype.itemsize, "weight")]
+        if row_scale is not None:
+            need.append((row_scale, rows * 4, "row_scale"))
+        for buf, nbytes, what in need:
+            if buf.nbytes < nbytes:
+                raise ValueError(f"DenseWeight.owning: {what} buffer of {buf.nbytes} bytes, the shape needs {nbytes}")
         buffers = (weight,) if row_scale is None else (weight, row_scale)
         scale = row_scale.ptr if row_scale is not None else DevicePtr(0)
-        return cls(weight.ptr, (int(shape[0]), int(shape[1])), np.dtype(dtype), scale, gpu, buffers)
+        return cls(weight.ptr, (rows, cols), dtype, scale, gpu, buffers)
 
     @classmethod
     def from_numpy(cls, gpu: GpuBackend, array: Any, row_scale: Any = None, stream: int = 0) -> DenseWeight:
@@ -111,6 +130,17 @@ class DenseWeight(WeightShape):
     def closed(self) -> bool:
         """True once ``close`` freed the memory it owned (never for a weight that owns none)."""
         return any(buf.closed for buf in self.buffers)
+
+    def check_on(self, gpu: GpuBackend, what: str) -> None:
+        """What a launcher checks before it hands the weight's addresses to a kernel on ``gpu``:
+        ``ClosedError`` once the weight freed its memory, ``ValueError`` where it lives on another
+        backend (a weight over bare addresses names none, and passes)."""
+        check_backend(gpu, f"{what}: gpu")
+        if self.gpu is gpu or (self.gpu is None and not self.buffers):
+            return
+        if self.gpu is None:
+            raise ClosedError(f"{what}: the weight is closed (its device memory was freed)")
+        raise ValueError(f"{what}: the weight is on another backend than the launch")
 
     def close(self) -> None:
         """Free the device memory the weight owns (once; later calls do nothing); ``gpu``

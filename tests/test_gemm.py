@@ -22,7 +22,7 @@ from functools import partial
 import numpy as np
 import pytest
 
-from gpu_runtime import DevicePtr, KernelHandle, KernelLaunch
+from gpu_runtime import ClosedError, DeviceBuffer, DevicePtr, KernelHandle, KernelLaunch
 from layers.kernel_files import kernel_dir, load_kernel
 from layers.reference import gemm_bf16, gemm_fp64
 from layers.ops import gemm
@@ -390,6 +390,31 @@ def test_wrong_weight_dtype_names_both():
 
 def test_weight_must_be_a_dense_weight():
     _refused(TypeError, "DenseWeight", _p(0), _p(1), _p(2), 4, 8, 8, 0)
+
+
+def test_a_closed_or_foreign_weight_is_refused_before_the_launch():
+    """Its addresses would reach the kernel (freed memory, or another device's)."""
+    other = RecordingBackend()
+    weight = DenseWeight.from_numpy(other, random_bf16(np.random.default_rng(0), (8, 8)))
+    _refused(ValueError, "on another backend", _p(0), weight, _p(2), 4, 8, 8, 0)
+    weight.close()
+    _refused(ClosedError, "the weight is closed", _p(0), weight, _p(2), 4, 8, 8, 0)
+
+
+def test_owning_checks_the_shape_the_dtype_and_the_buffers():
+    gpu = RecordingBackend()
+    buf = DeviceBuffer(gpu, 64)
+    with pytest.raises(ValueError, match="weight buffer of 64 bytes, the shape needs 128"):
+        DenseWeight.owning(gpu, buf, (8, 8), BF16)
+    with pytest.raises(ValueError, match="row_scale is needed for fp8"):
+        DenseWeight.owning(gpu, buf, (8, 8), FP8)
+    with pytest.raises(ValueError, match="row_scale buffer of 16 bytes, the shape needs 32"):
+        DenseWeight.owning(gpu, buf, (8, 8), FP8, DeviceBuffer(gpu, 16))
+    with pytest.raises(TypeError, match="float32"):
+        DenseWeight.owning(gpu, buf, (4, 4), np.float32)
+    with pytest.raises(ValueError, match="rows"):
+        DenseWeight.owning(gpu, buf, (0, 8), BF16)
+    assert DenseWeight.owning(gpu, buf, (4, 8), BF16).nbytes == 64
 
 
 @pytest.mark.parametrize("which", ["a", "c", "w"])

@@ -137,6 +137,15 @@ def test_build_overlay_refusals(rng):
     live |= set(gpu.mem)
     with pytest.raises(TypeError):
         build_overlay(gpu, k, fp8, served)
+    foreign = DenseWeight.from_numpy(overlay_backend(), served)  # its addresses mean nothing here
+    with pytest.raises(ValueError, match="served embedding: the weight is on another backend"):
+        build_overlay(gpu, k, foreign, served)
+    closed = DenseWeight.from_numpy(gpu, served)
+    closed.close()
+    with pytest.raises(ClosedError, match="served embedding: the weight is closed"):
+        build_overlay(gpu, k, closed, served)
+    with pytest.raises(ClosedError, match="adapter embedding: the weight is closed"):
+        build_overlay(gpu, k, se, closed)
     assert gpu.launches == [] and set(gpu.mem) == live
     # no adapter tensors: nothing needed, nothing launched, even without kernels
     assert build_overlay(gpu, OverlayKernels.default(), se, None) == AdapterOverlay(None, None)

@@ -319,6 +319,7 @@ CASES: dict[str, Callable[[Env], tuple[Callable[..., Any], tuple, dict]]] = {
     # layers.dense_weight
     DW: lambda e: call(DenseWeight, DevicePtr(0x1000), (2, 2), BF16, gpu=e.gpu),
     DW + ".owning": lambda e: call(DenseWeight.owning, e.gpu, DeviceBuffer(e.gpu, 8), (2, 2), BF16),
+    DW + ".check_on": lambda e: call(DenseWeight(DevicePtr(0x1000), (2, 2), BF16, gpu=e.gpu).check_on, e.gpu, "a launch"),
     DW + ".from_numpy": lambda e: call(DenseWeight.from_numpy, e.gpu, random_bf16(e.rng, (2, 2))),
     # layers.tensor_parallel (nccl over install_fake_nccl)
     TP + "LocalGroup": lambda e: call(LocalGroup, e.gpu, 2),

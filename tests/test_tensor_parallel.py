@@ -499,6 +499,8 @@ def test_local_group_adds_into_rank_0_in_rank_order_then_copies_back():
         group.allreduce_bf16_all([(0x100000, 10, 5), (0x200000, 11, 5), (0x300000, 10, 5)])
     with pytest.raises(ValueError, match="3 buffers for a group of 2"):
         LocalGroup(gpu, 2).allreduce_bf16_all(bufs)
+    with pytest.raises(ValueError, match=r"buffers\[2\] pointer"):  # before rank 1's add is queued
+        group.allreduce_bf16_all([(0x100000, 10, 5), (0x200000, 10, 5), (0, 10, 5)])
     assert gpu.launches == []
     with pytest.raises(TypeError, match="device copies"):
         LocalGroup(RecordingBackend(), 2)
@@ -608,6 +610,16 @@ def test_nccl_group_posts_every_rank_inside_one_group_call(fake_nccl):
         nccl.NcclGroup([_DeviceBackend(0), _DeviceBackend(0)])
     with pytest.raises(ValueError, match="1 buffers for a group of 2"):
         group.allreduce_bf16_all([(0x5000, 8, 1)])
+    # a bad rank, or counts that differ, refused before anything is posted (not after rank 0's)
+    fake_nccl.clear()
+    for buffers, match in [([(0x5000, 8, 1), (0, 8, 2)], r"buffers\[1\] pointer"),
+                           ([(0x5000, 8, 1), (0x6000, 8, -2)], r"buffers\[1\] stream"),
+                           ([(0x5000, 8, 1), (0x6000, 9, 2)], "the same count")]:
+        with pytest.raises(ValueError, match=match):
+            group.allreduce_bf16_all(buffers)
+    assert fake_nccl == []
+    with pytest.raises(ValueError, match="1 streams for a group of 2"):
+        group.wait([0], timeout_s=1.0)
 
 
 def test_a_wait_past_its_deadline_or_on_an_nccl_error_aborts_every_rank(fake_nccl):

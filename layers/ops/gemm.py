@@ -85,7 +85,7 @@ def gemv_available(gpu: GpuBackend, a: int, w: int, k: int) -> bool:
 
 
 def _check_gemm(
-    name: str, kernel: KernelHandle, w: DenseWeight, m: int, n: int, k: int, path: str | None
+    name: str, gpu: GpuBackend, kernel: KernelHandle, w: DenseWeight, m: int, n: int, k: int, path: str | None
 ) -> tuple[int, int, int]:
     """The checks every GEMM launcher runs before launching (its spec checks the pointers);
     returns (m, n, k) as ints."""
@@ -102,6 +102,8 @@ def _check_gemm(
         m, n, k = (validate.count(v, f"{name} {what}", limit=MAX_DIM + 1) for v, what in ((m, "m"), (n, "n"), (k, "k")))
     if not isinstance(w, DenseWeight):
         raise TypeError(f"{name}: w must be a DenseWeight, got {type(w).__name__}")
+    if w.gpu is not gpu:  # (the plain case passes on this one test)
+        w.check_on(gpu, name)
     if w.dtype is not BF16 and w.dtype != BF16:
         raise TypeError(f"{name}: w dtype {w.dtype}, expected {BF16} (bfloat16)")
     if w.shape != (n, k) and tuple(w.shape) != (n, k):
@@ -130,7 +132,7 @@ def dense_gemm_bf16_pipelined(
     are looked up here (the backend caches them). ``path`` forces one (tests, benchmarks).
     Every check runs before any launch; m, n or k == 0 is a no-op.
     """
-    m, n, k = _check_gemm(KERNEL, kernel, w, m, n, k, path)
+    m, n, k = _check_gemm(KERNEL, gpu, kernel, w, m, n, k, path)
     if m and n and k:
         _launch(KERNEL, gpu, kernel, stream, path, (a, w, c, m, n, k))
 
@@ -166,7 +168,7 @@ def dense_gemm_bf16_word(
     is ``[m]`` u64 device addresses: where one is not 0, row i adds that n-wide bf16 row (an
     adapter's replacement word row, 4-byte aligned when n is even) instead of ``word[word_ids[i]]``.
     """
-    m, n, k = _check_gemm(WORD_KERNEL, kernel, w, m, n, k, path)
+    m, n, k = _check_gemm(WORD_KERNEL, gpu, kernel, w, m, n, k, path)
     scale = validate.real32(scale, f"{WORD_KERNEL} scale")
     if m and n and k:
         epilogue = {"word_ids": word_ids, "word": word, "scale": scale, "word_over": word_over}

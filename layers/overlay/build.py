@@ -28,10 +28,12 @@ def _table_diff(
         raise TypeError(
             f"served {which} must be a bfloat16 DenseWeight, got {getattr(served, 'dtype', type(served).__name__)}"
         )
+    served.check_on(gpu, f"served {which}")
     rows, h = served.shape
     if isinstance(adapter, DenseWeight):
         if adapter.dtype != BF16:
             raise TypeError(f"adapter {which} must be bfloat16, got {adapter.dtype}")
+        adapter.check_on(gpu, f"adapter {which}")
         host = None
         shape = adapter.shape
     else:

@@ -74,15 +74,17 @@ class LocalGroup:
         validate.require_open(self.closed, "LocalGroup")
         if len(buffers) != self.size:
             raise ValueError(f"LocalGroup: {len(buffers)} buffers for a group of {self.size}")
-        (ptr0, count, stream), rest = buffers[0], buffers[1:]
-        if any(c != count or s != stream for _, c, s in rest):
+        ptrs = [validate.pointer(p, f"LocalGroup: buffers[{r}] pointer") for r, (p, _, _) in enumerate(buffers)]
+        _, count, stream = buffers[0]
+        if any(c != count or s != stream for _, c, s in buffers[1:]):
             raise ValueError(
                 "LocalGroup: every rank must post the same count on the same stream, got "
                 f"{[(c, s) for _, c, s in buffers]}"
             )
-        for ptr, _, _ in rest:
+        ptr0, others = ptrs[0], ptrs[1:]  # every rank checked before the first add is queued
+        for ptr in others:
             residual_ops.residual_add(self.gpu, self.add_kernel, ptr0, ptr, count, stream)
-        for ptr, _, _ in rest:
+        for ptr in others:
             self.gpu.copy_d2d_async(ptr, ptr0, count * 2, stream)
 
     def close(self) -> None:

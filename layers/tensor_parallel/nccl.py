@@ -120,11 +120,24 @@ class NcclGroup:
         return any(m.closed for m in self.members)
 
     def allreduce_bf16_all(self, buffers: Sequence[tuple[int, int, int]]) -> None:
+        """Every rank's ``(ptr, count, stream)`` is checked (the counts equal) before any is
+        posted: a group call that posted some ranks and not the others would leave those
+        waiting for good."""
         validate.require_open(self.closed, "NcclGroup")
         if len(buffers) != self.size:
             raise ValueError(f"NcclGroup: {len(buffers)} buffers for a group of {self.size}")
+        checked = [
+            (
+                validate.pointer(ptr, f"NcclGroup: buffers[{r}] pointer"),
+                validate.count(count, f"NcclGroup: buffers[{r}] count"),
+                validate.stream(stream, f"NcclGroup: buffers[{r}] stream"),
+            )
+            for r, (ptr, count, stream) in enumerate(buffers)
+        ]
+        if len({count for _, count, _ in checked}) > 1:
+            raise ValueError(f"NcclGroup: every rank sums the same count, got {[c for _, c, _ in checked]}")
         with self.group():
-            for member, (ptr, count, stream) in zip(self.members, buffers):
+            for member, (ptr, count, stream) in zip(self.members, checked):
                 member.allreduce_bf16(ptr, count, stream)
 
     @contextmanager
@@ -138,6 +151,8 @@ class NcclGroup:
             core.group_end()
 
     def wait(self, streams: Sequence[int], timeout_s: float) -> None:
+        if len(streams) != self.size:
+            raise ValueError(f"NcclGroup.wait: {len(streams)} streams for a group of {self.size}")
         _wait(
             self.members,
             [validate.stream(s, f"NcclGroup.wait: streams[{r}]") for r, s in enumerate(streams)],

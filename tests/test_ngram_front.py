@@ -88,9 +88,10 @@ class FakeGpu(MemoryBackend):
         pass
 
 
-def _weights(gpu, rng, tmp_path, cached: str = "") -> NgramWeights:
-    """Weights on ``gpu``: table c a RowCache (capacity 8) where ``cached[c] == "c"``, else
-    bf16; they own their uploads and caches (``own``): closing them frees those."""
+def _weights(gpu, rng, tmp_path, cached: str = "", stream: int = 0) -> NgramWeights:
+    """Weights on ``gpu``: table c a RowCache (capacity 8, loading on ``stream``) where
+    ``cached[c] == "c"``, else bf16; they own their uploads and caches (``own``): closing them
+    frees those."""
     h, td = DIMS.hidden_size, DIMS.table_dim()
     owned: list = []
 
@@ -103,7 +104,7 @@ def _weights(gpu, rng, tmp_path, cached: str = "") -> NgramWeights:
         rows = rng.standard_normal((DIMS.table_rows(c), td)).astype(BF16)
         if cached[c:c + 1] == "c":
             write_table(tmp_path / f"t{c}.ngt", rows)
-            owned.append(RowCache(gpu, tmp_path / f"t{c}.ngt", 8, io_threads=1))
+            owned.append(RowCache(gpu, tmp_path / f"t{c}.ngt", 8, io_threads=1, stream=stream))
             tables.append(NgramTable.Cached(owned[-1]))
         else:
             tables.append(NgramTable.Bf16(upload(rows)))
@@ -114,9 +115,9 @@ def _weights(gpu, rng, tmp_path, cached: str = "") -> NgramWeights:
     return weights
 
 
-def _layer(gpu, rng, tmp_path, cached: str = "") -> NgramEmbedding:
+def _layer(gpu, rng, tmp_path, cached: str = "", stream: int = 0) -> NgramEmbedding:
     """The seed's runner over ``_weights``; ``_close(..., layer)`` closes it, then its weights."""
-    return NgramEmbedding(_weights(gpu, rng, tmp_path, cached), 16)
+    return NgramEmbedding(_weights(gpu, rng, tmp_path, cached, stream), 16)
 
 
 def _close(*objs) -> None:
@@ -220,9 +221,9 @@ def test_faithful_path_unpins_after_a_failed_gather(rng, tmp_path):
 @pytest.mark.parametrize("graph", [False, True])
 def test_fused_path_unpins_after_a_failed_launch(rng, tmp_path, graph):
     gpu = FakeGpu()
-    layer = _layer(gpu, rng, tmp_path, cached="cb")  # a grouped RowCache beside a resident table
+    stream = gpu.create_stream()  # the calls' and the RowCache's
+    layer = _layer(gpu, rng, tmp_path, cached="cb", stream=stream)  # a grouped RowCache beside a resident table
     fused = FusedNgramEmbedding(layer.weights, 16)
-    stream = gpu.create_stream()
     try:
         for _ in range(2):  # a shape's first call (eager, then captured), then a replay
             gpu.fail_at = ("ngram_gather", 1)
@@ -232,6 +233,27 @@ def test_fused_path_unpins_after_a_failed_launch(rng, tmp_path, graph):
             assert _caches(layer)[0].stats.misses > 0
         fused.embed_batch([CTX, CTX[:4]], [3, 2], gpu.out, stream, graph=graph)
         assert _pinned(layer) == [0]
+    finally:
+        _close(fused, layer)
+
+
+def test_a_call_on_another_stream_than_its_row_caches_is_refused(rng, tmp_path):
+    """A RowCache scatters its rows on its own stream; a gather on another stream could read a
+    slot before its rows land (nothing joins the two): refused, by both paths, before anything
+    loads or launches."""
+    gpu = FakeGpu()
+    stream = gpu.create_stream()
+    layer = _layer(gpu, rng, tmp_path, cached="cb")  # the caches load on stream 0
+    fused = FusedNgramEmbedding(layer.weights, 16)
+    try:
+        gpu.launches.clear()
+        for call in (lambda: fused.embed_batch([CTX], [2], gpu.out, stream),
+                     lambda: fused.stage([CTX], [2], stream),
+                     lambda: layer.embed(CTX, 2, gpu.out, gpu, stream)):
+            with pytest.raises(ValueError, match=r"table 0's RowCache loads its rows on stream 0x0, this call runs on"):
+                call()
+        assert gpu.launches == [] and _caches(layer)[0].stats.misses == 0
+        fused.embed_batch([CTX], [2], gpu.out, 0)  # its own stream: served
     finally:
         _close(fused, layer)
 

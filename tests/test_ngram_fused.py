@@ -81,6 +81,12 @@ def test_windows_pad_before_the_start_and_read_only_tails():
     want = [[c[p - d] if p - d >= 0 else NO_TOKEN for d in range(4)]
             for c, s in zip(contexts, lens) for p in range(len(c) - s, len(c))]
     assert fused.windows(contexts, lens).tolist() == want
+    # contexts of different integer kinds in one batch (uint64 with int64 concatenates as float64)
+    mixed = [np.array([3, 4], np.uint64), np.array([7, 8, 9], np.int64), [1, 2]]
+    assert fused.windows(mixed, [2, 1, 1]).tolist() == fused.windows([[3, 4], [7, 8, 9], [1, 2]], [2, 1, 1]).tolist()
+    bad = dims.vocab_size + 7
+    with pytest.raises(ValueError, match=f"token {bad}"):
+        fused.windows([np.array([3, 4], np.uint64), np.array([bad], np.int64)], [1, 1])
 
 
 @pytest.mark.parametrize("call, error, match", [
@@ -141,6 +147,86 @@ def test_the_runner_borrows_the_weights():
 # -- GPU --------------------------------------------------------------------------------------
 def _rel(x, ideal):
     return np.linalg.norm(x.astype(np.float64) - ideal) / np.linalg.norm(ideal)
+
+
+
+def test_cached_tables_with_adapter_slots_pack_their_slots_where_the_gather_reads_them(rng):
+    """With adapter slots each row has 3 words more (its replacement row's address): the
+    cached tables' slots still fill the T words after the word ids (before, the slot region
+    was taken to run to the end of the buffer, and every call with adapter slots failed)."""
+    from layers.overlay import OverlaySlots
+
+    gpu = RecordingBackend()
+    dims = small_dims()
+    weights = device_weights(gpu, random_layer(rng, dims, "b"), cached=True)
+    contexts, lens = [rng.integers(0, dims.vocab_size, 9), rng.integers(0, dims.vocab_size, 5)], [4, 3]
+    with OverlaySlots(gpu, 1, dims.vocab_size, dims.hidden_size) as slots, \
+            FusedNgramEmbedding(weights, 16, adapter_slots=slots) as with_slots, \
+            FusedNgramEmbedding(weights, 16) as plain:
+        windows = plain.windows(contexts, lens)
+        rows, base = windows.shape[0], dims.max_ngram + 1 + dims.num_tables()
+        with plain.batch():
+            want = plain.pack(windows)
+        with with_slots.batch():
+            got = with_slots.pack(windows, np.zeros(rows, np.uint64))
+        assert np.array_equal(got[: rows * base], want)  # windows, word ids, then the slots
+        out = gpu.alloc(16 * dims.hidden_size * 2)
+        with_slots.embed_batch(contexts, lens, out)  # the call that failed
+
+
+
+def test_close_frees_everything_when_the_wait_for_the_last_call_fails(rng):
+    """After a kernel fault the wait for the last call raises the sticky error: close still
+    frees the runner's buffers and event, once (before, it kept them and raised at every close)."""
+
+    class Faulted(RecordingBackend):
+        fault = False
+
+        def event_synchronize(self, event):
+            if self.fault:
+                raise RuntimeError("CUDA_ERROR_ILLEGAL_ADDRESS (sticky)")
+
+    gpu = Faulted()
+    dims = small_dims()
+    weights = device_weights(gpu, random_layer(rng, dims, "b"))
+
+    def close(fault: bool) -> tuple[FusedNgramEmbedding, list]:
+        """A runner closed with or without the fault: it and the frees its close made."""
+        gpu.fault = False
+        fused = FusedNgramEmbedding(weights, 16)
+        gpu.fault, before = fault, len(gpu.ops)
+        if fault:
+            with pytest.raises(RuntimeError, match="sticky"):
+                fused.close()
+        else:
+            fused.close()
+        return fused, [op for op in gpu.ops[before:] if op[0] == "free"]
+
+    _, clean = close(False)
+    fused, faulted = close(True)
+    assert fused.closed and len(faulted) == len(clean) > 0
+    fused.close()  # nothing left to wait for or free
+    weights.close()
+
+
+def test_project_takes_the_rows_stage_staged_once(rng):
+    """The GEMM reads word ids that ``stage`` uploaded: a project without a stage, or of other
+    rows, or a second one, would read ids never written (refused before any launch)."""
+    gpu = RecordingBackend()
+    dims = small_dims()
+    with device_weights(gpu, random_layer(rng, dims, "b")) as weights, FusedNgramEmbedding(weights, 16) as fused:
+        out = gpu.alloc(16 * dims.hidden_size * 2)
+        gpu.launches.clear()
+        with pytest.raises(ValueError, match="project of 16 rows, but stage\\(\\) staged 0"):
+            fused.project(16, out)
+        rows = fused.stage([[1, 2, 3]], [2])
+        with pytest.raises(ValueError, match="project of 9 rows, but stage\\(\\) staged 2"):
+            fused.project(9, out)
+        staged = len(gpu.launches)
+        fused.project(rows, out)
+        assert len(gpu.launches) == staged + 1  # the GEMM
+        with pytest.raises(ValueError, match="staged 0"):
+            fused.project(rows, out)  # once
 
 
 @pytest.mark.gpu

@@ -5,6 +5,7 @@ prefetch; and on the GPU, a layer with cached tables equals the resident layer t
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 import pytest
@@ -152,8 +153,13 @@ def test_refusals_change_nothing(tmp_path, rng):
         with pytest.raises(ClosedError, match="RowCache is closed"):
             call()
     for value, error in ((0, ValueError), (-3, ValueError), (True, TypeError), (2.0, TypeError)):
-        with pytest.raises(error, match="RowCache: capacity must be an int"):
+        with pytest.raises(error, match="RowCache: capacity must be"):
             RowCache(gpu, path, value)
+    fds = len(os.listdir("/proc/self/fd"))
+    for _ in range(3):  # beyond the slot index's reach: refused before the file is opened
+        with pytest.raises(ValueError, match="RowCache: capacity must be in 1..2\\*\\*31-1"):
+            RowCache(gpu, path, 1 << 31)
+    assert len(os.listdir("/proc/self/fd")) == fds
 
 
 def test_file_disagreeing_with_its_header_is_refused(tmp_path, rng):

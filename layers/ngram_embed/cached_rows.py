@@ -44,6 +44,18 @@ class CachedRows:
     def __bool__(self) -> bool:
         return bool(self.columns)
 
+    def check_stream(self, stream: int, what: str) -> None:
+        """``ValueError`` unless every cache that loads rows on a stream of its own (``RowCache``)
+        loads them on ``stream``, the call's: its scatters and the call's gathers are then
+        ordered on one stream (nothing else joins two streams here)."""
+        for c, cache in zip(self.columns, self.caches):
+            own = getattr(cache, "stream", stream)
+            if own != stream:
+                raise ValueError(
+                    f"{what}: table {c}'s RowCache loads its rows on stream {own:#x}, this call runs on "
+                    f"{stream:#x}: they must be the same stream"
+                )
+
     # -- refusals and resolve ------------------------------------------------------------------
     def validate(self, ids: Sequence[np.ndarray] | np.ndarray) -> None:
         """Refuse, loading nothing, what resolving ``ids[c]`` (the ids of table ``c``, every

@@ -86,6 +86,8 @@ class NgramEmbedding(Closing):
             require_backend(_WHAT, gpu, self.gpu)
         if type(stream) is not int or stream < 0:
             stream = validate.stream(stream, f"{_WHAT}: stream")
+        if self._cached:
+            self._cached.check_stream(stream, _WHAT)
         seq_len = check_seq_len(seq_len, _WHAT)
         if seq_len > self.max_tokens:
             raise ValueError(f"ngram embed: seq_len over staging ({seq_len} > max_tokens {self.max_tokens})")

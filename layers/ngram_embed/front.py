@@ -160,8 +160,14 @@ def windows(dims: NgramDims, contexts: Sequence, seq_lens: Sequence[int], what: 
             lens.append(s)
     if not tails:
         return np.zeros((0, n), np.uint32)
-    flat = np.asarray(tails[0]) if len(tails) == 1 else np.concatenate(tails)
-    check_tokens(flat, dims.vocab_size, what)
+    arrays = [np.asarray(tail) for tail in tails]
+    if len({a.dtype for a in arrays}) > 1:  # mixed kinds: int64 with uint64 would concatenate as float64
+        for a in arrays:
+            check_tokens(a, dims.vocab_size, what)
+        flat = np.concatenate([a.astype(np.uint32) for a in arrays])
+    else:
+        flat = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+        check_tokens(flat, dims.vocab_size, what)
     # Each tail padded in front to s + n - 1 entries with NO_TOKEN (before the context start).
     padded = np.empty(sum(lens) + len(lens) * (n - 1), np.uint32)
     if len(lens) == 1:

@@ -100,6 +100,7 @@ class FusedNgramEmbedding(Closing):
         can_graph = isinstance(gpu, Graphs) and isinstance(gpu, PinnedHostMemory)
         self._graph_gpu = cast("GraphBackend", gpu) if can_graph else None
         self._graphs: dict[tuple[int, int, int, bool], int] = {}
+        self._staged = 0  # the rows of the last stage() that project() has not consumed
         self._host: np.ndarray | None = None  # pinned packed-upload buffer, made with the first graph
         self._resources = own = Resources(gpu)  # every buffer, event, graph: released by close()
         try:
@@ -180,6 +181,7 @@ class FusedNgramEmbedding(Closing):
         after the launches, or after a failure (``CachedRows.batch``)."""
         self._require_open(serve=True)
         stream = validate.stream(stream, _STREAM)
+        self._rows.check_stream(stream, _WHAT)
         windows = self.windows(contexts, seq_lens)
         over = self._word_over(adapters, seq_lens, windows)
         rows = windows.shape[0]
@@ -259,7 +261,7 @@ class FusedNgramEmbedding(Closing):
             # [len(cached), R] ids of every cached table in one pass over the windows, which
             # ``windows`` built and checked; each is its hash modulo the table's rows (in range).
             ids = ids_from_windows(self._ids_plan, windows)
-            self._rows.resolve(ids, packed[rows * (n + 1) :].reshape(rows, t), in_range=True)
+            self._rows.resolve(ids, packed[rows * (n + 1) : rows * (n + 1 + t)].reshape(rows, t), in_range=True)
         return packed
 
     def batch(self):
@@ -341,10 +343,12 @@ class FusedNgramEmbedding(Closing):
         rows. Refuses a bad batch before any upload."""
         self._require_open(serve=False)
         stream = validate.stream(stream, _STREAM)
+        self._rows.check_stream(stream, _WHAT)
         windows = self.windows(contexts, seq_lens)
         rows = windows.shape[0]
         if rows > self.max_rows:
             raise ValueError(f"{_WHAT}: {rows} rows over max_rows {self.max_rows}")
+        self._staged = 0
         if rows:
             self.gpu.event_synchronize(self._done)  # the previous call is done with the buffers
             with self._rows.batch():
@@ -352,13 +356,18 @@ class FusedNgramEmbedding(Closing):
                 self._gather(rows, stream)
                 if self.weights.shard is not None:
                     self.projection.gather_words(rows, self._word_ids(rows), stream)
+        self._staged = rows
         return rows
 
     def project(self, rows: int, out: Any, stream: int = 0) -> None:
-        """The GEMM over the summed buffer into ``out [rows, D]``: the last phase."""
+        """The GEMM over the summed buffer into ``out [rows, D]``: the last phase, once after each
+        ``stage`` and for the rows it staged (the GEMM reads word ids that ``stage`` uploaded)."""
         self._require_open(serve=False)
         stream = validate.stream(stream, _STREAM)
         rows = validate.count(rows, f"{_WHAT} rows", limit=self.max_rows + 1)
+        if rows != self._staged:
+            raise ValueError(f"{_WHAT}: project of {rows} rows, but stage() staged {self._staged}")
+        self._staged = 0
         if rows:
             out = out_address(out, _WHAT, rows, self.dims, self.gpu)
             self.projection.project(rows, self._word_ids(rows), out, stream)
@@ -377,10 +386,12 @@ class FusedNgramEmbedding(Closing):
 
     def close(self) -> None:
         """Free the graphs, the staging and the gather buffer (not the weights); once."""
-        if not self._resources.closed and not self.gpu.closed:
-            # The last call's work is done before anything goes (its stream may be gone: wait on
-            # the event).
-            self.gpu.event_synchronize(self._done)
-        self._graphs.clear()
-        self._host = None
-        self._resources.close()  # graphs, pinned buffer, device buffers, event: the last made first
+        try:
+            if not self._resources.closed and not self.gpu.closed:
+                # The last call's work is done before anything goes (its stream may be gone: wait
+                # on the event; after a kernel fault it raises, and everything is released anyway).
+                self.gpu.event_synchronize(self._done)
+        finally:
+            self._graphs.clear()
+            self._host = None
+            self._resources.close()  # graphs, pinned buffer, device buffers, event: the last made first

@@ -12,7 +12,7 @@ call once ``closed`` (``ClosedError``), so a freed address never reaches a kerne
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from typing import Any, Self, TypeVar
 
 from gpu_runtime import DeviceBuffer, DevicePtr, GpuBackend
@@ -84,5 +84,6 @@ def closed_on_failure() -> Iterator[list[Any]]:
         yield built
     except BaseException:
         for thing in reversed(built):
-            thing.close()
+            with suppress(Exception):  # the others still close; the first error propagates
+                thing.close()
         raise

@@ -201,7 +201,7 @@ class RowCache:
     ) -> None:
         check_backend(gpu, "RowCache: gpu")
         stream = validate.stream(stream, "RowCache: stream")
-        capacity = validate.positive(capacity, "RowCache: capacity")
+        capacity = validate.positive(capacity, "RowCache: capacity", limit=1 << 31)  # the slot index's
         chunk_rows = validate.positive(chunk_rows, "RowCache: chunk_rows")
         io_threads = validate.positive(io_threads, "RowCache: io_threads")
         if not (isinstance(gpu, PinnedHostMemory) and isinstance(gpu, Events)):
@@ -215,7 +215,11 @@ class RowCache:
         self.rows, self.dim, self.dtype = self.file.rows, self.file.dim, self.file.dtype
         self.capacity = min(capacity, self.rows)
         self._stats = CacheStats()
-        self.index = SlotIndex(self.rows, self.capacity)
+        try:
+            self.index = SlotIndex(self.rows, self.capacity)  # 4 bytes a row of the table: may not fit
+        except BaseException:
+            self.file.close()  # nothing else is made yet
+            raise
         self._group: CacheGroup | None = None  # the CacheGroup whose index store this cache's index lives in, if any
         self._arena_scales = DevicePtr(0)
         self._readers = ThreadPoolExecutor(io_threads, "rowcache-read") if io_threads > 1 else None

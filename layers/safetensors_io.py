@@ -14,6 +14,7 @@ it needs.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from collections.abc import Iterable, Mapping
@@ -97,7 +98,7 @@ def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
             raise ValueError(f"{path.name}: tensor {name!r} has a malformed header entry {info!r}")
         shape = tuple(shape)
         if dtype in DTYPES:
-            count = int(np.prod(shape, dtype=np.int64))
+            count = math.prod(shape)  # Python ints: a huge shape cannot wrap to a small count
             ok = end - start == count * DTYPES[dtype].itemsize
         if not ok or base + end > size:
             raise ValueError(
@@ -105,6 +106,10 @@ def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
                 f"hold shape {shape} {dtype} (file is {size} bytes)"
             )
         out[name] = TensorInfo(name, dtype, shape, base + start, base + end)
+    ranges = sorted((t.start, t.end, t.name) for t in out.values() if t.end > t.start)
+    for (_, end_a, a), (start_b, _, b) in zip(ranges, ranges[1:]):
+        if start_b < end_a:  # two tensors over the same bytes: the spec gives each its own
+            raise ValueError(f"{path.name}: tensors {a!r} and {b!r} share bytes of the file")
     return out
 
 

@@ -58,10 +58,11 @@ def test_read_header_maps_nothing_and_keeps_unknown_dtypes(tmp_path, rng, monkey
     raw = bytearray(path.read_bytes())
     (n,) = np.frombuffer(raw[:8], np.uint64)
     header = json.loads(raw[8:8 + int(n)])
-    header["x"] = {"dtype": "F8_E5M2", "shape": [2], "data_offsets": [0, 2]}
+    data = bytes(raw[8 + int(n):])
+    header["x"] = {"dtype": "F8_E5M2", "shape": [2], "data_offsets": [len(data), len(data) + 2]}  # after a and b
     blob = json.dumps(header).encode()
     blob += b" " * (-len(blob) % 8)
-    path.write_bytes(np.uint64(len(blob)).tobytes() + blob + bytes(raw[8 + int(n):]))
+    path.write_bytes(np.uint64(len(blob)).tobytes() + blob + data + b"\x01\x02")
     monkeypatch.setattr(np, "memmap", lambda *a, **k: pytest.fail("read_header mapped a tensor"))
     info = safetensors_io.read_header(path)
     base = 8 + len(blob)

@@ -226,6 +226,20 @@ def test_slots_refusals(rng):
     with pytest.raises(ValueError, match="width"):
         slots.replace(0, random_overlay(rng, 30, 4, 1, None))
     check_slot_contents(gpu, slots, 0, good)                   # a refused replace changes nothing
+    wide = OverlaySlots(gpu, 2, vocab=70_000, h=5)  # one slot's LM head over the grid's 65535 ids
+    with pytest.raises(ValueError, match="LM-head overlay of 65536 rows: a slot holds at most 65535"):
+        wide.load(1, AdapterOverlay(None, TableOverlay.of(np.arange(65536), random_bf16(rng, (65536, 5)))))
+    wide.close()
+    alloc = gpu.alloc
+
+    def out_of_memory(nbytes):
+        raise MemoryError("device memory exhausted")
+
+    gpu.alloc = out_of_memory  # a replace whose upload fails keeps the adapter it had
+    with pytest.raises(MemoryError):
+        slots.replace(0, random_overlay(rng, 30, 5, 2, 1))
+    gpu.alloc = alloc
+    check_slot_contents(gpu, slots, 0, good)
     for args in ((0, 30, 5), (2, 0, 5), (2, 30, 0)):
         with pytest.raises(ValueError):
             OverlaySlots(gpu, *args)

@@ -395,11 +395,15 @@ def test_bad_ids_widths_and_values(tmp_path, rng):
     def case(name, cfg, tensors, match, **kw):
         d = save_adapter(tmp_path / name, cfg, tensors)
         with pytest.raises(PeftAdapterError, match=match):
-            overlay_from_peft(d, vocab=VOCAB, **kw)
+            overlay_from_peft(d, **{"vocab": VOCAB, **kw})
 
     key = f"{EMBED}.trainable_tokens_delta"
     case("vocab", tt_config([3, VOCAB]), {key: token_rows(rng, 2)}, f"token id {VOCAB} .* outside")
     case("negative", tt_config([-1, 3]), {key: token_rows(rng, 2)}, "token id -1")
+    # a vocabulary past int32: an id there wrapped into the overlay's int32 ids (2**32 + 5 became 5)
+    case("int32", tt_config([2**32 + 5]), {key: token_rows(rng, 1)}, r"token id 4294967301 .* outside .*2147483647",
+         vocab=2**33)
+    case("huge", tt_config([2**70]), {key: token_rows(rng, 1)}, "token id 1180591620717411303424")
     case("count", tt_config([1, 2, 3]), {key: token_rows(rng, 2)}, r"expected \[3, h\]")
     case("1d", tt_config([1]), {key: token_rows(rng, 1)[0]}, r"expected \[1, h\]")
     case("widths", tt_config([1], ["embed_tokens", "lm_head"]),
@@ -478,6 +482,8 @@ def test_served_table_refusals_before_any_upload(tmp_path, rng):
                           kernels=OverlayKernels.default())
     with pytest.raises(ValueError, match="thresh"):
         overlay_from_peft(d, vocab=VOCAB, served_embed=se, served_lm_head=se, thresh=float("nan"))
+    with pytest.raises(ValueError, match="thresh 1e\\+39 overflows f32"):  # refused before the first upload
+        overlay_from_peft(d, vocab=VOCAB, served_embed=se, served_lm_head=se, thresh=1e39)
     with pytest.raises(TypeError, match="tied"):
         overlay_from_peft(d, vocab=VOCAB, served_embed=se, served_lm_head=se, tied="yes")
     with pytest.raises(ValueError, match="vocab must be an int >= 1"):

@@ -43,6 +43,32 @@ def test_truncated_file_and_unknown_dtype_refused(tmp_path, rng):
         safetensors_io.load(path)
 
 
+def _raw(path, entries: dict, data: bytes) -> None:
+    header = json.dumps(entries).encode()
+    path.write_bytes(struct.pack("<Q", len(header)) + header + data)
+
+
+def test_hostile_headers_are_refused(tmp_path):
+    """Two tensors over the same bytes, and a shape whose element count wraps in int64 to fit
+    the bytes given (2**62 + 1 rows of 4 f32: 16 bytes), are refused as malformed files, with
+    ``ValueError``, not accepted or left to numpy."""
+    path = tmp_path / "w.safetensors"
+    _raw(path, {"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+                "b": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}}, bytes(16))
+    with pytest.raises(ValueError, match="tensors 'a' and 'b' share bytes"):
+        safetensors_io.read_header(path)
+    _raw(path, {"a": {"dtype": "F32", "shape": [2**62 + 1, 4], "data_offsets": [0, 16]}}, bytes(16))
+    with pytest.raises(ValueError, match="does not hold shape"):
+        safetensors_io.read_header(path)
+    _raw(path, {"a": {"dtype": "F32", "shape": [2**70], "data_offsets": [0, 16]}}, bytes(16))
+    with pytest.raises(ValueError, match="does not hold shape"):  # not an OverflowError
+        safetensors_io.read_header(path)
+    _raw(path, {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},  # touching, not sharing
+                "b": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]},
+                "e": {"dtype": "F32", "shape": [0], "data_offsets": [8, 8]}}, bytes(16))
+    assert set(safetensors_io.read_header(path)) == {"a", "b", "e"}
+
+
 def test_agrees_with_the_safetensors_package(tmp_path, rng):
     st = pytest.importorskip("safetensors.numpy")
     a, f = random_bf16(rng, (6, 4)), rng.random((3, 2)).astype(np.float32)

@@ -22,7 +22,7 @@ from ..kernel_files import try_kernel
 from .specs import EMBED_OVERLAY_ROUTED, EMBED_ROWDIFF, LMHEAD_OVERLAY_ROUTED
 
 MODULE = "token_overlay"
-_GRID_Y_MAX = 65535
+MAX_LMHEAD_OVERRIDES = 65535  # ids an LM-head overlay slot may override: the kernel's grid y, one id a row
 _BLOCK = (256, 1, 1)
 _WARP = (32, 1, 1)
 
@@ -163,11 +163,13 @@ def lmhead_overlay_routed(
     max_n_override = validate.u32(max_n_override, "lmhead_overlay_routed max_n_override")
     h = validate.positive(h, "lmhead_overlay_routed h")
     vocab = validate.positive(vocab, "lmhead_overlay_routed vocab")
-    if max_n_override > _GRID_Y_MAX:
-        raise ValueError(f"lmhead_overlay_routed max_n_override {max_n_override} > {_GRID_Y_MAX} (grid y limit)")
+    if max_n_override > MAX_LMHEAD_OVERRIDES:
+        raise ValueError(
+            f"lmhead_overlay_routed max_n_override {max_n_override} > {MAX_LMHEAD_OVERRIDES} (grid y limit)"
+        )
     if m == 0 or max_n_override == 0:
         return
     LMHEAD_OVERLAY_ROUTED.launch_from(gpu, kernel, (m, max_n_override, 1), _WARP, stream, locals())
 
 
-__all__ = ["OverlayKernels", "embed_overlay_routed", "embed_rowdiff", "lmhead_overlay_routed"]
+__all__ = ["MAX_LMHEAD_OVERRIDES", "OverlayKernels", "embed_overlay_routed", "embed_rowdiff", "lmhead_overlay_routed"]

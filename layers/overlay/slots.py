@@ -12,7 +12,7 @@ import numpy as np
 from gpu_runtime import DeviceBuffer, DevicePtr, GpuBackend, validate
 from gpu_runtime.backend import check_backend
 
-from ..ops.token_overlay import OverlayKernels, embed_overlay_routed, lmhead_overlay_routed
+from ..ops.token_overlay import MAX_LMHEAD_OVERRIDES, OverlayKernels, embed_overlay_routed, lmhead_overlay_routed
 from .model import BF16, F32, AdapterOverlay
 
 
@@ -220,6 +220,10 @@ class OverlaySlots:
         for which, table in (("embedding", overlay.embed), ("LM head", overlay.lm_head)):
             if table is not None:
                 table.check_fits(which, self.h, self.vocab)
+        if overlay.lm_head is not None and overlay.lm_head.n > MAX_LMHEAD_OVERRIDES:
+            raise ValueError(  # the LM-head overlay of every slot would be refused from then on
+                f"an LM-head overlay of {overlay.lm_head.n} rows: a slot holds at most {MAX_LMHEAD_OVERRIDES}"
+            )
         if overlay.embed is not None and overlay.embed.n:
             self.kernels.require("embedding overlay tensors", "embed_overlay")
         if overlay.lm_head is not None and overlay.lm_head.n:
@@ -236,12 +240,16 @@ class OverlaySlots:
         self._upload(slot, overlay, stream)
 
     def replace(self, slot: int, overlay: AdapterOverlay, stream: int = 0) -> None:
-        """Evict whatever ``slot`` holds and load ``overlay`` (validated before anything changes)."""
+        """Load ``overlay`` into ``slot`` in place of whatever it holds (validated before anything
+        changes; uploaded before the old one goes, so a failed upload leaves the slot as it was),
+        then free the old buffers once ``stream`` drained."""
         stream = self._live(stream, "replace")
         slot = self._check_slot(slot)
         self._check_overlay(overlay)
-        self.evict(slot, stream)
+        old = self._slots[slot]
         self._upload(slot, overlay, stream)
+        if old is not None:
+            old.close(self.gpu, stream)
 
     def evict(self, slot: int, stream: int = 0) -> None:
         """Clear ``slot`` completely: null table entries, n = 0, its device buffers freed (after

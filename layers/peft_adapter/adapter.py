@@ -173,6 +173,8 @@ def _check_thresh(thresh: Any) -> float:
     thresh = float(thresh)
     if math.isnan(thresh) or thresh < 0:
         raise ValueError(f"thresh must be >= 0, got {thresh}")
+    if math.isfinite(thresh) and thresh > validate.F32_MAX:  # the GPU's rowdiff takes an f32
+        raise ValueError(f"thresh {thresh} overflows f32")
     return thresh
 
 

@@ -113,10 +113,13 @@ def _token_rows(st: _Safetensors, key: str, ids: list[int], vocab: int, module: 
             f"{st.path.name}: {key}: non-finite values (NaN/inf, or too large for "
             f"bf16) in the rows of token ids {np.asarray(ids)[bad][:8].tolist()}"
         )
+    limit = min(vocab, 1 << 31)  # the overlay's ids are int32
+    outside = [int(i) for i in ids if not 0 <= int(i) < limit][:1]  # Python ints: none wraps or overflows
+    if outside:
+        raise PeftAdapterError(
+            f"{CONFIG_NAME}: token id {outside[0]} of {module} outside the vocabulary 0..{limit - 1}"
+        )
     id_arr = np.asarray(ids, np.int64)
-    if id_arr.min() < 0 or id_arr.max() >= vocab:
-        worst = int(id_arr.min()) if id_arr.min() < 0 else int(id_arr.max())
-        raise PeftAdapterError(f"{CONFIG_NAME}: token id {worst} of {module} outside the vocabulary 0..{vocab - 1}")
     return _merge([(id_arr, rows)], f"token ids of {module}")
 
 

@@ -311,3 +311,28 @@ def test_scatter_rows_writes_only_its_slots(gpu, rng, row_bytes, scaled):
         assert np.array_equal(bits(arena_scales.read()), bits(want_scales))
         for g in (arena, arena_scales, s_dev, r_dev, sc_dev):
             g.assert_guards_intact()
+
+
+def test_a_failed_parallel_read_waits_for_the_other_readers(tmp_path, rng):
+    """One reader failing at once while another is still copying rows into the pinned buffer:
+    the load raises only once every reader is done (before, the first failure was raised at
+    once, and a later load could reuse the buffer the slow reader still wrote into)."""
+    import threading
+    import time
+
+    path, _, _ = table_file(tmp_path, rng, 4096, 8, False)
+    done = []
+    with RowCache(mem_gpu(), path, 4096, chunk_rows=4096, io_threads=2) as cache:
+        read = cache.file.read_rows
+
+        def read_rows(ids, out, scales):
+            if threading.current_thread() is threading.main_thread() or ids[0] == 0:
+                raise OSError("read failed")  # the first reader, at once
+            time.sleep(0.2)
+            read(ids, out, scales)
+            done.append(len(ids))
+
+        cache.file.read_rows = read_rows
+        with pytest.raises(OSError, match="read failed"):
+            cache.resolve(np.arange(2048), np.empty(2048, np.uint32))
+        assert done == [1024]  # the slow reader had finished

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, ClassVar, cast
@@ -159,6 +159,7 @@ class _Loader:
             for a, b in zip(bounds[:-1], bounds[1:])
             if b > a
         ]
+        wait(futures)  # every reader done with ``out`` before a failure is raised and the buffer reused
         for future in futures:
             future.result()
 
@@ -168,9 +169,12 @@ class _Loader:
 
 
 def _wait_and_destroy(gpu: Events, event: int) -> None:
-    """Release an event after the work it marks (an upload reading a pinned buffer) is done."""
-    gpu.event_synchronize(event)
-    gpu.destroy_event(event)
+    """Release an event after the work it marks (an upload reading a pinned buffer) is done;
+    released even where the wait raises (a kernel fault's sticky error)."""
+    try:
+        gpu.event_synchronize(event)
+    finally:
+        gpu.destroy_event(event)
 
 
 class RowCache:

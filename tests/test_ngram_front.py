@@ -13,7 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from gpu_runtime import KernelHandle
+from gpu_runtime import ClosedError, KernelHandle
 from layers.ngram_embed import (FusedNgramEmbedding, NgramDims, NgramEmbedding, NgramTable, NgramWeights, RowCache,
                                 write_table)
 from layers.ngram_embed.cached_rows import CachedRows
@@ -256,6 +256,25 @@ def test_a_call_on_another_stream_than_its_row_caches_is_refused(rng, tmp_path):
         fused.embed_batch([CTX], [2], gpu.out, 0)  # its own stream: served
     finally:
         _close(fused, layer)
+
+
+def test_closed_runners_and_caches_refuse_prefetch_and_stats(rng, tmp_path):
+    """"Every call on a closed runner raises ClosedError" (README): the read-ahead calls too, and
+    a closed RowCache's counters."""
+    gpu = FakeGpu()
+    layer = _layer(gpu, rng, tmp_path, cached="cb")
+    fused = FusedNgramEmbedding(layer.weights, 16)
+    assert layer.prefetch(CTX, 2) >= 0 and fused.prefetch_batch([CTX], [2]) >= 0
+    fused.close()
+    layer.close()
+    with pytest.raises(ClosedError):
+        fused.prefetch_batch([CTX], [2])
+    with pytest.raises(ClosedError):
+        layer.prefetch(CTX, 2)
+    cache = _caches(layer)[0]
+    layer.weights.close()
+    with pytest.raises(ClosedError, match="RowCache"):
+        cache.stats
 
 
 class _Source:

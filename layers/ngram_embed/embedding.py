@@ -154,6 +154,7 @@ class NgramEmbedding(Closing):
         """Start loading the rows that ``embed(ctx_tokens, seq_len, ...)`` will read from
         cached tables that can prefetch (``RowCache``); returns the rows queued. Call it as soon
         as the next step's tokens are known: the loads overlap whatever runs until then."""
+        require_open(_WHAT, self, self.weights)
         caches = [
             (c, cache) for c, cache in zip(self._cached.columns, self._cached.caches) if hasattr(cache, "prefetch")
         ]

@@ -232,6 +232,7 @@ class FusedNgramEmbedding(Closing):
         """Start reading ahead the cached tables' rows of a later ``embed_batch`` (as soon as its
         tokens are known; checked as ``embed_batch`` checks them); returns the rows queued.
         Nothing to do without cached tables."""
+        self._require_open(serve=False)
         if self._ids_plan is None:  # no cached tables
             return 0
         ids = ids_from_windows(self._ids_plan, self.windows(contexts, seq_lens))

@@ -344,6 +344,7 @@ class RowCache:
     @property
     def stats(self) -> CacheStats:
         """The counters (a ``CacheGroup`` credits its all-hit steps' hits here when read)."""
+        validate.require_open(self.closed, "RowCache")
         if self._group is not None:
             self._group.flush_stats()
         return self._stats

@@ -232,7 +232,7 @@ def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[Any]]
         if v is None:
             return "-"
         if isinstance(v, float):
-            return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+            return f"{v:.3g}" if abs(v) < 999.5 else f"{v:.0f}"  # (999.7 as .3g is 1e+03)
         return str(v)
 
     cells = [[fmt(v) for v in row] for row in rows]

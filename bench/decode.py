@@ -22,8 +22,8 @@ Columns:
   GPU us        median per replay, replays back to back behind a gate (bench.common.gated_gpu_us)
   wall us/step  a loop of 256 replays then one stream sync, divided by 256 (median of 5 loops)
   host us/step  median host time of one replay call (``gpu.launch_graph`` / ``g.replay()``),
-                timed call by call; the stream is synchronised after every 32 calls, outside
-                the timed calls, so a full launch queue never blocks a call
+                timed call by call; the stream is synchronised after every call, outside the
+                timed call: the host cost of a launch onto an idle GPU
   floor us      bytes that must move over the copy bandwidth measured in this run: the
                 concatenated projections [D, T*td] bf16 read once, the B*T gathered rows, B word
                 rows read, B output rows written. Back to back, the 32 MiB of projections can stay

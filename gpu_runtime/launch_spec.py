@@ -233,43 +233,44 @@ def _launcher_source(params: Sequence[Param], nullable: frozenset[str]) -> str:
     ]
     body = (  # the values bound to their names: check, pack, launch (directly, or through the backend)
         f"    try:\n"
-        f"        plan = local.plan\n"
+        f"        _plan = _local.plan\n"
         f"    except AttributeError:\n"
-        f"        plan = spec.thread_plan()\n"
+        f"        _plan = _spec.thread_plan()\n"
         f"    try:\n"
-        f"        bad = {' or '.join(guards) or 'False'}\n"
-        f"        if not bad:\n"
-        f"            pack_into(plan.buffer, 0, {names})\n"
-        f"    except (TypeError, ValueError, OverflowError, struct_error):\n"
-        f"        bad = True\n"
-        f"    if bad:\n"
-        f"        raise spec.refusal(({names}))\n"
+        f"        _bad = {' or '.join(guards) or 'False'}\n"
+        f"        if not _bad:\n"
+        f"            _pack_into(_plan.buffer, 0, {names})\n"
+        f"    except (TypeError, ValueError, OverflowError, _struct_error):\n"
+        f"        _bad = True\n"
+        f"    if _bad:\n"
+        f"        raise _spec.refusal(({names}))\n"
         f"    if type(stream) is not int or stream < 0:\n"
-        f"        stream = check_stream(stream, spec.name + ': stream')\n"
+        f"        stream = _check_stream(stream, _spec.name + ': stream')\n"
         f"    if not overlap:\n"
         f"        try:\n"
-        f"            direct = plan.direct[kernel]\n"
+        f"            _direct = _plan.direct[kernel]\n"
         f"        except KeyError:\n"
-        f"            direct = None  # not checked on this thread yet, or another backend's kernel\n"
-        f"        if direct is not None and direct[0] is gpu and (\n"
+        f"            _direct = None  # not checked on this thread yet, or another backend's kernel\n"
+        f"        if _direct is not None and _direct[0] is gpu and (\n"
         f"                not shared_mem or type(shared_mem) is int\n"
         f"                and (shared_mem <= {launch_config.SHARED_WITHOUT_OPT_IN}\n"
-        f"                     or shared_mem <= direct[3].get(kernel, 0))):\n"
+        f"                     or shared_mem <= _direct[3].get(kernel, 0))):\n"
         f"            try:\n"
-        f"                gx, gy, gz = grid\n"
-        f"                bx, by, bz = block\n"
-        f"                (err,) = direct[1](direct[4], gx, gy, gz, bx, by, bz, shared_mem, stream, plan.params, 0)\n"
+        f"                _gx, _gy, _gz = grid\n"
+        f"                _bx, _by, _bz = block\n"
+        f"                (_err,) = _direct[1](_direct[4], _gx, _gy, _gz, _bx, _by, _bz, shared_mem, stream,\n"
+        f"                                     _plan.params, 0)\n"
         f"            except (TypeError, ValueError, OverflowError):\n"
         f"                pass  # not launched: the backend's launch_spec below phrases the refusal\n"
         f"            else:\n"
-        f"                if err:\n"
-        f"                    raise direct[2](err, 'cuLaunchKernel', kernel, grid, block, shared_mem)\n"
+        f"                if _err:\n"
+        f"                    raise _direct[2](_err, 'cuLaunchKernel', kernel, grid, block, shared_mem)\n"
         f"                return\n"
         f"    try:\n"
-        f"        gpu.launch_spec(spec, kernel, grid, block, shared_mem, stream, plan.params, ({names}),\n"
+        f"        gpu.launch_spec(_spec, kernel, grid, block, shared_mem, stream, _plan.params, ({names}),\n"
         f"                        overlap)\n"
         f"    except AttributeError:\n"
-        f"        check_backend(gpu, spec.name + ': gpu')  # not a backend: refused by name\n"
+        f"        _check_backend(gpu, _spec.name + ': gpu')  # not a backend: refused by name\n"
         f"        raise\n"
     )
     unpack = f"{names}= {lookups}" if params else "pass"  # (a kernel without parameters)
@@ -279,8 +280,8 @@ def _launcher_source(params: Sequence[Param], nullable: frozenset[str]) -> str:
         f"def launch_from(gpu, kernel, grid, block, stream, args, /, *, shared_mem=0, overlap=False):\n"
         f"    try:\n"
         f"        {unpack}\n"
-        f"    except KeyError as exc:\n"
-        f"        raise spec.missing(exc) from None\n"
+        f"    except KeyError as _exc:\n"
+        f"        raise _spec.missing(_exc) from None\n"
         f"{body}"
     )
 
@@ -299,13 +300,13 @@ def _launchers(spec: KernelSpec) -> tuple[Callable[..., None], Callable[..., Non
     passes on one type test; a ``gpu`` that is not a backend is named once its missing
     ``launch_spec`` is (no cost on the way to the backend)."""
     source = _launcher_source(spec.params, spec.nullable)
-    namespace: dict[str, Any] = {
-        "spec": spec,
-        "local": spec._local,  # one argument buffer a thread, for both
-        "pack_into": spec.packer.pack_into,
-        "struct_error": struct.error,
-        "check_stream": validate.stream,
-        "check_backend": check_backend,
+    namespace: dict[str, Any] = {  # "_" names: no kernel parameter may start with one
+        "_spec": spec,
+        "_local": spec._local,  # one argument buffer a thread, for both
+        "_pack_into": spec.packer.pack_into,
+        "_struct_error": struct.error,
+        "_check_stream": validate.stream,
+        "_check_backend": check_backend,
     }
     exec(compile(source, f"<KernelSpec {spec.name}>", "exec"), namespace)
     launch, launch_from = namespace["launch"], namespace["launch_from"]

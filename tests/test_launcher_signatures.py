@@ -233,12 +233,13 @@ def test_kernel_spec_names_kinds_and_launch_signature():
         KernelSpec("k", n="Q")
     with pytest.raises(ValueError, match="is not a kind"):
         KernelSpec("k", n="U?")
-    # the launch's options, a private name, a keyword, and names the generated launcher uses: a
-    # parameter "bad" once launched with the launcher's own False, "type" shadowed a builtin
-    for bad in ("overlap", "shared_mem", "_x", "lambda", "bad", "plan", "type", "len", "grid", "stream", "err"):
+    # the launch's options, a private name, a keyword, and names the generated launcher reads: its
+    # positional parameters and the builtins it calls ("type" shadowed one)
+    for bad in ("overlap", "shared_mem", "_x", "lambda", "type", "len", "grid", "stream", "kernel", "args"):
         with pytest.raises(ValueError, match="cannot name a parameter"):
             KernelSpec("k", **{bad: "U"})
-    for fine in ("params", "buffer", "name", "out"):  # attributes the launcher reads, not variables
+    # the launcher's own variables start with "_" (a parameter "bad" once launched as its False)
+    for fine in ("bad", "plan", "err", "direct", "params", "buffer", "name", "out"):
         assert KernelSpec("k", **{fine: "U"}).params.names == (fine,)
 
 
@@ -247,7 +248,8 @@ def test_every_variable_of_the_generated_launcher_is_refused_as_a_parameter():
     from gpu_runtime.launch_spec import _launcher_names
 
     used = {n for n in _launcher_names() if not n.startswith("_")}
-    assert {"gpu", "kernel", "block", "plan", "bad", "direct", "pack_into", "spec", "local", "type", "len"} <= used
+    assert {"gpu", "kernel", "grid", "block", "stream", "args", "type", "len"} <= used
+    assert not used & {"bad", "plan", "err", "direct", "spec", "local"}  # its own: "_" names
     for name in used:
         with pytest.raises(ValueError, match="cannot name a parameter"):
             KernelSpec("k", **{name: "U"})

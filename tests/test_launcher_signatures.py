@@ -586,6 +586,30 @@ def test_two_threads_opting_in_leave_the_driver_and_the_table_agreeing(scripted,
     assert driver.opt_ins == [80000] and gpu._shared_set[int(k)] == 80000
 
 
+def test_tables_of_threads_that_ended_are_dropped(scripted):
+    """Each thread that launches leaves the backend its checked-launch tables and a launcher's
+    route tables; those of threads that ended are dropped when the next thread binds (they grew
+    with every thread an engine ever started)."""
+    gpu, driver, k = scripted
+
+    def launch() -> None:
+        ADD.launch(gpu, k, (1, 1, 1), (32, 1, 1), 0, dst=1, src=2, scale=0.5, n=3)
+        KernelLaunch(gpu, k).arg_ptr(1).arg_ptr(2).arg_f32(0.5).arg_u32(3).launch(0)
+
+    for _ in range(40):
+        worker = threading.Thread(target=launch)
+        worker.start()
+        worker.join()
+    last = threading.Thread(target=launch)
+    last.start()
+    last.join()
+    assert len(gpu._thread_tables) <= 2 * 2  # the last two threads' (the one that ended is dropped later)
+    assert len(gpu._direct_tables) <= 2 * 2
+    assert len(driver.launches) == 2 * 41
+    launch()  # this thread: bound anew, its routes work
+    assert len(driver.launches) == 2 * 42
+
+
 def test_builder_launch_takes_the_direct_route_once_checked(scripted, monkeypatch):
     """As a spec launch: after a (kernel, kinds) shape's first launch on a thread, the builder's
     plain launches call the driver themselves, with the same packed bytes; overlapped ones and

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -47,7 +48,9 @@ class CudaContext:
         self.name = call(cu.cuDeviceGetName, 256, self._dev).split(b"\0")[0].decode()
         self._lock = threading.RLock()
         self._tls = threading.local()
-        self._thread_tables: list[dict[Any, Any]] = []  # each thread's checked launches
+        self._thread_tables: list[
+            tuple[Any, dict[Any, Any]]
+        ] = []  # (its thread, weakly), each thread's checked launches
         self._bind_thread()
         # GPU_RUNTIME_OVERLAP=0 runs overlap=True launches as plain ones (a tool that cannot
         # follow programmatic dependent launches, or to rule them out when hunting a race).
@@ -77,8 +80,10 @@ class CudaContext:
         a closed backend meets the checks again, and their refusal)."""
         shapes: dict[tuple[int, str], ArgPlan] = {}
         specs: dict[int, Any] = {}
-        with self._lock:
-            self._thread_tables += [shapes, specs]
+        with self._lock:  # (a thread that ended needs its tables no more: dropped here)
+            me = weakref.ref(threading.current_thread())
+            self._thread_tables = [(t, table) for t, table in self._thread_tables if _alive(t)]
+            self._thread_tables += [(me, shapes), (me, specs)]
         self._tls.plans = {}
         self._tls.shapes = shapes
         self._tls.specs = specs
@@ -114,3 +119,9 @@ class CudaContext:
 
     def _release_context(self) -> None:
         call(cu.cuDevicePrimaryCtxRelease, self._dev)
+
+
+def _alive(thread: Any) -> bool:
+    """``thread`` (a weak reference to a ``threading.Thread``) still running."""
+    t = thread()
+    return t is not None and t.is_alive()

@@ -40,7 +40,9 @@ class CudaKernels(CudaContext):
     _functions: dict[int, Any]  # kernel -> the driver's CUfunction (the bindings convert it faster than an int)
     _checked: set[tuple[int, Any]]  # (kernel, kinds or KernelSpec) pairs that passed the checks
     _shared_set: dict[int, int]  # kernel -> dynamic shared memory opted in to
-    _direct_tables: dict[int, dict[Any, Any]]  # id -> a launcher's per-thread table of direct routes (launch.py)
+    _direct_tables: dict[
+        int, tuple[Any, dict[Any, Any]]
+    ]  # id -> (its thread, weakly; a launcher's per-thread table of direct routes)
 
     def _init_kernels(self) -> None:
         self._modules = {}
@@ -64,9 +66,9 @@ class CudaKernels(CudaContext):
         self._loaded.clear()
         self._functions.clear()
         self._checked.clear()
-        for table in self._thread_tables:  # every thread's: its next launch meets the checks again
+        for _, table in self._thread_tables:  # every thread's: its next launch meets the checks again
             table.clear()
-        for direct in self._direct_tables.values():  # the launchers' routes to this backend, too
+        for _, direct in self._direct_tables.values():  # the launchers' routes to this backend, too
             for key in [k for k, route in direct.items() if route[0] is self]:
                 direct.pop(key, None)
         self._direct_tables.clear()

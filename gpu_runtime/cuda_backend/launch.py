@@ -15,6 +15,8 @@ bindings convert faster than the ``KernelHandle`` int (a route also takes launch
 from __future__ import annotations
 
 import functools
+import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +28,7 @@ from ..kernel_args import KernelLaunch
 from ..launch_config import SHARED_WITHOUT_OPT_IN
 from ..launch_spec import KernelSpec
 from ..pointers import KernelHandle
+from .context import _alive
 from .kernels import CudaKernels
 
 
@@ -96,7 +99,10 @@ class CudaLaunch(CudaKernels):
         """Remember a launcher's per-thread table of direct routes, from which close() removes
         this backend's."""
         with self._lock:
-            self._direct_tables[id(table)] = table
+            tables = self._direct_tables  # (a thread that ended needs its routes no more: dropped here)
+            for key in [k for k, (thread, _) in tables.items() if not _alive(thread)]:
+                del tables[key]
+            tables[id(table)] = (weakref.ref(threading.current_thread()), table)
 
     def _submit(
         self,

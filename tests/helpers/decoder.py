@@ -65,6 +65,19 @@ class World:
         t[self.rng.random(n) < 0.1] = 5  # EOS inside prompts and among decoded tokens
         return t.astype(np.uint32)
 
+    def step(self, tokens, slots, adapters=None):
+        """One decode step (k = 1) of ``slots`` (real ones) on ``tokens`` into the poisoned
+        output: its rows, read back; each slot's context then holds its token."""
+        with u32(self.gpu, tokens) as t, u32(self.gpu, slots) as sl, \
+                u32(self.gpu, adapters if adapters is not None else [0]) as ad:
+            self.out.poison()  # it may hold an earlier call's rows
+            self.gpu.synchronize(0)
+            self.dec.step(t, sl, len(slots), self.out.ptr, self.stream, adapters=None if adapters is None else ad)
+            got = self.read(len(slots))
+        for slot, token in zip(slots, tokens):
+            self.ctx[slot].append(int(token))
+        return got
+
     def read(self, rows):
         self.gpu.synchronize(self.stream)
         got = self.out.read()[:rows]

@@ -53,6 +53,19 @@ def test_calls_are_launches_only():
     assert gemm.args[3] == 20 and gemm.args[6] == dec.word_ids
 
 
+def test_the_state_is_set_before_construction_returns():
+    """The histories and positions are set on the construction stream, which is waited for: a
+    first call on another (non-blocking) stream finds them set."""
+    gpu = RecordingBackend()
+    dims = small_dims(max_ngram=3, splits=2, eos_id=7)
+    weights = device_weights(gpu, random_layer(np.random.default_rng(1), dims, "bf"))
+    before = len(gpu.ops)
+    dec = NgramDecoder(weights, max_seqs=4, max_rows=32, stream=9)
+    ops = [op[0] for op in gpu.ops[before:]]
+    assert ops[-4:] == ["memset"] * 3 + ["sync"] and gpu.ops[-1] == ("sync", 9)
+    dec.close()
+
+
 def test_reset_is_one_memset_of_the_slot_state():
     gpu, dec = recording_decoder()
     gpu.ops.clear()

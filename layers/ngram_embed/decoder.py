@@ -110,6 +110,7 @@ class NgramDecoder(Closing):
             gpu.memset(self.hist, 0xFF, max_seqs * self.hist_len * 4, stream)
             gpu.memset(self.state, 0, max_seqs * 2 * 4, stream)
             gpu.memset(self.ctrl, 0, 2 * 4, stream)
+            gpu.synchronize(stream)  # ready for a first call on any stream (a created one does not wait)
         except BaseException:
             own.close()
             raise

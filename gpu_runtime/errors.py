@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 
 class GpuError(RuntimeError):
     """Base class of every error the runtime raises on purpose."""
@@ -59,3 +61,17 @@ def _cuda_result_name(code: int) -> str:
         return CUresult(code).name
     except Exception:  # unknown code, or bindings missing
         return f"CUresult({code})"
+
+
+def attempt_each(steps: Iterable[Callable[[], object]], catch: type[Exception] = Exception) -> None:
+    """Run every one of ``steps``, even after one raised ``catch`` (a release after a kernel
+    fault: the driver may refuse some and must still be asked for the rest); the first such
+    error is raised once the last step ran."""
+    first: Exception | None = None
+    for step in steps:
+        try:
+            step()
+        except catch as exc:
+            first = first or exc
+    if first is not None:
+        raise first

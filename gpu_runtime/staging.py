@@ -11,11 +11,12 @@ from __future__ import annotations
 import ctypes
 import threading
 from collections import deque
+from functools import partial
 
 from cuda.bindings import driver as cu
 
 from .driver import call
-from .errors import CudaError
+from .errors import CudaError, attempt_each
 
 _MIN_CLASS = 4096
 
@@ -106,17 +107,12 @@ class PinnedStaging:
         with self._lock:
             for event, _, _ in self._busy:
                 self._events.append(event)
-            first: CudaError | None = None
-            for destroy, handle in [(cu.cuEventDestroy, e) for e in self._events] + [
-                (cu.cuMemFreeHost, h) for h in self._owned
-            ]:
-                try:  # every one attempted, as the backend's own release
-                    call(destroy, handle)
-                except CudaError as exc:
-                    first = first or exc
-            self._free.clear()
-            self._busy.clear()
-            self._events.clear()
-            self._owned.clear()
-        if first is not None:
-            raise first
+            releases = [partial(call, cu.cuEventDestroy, e) for e in self._events]
+            releases += [partial(call, cu.cuMemFreeHost, h) for h in self._owned]
+            try:
+                attempt_each(releases, CudaError)  # every one asked for, as the backend's own release
+            finally:
+                self._free.clear()
+                self._busy.clear()
+                self._events.clear()
+                self._owned.clear()

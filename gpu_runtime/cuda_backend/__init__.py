@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .. import backend
+from ..errors import attempt_each
 from . import context, graphs, host, kernels, launch, memory, streams, tensor_maps
 from .graphs import CudaGraphs
 from .host import CudaHostMemory
@@ -81,25 +82,20 @@ class CudaBackend(
         if self._closed:
             return
         self._bind()
-        first: BaseException | None = None
         with self._lock:
             self._closed = True
-            for step in (
-                self._synchronize_context,
-                self._release_memory,
-                self._release_streams,
-                self._release_graphs,
-                self._release_host_memory,
-                self._release_kernels,
-                self._staging.close,
-                self._release_context,
-            ):
-                try:
-                    step()
-                except Exception as exc:  # noqa: BLE001 - the rest must run; the first is raised below
-                    first = first or exc
-        if first is not None:
-            raise first
+            attempt_each(
+                (
+                    self._synchronize_context,
+                    self._release_memory,
+                    self._release_streams,
+                    self._release_graphs,
+                    self._release_host_memory,
+                    self._release_kernels,
+                    self._staging.close,
+                    self._release_context,
+                )
+            )
 
     def __enter__(self) -> CudaBackend:
         return self

@@ -8,6 +8,7 @@ thread.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import weakref
@@ -18,7 +19,7 @@ from cuda.bindings import driver as cu
 
 from .. import compiler, driver, validate
 from ..driver import call
-from ..errors import CudaError, NoDeviceError
+from ..errors import CudaError, NoDeviceError, attempt_each
 from ..packing import ArgPlan
 
 _CURRENT = threading.local()  # the context the backends last made current, per thread
@@ -48,9 +49,8 @@ class CudaContext:
         self.name = call(cu.cuDeviceGetName, 256, self._dev).split(b"\0")[0].decode()
         self._lock = threading.RLock()
         self._tls = threading.local()
-        self._thread_tables: list[
-            tuple[Any, dict[Any, Any]]
-        ] = []  # (its thread, weakly), each thread's checked launches
+        # each thread's checked launches, beside a weak reference to the thread
+        self._thread_tables: list[tuple[Any, dict[Any, Any]]] = []
         self._bind_thread()
         # GPU_RUNTIME_OVERLAP=0 runs overlap=True launches as plain ones (a tool that cannot
         # follow programmatic dependent launches, or to rule them out when hunting a race).
@@ -105,14 +105,7 @@ class CudaContext:
         """At close: ``destroy`` each of ``handles``, every one attempted even after a refusal
         (after a kernel fault the driver may refuse some); the first refusal is raised after the
         last attempt."""
-        first: CudaError | None = None
-        for handle in list(handles):
-            try:
-                call(destroy, handle)
-            except CudaError as exc:
-                first = first or exc
-        if first is not None:
-            raise first
+        attempt_each([functools.partial(call, destroy, handle) for handle in handles], CudaError)
 
     def _synchronize_context(self) -> None:
         call(cu.cuCtxSynchronize)

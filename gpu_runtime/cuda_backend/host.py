@@ -4,6 +4,7 @@ device's address space, and host ranges registered in place (``register_host``).
 from __future__ import annotations
 
 import ctypes
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -11,6 +12,7 @@ from cuda.bindings import driver as cu
 
 from .. import validate
 from ..driver import call
+from ..errors import attempt_each
 from ..host_memory import HOST_PAGE, host_view
 from ..pointers import DevicePtr
 from .context import CudaContext
@@ -29,13 +31,13 @@ class CudaHostMemory(CudaContext):
         self._read_only_register = None
 
     def _release_host_memory(self) -> None:
-        try:
-            self._release_all(cu.cuMemHostUnregister, self._registered)
-        finally:  # the buffers are freed even where an unregistration was refused
-            try:
-                self._release_all(cu.cuMemFreeHost, self._host)
-            finally:
-                self._mapped.clear()
+        attempt_each(  # the buffers are freed even where an unregistration was refused
+            (
+                partial(self._release_all, cu.cuMemHostUnregister, self._registered),
+                partial(self._release_all, cu.cuMemFreeHost, self._host),
+                self._mapped.clear,
+            )
+        )
 
     @property
     def host_registrations(self) -> int:

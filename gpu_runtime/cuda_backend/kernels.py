@@ -40,9 +40,8 @@ class CudaKernels(CudaContext):
     _functions: dict[int, Any]  # kernel -> the driver's CUfunction (the bindings convert it faster than an int)
     _checked: set[tuple[int, Any]]  # (kernel, kinds or KernelSpec) pairs that passed the checks
     _shared_set: dict[int, int]  # kernel -> dynamic shared memory opted in to
-    _direct_tables: dict[
-        int, tuple[Any, dict[Any, Any]]
-    ]  # id -> (its thread, weakly; a launcher's per-thread table of direct routes)
+    # id -> (its thread, weakly; a launcher's per-thread table of direct routes: launch.py)
+    _direct_tables: dict[int, tuple[Any, dict[Any, Any]]]
 
     def _init_kernels(self) -> None:
         self._modules = {}

@@ -7,9 +7,9 @@ argument shape once (``kernels.py``); the rest is what every launch pays, so it 
 few lookups. Once a (kernel, spec) pair or a (kernel, kinds) shape passed on a thread, the
 launcher gets a direct route (``KernelSpec.allow_direct``, ``KernelLaunch.allow_direct``): that
 thread's plain launches of it then call ``cuLaunchKernel`` from the launcher and only come here
-to phrase a refusal. Every launch hands the driver the kernel's ``CUfunction`` object, which the
-bindings convert faster than the ``KernelHandle`` int (a route also takes launches over 48 KiB of shared memory once
-``_shared_set`` holds the kernel's opt-in to that much).
+to phrase a refusal (a route also takes launches over 48 KiB of shared memory once
+``_shared_set`` holds the kernel's opt-in to that much). Every launch hands the driver the
+kernel's ``CUfunction`` object, which the bindings convert faster than the ``KernelHandle`` int.
 """
 
 from __future__ import annotations

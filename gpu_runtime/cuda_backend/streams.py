@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 from cuda.bindings import driver as cu
 
 from .. import validate
 from ..driver import call
-from ..errors import CudaError
+from ..errors import CudaError, attempt_each
 from .context import CudaContext
 
 
@@ -19,10 +21,12 @@ class CudaStreams(CudaContext):
         self._events = set()
 
     def _release_streams(self) -> None:
-        try:
-            self._release_all(cu.cuStreamDestroy, self._streams)
-        finally:  # the events are destroyed even where a stream's destruction was refused
-            self._release_all(cu.cuEventDestroy, self._events)
+        attempt_each(  # the events are destroyed even where a stream's destruction was refused
+            (
+                partial(self._release_all, cu.cuStreamDestroy, self._streams),
+                partial(self._release_all, cu.cuEventDestroy, self._events),
+            )
+        )
 
     def _own(self, handles: set[int], handle: int) -> int:
         with self._lock:

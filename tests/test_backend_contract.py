@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from gpu_runtime import ClosedError, CudaBackend, CudaError
-from tests.helpers.scripted_driver import install_scripted_driver
+from tests.helpers.scripted_driver import ScriptedDriver, install_scripted_driver
 
 
 @pytest.fixture
@@ -116,27 +116,13 @@ def test_staging_keeps_a_buffer_out_of_the_pool_until_its_copy_is_known_done(mon
     """A copy queued but its event not recorded: the buffer is reused only after the stream was
     waited for (before, it went straight back while the copy might still read it), the event
     is kept for the next upload, and where even the wait is refused the buffer stays out."""
-    import ctypes
-
     from gpu_runtime import staging
     from gpu_runtime.errors import CudaError as Refused
     from cuda.bindings import driver as cu
 
-    keep, log, refuse = [], [], set()
-
-    def call(fn, *args, detail=""):
-        name = fn.__name__
-        log.append((name, args))
-        if name in refuse:
-            raise Refused(cu.CUresult.CUDA_ERROR_ILLEGAL_ADDRESS, name, detail)
-        if name == "cuMemHostAlloc":
-            keep.append(ctypes.create_string_buffer(int(args[0])))
-            return ctypes.addressof(keep[-1])
-        if name == "cuEventCreate":
-            return 0xE0 + len(keep)
-        return None
-
-    monkeypatch.setattr(staging, "call", call)
+    driver = ScriptedDriver()  # the pool calls the driver through its own module's call
+    monkeypatch.setattr(staging, "call", driver)
+    log, refuse = driver.calls, driver.refuse
     pool = staging.PinnedStaging()
     data = np.arange(64, dtype=np.uint8)
     refuse.add("cuEventRecord")

@@ -25,6 +25,7 @@ import struct
 import subprocess
 import tempfile
 import types
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +78,33 @@ def bare_launcher(gpu: CudaBackend, kernel: int, out: int, x: int, stream: int, 
 
     launch.keep = (buf, ptrs)  # type: ignore[attr-defined]
     return launch
+
+
+class _EmptyChain:
+    """``KernelLaunch``'s seven calls with bodies that do nothing, ending in a bare launch: what
+    any chained builder costs in CPython before it checks or packs anything."""
+
+    __slots__ = ("_go",)
+
+    def __init__(self, go, kernel: int) -> None:
+        self._go = go
+
+    def grid(self, dims):
+        return self
+
+    block = arg_ptr = arg_f32 = arg_u32 = grid
+
+    def launch(self, stream: int) -> None:
+        self._go(0)
+
+
+def empty_chain(bare) -> Callable[[int], None]:
+    """``KernelLaunch``'s chain for ``bf16_scaled_add`` on ``_EmptyChain``, launching ``bare``."""
+
+    def chain(i: int) -> None:
+        _EmptyChain(bare, 0).grid([1, 1, 1]).block([256, 1, 1]).arg_ptr(1).arg_ptr(2).arg_f32(0.5).arg_u32(N).launch(0)
+
+    return chain
 
 
 def cuda_core_launcher(gpu: CudaBackend, out: int, x: int):
@@ -250,6 +278,8 @@ def main(argv: list[str] | None = None) -> None:
 
         cases = [("bare cuLaunchKernel, prebuilt args", bare_launcher(gpu, kernel, out, x, stream)),
                  ("bare, CUfunction and CUstream objects", bare_launcher(gpu, kernel, out, x, stream, handles=True)),
+                 ("chain floor: the builder's 7 calls, empty, then bare", empty_chain(bare_launcher(
+                     gpu, kernel, out, x, stream, handles=True))),
                  ("KernelLaunch builder", ours),
                  ("KernelSpec launch (SCALED_ADD)", ours_spec),
                  ("KernelSpec launch, no direct route", ours_spec_routed),

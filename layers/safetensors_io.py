@@ -139,10 +139,12 @@ def load(path: str | os.PathLike, names: Iterable[str] | None = None) -> dict[st
 
 
 def save(path: str | os.PathLike, tensors: Mapping[str, np.ndarray]) -> None:
-    """Write ``tensors`` (C-contiguous copies are made where needed) as one safetensors file."""
+    """Write ``tensors`` (C-contiguous copies are made where needed; 0-d arrays keep shape ``[]``)
+    as one safetensors file: written beside ``path`` and renamed into place, so a failed write
+    leaves what was there before, and no partial file."""
     header, offset, arrays = {}, 0, []
     for name, array in tensors.items():
-        array = np.ascontiguousarray(array)
+        array = np.asarray(array)
         if array.dtype not in _NAMES:
             raise TypeError(f"tensor {name!r}: dtype {array.dtype} has no safetensors name here")
         header[name] = {
@@ -154,7 +156,16 @@ def save(path: str | os.PathLike, tensors: Mapping[str, np.ndarray]) -> None:
         arrays.append(array)
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
-    with Path(path).open("wb") as f:
-        f.write(struct.pack("<Q", len(blob)) + blob)
-        for array in arrays:
-            f.write(array.tobytes())
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with tmp.open("wb") as f:
+            f.write(struct.pack("<Q", len(blob)) + blob)
+            for array in arrays:
+                f.write(array.tobytes())  # C order, whatever the array's own
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

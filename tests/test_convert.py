@@ -35,8 +35,9 @@ from layers.ngram_embed.decoder import NO_ROW_CACHE
 from layers.ngram_embed.row_cache import RowCache
 from layers.ngram_embed.table_manifest import MANIFEST
 from layers.dense_weight import BF16, FP8
-from tests.helpers import bits
-from tests.helpers.checkpoint import PROJ, SCALE, TABLE, layer_bytes, make_model, rewrite_tensor, tiny_config, write_model
+from tests.helpers import bits, random_bf16
+from tests.helpers.checkpoint import (PROJ, SCALE, TABLE, layer_bytes, make_model, rewrite_tensor, shard_of, tiny_config,
+                                      write_model)
 from tests.helpers.logging_backend import LoggingBackend
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -235,7 +236,7 @@ def _flip(path, offset):
     (lambda p: _flip(p, 4096 + 77), "crc32 rows"),
     (lambda p: _flip(p, 20), "corrupt header"),
     (lambda p: p.write_bytes(p.read_bytes()[:-2]), "header says"),
-    (lambda p: p.unlink(), "file missing"),
+    (lambda p: p.unlink(), "does not exist"),
 ])
 def test_verification_catches_a_damaged_file_and_a_rerun_rewrites_it(tmp_path, rng, caplog, log, damage, match):
     model = write_model(tmp_path / "m", make_model(rng, kinds="bf"))
@@ -251,6 +252,28 @@ def test_verification_catches_a_damaged_file_and_a_rerun_rewrites_it(tmp_path, r
     assert sum("skipped" in line for line in log()) == 3
     verify_tables(out)
     assert files_of(out) == good
+
+
+def test_verification_refuses_an_unfinished_conversion_and_malformed_entries(tmp_path, rng):
+    model = write_model(tmp_path / "m", make_model(rng, kinds="b"))
+    out = tmp_path / "out"
+    with pytest.raises(Stop):
+        convert(model.path, out, chunk_bytes=10 * 6 * 2, progress=False, on_chunk=_stop_after(2 * 8 + 3))
+    with pytest.raises(VerifyError, match=r"no table file for tables \[2, 3\]"):
+        verify_tables(out)
+    convert(model.path, out, progress=False)
+    verify_tables(out)
+    manifest = json.loads((out / MANIFEST).read_text())
+    for key, value, match in [("file", "../m/config.json", "not a file inside"), ("index", None, r"tables \[0\]")]:
+        bad = json.loads(json.dumps(manifest))
+        bad["tables"][0][key] = value
+        (out / MANIFEST).write_text(json.dumps(bad))
+        with pytest.raises(VerifyError, match=match):
+            verify_tables(out)
+    del manifest["max_ngram"]
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(VerifyError, match="max_ngram"):
+        verify_tables(out)
 
 
 def test_fp8_scale_corruption_is_caught(tmp_path, rng):
@@ -271,6 +294,34 @@ def test_a_conversion_with_other_settings_is_not_mixed_in(tmp_path, rng):
     other = write_model(tmp_path / "m2", make_model(rng, tiny_config(ngram_vocab_size_ratio=0.3), "b"))
     with pytest.raises(CheckpointError, match="other settings"):
         convert(other.path, tmp_path / "out", progress=False)
+
+
+@pytest.mark.parametrize("kinds", ["b", "f"], ids=["bf16", "fp8"])
+def test_another_models_tables_of_the_same_layout_are_written_again(tmp_path, rng, log, kinds):
+    a = write_model(tmp_path / "a", make_model(rng, kinds=kinds))
+    b = write_model(tmp_path / "b", make_model(rng, kinds=kinds))  # same config and layout, other weights
+    convert(b.path, tmp_path / "clean", progress=False)
+    convert(a.path, tmp_path / "out", progress=False)
+    log_before = len(log())
+    convert(b.path, tmp_path / "out")
+    written_again = [line for line in log()[log_before:] if line.endswith("writing it again")]
+    assert len(written_again) == len(b.tables)
+    assert files_of(tmp_path / "out") == files_of(tmp_path / "clean")
+
+
+def test_a_table_rewritten_in_place_is_written_again(tmp_path, rng, log):
+    model = write_model(tmp_path / "m", make_model(rng, kinds="b"))
+    convert(model.path, tmp_path / "out", progress=False)
+    file = rewrite_tensor(model, TABLE.format(1), random_bf16(rng, model.tables[1][0].shape))
+    st = file.stat()  # the same layout; a later modification time (the clock may not have moved yet)
+    os.utime(file, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    log_before = len(log())
+    convert(model.path, tmp_path / "out")
+    rewritten = [line for line in log()[log_before:] if line.endswith("writing it again")]
+    convert(model.path, tmp_path / "clean", progress=False)
+    assert files_of(tmp_path / "out") == files_of(tmp_path / "clean")
+    in_that_file = [c for c in range(len(model.tables)) if shard_of(model, TABLE.format(c)) == file]
+    assert 1 in in_that_file and len(rewritten) == len(in_that_file)  # every table of that file, no other
 
 
 def test_the_converter_needs_no_word_table_nor_eos(tmp_path, rng):
@@ -475,6 +526,11 @@ def test_a_missing_or_unusable_folder_is_named_with_exit_status_2(tmp_path, rng,
         NgramWeights.from_pretrained(tmp_path / "nothing", LoggingBackend())
     proc = _cli("/nonexistent/model", tmp_path / "o3")  # the process: status 2, one line, no traceback
     assert (proc.returncode, proc.stderr) == (2, prefix + "MODEL_DIR /nonexistent/model: no such model folder\n")
+    for chunk in ("0", "-1", "nan", "inf"):
+        with pytest.raises(SystemExit) as exit_:
+            main([str(model.path), str(tmp_path / "o4"), "--chunk-mib", chunk])
+        assert exit_.value.code == 2 and "--chunk-mib must be a finite number > 0" in capsys.readouterr().err
+    assert not (tmp_path / "o4").exists()
 
 
 def test_help_is_complete():

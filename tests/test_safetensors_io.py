@@ -20,6 +20,8 @@ def test_round_trip_every_layer_dtype(tmp_path, rng):
         "tables.0.row_scale": rng.random(9).astype(np.float32),
         "ids": rng.integers(-5, 5, 4).astype(np.int32),
         "empty": np.zeros((0, 3), np.float32),
+        "scalar": np.float32(rng.random()).reshape(()),
+        "transposed": rng.random((3, 5)).astype(np.float32).T,  # not C-contiguous
     }
     path = tmp_path / "w.safetensors"
     safetensors_io.save(path, tensors)
@@ -27,8 +29,23 @@ def test_round_trip_every_layer_dtype(tmp_path, rng):
     assert set(back) == set(tensors)
     for name, array in tensors.items():
         assert back[name].dtype == array.dtype and back[name].shape == array.shape
-        np.testing.assert_array_equal(back[name].view(np.uint8), array.view(np.uint8))
+        assert back[name].tobytes() == array.tobytes()  # C order, bit for bit
     assert not back["word.weight"].flags.writeable
+
+
+def test_a_failed_save_keeps_the_old_file_and_leaves_no_partial_one(tmp_path, rng, monkeypatch):
+    path = tmp_path / "w.safetensors"
+    old = {"a": random_bf16(rng, (4, 4))}
+    safetensors_io.save(path, old)
+    before = path.read_bytes()
+
+    def no_space(fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors_io.os, "fsync", no_space)
+    with pytest.raises(OSError, match="No space"):
+        safetensors_io.save(path, {"a": random_bf16(rng, (64, 64))})
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == [path.name]
 
 
 def test_truncated_file_and_unknown_dtype_refused(tmp_path, rng):

@@ -208,6 +208,55 @@ def test_short_or_failed_write_leaves_nothing(tmp_path, rng):
     assert os.listdir(tmp_path) == []
 
 
+def test_a_failed_final_close_removes_the_partial_file(tmp_path, rng, monkeypatch):
+    """close(2) frees the descriptor even when it reports EIO: the writer must not close it
+    again (EBADF, hiding the EIO) and must remove its .tmp."""
+    import errno
+
+    from layers.ngram_embed import table_file
+
+    table, _ = _table(rng, BF16, 4, 8)
+    w = TableWriter(tmp_path / "t.ngt", BF16, 4, 8)
+    w.append(table)
+    real_close = os.close
+
+    def close_eio(fd: int) -> None:
+        real_close(fd)
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(table_file.os, "close", close_eio)
+    with pytest.raises(OSError) as err:
+        w.close()
+    monkeypatch.undo()
+    assert err.value.errno == errno.EIO
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("code, raised", [("EIO", True), ("EINVAL", False)])
+def test_a_directory_fsync_failure_is_raised_unless_unsupported(tmp_path, rng, monkeypatch, code, raised):
+    import errno
+    import stat
+
+    from layers.ngram_embed import table_file
+
+    table, _ = _table(rng, BF16, 4, 8)
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(getattr(errno, code), code)
+        real_fsync(fd)
+
+    monkeypatch.setattr(table_file.os, "fsync", fsync)
+    w = TableWriter(tmp_path / "t.ngt", BF16, 4, 8)
+    w.append(table)
+    if raised:
+        with pytest.raises(OSError, match="EIO"):
+            w.close()
+    else:
+        w.close()
+
+
 def test_read_checks_and_close(tmp_path, rng):
     path = _written(tmp_path, rng, FP8)
     f = TableFile(path)

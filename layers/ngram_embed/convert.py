@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import shlex
 import sys
@@ -127,16 +128,27 @@ def table_file_name(c: int) -> str:
 
 
 def _source_entry(ckpt: NgramCheckpoint, c: int) -> dict[str, Any]:
+    """What a rerun compares before it skips table ``c``: the source file (resolved path, size,
+    modification time), the tensor's name, dtype, shape and offset, and those of its scales. Other
+    weights in the same layout (another model's folder, a checkpoint rewritten in place) differ in
+    path or modification time."""
     ref, scale = ckpt.tables[c], ckpt.scales[c]
+    st = ref.path.stat()
     out = {
+        "path": str(ref.path.resolve()),
         "file": ref.path.name,
-        "file_size": ref.path.stat().st_size,
+        "file_size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
         "tensor": ref.name,
         "dtype": ref.dtype,
         "shape": list(ref.shape),
         "offset": ref.info.start,
     }
     if scale is not None:
+        scale_st = scale.path.stat()
+        out["scale_path"] = str(scale.path.resolve())
+        out["scale_file_size"] = scale_st.st_size
+        out["scale_mtime_ns"] = scale_st.st_mtime_ns
         out["scale_tensor"] = scale.name
         out["scale_offset"] = scale.info.start
     return out
@@ -231,7 +243,7 @@ def convert(
                 continue
             report.note(f"{label}: {problem}; writing it again", warning=True)
         elif entry is not None:
-            report.note(f"{label}: written before from another source tensor; writing it again")
+            report.note(f"{label}: written before from another source (or the source changed since); writing it again")
         entry = _write_table(ckpt, c, path, fp8, chunk_bytes, report, label, on_chunk)
         entry["source"] = source
         manifest["tables"].append(entry)
@@ -341,8 +353,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    if not args.chunk_mib > 0:
-        parser.error("--chunk-mib must be > 0")
+    if not 0 < args.chunk_mib < math.inf:
+        parser.error("--chunk-mib must be a finite number > 0")
     if not args.log_interval >= 0:
         parser.error("--log-interval must be >= 0")
     logging.basicConfig(

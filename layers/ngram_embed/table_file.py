@@ -8,6 +8,7 @@ header or size is not what this package writes is refused (``TableFormatError``)
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
 from types import TracebackType
@@ -160,8 +161,8 @@ class TableFile:
                 self._mmap.close()
             self._mmap = None
         if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+            fd, self._fd = self._fd, -1  # close(2) frees the descriptor even when it reports an error
+            os.close(fd)
 
     def __enter__(self) -> TableFile:
         return self
@@ -247,8 +248,8 @@ class TableWriter:
         try:
             self._pwrite(np.frombuffer(self.header.pack(), np.uint8), 0)
             os.fsync(self._fd)
-            os.close(self._fd)
-            self._fd = -1
+            fd, self._fd = self._fd, -1  # close(2) frees the descriptor even when it reports an error
+            os.close(fd)
             os.replace(self.tmp_path, self.path)
         except BaseException:
             self.abort()
@@ -259,12 +260,14 @@ class TableWriter:
 
     def abort(self) -> None:
         """Discard the partial file. Safe to call more than once."""
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-        if not self._committed:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.tmp_path)
+        fd, self._fd = self._fd, -1
+        try:
+            if fd >= 0:
+                os.close(fd)
+        finally:
+            if not self._committed:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.tmp_path)
 
     def __enter__(self) -> TableWriter:
         return self
@@ -279,17 +282,22 @@ class TableWriter:
 
 
 def _fsync_dir(directory: str) -> None:
-    """Make the rename durable; some platforms cannot open directories, which is fine."""
+    """Make the rename durable. Where directories cannot be opened or synced (some platforms and
+    file systems: EINVAL, ENOTSUP), that is fine; any other failure (EIO) is raised."""
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:
         return
     try:
         os.fsync(fd)
-    except OSError:
-        pass
+    except OSError as err:
+        if err.errno not in _FSYNC_UNSUPPORTED:
+            raise
     finally:
         os.close(fd)
+
+
+_FSYNC_UNSUPPORTED = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP}
 
 
 def write_table(

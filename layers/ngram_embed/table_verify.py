@@ -12,8 +12,10 @@ from typing import Any
 import numpy as np
 
 from ..dense_weight import BF16, FP8
+from .checkpoint import CheckpointError
+from .dims import NgramDims
 from .table_file import TableFile, TableFormatError
-from .table_manifest import read_manifest
+from .table_manifest import MANIFEST, open_table_files, read_manifest
 
 _CRC_CHUNK = 64 << 20
 
@@ -52,13 +54,26 @@ def check_table_file(path: Path, entry: dict[str, Any], dtype: np.dtype, rows: i
 
 
 def verify_tables(out_dir: str | os.PathLike) -> None:
-    """Recheck every table file of a conversion against its manifest (header, size, CRC32 of rows
-    and scales); raises ``VerifyError`` naming the first bad file."""
+    """Recheck a whole conversion: every table the manifest's dims call for is listed, inside
+    OUT_DIR, with a header that fits (``open_table_files``), and holds the CRC32 of rows and scales
+    its entry records; raises ``VerifyError`` naming the first problem (an unfinished conversion
+    among them)."""
     out_dir = Path(out_dir)
-    manifest = read_manifest(out_dir)
+    try:
+        manifest = read_manifest(out_dir)
+        missing = [key for key in _DIM_KEYS if key not in manifest]
+        if missing:
+            raise CheckpointError(f"no {', '.join(missing)}")
+        dims = NgramDims(**{key: manifest[key] for key in _DIM_KEYS})
+        files = open_table_files(out_dir, dims)
+    except (CheckpointError, TypeError, ValueError) as err:
+        raise VerifyError(f"{out_dir / MANIFEST}: {err}") from None
     dtype = FP8 if manifest.get("dtype") == "fp8" else BF16
-    for entry in manifest["tables"]:
-        path = out_dir / entry["file"]
-        problem = check_table_file(path, entry, dtype, entry["rows"], entry["dim"])
+    entries = {e.get("index"): e for e in manifest["tables"] if isinstance(e, dict)}
+    for c, path in enumerate(files.paths):
+        problem = check_table_file(path, entries[c], dtype, dims.table_rows(c), dims.table_dim())
         if problem:
             raise VerifyError(f"{path}: {problem}")
+
+
+_DIM_KEYS = ("vocab_size", "hidden_size", "max_ngram", "splits", "base_rows", "row_bias", "table_dim")

@@ -7,7 +7,9 @@
 //   state[s, 0]   pos: tokens the slot holds (the next token's position);
 //   state[s, 1]   hi: the highest pos written since, so hist holds positions hi - H .. hi - 1.
 // A rollback lowers pos by at most what keeps positions pos - (N-1) .. pos - 1 in the ring
-// (hi - pos <= max_draft); the next write overwrites the dropped positions.
+// (hi - pos <= max_draft). A write of len tokens sets pos += len and hi = max(hi, pos): a write
+// shorter than the rollback before it leaves rejected tokens in the ring above pos, over
+// positions below hi - H, so hi must not come down with pos (a later rollback would read them).
 //
 // ngram_decode_gather: one warp per (row r, table c) pair, as ngram_fused.cu's ngram_gather, with
 // the window read from this call's tokens (rows of the same sequence before r) and the history
@@ -130,12 +132,13 @@ __device__ void commit(const uint32_t* tokens, const uint32_t* cu, const uint32_
             continue;
         }
         const uint32_t len = sp.end - sp.start;
-        const uint32_t pos = state[2 * slot];
+        const uint32_t pos = state[2 * slot], hi = state[2 * slot + 1];
         const uint32_t keep = min(len, hist_len);
         uint32_t* h = hist + static_cast<uint64_t>(slot) * hist_len;
         for (uint32_t e = 0; e < keep; ++e)
             h[(pos + len - keep + e) % hist_len] = clean(__ldg(tokens + sp.end - keep + e), vocab);
-        state[2 * slot] = state[2 * slot + 1] = pos + len;
+        state[2 * slot] = pos + len;
+        state[2 * slot + 1] = max(hi, pos + len);
     }
 }
 
@@ -259,7 +262,7 @@ extern "C" __global__ void ngram_decode_seed(const uint32_t* tokens, const uint3
     if (slot == kPadSlot) return;
     const uint32_t len = sp.end - sp.start;
     const uint32_t keep = min(len, hist_len);
-    const uint32_t pos = state[2 * slot];
+    const uint32_t pos = state[2 * slot], hi = state[2 * slot + 1];
     uint32_t* h = hist + static_cast<uint64_t>(slot) * hist_len;
     bool bad = false;
     for (uint32_t e = lane; e < keep; e += kWarp) {
@@ -269,7 +272,10 @@ extern "C" __global__ void ngram_decode_seed(const uint32_t* tokens, const uint3
     }
     if (__any_sync(ngram::kFull, bad) && lane == 0) atomicOr(ctrl, kErrToken);
     __syncwarp();  // every lane has read pos
-    if (lane == 0) state[2 * slot] = state[2 * slot + 1] = pos + len;
+    if (lane == 0) {
+        state[2 * slot] = pos + len;
+        state[2 * slot + 1] = max(hi, pos + len);
+    }
 }
 
 // Slot dst_slots[p] becomes a copy of slot src_slots[p] (history and position), p < num: one warp

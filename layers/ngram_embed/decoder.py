@@ -190,8 +190,9 @@ class NgramDecoder(Closing):
 
     def rollback(self, slots: Buffer, counts: Buffer, num_seqs: int, stream: int = 0) -> None:
         """Drop the last ``counts[s]`` tokens (u32, on the device) of slot ``slots[s]``'s history;
-        at most ``max_draft`` beyond what later steps wrote (deeper: ``DecodeError.ROLLBACK``).
-        A ``PAD_SLOT`` entry is skipped."""
+        down to at most ``max_draft`` below the highest position the slot has held, so always
+        the last call's tokens (deeper: ``DecodeError.ROLLBACK``, the slot untouched). A
+        ``PAD_SLOT`` entry is skipped."""
         num_seqs, _ = self._sizes(num_seqs, 0)
         slots = self._index(slots, num_seqs, "slots")
         counts = self._index(counts, num_seqs, "counts")

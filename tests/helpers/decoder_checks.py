@@ -127,6 +127,46 @@ def k_token_steps_with_rollbacks(world) -> None:
     assert dec.check_errors() == DecodeError.NONE
 
 
+def a_short_write_after_a_rollback_bounds_the_next_rollback(world, short: str) -> None:
+    """A step of 3 drafts, a rollback of all 3, then a write of 1 token (a step, or with
+    ``short="seed"`` a prefix-cache seed): two rejected drafts still sit in the ring (N - 1 +
+    max_draft = 5 tokens) over the oldest positions it held, so a rollback of 3 more would look
+    back on them. It is refused (``ROLLBACK``) and changes nothing; a rollback of 1 is taken, and
+    the next step reads the right window."""
+    gpu, dec = world.gpu, world.dec
+    assert (dec.dims.max_ngram, dec.max_draft) == (3, 3)
+    slot = [1]
+    world.prefill(slot, [6])
+    drafts = world.tokens(3)
+    with u32(gpu, drafts) as t, u32(gpu, slot) as sl, u32(gpu, [3]) as c:
+        gpu.synchronize(0)
+        dec.step(t, sl, 1, world.out.ptr, world.stream, k=3)
+        dec.rollback(sl, c, 1, world.stream)
+        gpu.synchronize(world.stream)
+    if short == "seed":
+        token = world.tokens(1)
+        with u32(gpu, token) as t, u32(gpu, [0, 1]) as cu, u32(gpu, slot) as sl:
+            gpu.synchronize(0)
+            dec.seed(t, cu, sl, 1, 1, world.stream)
+            gpu.synchronize(world.stream)
+        world.ctx[1].append(int(token[0]))
+    else:
+        world.step(world.tokens(1), slot)
+    assert dec.check_errors() == DecodeError.NONE
+    history = dec.history(1).tolist()
+    assert history == world.ctx[1][-2:]
+    for count, flag in [(3, DecodeError.ROLLBACK), (2, DecodeError.ROLLBACK), (1, DecodeError.NONE)]:
+        with u32(gpu, slot) as sl, u32(gpu, [count]) as c:
+            gpu.synchronize(0)
+            dec.rollback(sl, c, 1, world.stream)
+            gpu.synchronize(world.stream)
+        assert dec.check_errors() == flag, count
+    del world.ctx[1][-1:]
+    assert dec.history(1).tolist() == world.ctx[1][-2:]
+    got = world.step(world.tokens(1), slot)
+    assert np.array_equal(bits(got), bits(world.expect(slot, [1], 1)))
+
+
 def bad_device_values_are_flagged_and_contained(world, bad: str) -> None:
     """``bad`` (one of ``BAD_DEVICE_VALUES``): a bad token, slot or cu_seqlens in a prefill of three
     sequences, or a rollback deeper than max_draft 3 in one of three slots. Flagged in the error
@@ -185,6 +225,8 @@ CHECKS = [
     pytest.param(ragged_and_chunked_prefill, id="ragged_and_chunked_prefill_equal_the_fused_path"),
     pytest.param(graph_replayed_steps_with_resets_and_reuse, id="graph_replayed_decode_steps_with_resets_and_reuse"),
     pytest.param(k_token_steps_with_rollbacks, id="k_token_steps_with_rollbacks"),
+    *[pytest.param(partial(a_short_write_after_a_rollback_bounds_the_next_rollback, short=short),
+                   id=f"a_short_{short}_after_a_rollback_bounds_the_next_rollback") for short in ("step", "seed")],
     *[pytest.param(partial(bad_device_values_are_flagged_and_contained, bad=bad),
                    id=f"bad_device_values_are_flagged_and_contained-{bad}") for bad in BAD_DEVICE_VALUES],
 ]

@@ -213,15 +213,17 @@ def main(argv: list[str] | None = None) -> None:
 
         table_rows: list[tuple[Any, ...]] = [("device memory", "cuMemAlloc", *_cells(device, device))]
         for name in chosen:
-            try:
-                with ways()[name](gpu, nbytes, block) as (table, backing):
-                    same = np.array_equal(gathered(gpu, k, ids_dev, check_ids.size, table, out), want)
-                    assert same, f"{name}: the gather differs from the device table's"
-                    times = timings(table)
-            except (OSError, ValueError, RuntimeError, AttributeError) as exc:  # CudaError, or an enum not bound
-                print(f"{name}: not available here: {exc}", flush=True)
-                table_rows.append((name, f"refused: {str(exc)[:60]}", "-", "-", "-", "-"))
-                continue
+            with contextlib.ExitStack() as held:
+                try:
+                    table, backing = held.enter_context(ways()[name](gpu, nbytes, block))
+                except (OSError, ValueError, RuntimeError, AttributeError) as exc:  # CudaError, or an enum not bound
+                    print(f"{name}: not available here: {exc}", flush=True)
+                    table_rows.append((name, f"refused: {str(exc)[:60]}", "-", "-", "-", "-"))
+                    continue
+                # from here on a failure (the gather, the timing) is raised, not shown as a refusal
+                same = np.array_equal(gathered(gpu, k, ids_dev, check_ids.size, table, out), want)
+                assert same, f"{name}: the gather differs from the device table's"
+                times = timings(table)
             print(f"{name} ({backing}): {times[0]:.2f} us / {times[1]:.1f} us", flush=True)
             table_rows.append((name, backing, *_cells(times, device)))
         gpu.free(out)

@@ -57,11 +57,11 @@ from bench.common import Events, bench_parser, gpu_time_ms, host_time_us, interl
 from bench.ngram_embed import CONTEXT, DIMS, device_weight
 from gpu_runtime import CudaBackend, DeviceBuffer
 from gpu_runtime.driver import call
+from layers.dense_weight import BF16, DenseWeight
 from layers.ngram_embed import FusedNgramEmbedding, NgramEmbedding, NgramTable, NgramWeights
 from layers.ngram_embed.ids import ngram_ids_tail
 from layers.ngram_embed.row_cache import RowCache
 from layers.ngram_embed.table_file import TableFile, TableFormatError, TableHeader, TableWriter
-from layers.dense_weight import BF16, DenseWeight
 
 CAPACITY = 65536  # rows per table in each cache's device arena
 FUSED_BATCHES = (1, 64)  # sequences per fused decode step, one new token each
@@ -92,7 +92,7 @@ def ensure_tables(directory: str, rng: np.random.Generator) -> tuple[list[str], 
         tile = np.roll(block, 977 * c, axis=0)  # tables differ, so a mixed-up table shows
         with TableWriter(path, BF16, rows, td) as w:  # fsyncs on close
             while w.written < rows:
-                w.append(tile[:min(BLOCK_ROWS, rows - w.written)])
+                w.append(tile[: min(BLOCK_ROWS, rows - w.written)])
         written += 1
     return paths, written, time.perf_counter() - t0
 
@@ -102,7 +102,7 @@ def upload_table(gpu: CudaBackend, path: str) -> DenseWeight:
     with TableFile(path) as f:
         buf = DeviceBuffer(gpu, f.rows * f.row_bytes)
         for a in range(0, f.rows, BLOCK_ROWS):
-            gpu.copy_h2d_async(f.rows_bytes[a:a + BLOCK_ROWS], buf.ptr + a * f.row_bytes)
+            gpu.copy_h2d_async(f.rows_bytes[a : a + BLOCK_ROWS], buf.ptr + a * f.row_bytes)
         gpu.synchronize()
         return DenseWeight.owning(gpu, buf, (f.rows, f.dim), BF16)
 
@@ -115,13 +115,18 @@ def drop_page_cache(paths: list[str]) -> None:
 
 def counts(caches: list[RowCache]) -> np.ndarray:
     """[hits, misses, prefetched] summed over the caches."""
-    return np.array([[c.stats.hits, c.stats.misses, c.stats.prefetched]
-                     for c in caches]).sum(axis=0)
+    return np.array([[c.stats.hits, c.stats.misses, c.stats.prefetched] for c in caches]).sum(axis=0)
 
 
-def zipf_decode(gpu: CudaBackend, layer: NgramEmbedding, caches: list[RowCache], ctx: np.ndarray,
-                out: int, stream: int, prefetch: bool
-                ) -> tuple[list[float], list[float], list[float], np.ndarray]:
+def zipf_decode(
+    gpu: CudaBackend,
+    layer: NgramEmbedding,
+    caches: list[RowCache],
+    ctx: np.ndarray,
+    out: int,
+    stream: int,
+    prefetch: bool,
+) -> tuple[list[float], list[float], list[float], np.ndarray]:
     """Per-step wall, host and GPU us over STEPS fresh tokens, and the cache counts of those
     steps."""
     layer.embed(ctx[:CONTEXT], CONTEXT, out, gpu, stream)  # prefill: warms the caches, untimed
@@ -131,7 +136,7 @@ def zipf_decode(gpu: CudaBackend, layer: NgramEmbedding, caches: list[RowCache],
         n = CONTEXT + k + 1
         t0 = time.perf_counter()
         if prefetch:
-            layer.prefetch(ctx[:n + 1], 1)
+            layer.prefetch(ctx[: n + 1], 1)
         call(cu.cuEventRecord, ev.start, stream)
         layer.embed(ctx[:n], 1, out, gpu, stream)
         call(cu.cuEventRecord, ev.stop, stream)
@@ -153,13 +158,23 @@ def bookkeeping(caches: list[RowCache], ids: list[np.ndarray]) -> None:
         cache.end_batch()
 
 
-def fused_decode(gpu: CudaBackend, resident: NgramWeights, cached: NgramWeights, caches: list[RowCache],
-                 out: int, out_ref: int, stream: int, rng: np.random.Generator) -> list[list]:
+def fused_decode(
+    gpu: CudaBackend,
+    resident: NgramWeights,
+    cached: NgramWeights,
+    caches: list[RowCache],
+    out: int,
+    out_ref: int,
+    stream: int,
+    rng: np.random.Generator,
+) -> list[list]:
     """Rows of the fused table: per batch size, the resident and the all-hit cached step."""
     vocab, h = DIMS.vocab_size, DIMS.hidden_size
     rows_max = max(FUSED_BATCHES)
-    fused = {"resident": FusedNgramEmbedding(resident, rows_max, stream),
-             "cached, all hits": FusedNgramEmbedding(cached, rows_max, stream)}
+    fused = {
+        "resident": FusedNgramEmbedding(resident, rows_max, stream),
+        "cached, all hits": FusedNgramEmbedding(cached, rows_max, stream),
+    }
     sync = lambda: gpu.synchronize(stream)  # noqa: E731
     table = []
     try:
@@ -167,8 +182,10 @@ def fused_decode(gpu: CudaBackend, resident: NgramWeights, cached: NgramWeights,
             contexts = [rng.integers(0, vocab, CONTEXT + 1) for _ in range(batch)]
             lens = [1] * batch
             outs = {"resident": out_ref, "cached, all hits": out}  # fixed: each graph is captured once
-            steps = {name: (lambda i, f=f, o=outs[name]: f.embed_batch(contexts, lens, o, stream, graph=True))
-                     for name, f in fused.items()}
+            steps = {
+                name: (lambda i, f=f, o=outs[name]: f.embed_batch(contexts, lens, o, stream, graph=True))
+                for name, f in fused.items()
+            }
             for step in steps.values():  # the first cached call loads the rows; both capture their graphs
                 step(0)
                 step(1)
@@ -188,9 +205,19 @@ def fused_decode(gpu: CudaBackend, resident: NgramWeights, cached: NgramWeights,
 
             for (name, step), (wall, host) in zip(steps.items(), times):
                 f = fused[name]
-                table.append([batch, name, wall, host, gpu_time_ms(step, stream=stream, warmup=5, iters=50) * 1e3,
-                              None, None, host_time_us(lambda i, f=f: pack(i, f), warmup=100, iters=2000),
-                              misses if f.cached else None])
+                table.append(
+                    [
+                        batch,
+                        name,
+                        wall,
+                        host,
+                        gpu_time_ms(step, stream=stream, warmup=5, iters=50) * 1e3,
+                        None,
+                        None,
+                        host_time_us(lambda i, f=f: pack(i, f), warmup=100, iters=2000),
+                        misses if f.cached else None,
+                    ]
+                )
             for r in table[-2:]:
                 r[5], r[6] = r[2] / table[-2][2], r[3] / table[-2][3]
     finally:
@@ -224,8 +251,7 @@ def cold_random_reads(path: str, n: int, threads: int) -> float:
     try:
         t0 = time.perf_counter()
         with ThreadPoolExecutor(threads) as pool:
-            list(pool.map(lambda part: [os.pread(fd, 4096, int(o)) for o in part],
-                          np.array_split(offsets, threads)))
+            list(pool.map(lambda part: [os.pread(fd, 4096, int(o)) for o in part], np.array_split(offsets, threads)))
         return n / (time.perf_counter() - t0)
     finally:
         os.close(fd)
@@ -235,8 +261,7 @@ def pinned_h2d(gpu: CudaBackend, stream: int, nbytes: int = 256 << 20) -> float:
     """Bytes/s of one pinned host-to-device copy, timed with events."""
     host, dev = gpu.alloc_host(nbytes), gpu.alloc(nbytes)
     host[:] = 7
-    ms = gpu_time_ms(lambda i: gpu.upload_pinned_async(host, dev, stream), stream=stream,
-                     warmup=2, iters=10)
+    ms = gpu_time_ms(lambda i: gpu.upload_pinned_async(host, dev, stream), stream=stream, warmup=2, iters=10)
     gpu.free(dev)
     gpu.free_host(host)
     return nbytes / (ms * 1e-3)
@@ -257,13 +282,22 @@ def miss_run(gpu: CudaBackend, path: str, stream: int, ids: np.ndarray, io_threa
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = bench_parser(__doc__, "bench.cached",
-                          "Needs a CUDA GPU and 8 GiB free in the table directory (the files are kept for the next run).")
-    parser.add_argument("--table-dir", default=os.environ.get("BENCH_TABLE_DIR", "/tmp/ngram_tables"),
-                        help="where the table files are written and reused (default: $BENCH_TABLE_DIR, else "
-                             "/tmp/ngram_tables)")
-    parser.add_argument("--only-fused", action="store_true", default=os.environ.get("CACHED_BENCH", "all") == "fused",
-                        help="print only the fused table (default: set by CACHED_BENCH=fused)")
+    parser = bench_parser(
+        __doc__,
+        "bench.cached",
+        "Needs a CUDA GPU and 8 GiB free in the table directory (the files are kept for the next run).",
+    )
+    parser.add_argument(
+        "--table-dir",
+        default=os.environ.get("BENCH_TABLE_DIR", "/tmp/ngram_tables"),
+        help="where the table files are written and reused (default: $BENCH_TABLE_DIR, else /tmp/ngram_tables)",
+    )
+    parser.add_argument(
+        "--only-fused",
+        action="store_true",
+        default=os.environ.get("CACHED_BENCH", "all") == "fused",
+        help="print only the fused table (default: set by CACHED_BENCH=fused)",
+    )
     return parser
 
 
@@ -275,8 +309,10 @@ def main(argv: list[str] | None = None) -> None:
     say(f"setup: {t} table files in {directory} ...")
     paths, written, secs = ensure_tables(directory, rng)
     size = sum(os.path.getsize(p) for p in paths)
-    say(f"setup: wrote {written} of {t} files in {secs:.1f} s"
-        + (f" ({written * size / t / secs / GB:.2f} GB/s incl. fsync)" if written else " (reused)"))
+    say(
+        f"setup: wrote {written} of {t} files in {secs:.1f} s"
+        + (f" ({written * size / t / secs / GB:.2f} GB/s incl. fsync)" if written else " (reused)")
+    )
 
     with CudaBackend() as gpu:
         stream = gpu.create_stream()
@@ -315,13 +351,16 @@ def main(argv: list[str] | None = None) -> None:
         layer, caches = cached_layer()
         fused_rows = fused_decode(gpu, resident_weights, layer.weights, caches, out, out_ref, stream, rng)
         close(layer)
-        fused_title = (f"fused decode step, graph=True: B sequences x 1 new token after {CONTEXT} ({t} tables, "
-                       f"capacity {CAPACITY})")
-        fused_note = ("Each row is one fused decode step (graph=True) of B sequences, resident or cached (all hits): "
-                      "wall, host and GPU us per step, the wall and host ratios to resident's, pack us the host's pack "
-                      "and end of batch alone, and the misses during the timed steps.")
-        fused_header = ["B", "path", "wall us", "host us", "GPU us", "x res wall", "x res host", "pack us",
-                        "misses"]
+        fused_title = (
+            f"fused decode step, graph=True: B sequences x 1 new token after {CONTEXT} ({t} tables, "
+            f"capacity {CAPACITY})"
+        )
+        fused_note = (
+            "Each row is one fused decode step (graph=True) of B sequences, resident or cached (all hits): "
+            "wall, host and GPU us per step, the wall and host ratios to resident's, pack us the host's pack "
+            "and end of batch alone, and the misses during the timed steps."
+        )
+        fused_header = ["B", "path", "wall us", "host us", "GPU us", "x res wall", "x res host", "pack us", "misses"]
         if only_fused:
             print_table(fused_title, fused_header, fused_rows, note=fused_note)
             release()
@@ -337,15 +376,28 @@ def main(argv: list[str] | None = None) -> None:
         gpu.copy_d2h(b, out, stream)
         say(f"outputs identical: {bool(np.array_equal(a, b))}")
         sync = lambda: gpu.synchronize(stream)  # noqa: E731
-        steps = {name: lambda i, lay=lay: lay.embed(ctx, 1, out, gpu, stream)  # noqa: E731
-                 for name, lay in (("resident", resident), ("cached, all hits", layer))}
+        steps = {
+            name: lambda i, lay=lay: lay.embed(ctx, 1, out, gpu, stream)  # noqa: E731
+            for name, lay in (("resident", resident), ("cached, all hits", layer))
+        }
         step_ids = [ids.astype(np.uint32) for ids in ngram_ids_tail(DIMS, ctx, 1)]
         times = interleaved_times_us(list(steps.values()), sync)  # the two alternate: a fair ratio
-        rows = [[name, wall, None, host, gpu_time_ms(step, stream=stream, warmup=5, iters=50) * 1e3,
-                 None, None, None] for (name, step), (wall, host) in zip(steps.items(), times)]
-        rows.append(["cached: bookkeeping alone", None, None,
-                     host_time_us(lambda i: bookkeeping(caches, step_ids), warmup=100, iters=2000),
-                     None, None, None, None])
+        rows = [
+            [name, wall, None, host, gpu_time_ms(step, stream=stream, warmup=5, iters=50) * 1e3, None, None, None]
+            for (name, step), (wall, host) in zip(steps.items(), times)
+        ]
+        rows.append(
+            [
+                "cached: bookkeeping alone",
+                None,
+                None,
+                host_time_us(lambda i: bookkeeping(caches, step_ids), warmup=100, iters=2000),
+                None,
+                None,
+                None,
+                None,
+            ]
+        )
         close(layer)
 
         zipf = np.minimum(rng.zipf(1.2, CONTEXT + STEPS + 1) - 1, vocab - 1)
@@ -353,41 +405,58 @@ def main(argv: list[str] | None = None) -> None:
             say(f"decode: {name}, {STEPS} steps, cold files ...")
             drop_page_cache(paths)
             layer, caches = cached_layer()
-            walls, hosts, gpus, (hits, misses, fetched) = zipf_decode(gpu, layer, caches, zipf, out,
-                                                                      stream, prefetch)
+            walls, hosts, gpus, (hits, misses, fetched) = zipf_decode(gpu, layer, caches, zipf, out, stream, prefetch)
             close(layer)
-            rows.append([name, statistics.median(walls), statistics.mean(walls),
-                         statistics.median(hosts), statistics.median(gpus), None,
-                         misses / (hits + misses), int(fetched)])
+            rows.append(
+                [
+                    name,
+                    statistics.median(walls),
+                    statistics.mean(walls),
+                    statistics.median(hosts),
+                    statistics.median(gpus),
+                    None,
+                    misses / (hits + misses),
+                    int(fetched),
+                ]
+            )
         for r in rows:
             r[5] = r[1] / rows[0][1] if r[1] else None
-        print_table(f"decode step, S = 1 after {CONTEXT} tokens ({t} tables, capacity {CAPACITY})",
-                    ["path", "wall us", "mean wall us", "host us", "GPU us", "x resident",
-                     "miss rate", "prefetched"], rows,
-                    note="Each row is one decode step (S = 1) with resident or cached tables: median and mean wall us "
-                         "(synchronised), host us until embed returned, GPU us, wall over resident's, misses per "
-                         "lookup, and rows prefetched.")
+        print_table(
+            f"decode step, S = 1 after {CONTEXT} tokens ({t} tables, capacity {CAPACITY})",
+            ["path", "wall us", "mean wall us", "host us", "GPU us", "x resident", "miss rate", "prefetched"],
+            rows,
+            note="Each row is one decode step (S = 1) with resident or cached tables: median and mean wall us "
+            "(synchronised), host us until embed returned, GPU us, wall over resident's, misses per "
+            "lookup, and rows prefetched.",
+        )
 
         say("misses: floors, then 65536-row resolves on table 0 ...")
         path, row_bytes = paths[0], td * 2
         ids = rng.choice(DIMS.table_rows(0), CAPACITY, replace=False)
         h2d, seq = pinned_h2d(gpu, stream), cold_sequential_read(path)
-        miss_rows = [["floor: pinned H2D (256 MiB)", h2d / row_bytes, h2d / GB, None],
-                     ["floor: cold sequential read", seq / row_bytes, seq / GB, None]]
+        miss_rows = [
+            ["floor: pinned H2D (256 MiB)", h2d / row_bytes, h2d / GB, None],
+            ["floor: cold sequential read", seq / row_bytes, seq / GB, None],
+        ]
         for threads in (16, 1):
             iops = cold_random_reads(path, 20000 if threads > 1 else 5000, threads)
-            miss_rows.append([f"reference: cold random 4 KiB reads, {threads} in flight", iops,
-                              iops * row_bytes / GB, None])
+            miss_rows.append(
+                [f"reference: cold random 4 KiB reads, {threads} in flight", iops, iops * row_bytes / GB, None]
+            )
         cold_sequential_read(path)  # leaves the whole file in the page cache: the warm condition
         miss_rows.append(["page cache, 16 threads", *miss_run(gpu, path, stream, ids, 16)])
         for threads in (16, 1):
             drop_page_cache([path])
-            miss_rows.append([f"cold, {threads} thread{'s' * (threads > 1)}",
-                              *miss_run(gpu, path, stream, ids, threads)])
-        print_table(f"miss throughput: {CAPACITY} random rows of {row_bytes} B into a fresh cache",
-                    ["condition", "rows/s", "GB/s", "io frac"], miss_rows,
-                    note="Each row is a floor or a resolve of the random rows into a fresh cache under one condition: "
-                         "rows/s and GB/s of rows read, and io frac the share of the wall spent reading the file.")
+            miss_rows.append(
+                [f"cold, {threads} thread{'s' * (threads > 1)}", *miss_run(gpu, path, stream, ids, threads)]
+            )
+        print_table(
+            f"miss throughput: {CAPACITY} random rows of {row_bytes} B into a fresh cache",
+            ["condition", "rows/s", "GB/s", "io frac"],
+            miss_rows,
+            note="Each row is a floor or a resolve of the random rows into a fresh cache under one condition: "
+            "rows/s and GB/s of rows read, and io frac the share of the wall spent reading the file.",
+        )
         print_table(fused_title, fused_header, fused_rows, note=fused_note)
 
         release()

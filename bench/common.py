@@ -11,8 +11,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from functools import lru_cache
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from functools import cache
+from typing import Any
 
 from cuda.bindings import driver as cu
 
@@ -96,8 +97,9 @@ def gate() -> Gate:
     return _gate
 
 
-def gated_gpu_us(fn: Callable[[int], Any], *, stream: int = 0, batch: int = 16, warmup: int = 2,
-                 iters: int = 10) -> tuple[float, int]:
+def gated_gpu_us(
+    fn: Callable[[int], Any], *, stream: int = 0, batch: int = 16, warmup: int = 2, iters: int = 10
+) -> tuple[float, int]:
     """(median GPU us per ``fn(i)`` run back to back behind a gate, measurements whose gate
     expired). ``i`` counts calls, to rotate inputs. ``stream`` may be torch's current stream."""
     ev, g = Events(), gate()
@@ -124,14 +126,14 @@ def torch_stream() -> int:
     return int(torch_or_none().cuda.current_stream().cuda_stream)
 
 
-def wall_time_us(fn: Callable[[int], Any], sync: Callable[[], Any], *, warmup: int = 20,
-                 iters: int = 200) -> float:
+def wall_time_us(fn: Callable[[int], Any], sync: Callable[[], Any], *, warmup: int = 20, iters: int = 200) -> float:
     """Median host wall time per call of ``fn``, each call followed by ``sync``."""
     return interleaved_times_us([fn], sync, warmup=warmup, iters=iters)[0][0]
 
 
-def interleaved_times_us(fns: Sequence[Callable[[int], Any]], sync: Callable[[], Any], *,
-                         warmup: int = 20, iters: int = 200) -> list[tuple[float, float]]:
+def interleaved_times_us(
+    fns: Sequence[Callable[[int], Any]], sync: Callable[[], Any], *, warmup: int = 20, iters: int = 200
+) -> list[tuple[float, float]]:
     """(median wall, median host) us per call of each of ``fns``: wall until ``sync`` returned,
     host until ``fn`` returned (what the host spent queueing). The calls alternate, so the
     host's drifts (clock, other load) hit them alike: read their ratios within one call."""
@@ -144,8 +146,7 @@ def interleaved_times_us(fns: Sequence[Callable[[int], Any]], sync: Callable[[],
             sync()
             if i >= warmup:
                 fn_times.append((time.perf_counter() - t0, t1 - t0))
-    return [(statistics.median(w for w, _ in t) * 1e6, statistics.median(h for _, h in t) * 1e6)
-            for t in times]
+    return [(statistics.median(w for w, _ in t) * 1e6, statistics.median(h for _, h in t) * 1e6) for t in times]
 
 
 def host_time_us(fn: Callable[[int], Any], *, warmup: int = 200, iters: int = 5000) -> float:
@@ -158,7 +159,7 @@ def host_time_us(fn: Callable[[int], Any], *, warmup: int = 200, iters: int = 50
     return (time.perf_counter() - t0) / iters * 1e6
 
 
-@lru_cache(maxsize=None)
+@cache
 def copy_bandwidth(gpu: CudaBackend, nbytes: int = 1 << 31) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
     src, dst = gpu.alloc(nbytes), gpu.alloc(nbytes)
@@ -180,7 +181,7 @@ def torch_or_none() -> Any:
         return None
 
 
-@lru_cache(maxsize=None)
+@cache
 def matmul_rate() -> float | None:
     """cuBLAS bf16 FLOP/s at 8192^3 on random data through torch, None without torch."""
     torch = torch_or_none()
@@ -219,9 +220,12 @@ NEEDS_GPU = "Needs a CUDA GPU; torch (and CuPy) only for the comparison columns,
 def bench_parser(doc: str, module: str, epilog: str = NEEDS_GPU) -> argparse.ArgumentParser:
     """A benchmark's command line: its module docstring, whole, as the description (``--help``
     needs no GPU: nothing is imported or measured before ``main`` parses its arguments)."""
-    return argparse.ArgumentParser(prog=f"python -m {module}", description=doc,
-                                   epilog=f"{epilog}\n\n{BENCH_OUTPUT}",
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    return argparse.ArgumentParser(
+        prog=f"python -m {module}",
+        description=doc,
+        epilog=f"{epilog}\n\n{BENCH_OUTPUT}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
 
 
 def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[Any]], *, note: str) -> None:

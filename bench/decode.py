@@ -42,8 +42,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -52,21 +53,21 @@ from bench.decode_serving import serving_rows
 from bench.ngram_embed import DIMS, device_weight, torch_view
 from gpu_runtime import CudaBackend, DeviceArray, DevicePtr
 from layers import reference
+from layers.dense_weight import BF16
 from layers.kernel_files import load_kernel
 from layers.ngram_embed import HostWeight, NgramDecoder, NgramDims, NgramTable, NgramWeights
 from layers.ngram_embed.tables import Bf16Table
 from layers.ops.embed import batched_embed
 from layers.ops.residual import scaled_add
-from layers.dense_weight import BF16
 
 BATCHES = (1, 64)
-PROMPT = 32          # prefill tokens per sequence
-R = 64               # graphs per path, each over its own slice of the token pool
+PROMPT = 32  # prefill tokens per sequence
+R = 64  # graphs per path, each over its own slice of the token pool
 MAX_SEQS = 256
 MAX_ROWS = 8192
-ORDER = 1 << 12      # length of the random replay order over the R graphs (a power of two)
-HOST_CHUNK = 1       # replays timed one by one, the stream synchronised (untimed) after each:
-HOST_CHUNKS = 600    # the host cost of a launch onto an idle GPU, not of a queue backing up
+ORDER = 1 << 12  # length of the random replay order over the R graphs (a power of two)
+HOST_CHUNK = 1  # replays timed one by one, the stream synchronised (untimed) after each:
+HOST_CHUNKS = 600  # the host cost of a launch onto an idle GPU, not of a queue backing up
 WALL_STEPS = 256
 
 
@@ -75,7 +76,7 @@ class Row:
     path: str
     batch: int | None
     gpu_us: float
-    late: int           # gated measurements whose gate expired (host time leaked in)
+    late: int  # gated measurements whose gate expired (host time leaked in)
     wall_us: float
     host_us: float
     floor_us: float | None = None
@@ -92,24 +93,35 @@ class Ctx:
     dims: NgramDims
     bw: float
     rng: np.random.Generator
-    out: DevicePtr                     # [MAX(B) * PROMPT, D] bf16, every row's output
-    order: np.ndarray                  # random replay order over the R graphs
+    out: DevicePtr  # [MAX(B) * PROMPT, D] bf16, every row's output
+    order: np.ndarray  # random replay order over the R graphs
     torch: Any = None
     _inputs: dict = field(default_factory=dict)
-    first: dict = field(default_factory=dict)   # batch -> our first step's output [B, D]
+    first: dict = field(default_factory=dict)  # batch -> our first step's output [B, D]
 
     def inputs(self, b: int) -> tuple[np.ndarray, np.ndarray]:
         """(prompts [B, PROMPT], token pool [R, B]) u32, made once per batch size."""
         if b not in self._inputs:
             v = self.dims.vocab_size
-            self._inputs[b] = (self.rng.integers(0, v, (b, PROMPT), dtype=np.uint32),
-                               self.rng.integers(0, v, (R, b), dtype=np.uint32))
+            self._inputs[b] = (
+                self.rng.integers(0, v, (b, PROMPT), dtype=np.uint32),
+                self.rng.integers(0, v, (R, b), dtype=np.uint32),
+            )
         return self._inputs[b]
 
 
 # -- measurement --------------------------------------------------------------------------------
-def measure(ctx: Ctx, path: str, b: int | None, launch: Callable[[int], Any], stream: int,
-            sync: Callable[[], Any], floor: float | None, *, is_torch: bool = False) -> Row:
+def measure(
+    ctx: Ctx,
+    path: str,
+    b: int | None,
+    launch: Callable[[int], Any],
+    stream: int,
+    sync: Callable[[], Any],
+    floor: float | None,
+    *,
+    is_torch: bool = False,
+) -> Row:
     """GPU, wall and host time per replay of ``launch(i)`` (i counts calls: rotates graphs)."""
     sync()
     gpu_us, late = gated_gpu_us(launch, stream=stream, batch=16, warmup=2, iters=10)
@@ -131,8 +143,7 @@ def measure(ctx: Ctx, path: str, b: int | None, launch: Callable[[int], Any], st
         sync()
         if rep:
             walls.append((time.perf_counter() - t0) / WALL_STEPS)
-    return Row(path, b, gpu_us, late, statistics.median(walls) * 1e6, statistics.median(host) * 1e6,
-               floor, is_torch)
+    return Row(path, b, gpu_us, late, statistics.median(walls) * 1e6, statistics.median(host) * 1e6, floor, is_torch)
 
 
 def step_floor_us(dims: NgramDims, b: int, bw: float, row_bytes: int | None = None) -> float:
@@ -182,7 +193,7 @@ def reference_check(ctx: Ctx, weights: NgramWeights, b: int, first: np.ndarray) 
     tables = [(DeviceRows(gpu, tb.weight.weight, td, s), None) for tb in weights.tables]
     prompts, pool = ctx.inputs(b)
     for i in sorted({0, b - 1}):
-        tokens = np.concatenate([prompts[i], pool[0, i:i + 1]]).astype(np.int64)
+        tokens = np.concatenate([prompts[i], pool[0, i : i + 1]]).astype(np.int64)
         want = reference.ngram_embed_fused(dims, word, tables, projs, tokens, 1)[0]
         compare(f"ours B={b} row {i} vs numpy fused reference", first[i], want)
 
@@ -206,8 +217,15 @@ def bare_graph_row(ctx: Ctx) -> Row:
         exe = gpu.end_capture(s)
         seq = [exe] * ORDER  # indexed like the other rows, so the Python per call is the same
         mask = ORDER - 1
-        return measure(ctx, "bare one-kernel graph replay", None,
-                       lambda i: gpu.launch_graph(seq[i & mask], s), s, lambda: gpu.synchronize(s), None)
+        return measure(
+            ctx,
+            "bare one-kernel graph replay",
+            None,
+            lambda i: gpu.launch_graph(seq[i & mask], s),
+            s,
+            lambda: gpu.synchronize(s),
+            None,
+        )
     finally:
         gpu.synchronize(s)
         if exe:
@@ -233,10 +251,12 @@ def decode_row(ctx: Ctx, dec: NgramDecoder, label: str, b: int, row_bytes: int |
     gpu, s, dims = ctx.gpu, ctx.stream, ctx.dims
     prompts, pool = ctx.inputs(b)
     exes: list[int] = []
-    with DeviceArray.from_numpy(gpu, prompts.reshape(-1), s) as prompt_d, \
-            DeviceArray.from_numpy(gpu, np.arange(b + 1, dtype=np.uint32) * PROMPT, s) as cu_d, \
-            DeviceArray.from_numpy(gpu, np.arange(b, dtype=np.uint32), s) as slots_d, \
-            DeviceArray.from_numpy(gpu, pool.reshape(-1), s) as pool_d:
+    with (
+        DeviceArray.from_numpy(gpu, prompts.reshape(-1), s) as prompt_d,
+        DeviceArray.from_numpy(gpu, np.arange(b + 1, dtype=np.uint32) * PROMPT, s) as cu_d,
+        DeviceArray.from_numpy(gpu, np.arange(b, dtype=np.uint32), s) as slots_d,
+        DeviceArray.from_numpy(gpu, pool.reshape(-1), s) as pool_d,
+    ):
         try:
             for slot in range(b):
                 dec.reset(slot, s)
@@ -259,8 +279,15 @@ def decode_row(ctx: Ctx, dec: NgramDecoder, label: str, b: int, row_bytes: int |
                 exes.append(gpu.end_capture(s))
             seq = [exes[j] for j in ctx.order]
             mask = ORDER - 1
-            return measure(ctx, label, b, lambda i: gpu.launch_graph(seq[i & mask], s), s,
-                           lambda: gpu.synchronize(s), step_floor_us(dims, b, ctx.bw, row_bytes))
+            return measure(
+                ctx,
+                label,
+                b,
+                lambda i: gpu.launch_graph(seq[i & mask], s),
+                s,
+                lambda: gpu.synchronize(s),
+                step_floor_us(dims, b, ctx.bw, row_bytes),
+            )
         finally:
             gpu.synchronize(s)  # before the inputs are freed
             for exe in exes:
@@ -283,14 +310,18 @@ def torch_rows(ctx: Ctx, weights: NgramWeights) -> list[Row]:
     mod = torch.tensor(moduli, dtype=torch.int64, device="cuda")
     # pows[c, j] = V**(N-1-j) mod M_c for window position j (oldest first, the new token last),
     # 0 where table c's order c // K + 2 does not reach that far back.
-    pows = torch.tensor([[pow(v, n - 1 - j, moduli[c]) if n - 1 - j < c // dims.splits + 2 else 0
-                          for j in range(n)] for c in range(t)], dtype=torch.int64, device="cuda")
+    pows = torch.tensor(
+        [[pow(v, n - 1 - j, moduli[c]) if n - 1 - j < c // dims.splits + 2 else 0 for j in range(n)] for c in range(t)],
+        dtype=torch.int64,
+        device="cuda",
+    )
     inv = float(np.float32(1.0) / np.float32(1 + t))
     eos = dims.eos_id
 
     def make_step(hist):
         """One step on ``hist [B, N-1]`` (oldest first, -1 before the context start): every op
         batched over sequences and tables (products < 2**38, so the sum of N fits int64)."""
+
         def step(new):  # new: [B] int64
             window = torch.cat([hist, new[:, None]], dim=1)  # [B, N], the newest last
             hist.copy_(window[:, 1:])
@@ -307,7 +338,7 @@ def torch_rows(ctx: Ctx, weights: NgramWeights) -> list[Row]:
     for b in BATCHES:
         prompts, pool = ctx.inputs(b)
         pool_t = torch.from_numpy(pool.astype(np.int64)).cuda()  # [R, B]
-        hist = torch.from_numpy(prompts[:, -(n - 1):].astype(np.int64)).cuda()  # PROMPT >= N-1
+        hist = torch.from_numpy(prompts[:, -(n - 1) :].astype(np.int64)).cuda()  # PROMPT >= N-1
         step = make_step(hist)
         first = step(pool_t[0])
         if b in ctx.first:
@@ -337,9 +368,16 @@ def torch_graph_row(ctx: Ctx, step: Callable[[Any], Any], pool_t: Any, b: int) -
     seq = [graphs[j][0] for j in ctx.order]
     mask = ORDER - 1
     current = torch.cuda.current_stream()
-    return measure(ctx, "torch, CUDAGraph replay", b, lambda i: seq[i & mask].replay(),
-                   int(current.cuda_stream), current.synchronize, step_floor_us(ctx.dims, b, ctx.bw),
-                   is_torch=True)
+    return measure(
+        ctx,
+        "torch, CUDAGraph replay",
+        b,
+        lambda i: seq[i & mask].replay(),
+        int(current.cuda_stream),
+        current.synchronize,
+        step_floor_us(ctx.dims, b, ctx.bw),
+        is_torch=True,
+    )
 
 
 # -- table placements -----------------------------------------------------------------------------
@@ -347,8 +385,7 @@ def torch_graph_row(ctx: Ctx, step: Callable[[Any], Any], pool_t: Any, b: int) -
 PLACEMENTS = ("device", "host")  # RowCache tables: bench.cached (the decoder refuses them)
 
 
-def placement_weights(ctx: Ctx, base: NgramWeights,
-                      placement: str) -> tuple[NgramWeights, int | None] | None:
+def placement_weights(ctx: Ctx, base: NgramWeights, placement: str) -> tuple[NgramWeights, int | None] | None:
     """(weights, bytes per gathered row for the floor) with ``base``'s word and projections
     (borrowed) and its tables placed as ``placement`` says. "host": each table copied (device to
     host) into mapped pinned host memory and read in place over PCIe (``NgramTable.Host``), owned
@@ -362,8 +399,9 @@ def placement_weights(ctx: Ctx, base: NgramWeights,
             w = table.weight
             buf = gpu.alloc_host(w.nbytes, mapped=True)
             gpu.copy_d2h(buf, w.weight, 0)
-            tables.append(NgramTable.Host(HostWeight(gpu.host_device_ptr(buf), w.shape, w.dtype,
-                                                     DevicePtr(0), gpu, buf)))
+            tables.append(
+                NgramTable.Host(HostWeight(gpu.host_device_ptr(buf), w.shape, w.dtype, DevicePtr(0), gpu, buf))
+            )
         weights = NgramWeights(ctx.dims, base.word, tables, base.projs, gpu)
         weights.own(*(tb.weight for tb in tables))  # freed with these weights; base's stay base's
         return weights, None
@@ -385,6 +423,7 @@ def prefill_row(ctx: Ctx, weights: NgramWeights, placement: str) -> tuple:
     out = gpu.alloc(PREFILL * dims.hidden_size * 2)
     gpu.synchronize(0)
     try:
+
         def prefill(i: int) -> None:
             dec.reset(0, s)
             dec.prefill(tok, cu, slot, 1, PREFILL, out, s)
@@ -412,8 +451,7 @@ def zero_copy_probe(ctx: Ctx, weights: NgramWeights, out_per_table: bool = False
     same 4 MiB, which stays in L2; ``out_per_table``: each its own, as the prefill's gather does."""
     gpu, tables = ctx.gpu, [tb.weight for tb in weights.tables]
     k = load_kernel(gpu, "embed_from_argmax", "batched_embed")
-    ids = [DeviceArray.from_numpy(gpu, ctx.rng.integers(0, w.rows, PREFILL).astype(np.uint32))
-           for w in tables]
+    ids = [DeviceArray.from_numpy(gpu, ctx.rng.integers(0, w.rows, PREFILL).astype(np.uint32)) for w in tables]
     cols = tables[0].cols
     step = PREFILL * cols * 2 if out_per_table else 0
     out = gpu.alloc(PREFILL * cols * 2 + step * (len(tables) - 1))
@@ -435,11 +473,17 @@ def zero_copy_probe(ctx: Ctx, weights: NgramWeights, out_per_table: bool = False
 
 def make_parser() -> argparse.ArgumentParser:
     parser = bench_parser(__doc__, "bench.decode")
-    parser.add_argument("--steps-only", action="store_true",
-                        help="only the decode-step rows (bare graph and ours): no torch, prefill or serving calls "
-                             "(A/B runs of a kernel change, e.g. under GPU_RUNTIME_KERNEL_DIR)")
-    parser.add_argument("--placements", default=",".join(PLACEMENTS),
-                        help=f"table placements, comma-separated (default {','.join(PLACEMENTS)})")
+    parser.add_argument(
+        "--steps-only",
+        action="store_true",
+        help="only the decode-step rows (bare graph and ours): no torch, prefill or serving calls "
+        "(A/B runs of a kernel change, e.g. under GPU_RUNTIME_KERNEL_DIR)",
+    )
+    parser.add_argument(
+        "--placements",
+        default=",".join(PLACEMENTS),
+        help=f"table placements, comma-separated (default {','.join(PLACEMENTS)})",
+    )
     return parser
 
 
@@ -454,7 +498,7 @@ def main(argv: list[str] | None = None) -> None:
     rng = np.random.default_rng(0)
     dims = DIMS
     t, h, td = dims.num_tables(), dims.hidden_size, dims.table_dim()
-    assert PROMPT >= dims.max_ngram - 1
+    assert dims.max_ngram - 1 <= PROMPT
     with CudaBackend() as gpu:
         stream = gpu.create_stream()
         bw = copy_bandwidth(gpu)
@@ -466,8 +510,11 @@ def main(argv: list[str] | None = None) -> None:
         weights.own(word, *(tb.weight for tb in tables), *projs)  # freed by weights.close()
         out = gpu.alloc(max(BATCHES) * PROMPT * h * 2)
         ctx = Ctx(gpu, stream, dims, bw, rng, out, rng.integers(0, R, ORDER), torch)
-        print(f"measured: copy {bw / 1e12:.2f} TB/s; T = {t}, D = {h}, table dim {td}, "
-              f"prompt {PROMPT}, {R} graphs per path", flush=True)
+        print(
+            f"measured: copy {bw / 1e12:.2f} TB/s; T = {t}, D = {h}, table dim {td}, "
+            f"prompt {PROMPT}, {R} graphs per path",
+            flush=True,
+        )
         try:
             rows = [bare_graph_row(ctx)]
             prefills, probe, probe_own_out = [], None, None
@@ -478,8 +525,7 @@ def main(argv: list[str] | None = None) -> None:
                     continue
                 p_weights, row_bytes = placed
                 try:
-                    rows += ours_rows(ctx, p_weights, f"ours, {placement} tables, step in caller's graph",
-                                      row_bytes)
+                    rows += ours_rows(ctx, p_weights, f"ours, {placement} tables, step in caller's graph", row_bytes)
                     if args.steps_only:
                         continue
                     prefills.append(prefill_row(ctx, p_weights, placement))
@@ -502,18 +548,35 @@ def main(argv: list[str] | None = None) -> None:
         report(rows)
         if args.steps_only:
             return
-        print_table(f"prefill of one {PREFILL}-token prompt (GPU us, back to back)",
-                    ["tables", "tokens", "prefill us", "gather us", "gathered GB/s",
-                     "x zero-copy probe", "x probe, own outputs"],
-                    [(*r, r[4] / probe if probe and r[0] == "host" else None,
-                      r[4] / probe_own_out if probe_own_out and r[0] == "host" else None) for r in prefills],
-                    note="Each row is the prefill of one prompt with device or host tables: the whole call's and its "
-                         "gather's GPU us, the gathered GB/s, and that over the zero-copy probe's rate: its launches "
-                         "all write one 4 MiB output, which stays in L2 (issue 29's anchor, the harder one), and "
-                         "each table's rows to its own output, as the prefill's gather writes them (like for like).")
+        print_table(
+            f"prefill of one {PREFILL}-token prompt (GPU us, back to back)",
+            [
+                "tables",
+                "tokens",
+                "prefill us",
+                "gather us",
+                "gathered GB/s",
+                "x zero-copy probe",
+                "x probe, own outputs",
+            ],
+            [
+                (
+                    *r,
+                    r[4] / probe if probe and r[0] == "host" else None,
+                    r[4] / probe_own_out if probe_own_out and r[0] == "host" else None,
+                )
+                for r in prefills
+            ],
+            note="Each row is the prefill of one prompt with device or host tables: the whole call's and its "
+            "gather's GPU us, the gathered GB/s, and that over the zero-copy probe's rate: its launches "
+            "all write one 4 MiB output, which stays in L2 (issue 29's anchor, the harder one), and "
+            "each table's rows to its own output, as the prefill's gather writes them (like for like).",
+        )
         if probe:
-            print(f"zero-copy probe: batched_embed of {PREFILL} random rows from each host table: "
-                  f"{probe:.1f} GB/s; writing each table's rows to its own output: {probe_own_out:.1f} GB/s")
+            print(
+                f"zero-copy probe: batched_embed of {PREFILL} random rows from each host table: "
+                f"{probe:.1f} GB/s; writing each table's rows to its own output: {probe_own_out:.1f} GB/s"
+            )
 
 
 def report(rows: list[Row]) -> None:
@@ -521,23 +584,52 @@ def report(rows: list[Row]) -> None:
     torch_by_b = {r.batch: r for r in rows if r.torch}
     ours = [r for r in rows if r.batch is not None and not r.torch]
     for r in ours:
-        print(f"target host <= 1.3x bare graph replay: {r.path} B={r.batch}: "
-              f"{r.host_us / bare:.2f}x ({'met' if r.host_us <= 1.3 * bare else 'not met'})")
+        print(
+            f"target host <= 1.3x bare graph replay: {r.path} B={r.batch}: "
+            f"{r.host_us / bare:.2f}x ({'met' if r.host_us <= 1.3 * bare else 'not met'})"
+        )
     table = []
     for r in rows:
         # torch reads its tables from device memory: paired with our device-table rows only
         tr = torch_by_b.get(r.batch) if not r.torch and "device tables" in r.path else None
-        table.append((r.path, r.batch, r.gpu_us, r.wall_us, r.host_us, r.floor_us,
-                      r.gpu_us / r.floor_us if r.floor_us else None,
-                      tr.gpu_us / r.gpu_us if tr else None, tr.wall_us / r.wall_us if tr else None,
-                      tr.host_us / r.host_us if tr else None, r.host_us / bare, r.late))
-    print_table("n-gram decode step (one new token per sequence), graph replays",
-                ["path", "B", "GPU us", "wall us/step", "host us/step", "floor us", "GPU/floor",
-                 "torch/ours GPU", "torch/ours wall", "torch/ours host", "host/bare", "gate expired"],
-                table, note="Each row is one step of B sequences replayed from a graph (the module's help defines each "
-                            "path and column): GPU, wall and host us, the floor, torch/ours (> 1: ours is faster; device "
-                            "tables only, as torch's), "
-                            "host over a bare graph replay, and the gates expired.")
+        table.append(
+            (
+                r.path,
+                r.batch,
+                r.gpu_us,
+                r.wall_us,
+                r.host_us,
+                r.floor_us,
+                r.gpu_us / r.floor_us if r.floor_us else None,
+                tr.gpu_us / r.gpu_us if tr else None,
+                tr.wall_us / r.wall_us if tr else None,
+                tr.host_us / r.host_us if tr else None,
+                r.host_us / bare,
+                r.late,
+            )
+        )
+    print_table(
+        "n-gram decode step (one new token per sequence), graph replays",
+        [
+            "path",
+            "B",
+            "GPU us",
+            "wall us/step",
+            "host us/step",
+            "floor us",
+            "GPU/floor",
+            "torch/ours GPU",
+            "torch/ours wall",
+            "torch/ours host",
+            "host/bare",
+            "gate expired",
+        ],
+        table,
+        note="Each row is one step of B sequences replayed from a graph (the module's help defines each "
+        "path and column): GPU, wall and host us, the floor, torch/ours (> 1: ours is faster; device "
+        "tables only, as torch's), "
+        "host over a bare graph replay, and the gates expired.",
+    )
 
 
 if __name__ == "__main__":

@@ -21,23 +21,24 @@ set of buffers serve them all), from cuMemGetInfo around COPIES captures of each
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from bench.common import gated_gpu_us, print_table
 from gpu_runtime import DeviceArray
+from layers.dense_weight import BF16
 from layers.ngram_embed import NO_ADAPTER, PAD_SLOT, DecodeError, NgramDecoder, NgramWeights
 from layers.overlay import AdapterOverlay, OverlaySlots, TableOverlay
-from layers.dense_weight import BF16
 
-R = 16                 # graphs per step row
-ORDER = 1 << 10        # replay order over them (a power of two)
-PROMPT = 32            # tokens prefilled per slot before the step rows
-OVERRIDE = 1024        # embedding rows each adapter overrides
+R = 16  # graphs per step row
+ORDER = 1 << 10  # replay order over them (a power of two)
+PROMPT = 32  # tokens prefilled per slot before the step rows
+OVERRIDE = 1024  # embedding rows each adapter overrides
 SEED_TOKENS = 8192
 LADDER = (1, 2, 4, 8, 16, 32, 64)
-COPIES = 32            # graphs captured per ladder size for its memory figure
+COPIES = 32  # graphs captured per ladder size for its memory figure
 
 
 def _gpu_us(gpu: Any, s: int, launch: Callable[[int], Any]) -> float:
@@ -49,8 +50,18 @@ def _gpu_us(gpu: Any, s: int, launch: Callable[[int], Any]) -> float:
 class _Steps:
     """R graphs of one ``dec.step`` shape over a token pool; ``us()`` times their replays."""
 
-    def __init__(self, gpu: Any, dec: NgramDecoder, s: int, pool: DeviceArray, slots: DeviceArray, b: int,
-                 out: int, rng: np.random.Generator, adapters: DeviceArray | None = None) -> None:
+    def __init__(
+        self,
+        gpu: Any,
+        dec: NgramDecoder,
+        s: int,
+        pool: DeviceArray,
+        slots: DeviceArray,
+        b: int,
+        out: int,
+        rng: np.random.Generator,
+        adapters: DeviceArray | None = None,
+    ) -> None:
         self.gpu, self.s = gpu, s
         tokens = [pool.ptr.offset(r * b * 4) for r in range(R)]
         dec.step(tokens[0], slots, b, out, s, adapters=adapters)  # eager first: loads kernels
@@ -137,8 +148,15 @@ def serving_rows(gpu: Any, s: int, weights: NgramWeights, rng: np.random.Generat
         cu1, slot0 = upload([0, SEED_TOKENS]), upload([0])
         seed_us = _gpu_us(gpu, s, lambda i: dec.seed(tok, cu1, slot0, 1, SEED_TOKENS, s))
         full_us = _gpu_us(gpu, s, lambda i: dec.prefill(tok, cu1, slot0, 1, SEED_TOKENS, out, s))
-        rows.append((f"seed (history only) / full prefill, {SEED_TOKENS} tokens", seed_us, full_us,
-                     seed_us / full_us, "<= 0.05"))
+        rows.append(
+            (
+                f"seed (history only) / full prefill, {SEED_TOKENS} tokens",
+                seed_us,
+                full_us,
+                seed_us / full_us,
+                "<= 0.05",
+            )
+        )
         src, dst = upload(np.arange(64)), upload(np.arange(64, 128))
         fork_us = _gpu_us(gpu, s, lambda i: dec.fork(src, dst, 64, s))
         rows.append(("fork of 64 slots (one launch)", fork_us, None, None, "< 5 us"))
@@ -147,15 +165,19 @@ def serving_rows(gpu: Any, s: int, weights: NgramWeights, rng: np.random.Generat
         i_us = steps[-1].us()
         rows.append(("batch-invariant step / default step, B=64", i_us, e_us, i_us / e_us, "-"))
         inv_us = _gpu_us(gpu, s, lambda i: inv.prefill(tok, cu1, slot0, 1, SEED_TOKENS, out, s))
-        rows.append((f"batch-invariant prefill / default prefill, {SEED_TOKENS} tokens", inv_us, full_us,
-                     inv_us / full_us, "-"))
+        rows.append(
+            (f"batch-invariant prefill / default prefill, {SEED_TOKENS} tokens", inv_us, full_us, inv_us / full_us, "-")
+        )
         err = dec.check_errors() | inv.check_errors()
         print(f"serving rows: decoder errors after all calls: {err!r}", flush=True)
         assert err == DecodeError.NONE
-        print_table("NgramDecoder serving calls (GPU us per call, back to back; ratios in this run)",
-                    ["row", "GPU us", "against us", "ratio", "target"], rows,
-                    note="Each row is a serving call (the module's docstring defines each): its GPU us, that of the "
-                         "plain call it is compared with, their ratio, and the target for that ratio.")
+        print_table(
+            "NgramDecoder serving calls (GPU us per call, back to back; ratios in this run)",
+            ["row", "GPU us", "against us", "ratio", "target"],
+            rows,
+            note="Each row is a serving call (the module's docstring defines each): its GPU us, that of the "
+            "plain call it is compared with, their ratio, and the target for that ratio.",
+        )
         ladder_memory(gpu, dec, s, pool, out, rng)
     finally:
         gpu.synchronize(s)
@@ -169,8 +191,7 @@ def serving_rows(gpu: Any, s: int, weights: NgramWeights, rng: np.random.Generat
         adapter_slots.close(s)
 
 
-def ladder_memory(gpu: Any, dec: NgramDecoder, s: int, pool: DeviceArray, out: int,
-                  rng: np.random.Generator) -> None:
+def ladder_memory(gpu: Any, dec: NgramDecoder, s: int, pool: DeviceArray, out: int, rng: np.random.Generator) -> None:
     """The device memory each graph of a padded ladder draws at capture (k = 1, adapters),
     every graph over the same token, slot and adapter buffers: COPIES captures per size."""
     slots = DeviceArray.from_numpy(gpu, np.full(64, PAD_SLOT, np.uint32), s)
@@ -187,10 +208,13 @@ def ladder_memory(gpu: Any, dec: NgramDecoder, s: int, pool: DeviceArray, out: i
                 graphs.append(gpu.end_capture(s))
             drawn = free - gpu.mem_info()[0]
             rows.append((size, drawn, drawn / COPIES))
-        print_table(f"padded ladder: device memory drawn by {COPIES} captures of each size (one decoder, "
-                    f"one set of buffers)", ["batch size", "bytes drawn", "bytes per graph"], rows,
-                    note=f"Each row is one batch size of the ladder: the device bytes that {COPIES} captures of its "
-                         "graph drew together, and per graph.")
+        print_table(
+            f"padded ladder: device memory drawn by {COPIES} captures of each size (one decoder, one set of buffers)",
+            ["batch size", "bytes drawn", "bytes per graph"],
+            rows,
+            note=f"Each row is one batch size of the ladder: the device bytes that {COPIES} captures of its "
+            "graph drew together, and per graph.",
+        )
     finally:
         gpu.synchronize(s)
         for exe in graphs:

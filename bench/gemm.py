@@ -18,24 +18,48 @@ import math
 import ml_dtypes
 import numpy as np
 
-from bench.common import (bench_parser, copy_bandwidth, gated_gpu_us, matmul_rate, print_table, torch_or_none,
-                          torch_stream)
+from bench.common import (
+    bench_parser,
+    copy_bandwidth,
+    gated_gpu_us,
+    matmul_rate,
+    print_table,
+    torch_or_none,
+    torch_stream,
+)
 from gpu_runtime import CudaBackend, DevicePtr
+from layers.dense_weight import BF16, DenseWeight
 from layers.kernel_files import load_kernel
 from layers.ops import gemm
 from layers.ops.gemm import dense_gemm_bf16_pipelined
-from layers.dense_weight import BF16, DenseWeight
 
-SHAPES = [(1, 4096, 256), (16, 4096, 256), (128, 4096, 256), (4096, 4096, 256),
-          (1, 4096, 4096), (64, 4096, 4096), (128, 4096, 4096), (4096, 4096, 4096),
-          (8192, 8192, 8192)]
+SHAPES = [
+    (1, 4096, 256),
+    (16, 4096, 256),
+    (128, 4096, 256),
+    (4096, 4096, 256),
+    (1, 4096, 4096),
+    (64, 4096, 4096),
+    (128, 4096, 4096),
+    (4096, 4096, 4096),
+    (8192, 8192, 8192),
+]
 # the paths path=None passes over, on the shapes where it chooses between them
-FORCED = [("small", (1, 4096, 256)), ("gemv", (1, 4096, 4096)),
-          ("tma_splitk", (1, 4096, 256)), ("tma_splitk", (16, 4096, 256)),
-          ("tma_splitk", (128, 4096, 256)), ("tma_splitk", (1, 4096, 4096)),
-          ("small", (64, 4096, 4096)), ("tiled", (128, 4096, 4096)),
-          ("tma", (4096, 4096, 256)), ("tma", (4096, 4096, 4096)), ("tma", (8192, 8192, 8192)),
-          ("wgmma", (4096, 4096, 4096)), ("tiled", (4096, 4096, 4096))]
+FORCED = [
+    ("small", (1, 4096, 256)),
+    ("gemv", (1, 4096, 4096)),
+    ("tma_splitk", (1, 4096, 256)),
+    ("tma_splitk", (16, 4096, 256)),
+    ("tma_splitk", (128, 4096, 256)),
+    ("tma_splitk", (1, 4096, 4096)),
+    ("small", (64, 4096, 4096)),
+    ("tiled", (128, 4096, 4096)),
+    ("tma", (4096, 4096, 256)),
+    ("tma", (4096, 4096, 4096)),
+    ("tma", (8192, 8192, 8192)),
+    ("wgmma", (4096, 4096, 4096)),
+    ("tiled", (4096, 4096, 4096)),
+]
 MAX_SETS = 64
 _POOL_VALUES = 1 << 23  # 16 MB of random bf16, tiled over every buffer
 
@@ -51,8 +75,7 @@ def _fill(gpu: CudaBackend, ptr: int, nbytes: int, pool: np.ndarray) -> None:
         gpu.copy_h2d_async(raw[: min(raw.size, nbytes - off)], DevicePtr(ptr + off))
 
 
-def _ours_ms(gpu: CudaBackend, m: int, n: int, k: int, sets: int, pool: np.ndarray,
-             path: str | None) -> float:
+def _ours_ms(gpu: CudaBackend, m: int, n: int, k: int, sets: int, pool: np.ndarray, path: str | None) -> float:
     kern = load_kernel(gpu, "gemm", gemm.KERNEL)
     bufs = []
     try:
@@ -62,8 +85,7 @@ def _ours_ms(gpu: CudaBackend, m: int, n: int, k: int, sets: int, pool: np.ndarr
             _fill(gpu, a, m * k * 2, pool)
             _fill(gpu, w, n * k * 2, pool)
         gpu.synchronize()
-        runs = [(bufs[3 * i], DenseWeight(bufs[3 * i + 1], (n, k), BF16), bufs[3 * i + 2])
-                for i in range(sets)]
+        runs = [(bufs[3 * i], DenseWeight(bufs[3 * i + 1], (n, k), BF16), bufs[3 * i + 2]) for i in range(sets)]
 
         def step(i: int) -> None:
             a, w, c = runs[i % sets]
@@ -82,8 +104,10 @@ def _torch_ms(m: int, n: int, k: int, sets: int) -> float | None:
     xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
     ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
     try:
-        return gated_gpu_us(lambda i: torch.nn.functional.linear(xs[i % sets], ws[i % sets]),
-                            stream=torch_stream())[0] / 1e3
+        return (
+            gated_gpu_us(lambda i: torch.nn.functional.linear(xs[i % sets], ws[i % sets]), stream=torch_stream())[0]
+            / 1e3
+        )
     finally:
         xs.clear(), ws.clear()
         torch.cuda.empty_cache()
@@ -97,15 +121,34 @@ def gemm_rows(gpu: CudaBackend, bw: float, rate: float | None) -> list[tuple]:
     for path, (m, n, k) in [(None, s) for s in SHAPES] + FORCED:
         set_bytes = (m * k + n * k + m * n) * 2
         sets = _input_sets(set_bytes, gpu.l2_bytes)
-        chosen = gemm.plan(m, n, k, path, wgmma=wgmma, tma=tma, tma_store=tma, gemv=wgmma,  # aligned buffers
-                           sms=gpu.sm_count).path
+        chosen = gemm.plan(
+            m,
+            n,
+            k,
+            path,
+            wgmma=wgmma,
+            tma=tma,
+            tma_store=tma,
+            gemv=wgmma,  # aligned buffers
+            sms=gpu.sm_count,
+        ).path
         ms = _ours_ms(gpu, m, n, k, sets, pool, path)
         t_ms = _torch_ms(m, n, k, sets) if path is None else None
         flops = 2 * m * n * k
         floor_s = max(set_bytes / bw, flops / rate if rate else 0.0)
-        rows.append((f"{m}x{n}x{k}", chosen, sets, ms * 1e3, flops / (ms * 1e-3) / 1e12,
-                     t_ms * 1e3 if t_ms else None, t_ms / ms if t_ms else None,
-                     floor_s * 1e6, floor_s / (ms * 1e-3)))
+        rows.append(
+            (
+                f"{m}x{n}x{k}",
+                chosen,
+                sets,
+                ms * 1e3,
+                flops / (ms * 1e-3) / 1e12,
+                t_ms * 1e3 if t_ms else None,
+                t_ms / ms if t_ms else None,
+                floor_s * 1e6,
+                floor_s / (ms * 1e-3),
+            )
+        )
     return rows
 
 
@@ -114,15 +157,18 @@ def gemm_table(gpu: CudaBackend) -> None:
     bw = copy_bandwidth(gpu)
     rate = matmul_rate()
     rate_txt = f"{rate / 1e12:.0f} TFLOP/s" if rate else "n/a (no torch: floor is bytes only)"
-    print(f"device {gpu.name}: copy bandwidth {bw / 1e12:.2f} TB/s (read + write), "
-          f"cuBLAS bf16 at 8192^3 {rate_txt}; L2 {gpu.l2_bytes >> 20} MB")
-    print_table("dense_gemm_bf16_pipelined (bf16, fp32 accumulation)",
-                ["m x n x k", "path", "sets", "us", "TFLOP/s", "torch us", "torch/ours",
-                 "floor us", "floor/ours"],
-                gemm_rows(gpu, bw, rate),
-                note="Each row is one GEMM m x n x k on the path chosen (forced rows: the path named) over sets input "
-                     "sets: median GPU us, TFLOP/s, cuBLAS's us and torch/ours (> 1: ours is faster), the floor us "
-                     "and our fraction of it.")
+    print(
+        f"device {gpu.name}: copy bandwidth {bw / 1e12:.2f} TB/s (read + write), "
+        f"cuBLAS bf16 at 8192^3 {rate_txt}; L2 {gpu.l2_bytes >> 20} MB"
+    )
+    print_table(
+        "dense_gemm_bf16_pipelined (bf16, fp32 accumulation)",
+        ["m x n x k", "path", "sets", "us", "TFLOP/s", "torch us", "torch/ours", "floor us", "floor/ours"],
+        gemm_rows(gpu, bw, rate),
+        note="Each row is one GEMM m x n x k on the path chosen (forced rows: the path named) over sets input "
+        "sets: median GPU us, TFLOP/s, cuBLAS's us and torch/ours (> 1: ours is faster), the floor us "
+        "and our fraction of it.",
+    )
 
 
 def one_shape(spec: str, path: str | None) -> None:
@@ -136,12 +182,16 @@ def one_shape(spec: str, path: str | None) -> None:
         wgmma, tma = gemm.wgmma_available(gpu), gemm.tma_available(gpu)
         chosen = gemm.plan(m, n, k, path, wgmma=wgmma, tma=tma, tma_store=tma, gemv=wgmma, sms=gpu.sm_count)
         us = _ours_ms(gpu, m, n, k, sets, pool, path) * 1e3
-        print(f"{m}x{n}x{k} {chosen.path} ({chosen.kernel}, grid {chosen.grid}, block "
-              f"{chosen.threads}, {chosen.shared_mem} B): {us:.2f} us, "
-              f"{2 * m * n * k / us / 1e6:.1f} TFLOP/s")
+        print(
+            f"{m}x{n}x{k} {chosen.path} ({chosen.kernel}, grid {chosen.grid}, block "
+            f"{chosen.threads}, {chosen.shared_mem} B): {us:.2f} us, "
+            f"{2 * m * n * k / us / 1e6:.1f} TFLOP/s"
+        )
         if chosen.path == "tma_splitk":
-            print(f"clusters of {gemm.SPLIT_K} resident at once: "
-                  f"{_max_active_clusters(gpu, chosen)} (the launch has {chosen.grid // gemm.SPLIT_K})")
+            print(
+                f"clusters of {gemm.SPLIT_K} resident at once: "
+                f"{_max_active_clusters(gpu, chosen)} (the launch has {chosen.grid // gemm.SPLIT_K})"
+            )
 
 
 SWEEP_ROWS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
@@ -161,15 +211,19 @@ def sweep(spec: str) -> None:
             sets = _input_sets((m * k + n * k + m * n) * 2, gpu.l2_bytes)
             chosen = gemm.plan(m, n, k, None, wgmma=wgmma, tma=tma, tma_store=tma, gemv=wgmma, sms=gpu.sm_count).path
             auto = _ours_ms(gpu, m, n, k, sets, pool, None) * 1e3
-            forced = [_ours_ms(gpu, m, n, k, sets, pool, p) * 1e3 if p != "gemv" or gemm.use_gemv(m, k, True)
-                      else None for p in SWEEP_PATHS]  # gemv: only where it runs when forced
+            forced = [
+                _ours_ms(gpu, m, n, k, sets, pool, p) * 1e3 if p != "gemv" or gemm.use_gemv(m, k, True) else None
+                for p in SWEEP_PATHS
+            ]  # gemv: only where it runs when forced
             t_ms = _torch_ms(m, n, k, sets)
-            rows.append((m, chosen, auto, *forced, t_ms * 1e3 if t_ms else None,
-                         t_ms * 1e3 / auto if t_ms else None))
-    print_table(f"m sweep at n = {n}, k = {k} (us)",
-                ["m", "auto path", "auto", *SWEEP_PATHS, "cuBLAS", "cuBLAS/auto"], rows,
-                note="Each row is one m at this n and k: the path chosen and its us, each skinny path forced (us), "
-                     "cuBLAS's us and cuBLAS/auto (> 1: ours is faster).")
+            rows.append((m, chosen, auto, *forced, t_ms * 1e3 if t_ms else None, t_ms * 1e3 / auto if t_ms else None))
+    print_table(
+        f"m sweep at n = {n}, k = {k} (us)",
+        ["m", "auto path", "auto", *SWEEP_PATHS, "cuBLAS", "cuBLAS/auto"],
+        rows,
+        note="Each row is one m at this n and k: the path chosen and its us, each skinny path forced (us), "
+        "cuBLAS's us and cuBLAS/auto (> 1: ours is faster).",
+    )
 
 
 def _max_active_clusters(gpu: CudaBackend, p: gemm.GemmPlan) -> str:
@@ -192,10 +246,14 @@ def _max_active_clusters(gpu: CudaBackend, p: gemm.GemmPlan) -> str:
 def make_parser() -> argparse.ArgumentParser:
     parser = bench_parser(__doc__, "bench.gemm")
     parser.add_argument("--shape", metavar="MxNxK", help="one GEMM alone instead of the table (a target for ncu)")
-    parser.add_argument("--path", default=None,
-                        help=f"with --shape, force a path: {', '.join(gemm.PATHS)} (default: the automatic choice)")
-    parser.add_argument("--sweep", metavar="NxK", help="m from 1 to 256 at this n and k on each skinny path, "
-                                                       "against cuBLAS")
+    parser.add_argument(
+        "--path",
+        default=None,
+        help=f"with --shape, force a path: {', '.join(gemm.PATHS)} (default: the automatic choice)",
+    )
+    parser.add_argument(
+        "--sweep", metavar="NxK", help="m from 1 to 256 at this n and k on each skinny path, against cuBLAS"
+    )
     return parser
 
 

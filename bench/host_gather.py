@@ -55,7 +55,7 @@ def tile(block: np.ndarray, nbytes: int) -> Iterator[tuple[int, int]]:
 def fill(host: np.ndarray, block: np.ndarray) -> None:
     """Tile ``block`` over ``host`` (both uint8)."""
     for off, n in tile(block, host.size):
-        host[off:off + n] = block[:n]
+        host[off : off + n] = block[:n]
 
 
 def fill_random(host: np.ndarray, rng: np.random.Generator) -> None:
@@ -71,8 +71,17 @@ def gathered(gpu: CudaBackend, kernel: Any, ids: int, n: int, table: int, out: i
     return got
 
 
-def time_gather(gpu: CudaBackend, kernel: Any, table: int, rows: int, out: int, n: int, batch: int,
-                rng: np.random.Generator, label: str = "") -> float:
+def time_gather(
+    gpu: CudaBackend,
+    kernel: Any,
+    table: int,
+    rows: int,
+    out: int,
+    n: int,
+    batch: int,
+    rng: np.random.Generator,
+    label: str = "",
+) -> float:
     """Median GPU us of ``batched_embed`` of ``n`` rows from ``table`` (``rows`` rows) into
     ``out``, ``batch`` calls back to back behind a gate, fresh random rows for every call."""
     calls = (WARMUP + ITERS) * batch
@@ -82,13 +91,15 @@ def time_gather(gpu: CudaBackend, kernel: Any, table: int, rows: int, out: int, 
         gpu.copy_h2d_async(ids, ids_dev)
         us, expired = gated_gpu_us(
             lambda i: batched_embed(gpu, kernel, ids_dev + (i % calls) * n * 4, table, out, n, DIM, 0),
-            batch=batch, warmup=WARMUP, iters=ITERS)
+            batch=batch,
+            warmup=WARMUP,
+            iters=ITERS,
+        )
     finally:
         gpu.synchronize()
         gpu.free(ids_dev)
     if expired:
-        print(f"  note: {n} rows{label}: {expired} of {ITERS} gates expired (host time leaked into those "
-              "measurements)")
+        print(f"  note: {n} rows{label}: {expired} of {ITERS} gates expired (host time leaked into those measurements)")
     return us
 
 
@@ -106,8 +117,12 @@ def pinned_copy_rate(gpu: CudaBackend, nbytes: int = 256 << 20) -> float:
 
 def make_parser() -> argparse.ArgumentParser:
     parser = bench_parser(__doc__, "bench.host_gather")
-    parser.add_argument("--gib", type=float, default=float(os.environ.get("HOST_GATHER_GIB", "1")),
-                        help="the table's size in GiB (default: $HOST_GATHER_GIB, else 1)")
+    parser.add_argument(
+        "--gib",
+        type=float,
+        default=float(os.environ.get("HOST_GATHER_GIB", "1")),
+        help="the table's size in GiB (default: $HOST_GATHER_GIB, else 1)",
+    )
     return parser
 
 
@@ -118,8 +133,11 @@ def main(argv: list[str] | None = None) -> None:
         k = load_kernel(gpu, "embed_from_argmax", "batched_embed")
         rows = int(gib * (1 << 30)) // ROW_BYTES
         nbytes = rows * ROW_BYTES
-        print(f"device {gpu.name}: table [{rows}, {DIM}] bf16, {nbytes / 2**30:.2f} GiB, in mapped "
-              "pinned host memory and in device memory", flush=True)
+        print(
+            f"device {gpu.name}: table [{rows}, {DIM}] bf16, {nbytes / 2**30:.2f} GiB, in mapped "
+            "pinned host memory and in device memory",
+            flush=True,
+        )
         host = gpu.alloc_host(nbytes, mapped=True)
         fill_random(host, rng)
         host_weight = gpu.host_device_ptr(host)
@@ -134,8 +152,9 @@ def main(argv: list[str] | None = None) -> None:
             ids = rng.integers(0, rows, n, dtype=np.uint32)
             ids_dev = gpu.alloc(ids.nbytes)
             gpu.copy_h2d_async(ids, ids_dev)
-            same = np.array_equal(gathered(gpu, k, ids_dev, n, host_weight, out),
-                                  gathered(gpu, k, ids_dev, n, dev_table, out))
+            same = np.array_equal(
+                gathered(gpu, k, ids_dev, n, host_weight, out), gathered(gpu, k, ids_dev, n, dev_table, out)
+            )
             gpu.free(ids_dev)
             assert same, "host and device gathers differ"
         table_rows = []
@@ -144,22 +163,35 @@ def main(argv: list[str] | None = None) -> None:
             host_us = time_gather(gpu, k, host_weight, rows, out, n, batch, rng, " from host")
             dev_us = time_gather(gpu, k, dev_table, rows, out, n, batch, rng, " from device")
             moved = n * ROW_BYTES
-            table_rows.append((n, moved, host_us, dev_us, host_us / dev_us,
-                               moved / (host_us * 1e-6) / 1e9, moved / (dev_us * 1e-6) / 1e9))
+            table_rows.append(
+                (
+                    n,
+                    moved,
+                    host_us,
+                    dev_us,
+                    host_us / dev_us,
+                    moved / (host_us * 1e-6) / 1e9,
+                    moved / (dev_us * 1e-6) / 1e9,
+                )
+            )
             print(f"{n} rows: host {host_us:.2f} us, device {dev_us:.2f} us", flush=True)
 
         gpu.free(out)
         gpu.free(dev_table)
         gpu.free_host(host)
         prefill = table_rows[-1]
-        print(f"prefill gather ({prefill[0]} rows) from host memory: {prefill[5]:.1f} GB/s of rows, "
-              f"{prefill[5] * 1e9 / pcie:.2f}x the pinned copy rate")
-        print_table(f"zero-copy gather, {DIM}-wide bf16 rows ({ROW_BYTES} B) from a {nbytes / 2**30:.2f} GiB "
-                    "table: mapped pinned host memory vs device memory",
-                    ["rows", "bytes", "host us", "device us", "host/device", "host GB/s", "device GB/s"],
-                    table_rows,
-                    note="Each row is one gather size: rows per call and their bytes, median GPU us per call from host "
-                         "and from device memory, their ratio, and the row bytes gathered per second from each.")
+        print(
+            f"prefill gather ({prefill[0]} rows) from host memory: {prefill[5]:.1f} GB/s of rows, "
+            f"{prefill[5] * 1e9 / pcie:.2f}x the pinned copy rate"
+        )
+        print_table(
+            f"zero-copy gather, {DIM}-wide bf16 rows ({ROW_BYTES} B) from a {nbytes / 2**30:.2f} GiB "
+            "table: mapped pinned host memory vs device memory",
+            ["rows", "bytes", "host us", "device us", "host/device", "host GB/s", "device GB/s"],
+            table_rows,
+            note="Each row is one gather size: rows per call and their bytes, median GPU us per call from host "
+            "and from device memory, their ratio, and the row bytes gathered per second from each.",
+        )
 
 
 if __name__ == "__main__":

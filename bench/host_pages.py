@@ -82,7 +82,7 @@ def registered(advice: int) -> Way:
             views.append(np.frombuffer(mm, dtype=np.uint8))
             start = -views[0].ctypes.data % HUGE  # 2 MiB-aligned, so that whole huge pages fit
             mm.madvise(advice, start, nbytes)
-            views.append(views[0][start:start + nbytes])
+            views.append(views[0][start : start + nbytes])
             fill(views[1], block)
             huge = (anon_huge_kib() - before) << 10
             table = int(gpu.register_host(views[1]))
@@ -105,8 +105,13 @@ def vmm(location: Any, numa: int) -> Way:
         prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
         prop.location.type = location
         prop.location.id = numa
-        gran = int(call(cu.cuMemGetAllocationGranularity, prop,
-                        cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED))
+        gran = int(
+            call(
+                cu.cuMemGetAllocationGranularity,
+                prop,
+                cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
+            )
+        )
         size = -(-nbytes // gran) * gran
         handle = call(cu.cuMemCreate, size, prop, 0)
         try:
@@ -114,8 +119,13 @@ def vmm(location: Any, numa: int) -> Way:
             try:
                 call(cu.cuMemMap, ptr, size, 0, handle, 0)
                 try:
-                    call(cu.cuMemSetAccess, ptr, size, [_access(cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE,
-                                                                 gpu.device)], 1)
+                    call(
+                        cu.cuMemSetAccess,
+                        ptr,
+                        size,
+                        [_access(cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE, gpu.device)],
+                        1,
+                    )
                     for off, n in tile(block, nbytes):
                         call(cu.cuMemcpyHtoD, ptr + off, block.ctypes.data, n)
                     cpu = cpu_access(ptr, size, location, numa, block)
@@ -229,12 +239,14 @@ def main(argv: list[str] | None = None) -> None:
         gpu.free(out)
         gpu.free(ids_dev)
     (n_small, _), (n_large, _) = SHAPES
-    print_table(f"zero-copy gather of {DIM}-wide bf16 rows ({ROW_BYTES} B) from a {nbytes / 2**30:.2f} GiB table, "
-                "by how its host memory is pinned",
-                ["memory", "backing", f"{n_small} rows us", "x device", f"{n_large} rows GB/s", "x device"],
-                table_rows,
-                note=f"Median GPU us per gather of {n_small} random rows, and GB/s of row bytes for {n_large} rows, "
-                     "fresh rows every call; 'x device': the time against the same table's in device memory, same run.")
+    print_table(
+        f"zero-copy gather of {DIM}-wide bf16 rows ({ROW_BYTES} B) from a {nbytes / 2**30:.2f} GiB table, "
+        "by how its host memory is pinned",
+        ["memory", "backing", f"{n_small} rows us", "x device", f"{n_large} rows GB/s", "x device"],
+        table_rows,
+        note=f"Median GPU us per gather of {n_small} random rows, and GB/s of row bytes for {n_large} rows, "
+        "fresh rows every call; 'x device': the time against the same table's in device memory, same run.",
+    )
 
 
 def _cells(times: list[float], device: list[float]) -> tuple[float, float, float, float]:

@@ -60,23 +60,34 @@ def gather_rows(gpu: CudaBackend, bw: float) -> list[tuple]:
         ti = torch.from_numpy(ids_host.astype(np.int64)).cuda()
         t_ms = _ms(lambda i: torch.index_select(tt, 0, ti), torch_stream())
         del tt
-    rows.append((f"batched_embed n={n} dim={dim}", ms * 1e3, moved / ms / 1e6, moved / (ms * 1e-3) / bw,
-                 t_ms * 1e3 if t_ms else None, t_ms / ms if t_ms else None))
+    rows.append(
+        (
+            f"batched_embed n={n} dim={dim}",
+            ms * 1e3,
+            moved / ms / 1e6,
+            moved / (ms * 1e-3) / bw,
+            t_ms * 1e3 if t_ms else None,
+            t_ms / ms if t_ms else None,
+        )
+    )
 
     ms = _ms(lambda i: batched_embed_fp8(gpu, k_fp8, ids, table8, scales, out, n, dim, 0))
     moved = n * dim * 3 + n * 8
-    rows.append((f"batched_embed_fp8 n={n} dim={dim}", ms * 1e3, moved / ms / 1e6,
-                 moved / (ms * 1e-3) / bw, None, None))
+    rows.append(
+        (f"batched_embed_fp8 n={n} dim={dim}", ms * 1e3, moved / ms / 1e6, moved / (ms * 1e-3) / bw, None, None)
+    )
 
     small_n, small_dim = 8192, 256  # the n-gram layer's shape: 16 tables x 256, S = 8192 rows
     small_rows = table_rows * dim // small_dim  # the same 1 GiB table seen as [2M, 256]
     small_ids = gpu.alloc(32 * small_n * 4)  # 32 id sets of 4 MiB of rows: 128 MiB > L2
     gpu.copy_h2d_async(rng.integers(0, small_rows, 32 * small_n, dtype=np.uint32), small_ids)
-    ms = _ms(lambda i: batched_embed(gpu, k_bf16, small_ids + (i % 32) * small_n * 4, table, out,
-                                     small_n, small_dim, 0))
+    ms = _ms(
+        lambda i: batched_embed(gpu, k_bf16, small_ids + (i % 32) * small_n * 4, table, out, small_n, small_dim, 0)
+    )
     moved = 2 * small_n * small_dim * 2
-    rows.append((f"batched_embed n={small_n} dim={small_dim}", ms * 1e3, moved / ms / 1e6,
-                 moved / (ms * 1e-3) / bw, None, None))
+    rows.append(
+        (f"batched_embed n={small_n} dim={small_dim}", ms * 1e3, moved / ms / 1e6, moved / (ms * 1e-3) / bw, None, None)
+    )
 
     k_add = load_kernel(gpu, "residual_add", "bf16_scaled_add")
     n_add = 1 << 28
@@ -89,8 +100,16 @@ def gather_rows(gpu: CudaBackend, bw: float) -> list[tuple]:
         tb = torch.randn(n_add, device="cuda", dtype=torch.bfloat16)
         t_ms = _ms(lambda i: ta.add_(tb, alpha=0.5), torch_stream())
         del ta, tb
-    rows.append(("bf16_scaled_add n=2^28", ms * 1e3, moved / ms / 1e6, moved / (ms * 1e-3) / bw,
-                 t_ms * 1e3 if t_ms else None, t_ms / ms if t_ms else None))
+    rows.append(
+        (
+            "bf16_scaled_add n=2^28",
+            ms * 1e3,
+            moved / ms / 1e6,
+            moved / (ms * 1e-3) / bw,
+            t_ms * 1e3 if t_ms else None,
+            t_ms / ms if t_ms else None,
+        )
+    )
 
     k_arg = load_kernel(gpu, "embed_from_argmax", "embed_from_argmax_bf16")
     vocab, m = 131072, 64
@@ -98,8 +117,9 @@ def gather_rows(gpu: CudaBackend, bw: float) -> list[tuple]:
     logits = m * vocab * 2  # 16 MiB a call, 16 of them rotated (256 MiB of a): read from HBM, not L2
     ms = _ms(lambda i: embed_from_argmax(gpu, k_arg, a + (i % 16) * logits, vocab, table, out, ids_out, m, dim, 0))
     moved = m * vocab * 2 + 2 * m * dim * 2
-    rows.append((f"embed_from_argmax m={m} vocab={vocab}", ms * 1e3, moved / ms / 1e6,
-                 moved / (ms * 1e-3) / bw, None, None))
+    rows.append(
+        (f"embed_from_argmax m={m} vocab={vocab}", ms * 1e3, moved / ms / 1e6, moved / (ms * 1e-3) / bw, None, None)
+    )
     for p in (table, table8, scales, ids, small_ids, out, a, ids_out):
         gpu.free(p)
     return rows
@@ -115,11 +135,14 @@ def main(argv: list[str] | None = None) -> None:
         bw = copy_bandwidth(gpu)
         print(f"device {gpu.name}: measured copy bandwidth {bw / 1e12:.2f} TB/s (read + write)")
         rows = gather_rows(gpu, bw)
-        print_table("memory-bound kernels",
-                    ["kernel", "us", "GB/s", "x copy BW", "torch us", "torch/ours"], rows,
-                    note="Each row is one kernel at the shape named: us is its median GPU time (back to back), GB/s "
-                         "the bytes it must move over that, x copy BW that over the measured copy bandwidth, torch "
-                         "us and torch/ours torch's equivalent on the same data (> 1: ours is faster).")
+        print_table(
+            "memory-bound kernels",
+            ["kernel", "us", "GB/s", "x copy BW", "torch us", "torch/ours"],
+            rows,
+            note="Each row is one kernel at the shape named: us is its median GPU time (back to back), GB/s "
+            "the bytes it must move over that, x copy BW that over the measured copy bandwidth, torch "
+            "us and torch/ours torch's equivalent on the same data (> 1: ours is faster).",
+        )
         gemm_table(gpu)
 
 

@@ -57,7 +57,8 @@ class BackendRoutedSpec(KernelSpec):
 
 
 SCALED_ADD_ROUTED = BackendRoutedSpec(
-    SCALED_ADD.name, **{p.name: "P?" if p.name in SCALED_ADD.nullable else p.kind for p in SCALED_ADD.params})
+    SCALED_ADD.name, **{p.name: "P?" if p.name in SCALED_ADD.nullable else p.kind for p in SCALED_ADD.params}
+)
 
 
 def bare_launcher(gpu: CudaBackend, kernel: int, out: int, x: int, stream: int, handles: bool = False):
@@ -115,8 +116,9 @@ def cuda_core_launcher(gpu: CudaBackend, out: int, x: int):
     dev = Device(gpu.device)
     dev.set_current()
     source = (kernel_dir() / "residual_add.cu").read_text()
-    opts = ProgramOptions(arch=f"sm_{dev.arch}", std="c++17",
-                          include_path=[str(kernel_dir()), compiler.cuda_include_dir()])
+    opts = ProgramOptions(
+        arch=f"sm_{dev.arch}", std="c++17", include_path=[str(kernel_dir()), compiler.cuda_include_dir()]
+    )
     kernel = Program(source, code_type="c++", options=opts).compile("cubin").get_kernel("bf16_scaled_add")
     stream = dev.create_stream()
     config = LaunchConfig(grid=1, block=256)
@@ -135,9 +137,9 @@ def cupy_launcher():
     except Exception:
         return None
     source = (kernel_dir() / "residual_add.cu").read_text()
-    kernel = cupy.RawKernel(source, "bf16_scaled_add",
-                            options=("-std=c++17", f"-I{kernel_dir()}",
-                                     f"-I{compiler.cuda_include_dir()}"))
+    kernel = cupy.RawKernel(
+        source, "bf16_scaled_add", options=("-std=c++17", f"-I{kernel_dir()}", f"-I{compiler.cuda_include_dir()}")
+    )
     out = cupy.zeros(N, dtype=cupy.uint16)
     x = cupy.zeros(N, dtype=cupy.uint16)
     scale, n = np.float32(0.5), np.uint32(N)
@@ -189,8 +191,10 @@ def load_fake_libcuda() -> ctypes.CDLL:
     source = Path(__file__).with_name("fake_libcuda.c")
     with tempfile.TemporaryDirectory() as tmp:
         lib = os.path.join(tmp, "libcuda.so.1")
-        subprocess.run([os.environ.get("CC", "cc"), "-O2", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1",
-                        "-o", lib, str(source)], check=True)
+        subprocess.run(
+            [os.environ.get("CC", "cc"), "-O2", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", lib, str(source)],
+            check=True,
+        )
         fake = ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
     (err,) = cu.cuInit(0)
     if err:
@@ -205,8 +209,17 @@ def stub_rows(gpu: CudaBackend, out: int, x: int, stream: int) -> list:
     ptrs = [gpu.alloc(256) for _ in range(6)]
 
     def embed_builder(i: int) -> None:
-        (KernelLaunch(gpu, embed).grid([1, 1, 1]).block([256, 1, 1]).arg_ptr(out).arg_ptr(x)
-         .arg_ptr(out).arg_u32(8).arg_u32(64).launch(stream))
+        (
+            KernelLaunch(gpu, embed)
+            .grid([1, 1, 1])
+            .block([256, 1, 1])
+            .arg_ptr(out)
+            .arg_ptr(x)
+            .arg_ptr(out)
+            .arg_u32(8)
+            .arg_u32(64)
+            .launch(stream)
+        )
 
     def embed_launcher(i: int) -> None:
         batched_embed(gpu, embed, out, x, out, 8, 64, stream)
@@ -214,10 +227,12 @@ def stub_rows(gpu: CudaBackend, out: int, x: int, stream: int) -> list:
     def overlay_launcher(i: int) -> None:
         embed_overlay_routed(gpu, overlay, *ptrs[:2], 1, *ptrs[2:], 8, 64, 1000, stream)
 
-    return [("KernelLaunch builder, batched_embed", embed_builder),
-            ("layers.ops.batched_embed launcher", embed_launcher),
-            ("layers.ops.embed_overlay_routed launcher", overlay_launcher),
-            *gemm_rows(gpu, stream, [(64, 4096, 4096)])]
+    return [
+        ("KernelLaunch builder, batched_embed", embed_builder),
+        ("layers.ops.batched_embed launcher", embed_launcher),
+        ("layers.ops.embed_overlay_routed launcher", overlay_launcher),
+        *gemm_rows(gpu, stream, [(64, 4096, 4096)]),
+    ]
 
 
 def gemm_rows(gpu: CudaBackend, stream: int, shapes: list[tuple[int, int, int]]) -> list:
@@ -228,8 +243,15 @@ def gemm_rows(gpu: CudaBackend, stream: int, shapes: list[tuple[int, int, int]])
     for m, n, k in shapes:
         a, w, c = gpu.alloc(2 * m * k), gpu.alloc(2 * n * k), gpu.alloc(2 * m * n)
         weight = DenseWeight(w, (n, k), BF16)
-        path = gemm.plan(m, n, k, wgmma=gemm.wgmma_available(gpu), tma=gemm.tma_available(gpu),
-                         tma_store=gemm.tma_available(gpu), gemv=gemm.wgmma_available(gpu)).path
+        path = gemm.plan(
+            m,
+            n,
+            k,
+            wgmma=gemm.wgmma_available(gpu),
+            tma=gemm.tma_available(gpu),
+            tma_store=gemm.tma_available(gpu),
+            gemv=gemm.wgmma_available(gpu),
+        ).path
 
         def launcher(i: int, a=a, weight=weight, c=c, m=m, n=n, k=k) -> None:
             gemm.dense_gemm_bf16_pipelined(gpu, kernel, a, weight, c, m, n, k, stream)
@@ -239,13 +261,20 @@ def gemm_rows(gpu: CudaBackend, stream: int, shapes: list[tuple[int, int, int]])
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = bench_parser(__doc__, "bench.launch", "Needs a CUDA GPU, except with --stub; CuPy and cuda.core "
-                          "only for their rows.")
-    parser.add_argument("--stub", action="store_true",
-                        help="no GPU: run on a stubbed driver, so the rows are the Python cost of each path")
-    parser.add_argument("--bindings", action="store_true",
-                        help="with --stub: launch through cuda-bindings' cuLaunchKernel over bench/fake_libcuda.c "
-                             "(needs a C compiler), so the rows include the bindings' argument conversion")
+    parser = bench_parser(
+        __doc__, "bench.launch", "Needs a CUDA GPU, except with --stub; CuPy and cuda.core only for their rows."
+    )
+    parser.add_argument(
+        "--stub",
+        action="store_true",
+        help="no GPU: run on a stubbed driver, so the rows are the Python cost of each path",
+    )
+    parser.add_argument(
+        "--bindings",
+        action="store_true",
+        help="with --stub: launch through cuda-bindings' cuLaunchKernel over bench/fake_libcuda.c "
+        "(needs a C compiler), so the rows include the bindings' argument conversion",
+    )
     return parser
 
 
@@ -264,8 +293,16 @@ def main(argv: list[str] | None = None) -> None:
         gpu.memset(x, 0, 2 * N)
 
         def ours(i: int) -> None:
-            (KernelLaunch(gpu, kernel).grid([1, 1, 1]).block([256, 1, 1])
-             .arg_ptr(out).arg_ptr(x).arg_f32(0.5).arg_u32(N).launch(stream))
+            (
+                KernelLaunch(gpu, kernel)
+                .grid([1, 1, 1])
+                .block([256, 1, 1])
+                .arg_ptr(out)
+                .arg_ptr(x)
+                .arg_f32(0.5)
+                .arg_u32(N)
+                .launch(stream)
+            )
 
         def ours_spec_routed(i: int) -> None:
             SCALED_ADD_ROUTED.launch(gpu, kernel, (1, 1, 1), (256, 1, 1), stream, out=out, x=x, scale=0.5, n=N)
@@ -276,17 +313,21 @@ def main(argv: list[str] | None = None) -> None:
         def ours_spec(i: int) -> None:
             SCALED_ADD.launch(gpu, kernel, (1, 1, 1), (256, 1, 1), stream, out=out, x=x, scale=0.5, n=N)
 
-        cases = [("bare cuLaunchKernel, prebuilt args", bare_launcher(gpu, kernel, out, x, stream)),
-                 ("bare, CUfunction and CUstream objects", bare_launcher(gpu, kernel, out, x, stream, handles=True)),
-                 ("chain floor: the builder's 7 calls, empty, then bare", empty_chain(bare_launcher(
-                     gpu, kernel, out, x, stream, handles=True))),
-                 ("KernelLaunch builder", ours),
-                 ("KernelSpec launch (SCALED_ADD)", ours_spec),
-                 ("KernelSpec launch, no direct route", ours_spec_routed),
-                 ("layers.ops.scaled_add launcher", ours_launcher),
-                 *gemm_rows(gpu, stream, [(1, 64, 64)]),  # a GEMM the GPU runs faster than the host launches it
-                 ("cuda.core launch", None if stub else cuda_core_launcher(gpu, out, x)),
-                 ("CuPy RawKernel", None if stub else cupy_launcher())]
+        cases = [
+            ("bare cuLaunchKernel, prebuilt args", bare_launcher(gpu, kernel, out, x, stream)),
+            ("bare, CUfunction and CUstream objects", bare_launcher(gpu, kernel, out, x, stream, handles=True)),
+            (
+                "chain floor: the builder's 7 calls, empty, then bare",
+                empty_chain(bare_launcher(gpu, kernel, out, x, stream, handles=True)),
+            ),
+            ("KernelLaunch builder", ours),
+            ("KernelSpec launch (SCALED_ADD)", ours_spec),
+            ("KernelSpec launch, no direct route", ours_spec_routed),
+            ("layers.ops.scaled_add launcher", ours_launcher),
+            *gemm_rows(gpu, stream, [(1, 64, 64)]),  # a GEMM the GPU runs faster than the host launches it
+            ("cuda.core launch", None if stub else cuda_core_launcher(gpu, out, x)),
+            ("CuPy RawKernel", None if stub else cupy_launcher()),
+        ]
         if stub:
             cases += stub_rows(gpu, out, x, stream)
         times = {}
@@ -300,19 +341,26 @@ def main(argv: list[str] | None = None) -> None:
                 sync()
             times[name] = min(best)
         bare = times["bare cuLaunchKernel, prebuilt args"]
-        rows = [(name, times.get(name), times[name] / bare if name in times else None)
-                for name, _ in cases]
-        what = ("stubbed driver under the bindings' cuLaunchKernel: Python us per launch" if args.bindings else
-                "stubbed driver: Python us per launch" if stub else "host us per launch")
+        rows = [(name, times.get(name), times[name] / bare if name in times else None) for name, _ in cases]
+        what = (
+            "stubbed driver under the bindings' cuLaunchKernel: Python us per launch"
+            if args.bindings
+            else "stubbed driver: Python us per launch"
+            if stub
+            else "host us per launch"
+        )
         launch_call = "the driver's cuLaunchKernel (which returns at once)" if args.bindings else "cuLaunchKernel"
-        note = ("The driver is stubbed (every call returns at once): each row is a launch path, us/launch the Python "
-                f"it costs on top of {launch_call}, x bare that over the bare call with prebuilt arguments "
-                "(cuda.core and CuPy not run)."
-                if stub else
-                "Each row is a launch path of one kernel; us/launch is host time per launch (tight loop, best of 3), "
-                "x bare that over the bare cuLaunchKernel with prebuilt arguments; - where not installed.")
-        print_table(f"launch cost ({what}, 4-argument kernel unless named)",
-                    ["path", "us/launch", "x bare"], rows, note=note)
+        note = (
+            "The driver is stubbed (every call returns at once): each row is a launch path, us/launch the Python "
+            f"it costs on top of {launch_call}, x bare that over the bare call with prebuilt arguments "
+            "(cuda.core and CuPy not run)."
+            if stub
+            else "Each row is a launch path of one kernel; us/launch is host time per launch (tight loop, best of 3), "
+            "x bare that over the bare cuLaunchKernel with prebuilt arguments; - where not installed."
+        )
+        print_table(
+            f"launch cost ({what}, 4-argument kernel unless named)", ["path", "us/launch", "x bare"], rows, note=note
+        )
 
 
 if __name__ == "__main__":

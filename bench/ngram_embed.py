@@ -20,19 +20,28 @@ import time
 
 import numpy as np
 
-from bench.common import (bench_parser, copy_bandwidth, gated_gpu_us, gpu_time_ms, interleaved_times_us, matmul_rate,
-                          print_table, torch_or_none, torch_stream, torch_time_ms, wall_time_us)
+from bench.common import (
+    bench_parser,
+    copy_bandwidth,
+    gated_gpu_us,
+    gpu_time_ms,
+    interleaved_times_us,
+    matmul_rate,
+    print_table,
+    torch_or_none,
+    torch_stream,
+    torch_time_ms,
+    wall_time_us,
+)
 from gpu_runtime import CudaBackend, DeviceArray, DeviceBuffer
-from layers.ngram_embed import (FusedNgramEmbedding, NgramDims, NgramEmbedding, NgramTable, NgramWeights,
-                                ngram_ids_tail)
 from layers.dense_weight import BF16, DenseWeight
+from layers.ngram_embed import FusedNgramEmbedding, NgramDims, NgramEmbedding, NgramTable, NgramWeights, ngram_ids_tail
 
 SEQ_LENS = (1, 16, 128, 2048, 8192)
 CONTEXT = 4096
 
 
-def device_weight(gpu: CudaBackend, rng: np.random.Generator, rows: int, cols: int,
-                  scale: float) -> DenseWeight:
+def device_weight(gpu: CudaBackend, rng: np.random.Generator, rows: int, cols: int, scale: float) -> DenseWeight:
     """A bf16 weight filled by tiling one random 32 MiB block (cheap to make at 8 GiB)."""
     block = (rng.standard_normal(min(rows * cols, 1 << 24)) * scale).astype(np.float32).astype(BF16)
     buf = DeviceBuffer(gpu, rows * cols * 2)
@@ -49,14 +58,26 @@ def torch_view(gpu: CudaBackend, w: DenseWeight):
     return torch.as_tensor(arr, device="cuda").view(torch.bfloat16)
 
 
-DIMS = NgramDims(vocab_size=131072, hidden_size=4096, max_ngram=3, splits=8,
-                 base_rows=1 << 20, row_bias=0, table_dim=256, eos_id=None)
+DIMS = NgramDims(
+    vocab_size=131072,
+    hidden_size=4096,
+    max_ngram=3,
+    splits=8,
+    base_rows=1 << 20,
+    row_bias=0,
+    table_dim=256,
+    eos_id=None,
+)
 
 
 def make_parser() -> argparse.ArgumentParser:
     parser = bench_parser(__doc__, "bench.ngram_embed")
-    parser.add_argument("--only-fused", action="store_true", default=os.environ.get("NGRAM_BENCH", "all") == "fused",
-                        help="skip the seed-faithful table (default: set by NGRAM_BENCH=fused)")
+    parser.add_argument(
+        "--only-fused",
+        action="store_true",
+        default=os.environ.get("NGRAM_BENCH", "all") == "fused",
+        help="skip the seed-faithful table (default: set by NGRAM_BENCH=fused)",
+    )
     return parser
 
 
@@ -112,20 +133,34 @@ def main(argv: list[str] | None = None) -> None:
                     return o
 
                 torch_ms = torch_time_ms(torch_call, warmup=3, iters=20)
-            rows.append((s, gpu_ms * 1e3, wall_us, hash_us, torch_ms * 1e3 if torch_ms else None,
-                         torch_ms / gpu_ms if torch_ms else None, floor_ms * 1e3, gpu_ms / floor_ms))
-        print(f"measured: copy {bw / 1e12:.2f} TB/s, bf16 matmul "
-              f"{rate / 1e12 if rate else float('nan'):.0f} TFLOP/s; T = {t}, D = {h}, table dim {td}")
+            rows.append(
+                (
+                    s,
+                    gpu_ms * 1e3,
+                    wall_us,
+                    hash_us,
+                    torch_ms * 1e3 if torch_ms else None,
+                    torch_ms / gpu_ms if torch_ms else None,
+                    floor_ms * 1e3,
+                    gpu_ms / floor_ms,
+                )
+            )
+        print(
+            f"measured: copy {bw / 1e12:.2f} TB/s, bf16 matmul "
+            f"{rate / 1e12 if rate else float('nan'):.0f} TFLOP/s; T = {t}, D = {h}, table dim {td}"
+        )
         if rows:
-            print_table("n-gram embedding, seed-faithful path (per call)",
-                        ["S", "GPU us", "wall us", "hash us", "torch us", "torch/ours", "floor us",
-                         "x floor"], rows,
-                        note="Each row is one call embedding S new tokens: GPU us (CUDA events around one call, so "
-                             "the host's hashing and ~2 + 3T launches inside it count: this path is host-bound) and "
-                             "wall us (host, synchronised) per call, hash us the host's n-gram hashing alone, torch "
-                             "eager's time (the same events; it hashes the ids on the host and uploads them inside the call, "
-                             "as ours does) and torch/ours (> 1: ours is "
-                             "faster), the floor us and GPU us over it.")
+            print_table(
+                "n-gram embedding, seed-faithful path (per call)",
+                ["S", "GPU us", "wall us", "hash us", "torch us", "torch/ours", "floor us", "x floor"],
+                rows,
+                note="Each row is one call embedding S new tokens: GPU us (CUDA events around one call, so "
+                "the host's hashing and ~2 + 3T launches inside it count: this path is host-bound) and "
+                "wall us (host, synchronised) per call, hash us the host's n-gram hashing alone, torch "
+                "eager's time (the same events; it hashes the ids on the host and uploads them inside the call, "
+                "as ours does) and torch/ours (> 1: ours is "
+                "faster), the floor us and GPU us over it.",
+            )
         fused_table(gpu, rng, dims, weights, out, stream, bw, rate)
         layer.close()
         weights.close()
@@ -137,8 +172,16 @@ def floor_us(dims: NgramDims, s: int, bw: float, rate: float | None) -> float:
     return max(moved / bw, 2 * s * h * td * t / rate if rate else 0.0) * 1e6
 
 
-def fused_table(gpu: CudaBackend, rng: np.random.Generator, dims: NgramDims, weights: NgramWeights,
-                out: int, stream: int, bw: float, rate: float | None) -> None:
+def fused_table(
+    gpu: CudaBackend,
+    rng: np.random.Generator,
+    dims: NgramDims,
+    weights: NgramWeights,
+    out: int,
+    stream: int,
+    bw: float,
+    rate: float | None,
+) -> None:
     t, td = dims.num_tables(), dims.table_dim()
     fused = FusedNgramEmbedding(weights, max(SEQ_LENS), stream)
     torch = torch_or_none()
@@ -160,8 +203,10 @@ def fused_table(gpu: CudaBackend, rng: np.random.Generator, dims: NgramDims, wei
         graph_us, late2 = gated_gpu_us(lambda i: gpu.launch_graph(exe, stream), stream=stream)
         torch_us = None
         if torch is not None:
-            ids = [torch.from_numpy(np.stack(ngram_ids_tail(dims, ctx, s), 1).astype(np.int64)).cuda()
-                   + offsets for ctx in contexts]
+            ids = [
+                torch.from_numpy(np.stack(ngram_ids_tail(dims, ctx, s), 1).astype(np.int64)).cuda() + offsets
+                for ctx in contexts
+            ]
             new = [torch.from_numpy(ctx[-s:].astype(np.int64)).cuda() for ctx in contexts]
             inv = 1.0 / (1 + t)
 
@@ -174,17 +219,44 @@ def fused_table(gpu: CudaBackend, rng: np.random.Generator, dims: NgramDims, wei
         floor = floor_us(dims, s, bw, rate)
         # ratios from the eager call: it and torch rotate over the same 8 contexts, while the graph
         # replays gather one captured input's rows again and again
-        rows.append((s, eager_us, graph_us, eager_wall, graph_wall, graph_host, torch_us,
-                     torch_us / eager_us if torch_us else None, floor, eager_us / floor, late + late2))
-    print_table("n-gram embedding, fused path (per call)",
-                ["S", "GPU us", "graph GPU us", "wall us", "graph wall us", "graph host us", "torch fused us",
-                 "torch/ours", "floor us", "x floor", "gate expired"], rows,
-                note="Each row is one call embedding S new tokens: GPU us eager and as a graph replay (back to back; "
-                     "the replays repeat one captured input), wall us synchronised and graph host us until the call "
-                     "returned, torch's fused form (back to back behind the same gate, its ids hashed on the host "
-                     "beforehand) and torch/ours against our eager GPU us, the floor us (the 32 MiB of projections "
-                     "counted from HBM, though back to back they stay in L2) and the eager GPU us over it, and the "
-                     "gates expired.")
+        rows.append(
+            (
+                s,
+                eager_us,
+                graph_us,
+                eager_wall,
+                graph_wall,
+                graph_host,
+                torch_us,
+                torch_us / eager_us if torch_us else None,
+                floor,
+                eager_us / floor,
+                late + late2,
+            )
+        )
+    print_table(
+        "n-gram embedding, fused path (per call)",
+        [
+            "S",
+            "GPU us",
+            "graph GPU us",
+            "wall us",
+            "graph wall us",
+            "graph host us",
+            "torch fused us",
+            "torch/ours",
+            "floor us",
+            "x floor",
+            "gate expired",
+        ],
+        rows,
+        note="Each row is one call embedding S new tokens: GPU us eager and as a graph replay (back to back; "
+        "the replays repeat one captured input), wall us synchronised and graph host us until the call "
+        "returned, torch's fused form (back to back behind the same gate, its ids hashed on the host "
+        "beforehand) and torch/ours against our eager GPU us, the floor us (the 32 MiB of projections "
+        "counted from HBM, though back to back they stay in L2) and the eager GPU us over it, and the "
+        "gates expired.",
+    )
 
     # Batched decode: 256 sequences, one new token each, one call.
     n_seq = 256
@@ -196,12 +268,22 @@ def fused_table(gpu: CudaBackend, rng: np.random.Generator, dims: NgramDims, wei
     gwall = wall_time_us(batch_graph, sync, warmup=3, iters=30)
     gpu_us, late = gated_gpu_us(batch, stream=stream, batch=4)
     floor = floor_us(dims, n_seq, bw, rate)
-    print_table(f"batched decode: {n_seq} sequences x 1 token, one call",
-                ["GPU us", "wall us", "graph wall us", "GPU us / seq", "graph wall us / seq",
-                 "floor us", "x floor", "gate expired"],
-                [(gpu_us, wall, gwall, gpu_us / n_seq, gwall / n_seq, floor, gpu_us / floor, late)],
-                note=f"One row: one embed_batch call of {n_seq} sequences: GPU us, wall us eager and with graph=True, "
-                     "per call and per sequence, the floor us and GPU us over it, and the gates expired.")
+    print_table(
+        f"batched decode: {n_seq} sequences x 1 token, one call",
+        [
+            "GPU us",
+            "wall us",
+            "graph wall us",
+            "GPU us / seq",
+            "graph wall us / seq",
+            "floor us",
+            "x floor",
+            "gate expired",
+        ],
+        [(gpu_us, wall, gwall, gpu_us / n_seq, gwall / n_seq, floor, gpu_us / floor, late)],
+        note=f"One row: one embed_batch call of {n_seq} sequences: GPU us, wall us eager and with graph=True, "
+        "per call and per sequence, the floor us and GPU us over it, and the gates expired.",
+    )
     fused.close()
 
 

@@ -17,8 +17,8 @@ forward. Each launch in a batch uses another of ``BATCH`` input sets (more bytes
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import ml_dtypes
 import numpy as np
@@ -31,37 +31,37 @@ from layers.overlay import AdapterOverlay, OverlaySlots, TableOverlay
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 H, TOKENS, ADAPTERS, OVERRIDES, VOCAB = 4096, 256, 4, 64, 131072
-BATCH = 32          # launches per measurement, one input set each
+BATCH = 32  # launches per measurement, one input set each
 ITERS, WARMUP = 15, 3
 
 
 @dataclass
 class Timing:
-    us: float               # median GPU time per launch (or per launch group)
-    gate_expired: int       # measurements whose gate ran out before the batch was queued
+    us: float  # median GPU time per launch (or per launch group)
+    gate_expired: int  # measurements whose gate ran out before the batch was queued
 
 
 def batched_time(stream: int, launch: Callable[[int], None]) -> Timing:
     """Median GPU time of one ``launch(i)`` (i = input set), launches run back to back."""
-    us, expired = gated_gpu_us(lambda i: launch(i % BATCH), stream=stream, batch=BATCH,
-                               warmup=WARMUP, iters=ITERS)
+    us, expired = gated_gpu_us(lambda i: launch(i % BATCH), stream=stream, batch=BATCH, warmup=WARMUP, iters=ITERS)
     return Timing(us, expired)
 
 
 @dataclass
 class InputSet:
     slots: OverlaySlots
-    seq_slot: DevicePtr     # int32[TOKENS], round-robin over the adapters
-    ids_hit: DevicePtr      # uint32[TOKENS], every token an overridden id, each row read once
-    ids_miss: DevicePtr     # uint32[TOKENS], random ids (overrides hit by chance only)
-    out: DevicePtr          # bf16 [TOKENS, H]
-    hidden: DevicePtr       # bf16 [TOKENS, H]
+    seq_slot: DevicePtr  # int32[TOKENS], round-robin over the adapters
+    ids_hit: DevicePtr  # uint32[TOKENS], every token an overridden id, each row read once
+    ids_miss: DevicePtr  # uint32[TOKENS], random ids (overrides hit by chance only)
+    out: DevicePtr  # bf16 [TOKENS, H]
+    hidden: DevicePtr  # bf16 [TOKENS, H]
     logits_bf16: DevicePtr  # bf16 [TOKENS, VOCAB]
-    logits_f32: DevicePtr   # f32 [TOKENS, VOCAB]
+    logits_f32: DevicePtr  # f32 [TOKENS, VOCAB]
 
 
-def make_set(gpu: CudaBackend, rng: np.random.Generator, kernels: OverlayKernels,
-             owned: list[DevicePtr], stream: int) -> InputSet:
+def make_set(
+    gpu: CudaBackend, rng: np.random.Generator, kernels: OverlayKernels, owned: list[DevicePtr], stream: int
+) -> InputSet:
     def upload(host: np.ndarray) -> DevicePtr:
         ptr = gpu.alloc(host.nbytes)
         owned.append(ptr)
@@ -80,8 +80,7 @@ def make_set(gpu: CudaBackend, rng: np.random.Generator, kernels: OverlayKernels
         emb_ids = rng.choice(VOCAB, OVERRIDES, replace=False)
         lm_ids = rng.choice(VOCAB, OVERRIDES, replace=False)
         rows = lambda: rng.standard_normal((OVERRIDES, H), np.float32).astype(BF16)  # noqa: E731
-        slots.load(s, AdapterOverlay(TableOverlay.of(emb_ids, rows()), TableOverlay.of(lm_ids, rows())),
-                   stream)
+        slots.load(s, AdapterOverlay(TableOverlay.of(emb_ids, rows()), TableOverlay.of(lm_ids, rows())), stream)
         mine = np.flatnonzero(seq == s)
         ids_hit[mine] = rng.permutation(emb_ids)[: mine.size]
     return InputSet(
@@ -118,12 +117,12 @@ def main(argv: list[str] | None = None) -> None:
     gpu.synchronize(stream)
 
     def embed_overlay(ids_of: Callable[[InputSet], DevicePtr]) -> Callable[[int], None]:
-        return lambda i: sets[i].slots.embed_overlay(ids_of(sets[i]), sets[i].seq_slot, 0,
-                                                     sets[i].out, TOKENS, stream)
+        return lambda i: sets[i].slots.embed_overlay(ids_of(sets[i]), sets[i].seq_slot, 0, sets[i].out, TOKENS, stream)
 
     def lmhead(dtype: np.dtype, logits_of: Callable[[InputSet], DevicePtr]) -> Callable[[int], None]:
-        return lambda i: sets[i].slots.lmhead_overlay(sets[i].hidden, sets[i].seq_slot, 0,
-                                                      logits_of(sets[i]), TOKENS, stream, dtype=dtype)
+        return lambda i: sets[i].slots.lmhead_overlay(
+            sets[i].hidden, sets[i].seq_slot, 0, logits_of(sets[i]), TOKENS, stream, dtype=dtype
+        )
 
     gather = None
     if gather_kernel:
@@ -133,14 +132,12 @@ def main(argv: list[str] | None = None) -> None:
             batched_embed(gpu, gather_kernel, sets[i].ids_hit, table, sets[i].out, TOKENS, H, stream)
 
     row_bytes = H * 2
-    routing_bytes = TOKENS * (4 + 4 + 4)          # id, seq slot, slot-map entry per token
-    copy_bytes = TOKENS * 2 * row_bytes            # every token: read its row, write it
+    routing_bytes = TOKENS * (4 + 4 + 4)  # id, seq slot, slot-map entry per token
+    copy_bytes = TOKENS * 2 * row_bytes  # every token: read its row, write it
     gather_bytes = TOKENS * (4 + 2 * row_bytes)
     timings: dict[str, Timing] = {
-        "embed overlay, no token overridden": batched_time(stream,
-                                                           embed_overlay(lambda s: s.ids_miss)),
-        "embed overlay, every token overridden": batched_time(stream,
-                                                              embed_overlay(lambda s: s.ids_hit)),
+        "embed overlay, no token overridden": batched_time(stream, embed_overlay(lambda s: s.ids_miss)),
+        "embed overlay, every token overridden": batched_time(stream, embed_overlay(lambda s: s.ids_hit)),
     }
     if gather is not None:
         hit = embed_overlay(lambda s: s.ids_hit)
@@ -149,53 +146,84 @@ def main(argv: list[str] | None = None) -> None:
         def both(i: int) -> None:
             gather(i)
             hit(i)
+
         timings["gather + overlay (every token)"] = batched_time(stream, both)
 
     rows = []
     gather_us = timings["batched_embed gather"].us if "batched_embed gather" in timings else None
-    for name, nbytes in (("batched_embed gather", gather_bytes),
-                         ("embed overlay, no token overridden", routing_bytes),
-                         ("embed overlay, every token overridden", routing_bytes + copy_bytes),
-                         ("gather + overlay (every token)", gather_bytes + routing_bytes + copy_bytes)):
+    for name, nbytes in (
+        ("batched_embed gather", gather_bytes),
+        ("embed overlay, no token overridden", routing_bytes),
+        ("embed overlay, every token overridden", routing_bytes + copy_bytes),
+        ("gather + overlay (every token)", gather_bytes + routing_bytes + copy_bytes),
+    ):
         if name not in timings:
             rows.append([name, None, nbytes / 1e6, None, None, None, None])
             continue
         t = timings[name]
         bw = nbytes / (t.us * 1e-6)
-        rows.append([name, t.us, nbytes / 1e6, bw / 1e9, bw / copy_bw,
-                     None if gather_us is None else t.us / gather_us, t.gate_expired])
-    print_table(f"Embed overlay: h={H}, {TOKENS} tokens, {ADAPTERS} adapters x {OVERRIDES} rows, "
-                f"vocab {VOCAB} (copy bandwidth {copy_bw / 1e9:.0f} GB/s, read + write)",
-                ["kernel", "us", "MB moved", "GB/s", "of copy bw", "x gather", "gate expired"], rows,
-                note="Each row is a kernel (or the pair) over the tokens: median GPU us per launch back to back, the "
-                     "MB it must move, that rate and its share of the copy bandwidth, its time over the plain "
-                     "gather's, and the measurements whose gate expired (those include host time).")
+        rows.append(
+            [
+                name,
+                t.us,
+                nbytes / 1e6,
+                bw / 1e9,
+                bw / copy_bw,
+                None if gather_us is None else t.us / gather_us,
+                t.gate_expired,
+            ]
+        )
+    print_table(
+        f"Embed overlay: h={H}, {TOKENS} tokens, {ADAPTERS} adapters x {OVERRIDES} rows, "
+        f"vocab {VOCAB} (copy bandwidth {copy_bw / 1e9:.0f} GB/s, read + write)",
+        ["kernel", "us", "MB moved", "GB/s", "of copy bw", "x gather", "gate expired"],
+        rows,
+        note="Each row is a kernel (or the pair) over the tokens: median GPU us per launch back to back, the "
+        "MB it must move, that rate and its share of the copy bandwidth, its time over the plain "
+        "gather's, and the measurements whose gate expired (those include host time).",
+    )
 
     pairs = TOKENS * OVERRIDES
     mm = matmul_rate()
     lm_gemm_us = None if mm is None else 2 * TOKENS * VOCAB * H / mm * 1e6
     rows = []
-    for dtype, name, logits_of in ((BF16, "lmhead overlay bf16", lambda s: s.logits_bf16),
-                                   (np.dtype(np.float32), "lmhead overlay f32", lambda s: s.logits_f32)):
+    for dtype, name, logits_of in (
+        (BF16, "lmhead overlay bf16", lambda s: s.logits_bf16),
+        (np.dtype(np.float32), "lmhead overlay f32", lambda s: s.logits_f32),
+    ):
         t = batched_time(stream, lmhead(dtype, logits_of))
-        unique = TOKENS * row_bytes + ADAPTERS * OVERRIDES * (row_bytes + 4) + TOKENS * 4 \
-            + pairs * dtype.itemsize
-        l2_reads = pairs * 2 * row_bytes            # each warp reads its hidden row and its override row
+        unique = TOKENS * row_bytes + ADAPTERS * OVERRIDES * (row_bytes + 4) + TOKENS * 4 + pairs * dtype.itemsize
+        l2_reads = pairs * 2 * row_bytes  # each warp reads its hidden row and its override row
         bw = unique / (t.us * 1e-6)
-        rows.append([name, t.us, unique / 1e6, bw / 1e9, bw / copy_bw, l2_reads / (t.us * 1e-6) / 1e9,
-                     None if lm_gemm_us is None else t.us / lm_gemm_us, t.gate_expired])
-    print_table(f"LM-head overlay: {TOKENS} rows x {OVERRIDES} overrides (one warp each), h={H}, "
-                f"vocab {VOCAB}",
-                ["kernel", "us", "unique MB", "GB/s", "of copy bw", "L2 read GB/s",
-                 "x LM-head GEMM", "gate expired"], rows,
-                note="Each row is the LM-head overlay writing bf16 or f32 logits: median GPU us per launch, the "
-                     "distinct MB it touches, that rate and its share of the copy bandwidth, the rate of every warp's "
-                     "L2 reads, its time over the LM-head GEMM's at the cuBLAS rate, and the gates expired.")
+        rows.append(
+            [
+                name,
+                t.us,
+                unique / 1e6,
+                bw / 1e9,
+                bw / copy_bw,
+                l2_reads / (t.us * 1e-6) / 1e9,
+                None if lm_gemm_us is None else t.us / lm_gemm_us,
+                t.gate_expired,
+            ]
+        )
+    print_table(
+        f"LM-head overlay: {TOKENS} rows x {OVERRIDES} overrides (one warp each), h={H}, vocab {VOCAB}",
+        ["kernel", "us", "unique MB", "GB/s", "of copy bw", "L2 read GB/s", "x LM-head GEMM", "gate expired"],
+        rows,
+        note="Each row is the LM-head overlay writing bf16 or f32 logits: median GPU us per launch, the "
+        "distinct MB it touches, that rate and its share of the copy bandwidth, the rate of every warp's "
+        "L2 reads, its time over the LM-head GEMM's at the cuBLAS rate, and the gates expired.",
+    )
     if lm_gemm_us is not None:
-        print(f"LM-head GEMM at the measured cuBLAS bf16 rate: {lm_gemm_us:.0f} us "
-              f"({2 * TOKENS * VOCAB * H / 1e9:.0f} GFLOP)")
-    print("'gate expired' counts measurements where the host queued the batch slower than the "
-          "gate copy ran: those include host time.")
+        print(
+            f"LM-head GEMM at the measured cuBLAS bf16 rate: {lm_gemm_us:.0f} us "
+            f"({2 * TOKENS * VOCAB * H / 1e9:.0f} GFLOP)"
+        )
+    print(
+        "'gate expired' counts measurements where the host queued the batch slower than the "
+        "gate copy ran: those include host time."
+    )
 
     gpu.synchronize(stream)
     for s in sets:

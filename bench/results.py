@@ -15,7 +15,7 @@ import argparse
 import platform
 import subprocess
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,10 +25,16 @@ def git_commit() -> str | None:
     """HEAD of the checkout this file is in, ``+ uncommitted changes`` when the tree differs;
     None outside a git checkout (the GPU machine gets a copy of the tree without ``.git``)."""
     try:
-        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True, timeout=30)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, timeout=30)
+        head = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=30
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     if head.returncode != 0:
@@ -46,7 +52,8 @@ def device_line() -> str:
 
         with CudaBackend() as gpu:
             version = int(call(cu.cuDriverGetVersion))
-            return f"{gpu.name}, {gpu.sm_count} SMs, L2 {gpu.l2_bytes >> 20} MB, CUDA driver {version // 1000}.{version % 1000 // 10}"
+            driver = f"{version // 1000}.{version % 1000 // 10}"
+            return f"{gpu.name}, {gpu.sm_count} SMs, L2 {gpu.l2_bytes >> 20} MB, CUDA driver {driver}"
     except Exception as exc:  # noqa: BLE001 -- the record still says what it could not ask
         return f"unknown ({type(exc).__name__}: {exc})"
 
@@ -105,11 +112,13 @@ def render(log: str, *, commit: str | None, device: str, when: datetime) -> str:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bench.results", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.results", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("log", type=Path, help="the output of `make bench` (gpu-check: $(LOG_DIR)/bench.log)")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "RESULTS.md",
-                        help="where to write (default: bench/RESULTS.md)")
+    parser.add_argument(
+        "--out", type=Path, default=ROOT / "bench" / "RESULTS.md", help="where to write (default: bench/RESULTS.md)"
+    )
     parser.add_argument("--commit", help="the commit the benchmarks ran on (default: this checkout's HEAD)")
     return parser
 
@@ -119,8 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.log.is_file():
         parser.error(f"no benchmark log at {args.log}")
-    text = render(args.log.read_text(), commit=args.commit or git_commit(), device=device_line(),
-                  when=datetime.now(timezone.utc))
+    text = render(
+        args.log.read_text(), commit=args.commit or git_commit(), device=device_line(), when=datetime.now(UTC)
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     print(f"bench.results: wrote {args.out} ({text.count(chr(10))} lines)", file=sys.stderr)

@@ -44,23 +44,31 @@ def _weights(gpu: CudaBackend, rng: np.random.Generator, shard: NgramShard | Non
     dims, h, td = DIMS, DIMS.hidden_size, DIMS.table_dim()
     rows = dims.vocab_size if shard is None else shard.word_rows
     word = device_weight(gpu, rng, rows, h, 1.0)
-    tables = [NgramTable.Bf16(device_weight(gpu, rng, dims.table_rows(c), td, 1.0))
-              if shard is None or c in shard.tables else NgramTable.Absent(dims.table_rows(c), td)
-              for c in range(dims.num_tables())]
-    projs = [device_weight(gpu, rng, h, td, td ** -0.5) for _ in range(dims.num_tables())]
+    tables = [
+        NgramTable.Bf16(device_weight(gpu, rng, dims.table_rows(c), td, 1.0))
+        if shard is None or c in shard.tables
+        else NgramTable.Absent(dims.table_rows(c), td)
+        for c in range(dims.num_tables())
+    ]
+    projs = [device_weight(gpu, rng, h, td, td**-0.5) for _ in range(dims.num_tables())]
     weights = NgramWeights(dims, word, tables, projs, gpu, shard=shard)
     weights.own(word, *(t.weight for t in tables if not isinstance(t, NgramTable.Absent)), *projs)
     return weights
 
 
 def _table_gib(tables) -> float:
-    return sum(t.weight.shape[0] * t.weight.shape[1] * 2 for t in tables if not isinstance(t, NgramTable.Absent)) / 2**30
+    return (
+        sum(t.weight.shape[0] * t.weight.shape[1] * 2 for t in tables if not isinstance(t, NgramTable.Absent)) / 2**30
+    )
 
 
 def make_parser() -> argparse.ArgumentParser:
-    return bench_parser(__doc__, "bench.tensor_parallel",
-                        "Needs two CUDA GPUs and the multi-gpu extra (pip install '.[multi-gpu]'); without them "
-                        "it says why and exits 0.")
+    return bench_parser(
+        __doc__,
+        "bench.tensor_parallel",
+        "Needs two CUDA GPUs and the multi-gpu extra (pip install '.[multi-gpu]'); without them "
+        "it says why and exits 0.",
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -88,11 +96,17 @@ def main(argv: list[str] | None = None) -> None:
         for g, s in zip(gpus, streams):
             g.synchronize(s)
 
-    print(f"tables per GPU: TP = 1 {_table_gib(full.tables):.2f} GiB; TP = 2 "
-          + ", ".join(f"rank {r} {_table_gib(w.tables):.2f} GiB" for r, w in enumerate(shards)))
+    print(
+        f"tables per GPU: TP = 1 {_table_gib(full.tables):.2f} GiB; TP = 2 "
+        + ", ".join(f"rank {r} {_table_gib(w.tables):.2f} GiB" for r, w in enumerate(shards))
+    )
     big = gpus[0].alloc(BUS_BYTES), gpus[1].alloc(BUS_BYTES)
-    bus_us = wall_time_us(lambda i: group.allreduce_bf16_all([(big[r], BUS_BYTES // 2, streams[r]) for r in range(2)]),
-                          sync, warmup=3, iters=10)
+    bus_us = wall_time_us(
+        lambda i: group.allreduce_bf16_all([(big[r], BUS_BYTES // 2, streams[r]) for r in range(2)]),
+        sync,
+        warmup=3,
+        iters=10,
+    )
     bus_bw = 2 * (2 - 1) / 2 * BUS_BYTES / (bus_us * 1e-6)
     print(f"NCCL all-reduce of {BUS_BYTES >> 20} MiB: {bus_us:.0f} us, bus bandwidth {bus_bw / 1e9:.0f} GB/s")
 
@@ -101,23 +115,37 @@ def main(argv: list[str] | None = None) -> None:
         contexts = [rng.integers(0, dims.vocab_size, CONTEXT + s) for _ in range(seqs)]
         lens = [s] * seqs
         n = seqs * s
-        tp1 = wall_time_us(lambda i: single.embed_batch(contexts, lens, outs[0], streams[0]), sync,
-                           warmup=3, iters=20)
-        tp2 = wall_time_us(lambda i: embed_all(group, ranks, contexts, lens, outs, streams), sync, warmup=3,
-                           iters=20)
+        tp1 = wall_time_us(lambda i: single.embed_batch(contexts, lens, outs[0], streams[0]), sync, warmup=3, iters=20)
+        tp2 = wall_time_us(lambda i: embed_all(group, ranks, contexts, lens, outs, streams), sync, warmup=3, iters=20)
         count = ranks[0].projection.reduce_count(n)
-        ar = wall_time_us(lambda i: group.allreduce_bf16_all([(int(rk.projection.buf), count, st)
-                                                               for rk, st in zip(ranks, streams)]),
-                          sync, warmup=3, iters=20)
+        ar = wall_time_us(
+            lambda i: group.allreduce_bf16_all([(int(rk.projection.buf), count, st) for rk, st in zip(ranks, streams)]),
+            sync,
+            warmup=3,
+            iters=20,
+        )
         at_bw = 2 * (2 - 1) / 2 * count * 2 / bus_bw * 1e6
-        rows.append((label, n, tp1, tp2, tp1 / tp2, reduce_bytes(dims, n)["gathered rows (bf16)"] >> 10, ar,
-                     ar / tp2, at_bw))
-    print_table("TP = 2 against TP = 1 (wall us per step, both GPUs synchronised)",
-                ["step", "rows", "TP=1 us", "TP=2 us", "TP1/TP2", "all-reduce KiB", "all-reduce us",
-                 "share of TP=2", "at bus bw us"], rows,
-                note="Each row is one step shape: rows embedded, median wall us per step at TP = 1 and TP = 2 and "
-                     "the speed-up, then the all-reduce: its KiB, its wall us alone, its share of the TP = 2 step, and "
-                     "its time at the measured bus bandwidth.")
+        rows.append(
+            (label, n, tp1, tp2, tp1 / tp2, reduce_bytes(dims, n)["gathered rows (bf16)"] >> 10, ar, ar / tp2, at_bw)
+        )
+    print_table(
+        "TP = 2 against TP = 1 (wall us per step, both GPUs synchronised)",
+        [
+            "step",
+            "rows",
+            "TP=1 us",
+            "TP=2 us",
+            "TP1/TP2",
+            "all-reduce KiB",
+            "all-reduce us",
+            "share of TP=2",
+            "at bus bw us",
+        ],
+        rows,
+        note="Each row is one step shape: rows embedded, median wall us per step at TP = 1 and TP = 2 and "
+        "the speed-up, then the all-reduce: its KiB, its wall us alone, its share of the TP = 2 step, and "
+        "its time at the measured bus bandwidth.",
+    )
     sync()
     group.close()
     for runner in (*ranks, single):

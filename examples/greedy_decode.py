@@ -12,10 +12,12 @@ copy at the end; the first CHECK steps are compared with a numpy re-run of the l
 Needs a CUDA GPU and the package installed (``pip install .``): python examples/greedy_decode.py
 """
 
+import sys
+
 import ml_dtypes
 import numpy as np
 
-from gpu_runtime import CudaBackend, DeviceArray
+from gpu_runtime import CudaBackend, DeviceArray, NoDeviceError
 from layers.kernel_files import load_kernel
 from layers.ngram_embed import NgramDecoder, NgramDims, NgramWeights, ngram_ids_tail
 from layers.ops import dense_gemm_bf16_pipelined, embed_from_argmax
@@ -117,4 +119,7 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except NoDeviceError as exc:  # one line, not a traceback
+        sys.exit(f"{exc}\nThis example needs a CUDA GPU; examples/cpu_reference.py runs without one.")

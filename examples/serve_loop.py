@@ -32,13 +32,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
 
 import ml_dtypes
 import numpy as np
 
-from gpu_runtime import CudaBackend, DeviceArray
+from gpu_runtime import CudaBackend, DeviceArray, NoDeviceError
 from layers.ngram_embed import (
     NO_ADAPTER,
     PAD_SLOT,
@@ -533,4 +534,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except NoDeviceError as exc:  # one line, not a traceback
+        sys.exit(f"{exc}\nThis example needs a CUDA GPU; examples/cpu_reference.py runs without one.")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -105,6 +106,8 @@ def main(
     """Compile ``files`` (or ``default_files()`` when none are named); 1 if any failed."""
     parser = parser or make_parser()
     args = parser.parse_args(argv)
+    if args.arch and not re.fullmatch(r"(sm_\d{2,3}a?|compute_\d{2,3}a?)", args.arch):
+        parser.error(f"--arch {args.arch}: not sm_XX[a] or compute_XX (e.g. sm_90a, sm_80, compute_90)")
     arch = args.arch or default_arch()
     files = args.files or (default_files() if default_files else [])
     if not files:

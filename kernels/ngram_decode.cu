@@ -27,7 +27,8 @@
 // or an adapter index >= num_adapters (not kNoAdapter) set a bit of ctrl[0] (atomicOr); the
 // affected rows get zero gathered rows and the word id kNoWord (the GEMM epilogue then writes
 // zeros), a bad token is kept in the history as kNoToken (it ends later tokens' look-back, as a
-// sequence start does), and a bad sequence, fork or rollback leaves its slots untouched. Two
+// sequence start does), and a bad sequence, fork or rollback leaves its slots untouched
+// (cu_seqlens that go down: which rows are zeroed and which sequences append is unspecified). Two
 // sequences of one call on the same slot (or a fork whose destination is another pair's source
 // or destination) race on that slot's history (in bounds, result unspecified).
 #include "ngram_hash.cuh"

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -98,7 +99,11 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = make_parser().parse_args(argv)
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    if shutil.which("compute-sanitizer") is None:
+        parser.exit(2, f"{parser.prog}: compute-sanitizer is not on PATH (it comes with the CUDA toolkit, not with "
+                       "the pip packages: add the toolkit's bin folder to PATH)\n")
     args.log_dir.mkdir(parents=True, exist_ok=True)
     ids = collect(args.paths)
     jobs = [(tool, k, ids[k::n]) for tool in args.tools

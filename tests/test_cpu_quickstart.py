@@ -226,14 +226,15 @@ def test_readme_shows_the_examples_output():
 
 
 def test_readme_quickstart_runs_as_written_from_a_fresh_copy(tmp_path):
-    """Each command of the README's quickstart, as written, in a copy of the checkout (what git
-    tracks or would track: no build outputs, no virtual environments) with a new virtual
-    environment first on PATH, no GPU visible and no kernel cache: two commands, no ``make``,
-    and the last prints the README's output."""
+    """The README's quickstart, as written, in one shell in a copy of the checkout (what git
+    tracks or would track: no build outputs, no virtual environments), no GPU visible and no
+    kernel cache: three commands (the first makes and enters the virtual environment), no
+    ``make``, and the last prints the README's output."""
     commands = _readme_commands()
+    assert len(commands) == 3 and commands[0].startswith("python3 -m venv "), commands
+    assert not any(c.startswith("make") for c in commands), commands
     if not _registry_reachable(tmp_path):
         pytest.skip("no package registry reachable: the README's `pip install .` fetches its build backend from one")
-    assert len(commands) == 2 and not any(c.startswith("make") for c in commands), commands
     clone = tmp_path / "clone"
     listed = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
@@ -249,17 +250,13 @@ def test_readme_quickstart_runs_as_written_from_a_fresh_copy(tmp_path):
         ignore = shutil.ignore_patterns(".git", ".ci/venv", "venv", ".venv", "__pycache__", "*.egg-info", "build",
                                         "dist", ".logs", ".pytest_cache", ".mypy_cache", ".ruff_cache")
         shutil.copytree(ROOT, clone, ignore=ignore)
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
     env = _env(tmp_path)
     env.pop("PYTHONPATH", None)  # the new environment's install only
-    env.update(VIRTUAL_ENV=str(venv), PATH=os.pathsep.join([str(venv / "bin"), env.get("PATH", "")]))
-    outputs = []
-    for command in commands:
-        done = subprocess.run(
-            ["bash", "-c", command], cwd=clone, env=env, capture_output=True, text=True, timeout=600
-        )
-        assert done.returncode == 0, f"{command}\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
-        outputs.append(done.stdout)
-    assert outputs[-1].splitlines() == EXPECTED
+    env.pop("VIRTUAL_ENV", None)
+    marker = "---- output of the last command ----"
+    script = "\n".join(["set -e", *commands[:-1], f"echo '{marker}'", commands[-1]])
+    done = subprocess.run(["bash", "-c", script], cwd=clone, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, f"{script}\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+    assert (clone / ".venv" / "bin" / "python3").exists()
+    assert done.stdout.split(marker + "\n", 1)[1].splitlines() == EXPECTED
     assert not (tmp_path / "kernel-cache").exists()

@@ -251,6 +251,7 @@ def test_host_placement_builds_host_tables_and_gathers_through_them(placement):
     gpu.launches.clear()
     layer.embed(np.arange(10) % dims.vocab_size, 4, OUT, gpu, stream=3)
     gathers = [l for l in gpu.launches if gpu.kernel_of(l)[1].startswith("batched_embed")][1:]  # after the word rows
+    assert len(gathers) == dims.num_tables()  # one gather a table, host tables among them
     for launch, table in zip(gathers, weights.tables):
         name, w = gpu.kernel_of(launch)[1], table.weight
         if w.dtype == FP8:

@@ -42,6 +42,14 @@ def _read(gpu, ptr: int, shape: tuple[int, ...], stream: int = 0) -> np.ndarray:
     return bits(out)
 
 
+def _read_written(gpu, ptr: int, shape: tuple[int, ...], stream: int = 0) -> np.ndarray:
+    """``_read`` of an output its cycle poisoned first (0xFF bytes: NaN), proving every element
+    was written by that cycle."""
+    got = _read(gpu, ptr, shape, stream)
+    assert not (got == 0xFFFF).any(), "the last cycle left output elements unwritten"
+    return got
+
+
 # -- 1. Leaks (GPU) ---------------------------------------------------------------------------
 # Each case yields (cycle, probe): cycle builds, uses and closes the thing once; probe reads what
 # the last cycle computed, which must not change from the first cycle to the last.
@@ -59,12 +67,13 @@ def _layer_cycle(gpu, rng, tmp_path):
     host, ctx = random_layer(rng, dims, "bf"), rng.integers(0, dims.vocab_size, 12)
     out = gpu.alloc(2 * 8 * dims.hidden_size * 2)  # the seed's rows, then the fused path's
     def cycle() -> None:
+        gpu.memset(out, 0xFF, 2 * 8 * dims.hidden_size * 2, 0)
         with NgramWeights.from_numpy(dims, host.word, _tables(host), host.projs, gpu) as weights, \
                 NgramEmbedding(weights, 8) as layer, FusedNgramEmbedding(weights, 8) as fused:
             layer.embed(ctx, 8, out, gpu)
             fused.embed(ctx, 8, out.offset(8 * dims.hidden_size * 2))
     try:
-        yield cycle, lambda: _read(gpu, out, (2, 8, dims.hidden_size))
+        yield cycle, lambda: _read_written(gpu, out, (2, 8, dims.hidden_size))
     finally:
         gpu.synchronize()
         gpu.free(out)
@@ -80,12 +89,13 @@ def _fused_cycle(gpu, rng, tmp_path):
     stream, out = gpu.create_stream(), gpu.alloc(8 * dims.hidden_size * 2)
     gpu.synchronize()  # weights went up on the default stream, which `stream` does not wait for
     def cycle() -> None:
+        gpu.memset(out, 0xFF, 8 * dims.hidden_size * 2, stream)
         with FusedNgramEmbedding(weights, 8, stream) as fused:
             fused.embed(ctx, 8, out, stream, graph=True)
             fused.embed(ctx, 8, out, stream, graph=True)
         assert not weights.closed
     try:
-        yield cycle, lambda: _read(gpu, out, (8, dims.hidden_size), stream)
+        yield cycle, lambda: _read_written(gpu, out, (8, dims.hidden_size), stream)
     finally:
         gpu.destroy_stream(stream)
         gpu.free(out)

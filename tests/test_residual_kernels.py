@@ -21,10 +21,16 @@ BF16 = ml_dtypes.bfloat16
 def test_scaled_add_bit_exact(gpu, rng, n, scale, misalign):
     kernel = load_kernel(gpu, "residual_add", "bf16_scaled_add")
     out0, x = random_bf16(rng, n, 4.0), random_bf16(rng, n)
+    # every 4th element from -0.0 with a positive x: the result's bits differ from out0's at any
+    # scale (+0.0 at scale 0, scale * x otherwise), so an element left unwritten cannot pass
+    out0[::4] = -0.0
+    x[::4] = np.maximum(np.abs(x[::4].astype(np.float32)), 0.5).astype(BF16)
+    want = ref.scaled_add(out0, x, scale)
+    assert (bits(want)[::4] != bits(out0)[::4]).all()
     with Guarded(gpu, n, BF16, rng, misalign) as o, Guarded(gpu, n, BF16, rng) as g:
         o.upload(out0), g.upload(x)
         scaled_add(gpu, kernel, o.ptr, g.ptr, scale, n, 0)
-        np.testing.assert_array_equal(bits(o.read()), bits(ref.scaled_add(out0, x, scale)))
+        np.testing.assert_array_equal(bits(o.read()), bits(want))
         o.assert_guards_intact()
         g.assert_guards_intact()
 

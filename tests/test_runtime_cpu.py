@@ -39,33 +39,33 @@ def test_launch_records_kinds_values_and_shape():
     assert launch.args == [0x1000, 7, -5, 0.5, 2**63]
 
 
-@pytest.mark.parametrize("build, error", [
-    (lambda L: L.arg_u32(-1), ValueError),
-    (lambda L: L.arg_u32(2**32), ValueError),
-    (lambda L: L.arg_u32(1.0), TypeError),
-    (lambda L: L.arg_u32(True), TypeError),
-    (lambda L: L.arg_u32("3"), TypeError),
-    (lambda L: L.arg_i32(2**31), ValueError),
-    (lambda L: L.arg_i32(-(2**31) - 1), ValueError),
-    (lambda L: L.arg_u64(2**64), ValueError),
-    (lambda L: L.arg_u64(-1), ValueError),
-    (lambda L: L.arg_ptr(-1), ValueError),
-    (lambda L: L.arg_ptr(1.5), TypeError),
-    (lambda L: L.arg_f32("x"), TypeError),
-    (lambda L: L.arg_f32(1e39), ValueError),
-    (lambda L: L.grid([0, 1, 1]), ValueError),
-    (lambda L: L.grid([1, 65536, 1]), ValueError),
-    (lambda L: L.grid([2**31, 1, 1]), ValueError),
-    (lambda L: L.grid([1, 1]), ValueError),
-    (lambda L: L.block([1025, 1, 1]), ValueError),
-    (lambda L: L.block([32, 32, 2]), ValueError),
-    (lambda L: L.block([1, 1, 65]), ValueError),
-    (lambda L: L.block([0, 1, 1]), ValueError),
-    (lambda L: L.shared_mem(-1), ValueError),
+@pytest.mark.parametrize("build, error, match", [
+    (lambda L: L.arg_u32(-1), ValueError, "-1 does not fit u32"),
+    (lambda L: L.arg_u32(2**32), ValueError, "4294967296 does not fit u32"),
+    (lambda L: L.arg_u32(1.0), TypeError, "u32 argument must be an int, got float"),
+    (lambda L: L.arg_u32(True), TypeError, "got bool"),
+    (lambda L: L.arg_u32("3"), TypeError, "got str"),
+    (lambda L: L.arg_i32(2**31), ValueError, "does not fit i32"),
+    (lambda L: L.arg_i32(-(2**31) - 1), ValueError, "does not fit i32"),
+    (lambda L: L.arg_u64(2**64), ValueError, "does not fit u64"),
+    (lambda L: L.arg_u64(-1), ValueError, "does not fit u64"),
+    (lambda L: L.arg_ptr(-1), ValueError, "does not fit pointer"),
+    (lambda L: L.arg_ptr(1.5), TypeError, "pointer argument must be an int"),
+    (lambda L: L.arg_f32("x"), TypeError, "f32 needs a real number"),
+    (lambda L: L.arg_f32(1e39), ValueError, "overflows f32"),
+    (lambda L: L.grid([0, 1, 1]), ValueError, "each dimension must be in"),
+    (lambda L: L.grid([1, 65536, 1]), ValueError, "each dimension must be in"),
+    (lambda L: L.grid([2**31, 1, 1]), ValueError, "each dimension must be in"),
+    (lambda L: L.grid([1, 1]), ValueError, "must have 3 dimensions"),
+    (lambda L: L.block([1025, 1, 1]), ValueError, "each dimension must be in"),
+    (lambda L: L.block([32, 32, 2]), ValueError, "more than 1024 threads"),
+    (lambda L: L.block([1, 1, 65]), ValueError, "each dimension must be in"),
+    (lambda L: L.block([0, 1, 1]), ValueError, "each dimension must be in"),
+    (lambda L: L.shared_mem(-1), ValueError, "shared_mem must be in"),
 ])
-def test_launch_refuses_bad_values(build, error):
+def test_launch_refuses_bad_values(build, error, match):
     gpu = RecordingBackend()
-    with pytest.raises(error):
+    with pytest.raises(error, match=match):
         build(KernelLaunch(gpu, gpu.kernel("m", "k")))
     assert gpu.launches == []
 
@@ -73,7 +73,13 @@ def test_launch_refuses_bad_values(build, error):
 def test_launch_refuses_null_kernel():
     with pytest.raises(ValueError, match="null kernel"):
         KernelLaunch(RecordingBackend(), KernelHandle(0))
-    assert KernelLaunch.new(RecordingBackend(), KernelHandle(3)) is not None
+    with pytest.raises(ValueError, match="null kernel"):
+        KernelLaunch.new(RecordingBackend(), KernelHandle(0))
+    gpu = RecordingBackend()
+    kernel = gpu.kernel("m", "k")
+    KernelLaunch.new(gpu, kernel).grid([2, 1, 1]).block([32, 1, 1]).arg_u32(7).launch(0)
+    (launch,) = gpu.launches
+    assert (launch.kernel, launch.grid, launch.block, launch.args) == (kernel, (2, 1, 1), (32, 1, 1), [7])
 
 
 def test_extreme_values_accepted():

@@ -135,26 +135,33 @@ def test_spec_launch_binds_by_name_and_refuses_a_swapped_spec(tgpu, rng):
         np.testing.assert_array_equal(back, host + np.uint32(12))  # nothing ran
 
 
-def test_layer_spec_launch_equals_the_launcher(gpu, rng):
+def test_the_layer_launcher_the_spec_and_the_builder_each_equal_the_reference(gpu, rng):
+    """``scaled_add`` (a spec launch), the spec launched by hand and the seed's positional
+    builder, each into its own output from the same start, each bit for bit the numpy reference
+    (so a wrong kernel or argument order cannot pass by agreeing with itself)."""
     import ml_dtypes
 
+    from layers import reference as ref
     from layers.ops import scaled_add
     from layers.ops.specs import SCALED_ADD
+    from tests.helpers import bits
 
     n = 3001
     kernel = load_kernel(gpu, "residual_add", "bf16_scaled_add")
     x = rng.standard_normal(n).astype(ml_dtypes.bfloat16)
     base = rng.standard_normal(n).astype(ml_dtypes.bfloat16)
-    outs = []
+    want = bits(ref.scaled_add(base, x, -0.37))
+    assert (want != bits(base)).any()
     with DeviceBuffer.upload(gpu, x) as xd, DeviceBuffer.upload(gpu, base) as a, \
-            DeviceBuffer.upload(gpu, base) as b:
+            DeviceBuffer.upload(gpu, base) as b, DeviceBuffer.upload(gpu, base) as c:
         scaled_add(gpu, kernel, a, xd, -0.37, n, 0)
         SCALED_ADD.launch(gpu, kernel, (2, 1, 1), (256, 1, 1), 0, out=b, x=xd, scale=-0.37, n=n)
-        for buf in (a, b):
+        (KernelLaunch(gpu, kernel).grid([2, 1, 1]).block([256, 1, 1])
+         .arg_ptr(c.ptr).arg_ptr(xd.ptr).arg_f32(-0.37).arg_u32(n).launch(0))
+        for buf in (a, b, c):
             got = np.empty(n, ml_dtypes.bfloat16)
             gpu.copy_d2h(got, buf)
-            outs.append(got.view(np.uint16))
-    np.testing.assert_array_equal(outs[0], outs[1])
+            np.testing.assert_array_equal(bits(got), want)
 
 
 def test_param_info_check_without_source_signature(tgpu):

@@ -55,10 +55,13 @@ def test_shards_split_tables_and_word_rows_exactly_once(size):
     assert [s.holds_word(499) for s in shards] == [r == size - 1 for r in range(size)]
 
 
-@pytest.mark.parametrize("rank, size, error", [(0, 5, ValueError), (2, 2, ValueError), (-1, 2, ValueError),
-                                               (0, 0, ValueError), (0.0, 2, TypeError)])
-def test_bad_ranks_are_refused(rank, size, error):
-    with pytest.raises(error):
+@pytest.mark.parametrize("rank, size, error, match", [
+    (0, 5, ValueError, "size 5 over the 4 tables"), (2, 2, ValueError, "rank 2 out of range"),
+    (-1, 2, ValueError, "rank must be a non-negative int"), (0, 0, ValueError, "size must be an int >= 1"),
+    (0.0, 2, TypeError, "rank must be an int, got float"),
+])
+def test_bad_ranks_are_refused(rank, size, error, match):
+    with pytest.raises(error, match=match):
         NgramShard.of(_dims(), rank, size)
 
 

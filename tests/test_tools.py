@@ -219,3 +219,19 @@ def test_every_bench_table_has_a_header_line():
                 note = next((k.value for k in node.keywords if k.arg == "note"), None)
                 assert note is not None, f"{path.name}:{node.lineno}: print_table without note="
     assert calls >= 19
+
+
+@pytest.mark.parametrize("arch", ["bogus", "sm90", "sm_9x", "compute_"])
+def test_a_bad_target_is_one_usage_error(arch, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        precompile.main(["--arch", arch, str(ROOT / "kernels" / "residual_add.cu")])
+    assert exit_.value.code == 2 and f"--arch {arch}: not sm_XX[a] or compute_XX" in capsys.readouterr().err
+
+
+def test_sanitize_without_compute_sanitizer_says_so(monkeypatch, capsys):
+    from tests import sanitize
+
+    monkeypatch.setattr(sanitize.shutil, "which", lambda name: None)
+    with pytest.raises(SystemExit) as exit_:
+        sanitize.main(["--tools", "memcheck"])
+    assert exit_.value.code == 2 and "compute-sanitizer is not on PATH" in capsys.readouterr().err

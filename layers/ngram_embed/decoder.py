@@ -190,9 +190,9 @@ class NgramDecoder(Closing):
 
     def rollback(self, slots: Buffer, counts: Buffer, num_seqs: int, stream: int = 0) -> None:
         """Drop the last ``counts[s]`` tokens (u32, on the device) of slot ``slots[s]``'s history;
-        down to at most ``max_draft`` below the highest position the slot has held, so always
-        the last call's tokens (deeper: ``DecodeError.ROLLBACK``, the slot untouched). A
-        ``PAD_SLOT`` entry is skipped."""
+        down to at most ``max_draft`` below the highest position the slot has held: always the
+        last call's tokens, further only within that bound (deeper: ``DecodeError.ROLLBACK``,
+        the slot untouched). A ``PAD_SLOT`` entry is skipped."""
         num_seqs, _ = self._sizes(num_seqs, 0)
         slots = self._index(slots, num_seqs, "slots")
         counts = self._index(counts, num_seqs, "counts")

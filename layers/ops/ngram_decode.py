@@ -36,7 +36,7 @@ class DecodeError(enum.IntFlag):
     TOKEN = 1  # a token >= vocab: its row was zeroed, it ends later look-backs
     SLOT = 2  # a slot >= max_seqs: that sequence's rows were zeroed, no history touched
     SEQLENS = 4  # cu_seqlens not 0 <= ... <= num_tokens, non-decreasing: rows left out zeroed
-    ROLLBACK = 8  # a rollback count deeper than the history (over max_draft): slot unchanged
+    ROLLBACK = 8  # a rollback past max_draft below the slot's highest position: slot unchanged
     ADAPTER = 16  # an adapter index >= the adapter slots (not NO_ADAPTER): its rows zeroed
 
 

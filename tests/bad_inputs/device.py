@@ -85,7 +85,7 @@ class BatchedEmbedRig(Rig):
 
     def good(self, kernel):
         table, ids = random_bf16(self.rng, (300, 40)), self.rng.integers(0, 300, 17, dtype=np.uint32)
-        self.table.upload(table), self.ids.upload(ids)
+        self.table.upload(table), self.ids.upload(ids), self.out.poison()
         self.call(self.gpu, kernel)
         np.testing.assert_array_equal(bits(self.out.read()), bits(ref.batched_embed(table, ids)))
 
@@ -124,7 +124,7 @@ class GemmRig(Rig):
         # small integers: every fp32 sum is exact and fits bf16, so the answer is bit-exact
         a = self.rng.integers(-2, 3, (self.M, self.K)).astype(np.float32)
         w = self.rng.integers(-2, 3, (self.N, self.K)).astype(np.float32)
-        self.a.upload(a.astype(BF16)), self.w.upload(w.astype(BF16))
+        self.a.upload(a.astype(BF16)), self.w.upload(w.astype(BF16)), self.c.poison()
         self.call(self.gpu, kernel)
         np.testing.assert_array_equal(bits(self.c.read()), bits((a @ w.T).astype(BF16)))
 
@@ -146,7 +146,7 @@ class RowdiffRig(Rig):
         base = served.copy()
         changed = self.rng.choice(50, 7, replace=False)
         base[changed, self.rng.integers(0, 24, 7)] = random_bf16(self.rng, 7, 10.0)
-        self.base.upload(base), self.served.upload(served)
+        self.base.upload(base), self.served.upload(served), self.flags.poison()
         self.call(self.gpu, kernel)
         np.testing.assert_array_equal(self.flags.read(), ref.rowdiff_ref(base, served, 0.0))
 
@@ -200,6 +200,7 @@ class NgramGatherRig(Rig):
                     max_ngram=d.max_ngram, splits=d.splits, table_dim=d.table_dim(), eos=d.eos_id, stream=0)
 
     def good(self, kernel):
+        self.out.poison(), self.ids.poison()
         self.call(self.gpu, kernel)
         np.testing.assert_array_equal(self.ids.read(), self.tables.want_ids)
         np.testing.assert_array_equal(bits(self.out.read()), bits(self.tables.want_out))

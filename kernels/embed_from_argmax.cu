@@ -12,10 +12,14 @@ namespace {
 
 using row_copy::kWarp;
 
-__device__ __forceinline__ uint32_t global_warp() {
-    return (blockIdx.x * blockDim.x + threadIdx.x) / kWarp;
+// 64-bit: for n >= 2**27 rows the grid's threads pass 2**32, and n near 2**32 wraps a 32-bit
+// row index plus the stride.
+__device__ __forceinline__ uint64_t global_warp() {
+    return (static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
 }
-__device__ __forceinline__ uint32_t warp_count() { return gridDim.x * blockDim.x / kWarp; }
+__device__ __forceinline__ uint64_t warp_count() {
+    return static_cast<uint64_t>(gridDim.x) * blockDim.x / kWarp;
+}
 __device__ __forceinline__ uint32_t lane() { return threadIdx.x % kWarp; }
 
 }  // namespace
@@ -24,7 +28,7 @@ __device__ __forceinline__ uint32_t lane() { return threadIdx.x % kWarp; }
 extern "C" __global__ void batched_embed(const uint32_t* ids, const bf16* table, bf16* out,
                                          uint32_t n, uint32_t dim) {
     const bool vec = row_copy::bf16_vec(table, out, dim);
-    for (uint32_t row = global_warp(); row < n; row += warp_count()) {
+    for (uint64_t row = global_warp(); row < n; row += warp_count()) {
         const uint64_t id = ids[row];
         row_copy::copy_bf16_row(table + id * dim, out + static_cast<uint64_t>(row) * dim, dim,
                                 vec, row_copy::Warp{lane()});
@@ -37,7 +41,7 @@ extern "C" __global__ void batched_embed_shard(const uint32_t* ids, const bf16* 
                                                uint32_t n, uint32_t dim, uint32_t lo,
                                                uint32_t count) {
     const bool vec = row_copy::bf16_vec(table, out, dim);
-    for (uint32_t row = global_warp(); row < n; row += warp_count()) {
+    for (uint64_t row = global_warp(); row < n; row += warp_count()) {
         const uint32_t id = ids[row] - lo;  // wraps below lo: out of range too
         bf16* dst = out + static_cast<uint64_t>(row) * dim;
         if (id < count) {
@@ -54,7 +58,7 @@ extern "C" __global__ void batched_embed_fp8(const uint32_t* ids, const fp8* tab
                                              const float* row_scale, bf16* out, uint32_t n,
                                              uint32_t dim) {
     const bool vec = row_copy::fp8_vec(table, out, dim);
-    for (uint32_t row = global_warp(); row < n; row += warp_count()) {
+    for (uint64_t row = global_warp(); row < n; row += warp_count()) {
         const uint64_t id = ids[row];
         row_copy::copy_fp8_row(reinterpret_cast<const uint8_t*>(table) + id * dim,
                                __ldg(row_scale + id), out + static_cast<uint64_t>(row) * dim, dim,

@@ -196,6 +196,13 @@ extern "C" __global__ void ngram_decode_gather(
             zero_row(dst, td, lane);
             continue;
         }
+        if (ad.index != nullptr) {  // a bad adapter index (its word pair flags it): rows zeroed too,
+            const uint32_t a = __ldg(ad.index + s);  // for a rank's epilogue, which never sees kNoWord
+            if (a != kNoAdapter && a >= ad.num) {
+                zero_row(dst, td, lane);
+                continue;
+            }
+        }
         const uint32_t at = r - sp.start;  // the row's position in this call's tokens
         const uint32_t* h = hist + static_cast<uint64_t>(slot) * hist_len;
         const ngram::Table t = ngram::load_table(tables, c);

@@ -2,7 +2,8 @@
 //
 // fp32 in between with explicit round-to-nearest operations (no FMA contraction), so a numpy
 // float32 reference matches bit for bit. 16-byte vectors when both pointers are 16-byte
-// aligned, the n % 8 tail element-wise; grid-stride loops, so any grid is correct.
+// aligned, the n % 8 tail element-wise; grid-stride loops, so any grid is correct. Indices are
+// 64-bit: a 32-bit index plus the stride wraps for n near 2**32 (an 8 GiB tensor).
 #include "common.cuh"
 
 namespace {
@@ -23,14 +24,14 @@ __device__ __forceinline__ uint32_t combine2(uint32_t o, uint32_t x, float scale
 
 template <bool kScaled>
 __device__ __forceinline__ void accumulate(bf16* out, const bf16* x, float scale, uint32_t n) {
-    const uint32_t tid = blockIdx.x * blockDim.x + threadIdx.x;
-    const uint32_t stride = gridDim.x * blockDim.x;
-    uint32_t tail = 0;
+    const uint64_t tid = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+    uint64_t tail = 0;
     if (aligned16(out, x)) {
         uint4* o4 = reinterpret_cast<uint4*>(out);
         const uint4* x4 = reinterpret_cast<const uint4*>(x);
-        const uint32_t vecs = n / 8;
-        for (uint32_t i = tid; i < vecs; i += stride) {
+        const uint64_t vecs = n / 8;
+        for (uint64_t i = tid; i < vecs; i += stride) {
             uint4 o = o4[i];
             const uint4 v = __ldg(x4 + i);
             o.x = combine2<kScaled>(o.x, v.x, scale);
@@ -41,7 +42,7 @@ __device__ __forceinline__ void accumulate(bf16* out, const bf16* x, float scale
         }
         tail = vecs * 8;
     }
-    for (uint32_t i = tail + tid; i < n; i += stride)
+    for (uint64_t i = tail + tid; i < n; i += stride)
         out[i] = __float2bfloat16_rn(
             combine<kScaled>(__bfloat162float(out[i]), __bfloat162float(x[i]), scale));
 }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from contextlib import ExitStack
 
 import ml_dtypes
@@ -125,3 +126,15 @@ def test_zero_rows_launch_nothing(gpu, kernels, rng):
         batched_embed(gpu, kernels["batched_embed"], o.ptr, o.ptr, o.ptr, 0, 8, 0)
         assert (bits(o.read()) == 0xFFFF).all()
         o.assert_guards_intact()
+
+
+@pytest.mark.skipif(bool(os.environ.get("GPU_SANITIZER")), reason="a 2**27-row gather under a sanitizer: too slow")
+def test_batched_embed_of_2_to_the_27_rows(gpu, kernels, rng):
+    """n = 2**27 rows: the grid (2**24 blocks of 256 threads) has 2**32 threads, which a 32-bit
+    warp count read as 0, and the loop never ended. Each row its id's, bit for bit."""
+    n, dim, vocab = 1 << 27, 2, 1000
+    table = random_bf16(rng, (vocab, dim))
+    ids = rng.integers(0, vocab, n, dtype=np.uint32)
+    (got,) = _run_guarded(gpu, rng, [(table, 0), (ids, 0)], [((n, dim), BF16, 0)],
+                          lambda t, i, o: batched_embed(gpu, kernels["batched_embed"], i, t, o, n, dim, 0))
+    np.testing.assert_array_equal(bits(got), bits(table[ids]))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -45,3 +47,30 @@ def test_residual_add_bit_exact(gpu, rng, n, misalign):
         residual_add(gpu, kernel, o.ptr, g.ptr, n, 0)
         np.testing.assert_array_equal(bits(o.read()), bits(ref.residual_add(out0, x)))
         o.assert_guards_intact()
+
+
+@pytest.mark.skipif(bool(os.environ.get("GPU_SANITIZER")), reason="16 GiB under a sanitizer: too slow")
+@pytest.mark.parametrize("misalign", [0, 2])
+def test_scaled_add_near_the_u32_limit_adds_each_element_once(gpu, rng, misalign):
+    """n = 2**32 - 5 (8 GiB a tensor): each element added exactly once. A 32-bit index plus the
+    grid stride (2**20) wrapped below n there, and the threads added again for good (a hang)."""
+    n = (1 << 32) - 5
+    kernel = load_kernel(gpu, "residual_add", "bf16_scaled_add")
+    o_byte, x_byte = (int(b) for b in rng.choice(np.arange(0x38, 0x40), 2))  # bf16 0x3838..0x3f3f: 4e-5..0.75
+    nbytes = 2 * n + 16
+    out, x = gpu.alloc(nbytes), gpu.alloc(nbytes)
+    try:
+        o_ptr, x_ptr = out.offset(misalign), x.offset(misalign)
+        gpu.memset(out, o_byte, nbytes)
+        gpu.memset(x, x_byte, nbytes)
+        scaled_add(gpu, kernel, o_ptr, x_ptr, 1.0, n, 0)
+        got = np.empty(n + 4, np.uint16)  # and 4 past the end, which stay as they were
+        gpu.copy_d2h(got, o_ptr)
+        one = lambda byte: np.array([byte * 0x101], np.uint16).view(BF16)  # noqa: E731
+        want = bits(ref.scaled_add(one(o_byte), one(x_byte), 1.0))[0]
+        assert want != o_byte * 0x101 and (got[n:] == o_byte * 0x101).all()
+        assert (got[:n] == want).all(), f"{np.count_nonzero(got[:n] != want)} elements not added exactly once"
+    finally:
+        gpu.synchronize(0)
+        gpu.free(out)
+        gpu.free(x)

@@ -21,7 +21,7 @@ import pytest
 from gpu_runtime import ClosedError, DeviceCopies, DevicePtr, device_count
 from layers.ngram_embed import (FusedNgramEmbedding, NgramDecoder, NgramEmbedding, NgramShard, NgramTable,
                                 NgramWeights, embed_all, reduce_bytes)
-from layers.ngram_embed import NO_ADAPTER
+from layers.ngram_embed import NO_ADAPTER, DecodeError
 from layers.ngram_embed.tables import AbsentTable, Bf16Table, check_table, gather_entry
 from layers.ops.ngram_fused import ABSENT
 from layers.tensor_parallel import LocalGroup
@@ -716,6 +716,31 @@ def test_a_ranks_adapters_replace_the_word_row_inside_the_sum(gpu, rng):
                 got = out.read()
                 out.assert_guards_intact()
         assert np.array_equal(bits(got), bits(world.expect([0, 1, 2, 3], [2] * 4, 8, choice)))
+    finally:
+        world.close()
+
+
+@pytest.mark.gpu
+def test_a_bad_adapter_index_zeroes_a_ranks_rows(gpu, rng):
+    """An adapter index past the adapters, in device memory: flagged, and that sequence's rows
+    zeros on a rank too, whose epilogue never sees the word id kNoWord (the gather zeroes the
+    n-gram rows itself now; before, the rank wrote the n-gram part alone); the other sequences
+    as the single-GPU fused path gives them."""
+    world = RankWorld(gpu, rng, FakeCollective(), adapters=2, override=150, batch_invariant=True)
+    try:
+        world.prefill([0, 1, 2, 3], [6, 3, 9, 1], adapters=[0, NO_ADAPTER, 1, 0])
+        tokens = world.tokens(4)
+        with u32(gpu, tokens) as t, u32(gpu, [0, 1, 2, 3]) as sl, u32(gpu, [0, 7, NO_ADAPTER, 1]) as ad:
+            world.out.poison()
+            gpu.synchronize(0)
+            world.dec.step(t, sl, 4, world.out.ptr, world.stream, adapters=ad)
+            got = world.read(4)
+        for s, tok in enumerate(tokens):
+            world.ctx[s].append(int(tok))
+        assert world.dec.check_errors() == DecodeError.ADAPTER
+        assert not bits(got[1]).any()
+        want = world.expect([0, 1, 2, 3], [1] * 4, 4, [0, 0, NO_ADAPTER, 1])
+        assert np.array_equal(bits(got[[0, 2, 3]]), bits(want[[0, 2, 3]]))
     finally:
         world.close()
 

@@ -12,12 +12,21 @@
 //   id with the adapter's row (one warp per (row, override index)).
 //
 // Skip rules are the seed's, read literally; a null table entry means "no overlay for this
-// slot". The kernels have no slot count: the host (OverlaySlots) guarantees every slot index
-// they read is < the number of slots.
+// slot". The routed kernels take two arguments past the seed's: num_slots, the length of the slot
+// tables, and err, a word (may be null). With num_slots > 0 a slot index s >= num_slots (from a
+// device seq_slot, which the host cannot see) skips its row and sets kOverlayBadSlot in *err;
+// num_slots = 0 is the seed's contract (the caller guarantees every s < the tables' length).
 
 #include "row_copy.cuh"
 
 namespace {
+
+constexpr uint32_t kOverlayBadSlot = 1;  // *err: a row's slot index was >= num_slots (row skipped)
+
+// True (and *err flagged, by the caller's one thread) when slot s is past the tables.
+__device__ __forceinline__ bool slot_outside(int32_t s, uint32_t num_slots) {
+    return num_slots != 0 && uint32_t(s) >= num_slots;
+}
 
 // Exact bf16 -> f32 of the low / high half of a 32-bit word (element 2k is the low half).
 __device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
@@ -79,10 +88,15 @@ extern "C" __global__ void embed_overlay_routed_bf16(const uint32_t* ids, const 
                                                      const int32_t* const* slot_map_tab,
                                                      const bf16* const* rows_tab,
                                                      const int32_t* n_tab, bf16* out, uint32_t h,
-                                                     uint32_t vocab) {
+                                                     uint32_t vocab, uint32_t num_slots,
+                                                     uint32_t* err) {
     const uint32_t r = blockIdx.x;
     const int32_t s = seq_slot != nullptr ? seq_slot[r] : active;
     if (s < 0) return;
+    if (slot_outside(s, num_slots)) {
+        if (threadIdx.x == 0 && err != nullptr) atomicOr(err, kOverlayBadSlot);
+        return;
+    }
     const int32_t* map = slot_map_tab[s];
     const bf16* rows = rows_tab[s];
     if (map == nullptr || rows == nullptr) return;
@@ -122,12 +136,17 @@ __device__ __forceinline__ void lmhead_overlay_routed(const bf16* hidden, const 
                                                       int32_t active, const bf16* const* rows_tab,
                                                       const int32_t* const* ids_tab,
                                                       const int32_t* n_tab, Out* logits,
-                                                      uint32_t h, uint32_t vocab) {
+                                                      uint32_t h, uint32_t vocab, uint32_t num_slots,
+                                                      uint32_t* err) {
     const uint32_t r = blockIdx.x;
     const uint32_t j = blockIdx.y;
     const uint32_t lane = threadIdx.x;  // blockDim.x == 32 (launch bounds and launcher)
     const int32_t s = seq_slot != nullptr ? seq_slot[r] : active;
     if (s < 0) return;
+    if (slot_outside(s, num_slots)) {
+        if (lane == 0 && j == 0 && err != nullptr) atomicOr(err, kOverlayBadSlot);
+        return;
+    }
     const bf16* rows = rows_tab[s];
     const int32_t* ids = ids_tab[s];
     if (rows == nullptr || ids == nullptr) return;
@@ -172,14 +191,18 @@ __device__ __forceinline__ void lmhead_overlay_routed(const bf16* hidden, const 
 extern "C" __global__ void __launch_bounds__(32)
 lmhead_overlay_routed_bf16(const bf16* hidden, const int32_t* seq_slot, int32_t active,
                            const bf16* const* rows_tab, const int32_t* const* ids_tab,
-                           const int32_t* n_tab, bf16* logits, uint32_t h, uint32_t vocab) {
-    lmhead_overlay_routed<bf16>(hidden, seq_slot, active, rows_tab, ids_tab, n_tab, logits, h, vocab);
+                           const int32_t* n_tab, bf16* logits, uint32_t h, uint32_t vocab,
+                           uint32_t num_slots, uint32_t* err) {
+    lmhead_overlay_routed<bf16>(hidden, seq_slot, active, rows_tab, ids_tab, n_tab, logits, h, vocab,
+                                num_slots, err);
 }
 
 // Same as lmhead_overlay_routed_bf16 for [m, vocab] fp32 logits (no rounding of the fp32 sum).
 extern "C" __global__ void __launch_bounds__(32)
 lmhead_overlay_routed_f32(const bf16* hidden, const int32_t* seq_slot, int32_t active,
                           const bf16* const* rows_tab, const int32_t* const* ids_tab,
-                          const int32_t* n_tab, float* logits, uint32_t h, uint32_t vocab) {
-    lmhead_overlay_routed<float>(hidden, seq_slot, active, rows_tab, ids_tab, n_tab, logits, h, vocab);
+                          const int32_t* n_tab, float* logits, uint32_t h, uint32_t vocab,
+                          uint32_t num_slots, uint32_t* err) {
+    lmhead_overlay_routed<float>(hidden, seq_slot, active, rows_tab, ids_tab, n_tab, logits, h, vocab,
+                                 num_slots, err);
 }

@@ -124,15 +124,23 @@ def _seed_launches(path: Path) -> dict[str, list[tuple[str, str]]]:
 _KIND = {"ptr": "P", "u32": "U", "i32": "I", "f32": "F", "u64": "L"}
 
 
+# What the routed kernels take past the seed's arguments (keyword-only in the launchers, 0 by
+# default: the seed's contract): the slot tables' length and the error word that reports a slot
+# past it (the seed's kernels trust a device seq_slot; these check it).
+_PAST_THE_SEED = {"embed_overlay_routed": ("num_slots", "err"), "lmhead_overlay_routed": ("num_slots", "err")}
+
+
 def test_overlay_launchers_follow_the_seed_position_for_position():
-    """Each launcher's spec names the seed chain's arguments in the seed's order, and the launcher
-    puts its positional arguments there."""
+    """Each launcher's spec names the seed chain's arguments in the seed's order (then the
+    checked routing's two, ``_PAST_THE_SEED``, which default to the seed's behaviour), and the
+    launcher puts its positional arguments there."""
     seed = _seed_launches(SEEDS / "ops_token_overlay.rs")
     assert set(seed) == {"embed_rowdiff", "embed_overlay_routed", "lmhead_overlay_routed"}
     for fn_name, chain in seed.items():
         spec = {"embed_rowdiff": EMBED_ROWDIFF, "embed_overlay_routed": EMBED_OVERLAY_ROUTED,
                 "lmhead_overlay_routed": LMHEAD_OVERLAY_ROUTED}[fn_name]
-        assert spec.params.names == tuple(expr.strip() for _, expr in chain), fn_name
+        past = _PAST_THE_SEED.get(fn_name, ())
+        assert spec.params.names == (*(expr.strip() for _, expr in chain), *past), fn_name
         fn = getattr(token_overlay, fn_name)
         params = list(fn.__code__.co_varnames[: fn.__code__.co_argcount])
         assert params[:2] == ["gpu", "kernel"] and params[-1] == "stream"
@@ -141,8 +149,8 @@ def test_overlay_launchers_follow_the_seed_position_for_position():
         kernel = load_kernel(gpu, "token_overlay", "x")
         fn(gpu, kernel, *values.values(), 5)
         (launch,) = gpu.launches
-        assert launch.kinds == "".join(_KIND[k] for k, _ in chain), fn_name
-        expected = [values[expr.strip()] for _, expr in chain]
+        assert launch.kinds == "".join(_KIND[k] for k, _ in chain) + "UP" * bool(past), fn_name
+        expected = [values[expr.strip()] for _, expr in chain] + [0, 0] * bool(past)  # the seed's contract
         assert [int(a) for a in launch.args] == expected, fn_name
 
 

@@ -14,7 +14,7 @@ from gpu_runtime import ClosedError, DeviceArray, DevicePtr, KernelHandle, Kerne
 from layers.reference import gather_then_overlay_ref, logits_then_overlay_ref, rowdiff_ref
 from layers.overlay import (AdapterOverlay, OverlaySlots, TableOverlay, build_overlay,
                             overlay_from_trainable_tokens)
-from layers.ops.token_overlay import OverlayKernels
+from layers.ops.token_overlay import OVERLAY_BAD_SLOT, OverlayKernels
 from layers.dense_weight import DenseWeight
 from tests.helpers import bf16_ulp, bits, random_bf16
 from tests.helpers.overlay import adapter_copy, check_slot_contents, overlay_backend, random_overlay
@@ -296,8 +296,13 @@ def test_slots_forward_hooks(rng):
     assert rec["name"] == "embed_overlay_routed_bf16" and rec["grid"] == (5, 1, 1)
     scratch = rec["args"][1]
     np.testing.assert_array_equal(gpu.read_as(scratch, 5, np.int32), [2, -1, 0, 3, -1])
-    assert rec["args"] == [ids, scratch, 0, slots.embed_slot_map_tab, slots.embed_rows_tab,
-                           slots.embed_n_tab, out, 8, 40]
+    assert rec["args"][:-1] == [ids, scratch, 0, slots.embed_slot_map_tab, slots.embed_rows_tab,
+                                slots.embed_n_tab, out, 8, 40, slots.num_slots]  # num_slots: the kernel checks
+    err = rec["args"][-1]  # the error word the kernel flags a device slot past the tables in
+    assert err and gpu.read_as(err, 1, np.uint32)[0] == 0 and slots.check_errors() == 0
+    gpu.copy_h2d_async(np.array([OVERLAY_BAD_SLOT], np.uint32), err)  # as the kernel would
+    assert slots.check_errors() == OVERLAY_BAD_SLOT and gpu.read_as(err, 1, np.uint32)[0] == 0
+    assert slots.check_errors() == 0  # read and cleared
 
     slots.lmhead_overlay(hidden, None, 2, logits, 7, dtype=np.float32)
     slots.lmhead_overlay(hidden, DevicePtr(0x5000), -3, logits, 7)
@@ -305,7 +310,7 @@ def test_slots_forward_hooks(rng):
     assert f32["name"] == "lmhead_overlay_routed_f32" and bf["name"] == "lmhead_overlay_routed_bf16"
     assert f32["grid"] == (7, 6, 1)                            # max_n_override = max n = 6
     assert f32["args"] == [hidden, 0, 2, slots.lm_head_rows_tab, slots.lm_head_ids_tab,
-                           slots.lm_head_n_tab, logits, 8, 40]
+                           slots.lm_head_n_tab, logits, 8, 40, slots.num_slots, err]
     assert bf["args"][1:3] == [DevicePtr(0x5000), -1]
     slots.close()
 

@@ -306,6 +306,7 @@ CASES: dict[str, Callable[[Env], tuple[Callable[..., Any], tuple, dict]]] = {
         NgramWeights.from_pretrained, write_model(e.tmp / "model", make_model(e.rng)).path, e.gpu),
     # layers.overlay, layers.peft_adapter, layers.ops.token_overlay
     OV + "OverlaySlots": lambda e: call(OverlaySlots, e.gpu, 2, 30, 5, kernels=e.kernels),
+    OV + "OverlaySlots.check_errors": lambda e: call(e.slots.check_errors),
     OV + "OverlaySlots.close": lambda e: call(e.slots.close),
     OV + "OverlaySlots.embed_overlay": lambda e: call(e.slots.embed_overlay, e.u32(1, 2), None, 0, e.out, 2),
     OV + "OverlaySlots.evict": lambda e: call(e.slots.evict, 0),

@@ -15,7 +15,7 @@ from gpu_runtime import DeviceArray, DevicePtr, KernelHandle
 from gpu_runtime.signatures import module_signatures
 from layers.kernel_files import load_kernel
 from layers.reference import embed_overlay_ref, lmhead_dot, lmhead_overlay_ref, rowdiff_ref
-from layers.ops.token_overlay import (OverlayKernels, embed_overlay_routed, embed_rowdiff,
+from layers.ops.token_overlay import (OVERLAY_BAD_SLOT, OverlayKernels, embed_overlay_routed, embed_rowdiff,
                                       lmhead_overlay_routed)
 from tests.helpers.fakes import RecordingBackend
 from tests.helpers import bf16_ulp, bits, random_bf16
@@ -24,9 +24,9 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 KERNEL_FILE = Path(__file__).resolve().parent.parent / "kernels" / "token_overlay.cu"
 SIGNATURES = {
     "embed_rowdiff_bf16": "PPPUUF",
-    "embed_overlay_routed_bf16": "PPIPPPPUU",
-    "lmhead_overlay_routed_bf16": "PPIPPPPUU",
-    "lmhead_overlay_routed_f32": "PPIPPPPUU",
+    "embed_overlay_routed_bf16": "PPIPPPPUUUP",  # the seed's, then num_slots and err
+    "lmhead_overlay_routed_bf16": "PPIPPPPUUUP",
+    "lmhead_overlay_routed_f32": "PPIPPPPUUUP",
 }
 
 
@@ -105,7 +105,7 @@ def test_embed_overlay_launch_matches_seed():
     assert _name(gpu, rec) == "embed_overlay_routed_bf16"
     assert (rec.grid, rec.block, rec.shared_mem, rec.stream) == ((77, 1, 1), (256, 1, 1), 0, 3)
     assert rec.kinds == SIGNATURES["embed_overlay_routed_bf16"]
-    assert rec.args == [P[0], P[1], -3, P[2], P[3], P[4], P[5], 4095, 1000]
+    assert rec.args == [P[0], P[1], -3, P[2], P[3], P[4], P[5], 4095, 1000, 0, 0]  # unchecked: the seed's
 
 
 @pytest.mark.parametrize("which", ["lmhead_overlay_bf16", "lmhead_overlay_f32"])
@@ -118,7 +118,7 @@ def test_lmhead_overlay_launch_matches_seed(which):
                            "lmhead_overlay_f32": "lmhead_overlay_routed_f32"}[which]
     assert (rec.grid, rec.block, rec.shared_mem, rec.stream) == ((6, 9, 1), (32, 1, 1), 0, 5)
     assert rec.kinds == SIGNATURES[_name(gpu, rec)]
-    assert rec.args == [P[0], P[1], 2, P[2], P[3], P[4], P[5], 64, 131072]
+    assert rec.args == [P[0], P[1], 2, P[2], P[3], P[4], P[5], 64, 131072, 0, 0]
 
 
 def test_null_seq_slot_is_allowed():
@@ -379,6 +379,51 @@ def test_embed_overlay_routed(gpu, rng, h, unaligned):
             np.testing.assert_array_equal(bits(got), bits(ref), err_msg=f"active {active}")
             changed = (bits(ref) != bits(init)).any(axis=1).sum()
             assert (changed > 0) == (active in (0, 2, 5)), f"active {active}: {changed} rows"
+
+
+@pytest.mark.gpu
+def test_routed_kernels_skip_and_flag_a_device_slot_past_the_tables(gpu, rng):
+    """With ``num_slots``, a device ``seq_slot`` entry >= num_slots (the host cannot see it) skips
+    its row, which no table lookup then reads, and sets ``OVERLAY_BAD_SLOT`` in the error word;
+    every other row is as the reference gives it with that row routed to no slot. Without one
+    bad entry the word stays 0."""
+    k = OverlayKernels.new(gpu)
+    vocab, tokens, h, m = 40, 64, 64, 48
+    maps, rows, n_tab = _embed_slots(rng, vocab, h)
+    lm_rows, lm_ids, lm_n = _lmhead_slots(rng, 300, h)
+    ns = len(maps)
+    ids = _token_ids(rng, tokens, vocab)
+    good = rng.integers(-1, ns, size=tokens).astype(np.int32)
+    bad = good.copy()
+    bad[[3, 17, 40]] = [ns, ns + 5, (1 << 31) - 1]  # past the tables
+    init = random_bf16_bits(rng, (tokens, h))
+    hidden = random_bf16(rng, (m, h))
+    logits0 = (rng.standard_normal((m, 300)) * 3).astype(np.float32)
+    with device_arrays(gpu) as owned:
+        map_tab, rows_tab = pointer_table(gpu, owned, maps), pointer_table(gpu, owned, rows)
+        n_dev, ids_dev = upload(gpu, owned, np.array(n_tab, np.int32)), upload(gpu, owned, ids)
+        lm_rows_tab, lm_ids_tab = pointer_table(gpu, owned, lm_rows), pointer_table(gpu, owned, lm_ids)
+        lm_n_dev, hid = upload(gpu, owned, np.array(lm_n, np.int32)), upload(gpu, owned, hidden)
+        err = upload(gpu, owned, np.zeros(1, np.uint32))
+        out, logits = upload(gpu, owned, init), upload(gpu, owned, logits0)
+        for seq, flagged in ((good, 0), (bad, OVERLAY_BAD_SLOT)):
+            seq_dev = upload(gpu, owned, seq)
+            gpu.copy_h2d_async(init, out)
+            gpu.copy_h2d_async(logits0, logits)
+            gpu.memset(err, 0, 4)
+            embed_overlay_routed(gpu, k.embed_overlay, ids_dev, seq_dev, 0, map_tab, rows_tab, n_dev, out,
+                                 tokens, h, vocab, 0, num_slots=ns, err=err)
+            routed = np.where(seq < ns, seq, -1)  # a slot past the tables: as no slot
+            ref = embed_overlay_ref(init, ids, routed, 0, maps, rows, n_tab, vocab)
+            np.testing.assert_array_equal(bits(download(gpu, out, (tokens, h), BF16)), bits(ref))
+            assert download(gpu, err, (1,), np.uint32)[0] == flagged
+            gpu.memset(err, 0, 4)
+            lmhead_overlay_routed(gpu, k.lmhead_overlay_f32, hid, seq_dev, 0, lm_rows_tab, lm_ids_tab, lm_n_dev,
+                                  logits, m, 8, h, 300, 0, num_slots=ns, err=err)
+            got = download(gpu, logits, (m, 300), np.float32)
+            _, mask = lmhead_overlay_ref(logits0, hidden, routed[:m], 0, lm_rows, lm_ids, lm_n, 8, 300, vector=True)
+            np.testing.assert_array_equal(got.view(np.uint32)[~mask], logits0.view(np.uint32)[~mask])  # skipped rows untouched
+            assert download(gpu, err, (1,), np.uint32)[0] == (flagged if (seq[:m] >= ns).any() else 0)
 
 
 # -- GPU: lmhead_overlay_routed ------------------------------------------------------------------

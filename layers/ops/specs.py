@@ -92,12 +92,24 @@ SCATTER_ROWS = _spec("scatter_rows", "P slots rows", "P? scales", "P arena", "P?
 # -- token_overlay.cu (the seed's order, position for position) -------------------------------
 EMBED_ROWDIFF = _spec("embed_rowdiff_bf16", "P base served flags", "U rows h", "F thresh")
 EMBED_OVERLAY_ROUTED = _spec(
-    "embed_overlay_routed_bf16", "P ids", "P? seq_slot", "I active", "P slot_map_tab rows_tab n_tab out", "U h vocab"
+    "embed_overlay_routed_bf16",
+    "P ids",
+    "P? seq_slot",
+    "I active",
+    "P slot_map_tab rows_tab n_tab out",
+    "U h vocab num_slots",
+    "P? err",
 )
 # lmhead_overlay_routed_bf16 and _f32 (bf16 or f32 logits) take the same parameters, and their
 # launcher cannot tell the two handles apart: one spec, named for the launcher, launches both.
 LMHEAD_OVERLAY_ROUTED = _spec(
-    "lmhead_overlay_routed", "P hidden", "P? seq_slot", "I active", "P rows_tab ids_tab n_tab logits", "U h vocab"
+    "lmhead_overlay_routed",
+    "P hidden",
+    "P? seq_slot",
+    "I active",
+    "P rows_tab ids_tab n_tab logits",
+    "U h vocab num_slots",
+    "P? err",
 )
 
 

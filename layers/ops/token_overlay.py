@@ -22,6 +22,7 @@ from ..kernel_files import try_kernel
 from .specs import EMBED_OVERLAY_ROUTED, EMBED_ROWDIFF, LMHEAD_OVERLAY_ROUTED
 
 MODULE = "token_overlay"
+OVERLAY_BAD_SLOT = 1  # the routed kernels' error word: a row's slot index was >= num_slots (the row skipped)
 MAX_LMHEAD_OVERRIDES = 65535  # ids an LM-head overlay slot may override: the kernel's grid y, one id a row
 _BLOCK = (256, 1, 1)
 _WARP = (32, 1, 1)
@@ -112,6 +113,9 @@ def embed_overlay_routed(
     h: int,
     vocab: int,
     stream: int = 0,
+    *,
+    num_slots: int = 0,
+    err: int = 0,
 ) -> None:
     """In-place replacement of overridden vocab rows in ``out`` (``[num_tokens, h]`` bf16), after
     the embed gather.
@@ -119,8 +123,10 @@ def embed_overlay_routed(
     Per row ``r``: ``s = seq_slot[r]``, or ``active`` when ``seq_slot`` is null; skip when
     ``s < 0``, when ``slot_map_tab[s]`` (or ``rows_tab[s]``) is null, or when ``ids[r] >= vocab``;
     ``slot = slot_map_tab[s][ids[r]]``; skip when ``slot < 0`` or ``slot >= n_tab[s]``; otherwise
-    copy ``rows_tab[s][slot]`` over ``out[r]``. Every slot index the kernel reads must be below
-    the tables' length: the caller (``OverlaySlots``) guarantees it. A forward hook: with
+    copy ``rows_tab[s][slot]`` over ``out[r]``. ``num_slots`` (past the seed's arguments): the
+    tables' length; a row whose ``s`` is not below it is skipped and flagged in the u32 word at
+    ``err`` (nullable) as ``OVERLAY_BAD_SLOT``. With the default 0 every slot index the kernel
+    reads must be below the tables' length (the seed's contract). A forward hook: with
     ``KernelHandle(0)`` (overlay kernels not loaded) it returns without a launch.
     """
     if not kernel:
@@ -148,6 +154,9 @@ def lmhead_overlay_routed(
     h: int,
     vocab: int,
     stream: int = 0,
+    *,
+    num_slots: int = 0,
+    err: int = 0,
 ) -> None:
     """In-place recompute of overridden logit columns in ``logits`` (``[m, vocab]``, bf16 or fp32
     to match ``kernel``).
@@ -155,7 +164,8 @@ def lmhead_overlay_routed(
     One warp per ``(row, j)``, where ``j < max_n_override`` indexes the overridden ids of that
     row's adapter slot; the kernel skips ``j >= n_tab[s]``, null tables and ids outside
     ``0..vocab-1``. ``hidden`` is ``[m, h]`` bf16; ``seq_slot`` is ``[m]`` i32, or null for the
-    uniform ``active`` slot. A forward hook: with ``KernelHandle(0)`` it returns without a launch.
+    uniform ``active`` slot. ``num_slots`` and ``err``: as ``embed_overlay_routed``'s. A forward
+    hook: with ``KernelHandle(0)`` it returns without a launch.
     """
     if not kernel:
         return
@@ -172,4 +182,11 @@ def lmhead_overlay_routed(
     LMHEAD_OVERLAY_ROUTED.launch_from(gpu, kernel, (m, max_n_override, 1), _WARP, stream, locals())
 
 
-__all__ = ["MAX_LMHEAD_OVERRIDES", "OverlayKernels", "embed_overlay_routed", "embed_rowdiff", "lmhead_overlay_routed"]
+__all__ = [
+    "MAX_LMHEAD_OVERRIDES",
+    "OVERLAY_BAD_SLOT",
+    "OverlayKernels",
+    "embed_overlay_routed",
+    "embed_rowdiff",
+    "lmhead_overlay_routed",
+]

@@ -137,10 +137,27 @@ class OverlaySlots:
         try:
             for host in self._host_tables():
                 self._tables.append(DeviceBuffer.upload(gpu, host, stream))
+            # The routed kernels' error word: a device seq_slot's slot past the tables (check_errors).
+            self._tables.append(DeviceBuffer.upload(gpu, np.zeros(1, np.uint32), stream))
         except BaseException:
             for table in reversed(self._tables):
                 table.close()
             raise
+
+    @property
+    def _errors(self) -> DevicePtr:
+        return self._tables[-1].ptr
+
+    def check_errors(self, stream: int = 0) -> int:
+        """The routed kernels' error word since the last check, then cleared: ``OVERLAY_BAD_SLOT``
+        where a device ``seq_slot`` held a slot >= ``num_slots`` (those rows were skipped), else
+        0. Waits for ``stream``."""
+        stream = self._live(stream, "check_errors")
+        word = np.zeros(1, np.uint32)
+        self.gpu.copy_d2h(word, self._errors, stream)
+        if word[0]:
+            self.gpu.memset(self._errors, 0, 4, stream)
+        return int(word[0])
 
     def _host_tables(self) -> tuple[np.ndarray, ...]:
         return (
@@ -307,8 +324,8 @@ class OverlaySlots:
     def _seq_slot_host(self, seq_slot: Any, count: int) -> np.ndarray | int:
         """Check ``seq_slot``: a host int array (or list) must have ``count`` entries, each
         < num_slots (negative = no adapter), and comes back as int32; a device pointer (or
-        ``DeviceArray`` / ``DeviceBuffer``) is the caller's promise; None or 0 means the uniform
-        ``active`` slot."""
+        ``DeviceArray`` / ``DeviceBuffer``) is checked by the kernels (a slot past the tables skips
+        its row and is reported by ``check_errors``); None or 0 means the uniform ``active`` slot."""
         if seq_slot is None:
             return 0
         if isinstance(seq_slot, (list, tuple)):
@@ -364,6 +381,8 @@ class OverlaySlots:
             self.h,
             self.vocab,
             stream,
+            num_slots=self.num_slots,
+            err=self._errors,
         )
 
     def lmhead_overlay(
@@ -401,4 +420,6 @@ class OverlaySlots:
             self.h,
             self.vocab,
             stream,
+            num_slots=self.num_slots,
+            err=self._errors,
         )

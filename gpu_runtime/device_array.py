@@ -90,6 +90,8 @@ class DeviceArray:
     # -- interop ----------------------------------------------------------------------------
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
+        if not self.ptr and self.size:  # version 3 allows a null pointer for zero-size arrays only
+            raise BufferError("DeviceArray.__cuda_array_interface__: the array has been freed")
         return {
             "shape": self.shape,
             "typestr": self.dtype.str,

@@ -1,10 +1,11 @@
 """DLPack capsules through ctypes: read one a producer made (``read``), and make one over device
 memory (``export``, which ``DeviceArray.__dlpack__`` returns).
 
-Only the unversioned ``"dltensor"`` capsule (DLPack 0.x, which every producer returns when the
-consumer asks for no ``max_version``, and every consumer takes). A capsule read here is not
-consumed: it keeps its name, so its own destructor calls the producer's deleter. The layout is
-dlpack.h's ``DLManagedTensor``.
+``read`` takes the unversioned ``"dltensor"`` capsule (dlpack.h's ``DLManagedTensor``) and the
+versioned ``"dltensor_versioned"`` one of DLPack 1.x (``DLManagedTensorVersioned``: its read-only
+and is-copied flags are reported). A capsule read here is not consumed: it keeps its name, so its
+own destructor calls the producer's deleter. ``export`` makes the unversioned kind, which every
+consumer takes (a producer may answer a ``max_version`` with it).
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ import numpy as np
 KDL_CUDA = 2  # DLDeviceType: CUDA device memory
 KDL_CUDA_MANAGED = 13  # CUDA managed memory
 _NAME = b"dltensor"
+_NAME_VERSIONED = b"dltensor_versioned"
+FLAG_READ_ONLY = 1 << 0  # DLManagedTensorVersioned.flags: the consumer must not write
+FLAG_IS_COPIED = 1 << 1  # the producer copied the data for this export
 
 
 class _Device(ctypes.Structure):
@@ -47,6 +51,21 @@ class _Managed(ctypes.Structure):
 
 _DELETER = ctypes.CFUNCTYPE(None, ctypes.POINTER(_Managed))
 _Managed._fields_ = [("dl_tensor", _Tensor), ("manager_ctx", ctypes.c_void_p), ("deleter", _DELETER)]
+
+
+class _Version(ctypes.Structure):
+    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32)]
+
+
+class _ManagedVersioned(ctypes.Structure):
+    _fields_ = [
+        ("version", _Version),
+        ("manager_ctx", ctypes.c_void_p),
+        ("deleter", ctypes.c_void_p),
+        ("flags", ctypes.c_uint64),
+        ("dl_tensor", _Tensor),
+    ]
+
 
 # Prototypes of their own (not ctypes.pythonapi's shared attributes, whose argtypes others set).
 _capsule_new = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)(
@@ -82,7 +101,8 @@ _DTYPES = {dtype: code for code, dtype in _CODES.items()}
 @dataclass(frozen=True)
 class Tensor:
     """What a capsule describes: the first element's address, shape, dtype (None for one numpy
-    has no name for), strides in elements (None: C-contiguous), device type and ordinal."""
+    has no name for), strides in elements (None: C-contiguous), device type and ordinal, and (a
+    versioned capsule's flags) whether it is read-only and whether the producer copied it."""
 
     ptr: int
     shape: tuple[int, ...]
@@ -90,18 +110,35 @@ class Tensor:
     strides: tuple[int, ...] | None
     device_type: int
     device_id: int
+    readonly: bool = False
+    copied: bool = False
 
 
 def read(capsule: Any) -> Tensor:
-    """The tensor an unversioned DLPack capsule holds (the capsule stays unconsumed)."""
-    if not _capsule_is(capsule, _NAME):
-        raise TypeError("__dlpack__ returned no unversioned 'dltensor' capsule (a used or versioned one)")
-    t = _Managed.from_address(_capsule_pointer(capsule, _NAME)).dl_tensor
+    """The tensor a DLPack capsule holds, unversioned or of DLPack 1.x (the capsule stays
+    unconsumed); a used capsule, or a versioned one of another major version, is a TypeError."""
+    flags = 0
+    if _capsule_is(capsule, _NAME):
+        t = _Managed.from_address(_capsule_pointer(capsule, _NAME)).dl_tensor
+    elif _capsule_is(capsule, _NAME_VERSIONED):
+        managed = _ManagedVersioned.from_address(_capsule_pointer(capsule, _NAME_VERSIONED))
+        if managed.version.major != 1:
+            raise TypeError(f"__dlpack__ returned a DLPack {managed.version.major}.x capsule; 1.x is read here")
+        t, flags = managed.dl_tensor, int(managed.flags)
+    else:
+        raise TypeError("__dlpack__ returned no 'dltensor' or 'dltensor_versioned' capsule (a used one?)")
     shape = tuple(int(t.shape[i]) for i in range(t.ndim))
     strides = tuple(int(t.strides[i]) for i in range(t.ndim)) if t.strides else None
     dtype = _CODES.get((t.dtype.code, t.dtype.bits)) if t.dtype.lanes == 1 else None
     return Tensor(
-        int(t.data or 0) + int(t.byte_offset), shape, dtype, strides, int(t.device.device_type), int(t.device.device_id)
+        int(t.data or 0) + int(t.byte_offset),
+        shape,
+        dtype,
+        strides,
+        int(t.device.device_type),
+        int(t.device.device_id),
+        bool(flags & FLAG_READ_ONLY),
+        bool(flags & FLAG_IS_COPIED),
     )
 
 
@@ -125,8 +162,8 @@ def export(ptr: int, shape: tuple[int, ...], dtype: np.dtype, device_id: int, ow
     """A ``"dltensor"`` capsule over C-contiguous device memory at ``ptr``; ``owner`` is kept
     alive until the consumer's deleter (or the unconsumed capsule's destructor) runs."""
     code = _DTYPES.get(np.dtype(dtype))
-    if code is None:
-        raise TypeError(f"DLPack export: no DLPack type for {np.dtype(dtype)}")
+    if code is None:  # the array API's error for data it cannot export
+        raise BufferError(f"DLPack export: no DLPack type for {np.dtype(dtype)}")
     managed = _Managed()
     dims = (ctypes.c_int64 * max(len(shape), 1))(*shape)
     t = managed.dl_tensor

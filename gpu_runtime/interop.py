@@ -74,22 +74,43 @@ def _from_interface(cai: Any) -> ArrayInfo:
         shape = tuple(int(s) for s in cai["shape"])
         ptr, readonly = cai["data"]
         dtype = np.dtype(cai["typestr"])
+        strides = cai.get("strides")
+        strides = None if strides is None else tuple(int(s) for s in strides)
     except (KeyError, TypeError, ValueError) as e:
         raise TypeError(f"malformed __cuda_array_interface__ ({e})") from None
+    if cai.get("mask") is not None:
+        raise TypeError("a masked __cuda_array_interface__ array (its mask would be ignored)")
     if dtype.kind == "V" and dtype.itemsize == 2:
         dtype = BF16  # the interface's only spelling of bf16 (DeviceArray exports it so)
-    strides = cai.get("strides")
-    strides = None if strides is None else tuple(int(s) for s in strides)
     contiguous = _c_contiguous(shape, strides, dtype.itemsize)
     return ArrayInfo(int(ptr or 0), shape, dtype, contiguous, None, bool(readonly), "__cuda_array_interface__")
+
+
+def _capsule(obj: Any) -> Any:
+    """``obj.__dlpack__`` asked for no synchronisation (``stream=-1``: the call stays capturable)
+    and no copy, as DLPack 1.0 where the producer takes ``max_version``; a producer that takes
+    fewer keywords (TypeError) is asked with fewer."""
+    try:
+        return obj.__dlpack__(stream=-1, max_version=(1, 0), copy=False)
+    except TypeError:
+        pass
+    try:
+        return obj.__dlpack__(stream=-1)
+    except TypeError:
+        return obj.__dlpack__()
 
 
 def _from_dlpack(obj: Any) -> ArrayInfo:
     device_type, device_id = obj.__dlpack_device__()
     if int(device_type) not in (dlpack.KDL_CUDA, dlpack.KDL_CUDA_MANAGED):
         raise ValueError(f"a DLPack array on device type {int(device_type)}, not CUDA memory")
-    t = dlpack.read(obj.__dlpack__())
-    return ArrayInfo(t.ptr, t.shape, t.dtype, _c_contiguous(t.shape, t.strides, 1), t.device_id, False, "__dlpack__")
+    t = dlpack.read(_capsule(obj))
+    if t.copied:  # the copy would go with the capsule, at the end of this call
+        raise BufferError("__dlpack__ exported a copy (flag IS_COPIED), not the array's own memory")
+    # managed memory's device_id is 0 whatever the device (dlpack.h): the pointer's device decides
+    device = None if t.device_type == dlpack.KDL_CUDA_MANAGED else t.device_id
+    contiguous = _c_contiguous(t.shape, t.strides, 1)
+    return ArrayInfo(t.ptr, t.shape, t.dtype, contiguous, device, t.readonly, "__dlpack__")
 
 
 def array_info(obj: Any) -> ArrayInfo | None:

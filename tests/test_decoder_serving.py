@@ -16,7 +16,7 @@ from gpu_runtime import ClosedError, DeviceArray, DevicePtr, dlpack
 from layers import reference as ref
 from layers.ngram_embed import NO_ADAPTER, PAD_SLOT, DecodeError, FusedNgramEmbedding, NgramDecoder, NgramWeights
 from layers.overlay import OverlaySlots
-from layers.dense_weight import BF16, DenseWeight
+from layers.dense_weight import BF16, FP8, DenseWeight
 from tests.helpers.fakes import ForeignArray, RecordingBackend
 from tests.helpers import Guarded, bits
 from tests.helpers.decoder import World, u32
@@ -110,6 +110,10 @@ def test_foreign_arrays_pass_their_addresses():
     assert dlpack.live_exports() == 0, "the capsule read was released"
     with pytest.raises(ValueError, match="out: 5 entries, the call needs 240"):
         dec.step(tokens, slots, 2, ForeignArray(P[2], (5,), "<V2"), k=3)
+    masked = ForeignArray(P[0], (2, 3), "<i4")
+    masked.__cuda_array_interface__ = {**masked.__cuda_array_interface__, "mask": ForeignArray(P[3], (2, 3), "|b1")}
+    with pytest.raises(TypeError, match="masked"):
+        dec.step(masked, slots, 2, out, k=3)
 
 
 class _Dlpack:
@@ -125,6 +129,76 @@ class _Dlpack:
         return self.array.__dlpack_device__()
 
 
+class _Producer:
+    """A DLPack producer over a ``DeviceArray`` that records what it was asked, taking only the
+    keywords ``takes`` (others: TypeError, as an older producer), and answering with a versioned
+    capsule of ``flags`` when asked for DLPack 1.x (``versioned``)."""
+
+    def __init__(self, array: DeviceArray, takes=("stream", "max_version", "copy"), versioned=False, flags=0):
+        self.array, self.takes, self.versioned, self.flags, self.asked = array, takes, versioned, flags, []
+
+    def __dlpack__(self, **kwargs):
+        self.asked.append(kwargs)
+        if set(kwargs) - set(self.takes):
+            raise TypeError(f"__dlpack__() got an unexpected keyword argument {sorted(set(kwargs) - set(self.takes))}")
+        if self.versioned and kwargs.get("max_version"):
+            return _versioned_capsule(self.array, self.flags)
+        return self.array.__dlpack__(**{k: v for k, v in kwargs.items() if k != "max_version"})
+
+    def __dlpack_device__(self):
+        return self.array.__dlpack_device__()
+
+
+_KEEP: list = []  # the versioned capsules' structures (the test's capsules have no destructor)
+
+
+def _versioned_capsule(array: DeviceArray, flags: int):
+    """A ``dltensor_versioned`` capsule over ``array`` as a DLPack 1.x producer makes it."""
+    import ctypes
+
+    managed = dlpack._ManagedVersioned()
+    ndim = len(array.shape)
+    shape = (ctypes.c_int64 * ndim)(*array.shape)
+    managed.version.major, managed.version.minor, managed.flags = 1, 0, flags
+    t = managed.dl_tensor
+    t.data, t.device, t.ndim = int(array.ptr), dlpack._Device(dlpack.KDL_CUDA, 0), ndim
+    t.dtype = dlpack._DataType(*dlpack._DTYPES[array.dtype], 1)
+    t.shape = ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64))
+    _KEEP.append((managed, shape))
+    new = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)(
+        ("PyCapsule_New", ctypes.pythonapi))
+    return new(ctypes.addressof(managed), b"dltensor_versioned", None)
+
+
+def test_dlpack_is_read_without_a_stream_handshake_or_a_copy():
+    """``stream=-1`` (no synchronisation: the call stays capturable), ``copy=False`` and DLPack
+    1.0 asked first; a producer that takes fewer keywords is asked with fewer; a versioned
+    capsule is read, its read-only flag refuses an output, its is-copied flag refuses the array."""
+    gpu, dec, _ = recording()
+    h = dec.dims.hidden_size
+    tokens, slots = DeviceArray(gpu, P[0], (6,), np.uint32), DeviceArray(gpu, P[1], (2,), np.uint32)
+    out = DeviceArray(gpu, P[2], (6, h), BF16, stream=77)  # a producer on another stream
+    for takes, asked in [(("stream", "max_version", "copy"), [{"stream": -1, "max_version": (1, 0), "copy": False}]),
+                         (("stream",), [{"stream": -1, "max_version": (1, 0), "copy": False}, {"stream": -1}]),
+                         ((), [{"stream": -1, "max_version": (1, 0), "copy": False}, {"stream": -1}, {}])]:
+        producer = _Producer(out, takes)
+        before = len(gpu.ops)
+        dec.step(tokens, slots, 2, producer, k=3)
+        assert producer.asked == asked
+        syncs = [op for op in gpu.ops[before:] if op[0] == "sync"]
+        assert syncs == ([("sync", 77)] if not takes else [])  # only the oldest producer synchronises
+    assert dlpack.live_exports() == 0
+    gpu.launches.clear()
+    dec.step(tokens, slots, 2, _Producer(out, versioned=True), k=3)
+    assert gpu.launches[-1].args[2] == P[2]
+    with pytest.raises(ValueError, match="read-only"):
+        dec.step(tokens, slots, 2, _Producer(out, versioned=True, flags=dlpack.FLAG_READ_ONLY), k=3)
+    with pytest.raises(BufferError, match="IS_COPIED"):
+        dec.step(tokens, slots, 2, _Producer(out, versioned=True, flags=dlpack.FLAG_IS_COPIED), k=3)
+    t = dlpack.read(_versioned_capsule(out, dlpack.FLAG_READ_ONLY))
+    assert (t.ptr, t.shape, t.dtype, t.readonly, t.copied) == (P[2], (6, h), BF16, True, False)
+
+
 def test_device_array_exports_dlpack_and_releases_it():
     gpu = RecordingBackend()
     arr = DeviceArray(gpu, P[5], (3, 7), BF16)
@@ -138,6 +212,13 @@ def test_device_array_exports_dlpack_and_releases_it():
     assert dlpack.live_exports() == 0
     with pytest.raises(BufferError, match="copy=True"):
         arr.__dlpack__(copy=True)
+    with pytest.raises(BufferError, match="no DLPack type for float8_e4m3fn"):  # the array API's error
+        DeviceArray(gpu, P[5], (3,), FP8).__dlpack__()
+    arr.ptr = DevicePtr(0)  # freed: neither protocol hands out a null pointer
+    with pytest.raises(BufferError, match="freed"):
+        arr.__dlpack__()
+    with pytest.raises(BufferError, match="freed"):
+        arr.__cuda_array_interface__
 
 
 def test_device_array_exports_name_the_stream_a_consumer_waits_for():

@@ -103,6 +103,23 @@ def test_read_header_refuses_malformed_headers(tmp_path, raw, match):
 
 # ==== CPU: loads ======================================================================================
 
+@pytest.mark.parametrize("loader", ["from_numpy", "from_pretrained"])
+def test_loaders_return_with_their_uploads_done(tmp_path, rng, loader):
+    """A runner on a created stream (which does not wait for the loader's) may read the weights
+    at once: each loader waits for its uploads before it returns."""
+    from tests.helpers.fakes import RecordingBackend
+
+    model = write_model(tmp_path / "m", make_model(rng, kinds="bf"))
+    gpu = RecordingBackend()
+    if loader == "from_numpy":
+        weights = NgramWeights.from_numpy(model.dims, model.word, model.numpy_tables(), model.projs, gpu, stream=5)
+    else:
+        weights = NgramWeights.from_pretrained(str(model.path), gpu, stream=5)
+    last_upload = max(i for i, op in enumerate(gpu.ops) if op[0] == "h2d")
+    assert gpu.ops[last_upload][3] == 5 and ("sync", 5) in gpu.ops[last_upload:]
+    weights.close()
+
+
 @pytest.mark.parametrize("layout", ["sharded", "single"])
 @pytest.mark.parametrize("kinds", ["b", "bf", "f"])
 @pytest.mark.parametrize("placement", ["device", "host", "mixed", "budget"])

@@ -197,6 +197,23 @@ def test_from_numpy_uploads_only_the_shards_word_rows_and_tables(rng, size, plac
     full.close()
 
 
+def test_a_ranks_runner_waits_for_its_row_ids_upload(rng):
+    """A rank's projection uploads its row ids on the construction stream; ``embed_all`` then
+    launches on each rank's own (created) stream, which does not wait for it."""
+    dims = _dims()
+    host = random_layer(rng, dims, "bf")
+    gpu = RecordingBackend()
+    w = NgramWeights.from_numpy(dims, host.word, numpy_tables(host, NgramShard.of(dims, 0, 2)), host.projs, gpu,
+                                shard=NgramShard.of(dims, 0, 2))
+    before = len(gpu.ops)
+    fused = FusedNgramEmbedding(w, 16, 7)
+    ops = gpu.ops[before:]
+    upload = max(i for i, op in enumerate(ops) if op[0] == "h2d")
+    assert ops[upload][3] == 7 and ("sync", 7) in ops[upload:]
+    fused.close()
+    w.close()
+
+
 def test_from_numpy_refuses_none_for_a_held_table_and_frees_what_it_uploaded(rng):
     dims = _dims()
     host = random_layer(rng, dims, "bf")

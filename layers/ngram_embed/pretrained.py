@@ -43,7 +43,8 @@ def load_weights(
     """``NgramWeights.from_pretrained``: everything is read and checked first (config, index,
     headers, manifest, placement), then uploaded into ``cls(dims, word, tables, projs, gpu,
     shard=)``, which owns it; a failure after the first upload frees what was built. With a
-    ``shard`` only its word rows and tables are read and uploaded."""
+    ``shard`` only its word rows and tables are read and uploaded. Returns once the uploads are
+    done, so runners on any stream can read the weights."""
     validate.positive(cache_rows, "cache_rows")
     if table_dir is None and isinstance(placement, str) and placement == "files":
         raise ValueError(_NEEDS_TABLE_DIR)
@@ -95,6 +96,7 @@ def load_weights(
                     w = keep(DenseWeight.from_numpy(gpu, rows, f.scales, stream))
                     del rows  # the map can close
                 tables.append(Fp8Table(w) if w.dtype == FP8 else Bf16Table(w))
+        gpu.synchronize(stream)  # uploaded: a runner on any stream may read them (a created one does not wait)
         weights = cls(dims, word, tables, projs, gpu, shard=shard)
     weights.own(*owned)
     return weights

@@ -88,6 +88,7 @@ class RowProjection:
         if self.shard is not None:
             self.shard_kernel = load_kernel(gpu, "embed_from_argmax", "batched_embed_shard")
             self.row_ids = own.upload(np.arange(max_rows, dtype=np.uint32), stream)
+            gpu.synchronize(stream)  # read by a first call on any stream (a created one does not wait)
 
     def rows_at(self, rows: int) -> DevicePtr:
         """Where a call of ``rows`` rows gathers its table rows (after the word rows on a rank)."""

@@ -96,7 +96,8 @@ class NgramWeights(Closing):
         """Upload host arrays: ``word [V, D]``; each table bf16 or ``(fp8, f32 scales)`` (None
         where another rank holds it); every projection. ``placement`` ("device", "host", or one
         per table) puts a table on the device or in mapped pinned host memory, read in place over
-        PCIe. With ``shard`` only its word rows and tables are uploaded."""
+        PCIe. With ``shard`` only its word rows and tables are uploaded. Returns once the uploads
+        (queued on ``stream``) are done, so runners on any stream can read the weights."""
         stream = _check_loader_args("NgramWeights.from_numpy", dims, gpu, stream)
         shard = resolve_shard(shard, dims)
         if len(tables) != dims.num_tables():
@@ -131,6 +132,7 @@ class NgramWeights(Closing):
                     dense = keep(DenseWeight.from_numpy(gpu, array, scale, stream))
                     dev_tables.append(Fp8Table(dense) if isinstance(table, tuple) else Bf16Table(dense))
             dev_projs = [keep(DenseWeight.from_numpy(gpu, p, None, stream)) for p in projs]
+            gpu.synchronize(stream)  # uploaded: a runner on any stream may read them (a created one does not wait)
             weights = cls(dims, w, dev_tables, dev_projs, gpu, shard=shard)
         weights.own(*owned)
         return weights

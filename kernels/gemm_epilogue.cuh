@@ -2,7 +2,9 @@
 // becomes just before its one bf16 rounding) and the stores of c that apply them.
 //
 // ep.row(row, m) gives the row's epilogue, taken once per output row a thread stores (hoisted out
-// of the column loops); for row >= m it is a harmless dummy that is never applied. Its
+// of the column loops); for row >= m it is a harmless dummy (the word epilogue's reads row 0 of
+// the word table, columns < n): the direct stores skip such rows, and the TMA-store path applies
+// it in shared memory but its store clips the rows off. Its
 // apply(col, v) maps one element, apply2(col, v0, v1) the pair (col, col + 1) of a vector store
 // (n even, col even, so col + 1 < n). A row may also hand its operand to a store that stages it in
 // shared memory ahead of time (the TMA-store path): staged(col0) says whether the 16-byte pieces

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from gpu_runtime import device_count
+from tests.helpers import TOO_SLOW_UNDER_SANITIZER
 
 _NO_GPU_REASON = "no CUDA device on this machine (GPU tests run on the GPU machine: make gpu-check)"
 
@@ -78,10 +79,14 @@ def rng(request: pytest.FixtureRequest) -> np.random.Generator:
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     """Under ``REQUIRE_GPU=1`` (make gpu-check) a skipped GPU test is a failure: the GPU
     machine must run every one of them (but ``multi_gpu`` ones, which need the optional
-    ``multi-gpu`` extra and, most of them, a second GPU)."""
+    ``multi-gpu`` extra and, most of them, a second GPU, and under a sanitizer those marked
+    ``TOO_SLOW_UNDER_SANITIZER``)."""
     outcome = yield
     report = outcome.get_result()
+    slow = os.environ.get("GPU_SANITIZER") and any(
+        m.name == "skipif" and m.kwargs.get("reason") == TOO_SLOW_UNDER_SANITIZER.kwargs["reason"]
+        for m in item.iter_markers())
     if (os.environ.get("REQUIRE_GPU") == "1" and report.skipped and "gpu" in item.keywords
-            and "multi_gpu" not in item.keywords):
+            and "multi_gpu" not in item.keywords and not slow):
         report.outcome = "failed"
         report.longrepr = f"GPU test skipped under REQUIRE_GPU=1: {report.longrepr}"

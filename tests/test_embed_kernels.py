@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from contextlib import ExitStack
 
 import ml_dtypes
@@ -12,7 +11,7 @@ import pytest
 from layers import reference as ref
 from layers.kernel_files import load_kernel
 from layers.ops.embed import batched_embed, batched_embed_fp8, batched_embed_shard, embed_from_argmax
-from tests.helpers import Guarded, bits, random_bf16, random_fp8
+from tests.helpers import TOO_SLOW_UNDER_SANITIZER, Guarded, bits, random_bf16, random_fp8
 
 pytestmark = pytest.mark.gpu
 BF16 = ml_dtypes.bfloat16
@@ -128,7 +127,7 @@ def test_zero_rows_launch_nothing(gpu, kernels, rng):
         o.assert_guards_intact()
 
 
-@pytest.mark.skipif(bool(os.environ.get("GPU_SANITIZER")), reason="a 2**27-row gather under a sanitizer: too slow")
+@TOO_SLOW_UNDER_SANITIZER
 def test_batched_embed_of_2_to_the_27_rows(gpu, kernels, rng):
     """n = 2**27 rows: the grid (2**24 blocks of 256 threads) has 2**32 threads, which a 32-bit
     warp count read as 0, and the loop never ended. Each row its id's, bit for bit."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 
 import ml_dtypes
 import numpy as np
@@ -11,7 +10,7 @@ import pytest
 from layers import reference as ref
 from layers.kernel_files import load_kernel
 from layers.ops.residual import residual_add, scaled_add
-from tests.helpers import Guarded, bits, random_bf16
+from tests.helpers import TOO_SLOW_UNDER_SANITIZER, Guarded, bits, random_bf16
 
 pytestmark = pytest.mark.gpu
 BF16 = ml_dtypes.bfloat16
@@ -49,7 +48,7 @@ def test_residual_add_bit_exact(gpu, rng, n, misalign):
         o.assert_guards_intact()
 
 
-@pytest.mark.skipif(bool(os.environ.get("GPU_SANITIZER")), reason="16 GiB under a sanitizer: too slow")
+@TOO_SLOW_UNDER_SANITIZER
 @pytest.mark.parametrize("misalign", [0, 2])
 def test_scaled_add_near_the_u32_limit_adds_each_element_once(gpu, rng, misalign):
     """n = 2**32 - 5 (8 GiB a tensor): each element added exactly once. A 32-bit index plus the

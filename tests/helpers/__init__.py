@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import pytest
 
 from gpu_runtime import CudaBackend, DevicePtr
 
@@ -21,6 +22,9 @@ POISON = 0xFF  # bf16 0xFFFF is NaN, u32 0xFFFFFFFF is an id no table has
 # memory of its own (memcheck: gigabytes over a thousand graph launches) and several test
 # processes share the device, so cuMemGetInfo says nothing about this process's leaks.
 DEVICE_MEMORY_MEASURABLE = not os.environ.get("GPU_SANITIZER")
+# A test too slow under a sanitizer (gigabytes through one kernel): skipped there, and that skip is
+# not a REQUIRE_GPU failure (conftest); `make gpu-check` runs it.
+TOO_SLOW_UNDER_SANITIZER = pytest.mark.skipif(bool(os.environ.get("GPU_SANITIZER")), reason="too slow under a sanitizer")
 PAGE = 4096  # host page size: register_host needs page-aligned arrays
 
 

@@ -13,6 +13,7 @@ it needs.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -23,6 +24,8 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
+
+from .atomic_write import write_atomically
 
 DTYPES: dict[str, np.dtype] = {
     "BF16": np.dtype(ml_dtypes.bfloat16),
@@ -140,8 +143,8 @@ def load(path: str | os.PathLike, names: Iterable[str] | None = None) -> dict[st
 
 def save(path: str | os.PathLike, tensors: Mapping[str, np.ndarray]) -> None:
     """Write ``tensors`` (C-contiguous copies are made where needed; 0-d arrays keep shape ``[]``)
-    as one safetensors file: written beside ``path`` and renamed into place, so a failed write
-    leaves what was there before, and no partial file."""
+    as one safetensors file, replaced whole (``write_atomically``): a failed write leaves what was
+    there before, and no partial file."""
     header, offset, arrays = {}, 0, []
     for name, array in tensors.items():
         array = np.asarray(array)
@@ -156,16 +159,5 @@ def save(path: str | os.PathLike, tensors: Mapping[str, np.ndarray]) -> None:
         arrays.append(array)
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with tmp.open("wb") as f:
-            f.write(struct.pack("<Q", len(blob)) + blob)
-            for array in arrays:
-                f.write(array.tobytes())  # C order, whatever the array's own
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    head = struct.pack("<Q", len(blob)) + blob
+    write_atomically(path, itertools.chain([head], (a.tobytes() for a in arrays)))  # one copy at a time, C order

@@ -51,6 +51,7 @@ import numpy as np
 
 from gpu_runtime import validate
 
+from ..atomic_write import write_atomically
 from ..dense_weight import BF16, FP8
 from ..safetensors_io import read_header
 from .checkpoint import (
@@ -64,7 +65,7 @@ from .checkpoint import (
     weight_files,
 )
 from .convert_progress import DEFAULT_INTERVAL, LOG, Progress
-from .table_file import SCALE_DTYPE, TableWriter, _fsync_dir
+from .table_file import SCALE_DTYPE, TableWriter
 from .table_manifest import MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, manifest_dims, read_manifest
 from .table_verify import VerifyError, check_table_file
 from .table_verify import verify_tables as verify_tables  # its home before
@@ -113,14 +114,7 @@ def _target_rows(
 
 
 def _write_json(path: Path, data: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as fh:
-        json.dump(data, fh, indent=1, sort_keys=True)
-        fh.write("\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(str(path.parent))
+    write_atomically(path, [(json.dumps(data, indent=1, sort_keys=True) + "\n").encode()])
 
 
 def table_file_name(c: int) -> str:

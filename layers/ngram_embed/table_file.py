@@ -8,7 +8,6 @@ header or size is not what this package writes is refused (``TableFormatError``)
 from __future__ import annotations
 
 import contextlib
-import errno
 import mmap
 import os
 from types import TracebackType
@@ -17,6 +16,7 @@ import numpy as np
 
 from gpu_runtime import ClosedError, validate
 
+from ..atomic_write import fsync_dir
 from ..dense_weight import FP8
 from ..safetensors_io import load as load_safetensors
 from .table_format import HEADER_BYTES, PAGE, SCALE_DTYPE, TableFormatError, TableHeader, _table_dtype
@@ -255,7 +255,7 @@ class TableWriter:
             self.abort()
             raise
         self._committed = True
-        _fsync_dir(os.path.dirname(os.path.abspath(self.path)))
+        fsync_dir(os.path.dirname(os.path.abspath(self.path)))
         return self.header
 
     def abort(self) -> None:
@@ -279,25 +279,6 @@ class TableWriter:
             self.close()
         else:
             self.abort()
-
-
-def _fsync_dir(directory: str) -> None:
-    """Make the rename durable. Where directories cannot be opened or synced (some platforms and
-    file systems: EINVAL, ENOTSUP), that is fine; any other failure (EIO) is raised."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError as err:
-        if err.errno not in _FSYNC_UNSUPPORTED:
-            raise
-    finally:
-        os.close(fd)
-
-
-_FSYNC_UNSUPPORTED = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP}
 
 
 def write_table(

@@ -10,16 +10,9 @@
 
 namespace {
 
+using row_copy::global_warp;
 using row_copy::kWarp;
-
-// 64-bit: for n >= 2**27 rows the grid's threads pass 2**32, and n near 2**32 wraps a 32-bit
-// row index plus the stride.
-__device__ __forceinline__ uint64_t global_warp() {
-    return (static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
-}
-__device__ __forceinline__ uint64_t warp_count() {
-    return static_cast<uint64_t>(gridDim.x) * blockDim.x / kWarp;
-}
+using row_copy::warp_count;
 __device__ __forceinline__ uint32_t lane() { return threadIdx.x % kWarp; }
 
 }  // namespace

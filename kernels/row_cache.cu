@@ -10,11 +10,9 @@
 extern "C" __global__ void scatter_rows(const uint32_t* slots, const uint8_t* rows,
                                         const float* scales, uint8_t* arena, float* arena_scales,
                                         uint32_t n, uint32_t row_bytes) {
-    const uint32_t lane = threadIdx.x % 32;
-    const uint64_t warps = static_cast<uint64_t>(gridDim.x) * blockDim.x / 32;
+    const uint32_t lane = threadIdx.x % row_copy::kWarp;
     const bool vec = row_copy::bytes_vec(rows, arena, row_bytes);
-    // 64-bit index: with n near 2**32 a 32-bit i + warps wraps below n and the loop never ends
-    for (uint64_t i = (static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32; i < n; i += warps) {
+    for (uint64_t i = row_copy::global_warp(); i < n; i += row_copy::warp_count()) {
         const uint32_t slot = slots[i];
         row_copy::copy_row<uint8_t>(rows + static_cast<uint64_t>(i) * row_bytes,
                                     arena + static_cast<uint64_t>(slot) * row_bytes, row_bytes, vec,

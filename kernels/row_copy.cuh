@@ -16,6 +16,16 @@ namespace row_copy {
 
 constexpr uint32_t kWarp = 32;
 
+// A grid-stride loop of one row per warp: for (uint64_t r = global_warp(); r < n; r += warp_count()).
+// 64-bit: for n >= 2**27 rows the grid's threads pass 2**32, and n near 2**32 wraps a 32-bit row
+// index plus the stride.
+__device__ __forceinline__ uint64_t global_warp() {
+    return (static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
+}
+__device__ __forceinline__ uint64_t warp_count() {
+    return static_cast<uint64_t>(gridDim.x) * blockDim.x / kWarp;
+}
+
 // The threads that copy one row together, and how: first() is this thread's first item, stride()
 // the team's size.
 struct Warp {

@@ -35,7 +35,7 @@ __device__ __forceinline__ void cluster_sync() {
 
 // The cluster barrier without ordering memory: for readers whose loads have all returned.
 __device__ __forceinline__ void cluster_sync_relaxed() {
-    asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
+    asm volatile("barrier.cluster.arrive.relaxed;\nbarrier.cluster.wait;\n" ::: "memory");
 }
 
 __device__ __forceinline__ uint32_t cluster_rank() {

@@ -232,30 +232,35 @@ __device__ __forceinline__ void wgmma_or_tiled_gemm(const bf16* a, const bf16* w
 // The TMA paths on sm_90a builds when the launch fits the one chosen (384 threads and its shared
 // memory), else simt (a and w come by pointer too, for it; the tiled path would need more than the
 // 168 registers of a 384-thread CTA). kTmaLoadOnly / kTmaStoreC: tma_gemm with register or TMA
-// stores (cmap is read only by the latter); kTmaSplitK: tma_splitk_gemm.
+// stores (cmap is read only by the latter); kTmaSplitK: tma_splitk_gemm. kDependent (split-K only):
+// a programmatic dependent launch that waits for the kernel before itself (pdl_wait), the split-K
+// path once it has requested its first weight stages.
 enum TmaPath : uint32_t { kTmaLoadOnly, kTmaStoreC, kTmaSplitK };
 
-template <uint32_t P, class Ep>
+template <uint32_t P, bool kDependent = false, class Ep>
 __device__ __forceinline__ void tma_or_simt_gemm(const TensorMap& amap, const TensorMap& wmap,
                                                   const TensorMap& cmap, const bf16* a,
                                                   const bf16* w, bf16* c, uint32_t m, uint32_t n,
                                                   uint32_t k, const Ep& ep) {
+    static_assert(!kDependent || P == kTmaSplitK, "only the split-K path waits itself");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     if (P == kTmaSplitK ? splitk_launch_fits() : tma_launch_fits<P == kTmaStoreC>()) {
         if constexpr (P == kTmaSplitK) {
-            tma_splitk_gemm(amap, wmap, c, m, n, k, ep);
+            tma_splitk_gemm<kDependent>(amap, wmap, c, m, n, k, ep);
         } else {
             tma_gemm<P == kTmaStoreC>(amap, wmap, cmap, c, m, n, k, ep);
         }
         return;
     }
 #endif
+    if constexpr (kDependent) pdl_wait();
     gemm_simt(a, w, c, m, n, k, ep);
 }
 
 // The word entry points run after the n-gram gather that writes a and word_ids, and may be
 // launched overlapping it (programmatic dependent launch): they wait for it (pdl_wait) before
-// reading a or word_ids. The gemv and small paths request their first weight stages before waiting.
+// reading a or word_ids. The gemv, small and split-K paths request their first weight stages before
+// waiting.
 template <class Ep>
 __device__ __forceinline__ void dependent_gemm(const bf16* a, const bf16* w, bf16* c, uint32_t m,
                                                uint32_t n, uint32_t k, const Ep& ep) {
@@ -396,7 +401,6 @@ dense_gemm_bf16_word_tma_splitk(const __grid_constant__ TensorMap a_map,
                                 const bf16* w, bf16* c, uint32_t m, uint32_t n, uint32_t k,
                                 const uint32_t* word_ids, const bf16* word,
                                 const bf16* const* word_over, float scale) {
-    pdl_wait();
-    gemm::tma_or_simt_gemm<gemm::kTmaSplitK>(a_map, w_map, a_map, a, w, c, m, n, k,
-                              gemm::word_epilogue(word_ids, word, word_over, n, scale));
+    gemm::tma_or_simt_gemm<gemm::kTmaSplitK, true>(a_map, w_map, a_map, a, w, c, m, n, k,  // it waits itself
+                                    gemm::word_epilogue(word_ids, word, word_over, n, scale));
 }

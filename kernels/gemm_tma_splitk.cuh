@@ -105,7 +105,11 @@ __device__ __forceinline__ bool splitk_launch_fits() {
 // Tiles are (64 columns of c) x (BM rows of c). kRanks = kSplitK: k split over the cluster, cluster
 // c_id takes tiles c_id, c_id + clusters, ...; kRanks = 1: each CTA takes tiles of its own (block
 // b: b, b + blocks, ...), k split only between its consumers, summed in its own shared memory.
-template <uint32_t BM, uint32_t kRanks, class Ep>
+// kDependent: a programmatic dependent launch (the word GEMM after the n-gram gather), which waits
+// for the kernel before itself: w does not depend on it, a and the epilogue's inputs do. Thread 0
+// requests the w boxes of its first tile's first ring stages, then waits; every other thread waits
+// at once (the consumers before they read anything, the epilogue's inputs included).
+template <uint32_t BM, uint32_t kRanks, bool kDependent, class Ep>
 __device__ __forceinline__ void tma_splitk_tiles(const TensorMap& amap, const TensorMap& wmap,
                                                  bf16* c, uint32_t m, uint32_t n, uint32_t k,
                                                  const Ep& ep) {
@@ -130,21 +134,40 @@ __device__ __forceinline__ void tma_splitk_tiles(const TensorMap& amap, const Te
     const bool vec = vector_stores(c, n);
     uint32_t it = 0;  // k-tiles through the ring so far, this CTA
 
+    uint32_t early = 0;  // ring stages (of this CTA's first tile) whose w boxes went before pdl_wait
+    if constexpr (kDependent) {
+        const uint64_t tile = block_rank() / kRanks;
+        if (tid == 0 && tile < tiles) {
+            const uint32_t n0 = static_cast<uint32_t>(tile % tiles_n) * kSplitBN;
+            early = min(kStages, kt1 - kt0);
+            for (uint32_t s = 0; s < early; ++s) {  // fresh stages: no empty barrier to wait for
+                mbar_expect_tx(full + 8 * s, T::kStageBytes);
+#pragma unroll
+                for (uint32_t h = 0; h < kTmaConsumers; ++h)
+                    tma_load_2d(base + s * T::kStageBytes + h * kWBox, wmap, (kt0 + s) * kSplitBK + h * kWgBK,
+                                n0, full + 8 * s);
+            }
+        }
+        pdl_wait();
+    }
+
     for (uint64_t tile = block_rank() / kRanks; tile < tiles; tile += groups) {
         const uint32_t n0 = static_cast<uint32_t>(tile % tiles_n) * kSplitBN;
         const uint32_t m0 = static_cast<uint32_t>(tile / tiles_n) * BM;
         if (wg == 0) {
             if (tid == 0) {
                 for (uint32_t kt = kt0; kt < kt1; ++kt) {
-                    const uint32_t s = (it + kt - kt0) % kStages;
-                    const uint32_t use = (it + kt - kt0) / kStages;
-                    mbar_wait(empty + 8 * s, (use & 1) ^ 1);
-                    mbar_expect_tx(full + 8 * s, T::kStageBytes);
+                    const uint32_t i = it + kt - kt0, s = i % kStages;
+                    const bool pre = i < early;  // its w boxes are on their way already
+                    if (!pre) {
+                        mbar_wait(empty + 8 * s, ((i / kStages) & 1) ^ 1);
+                        mbar_expect_tx(full + 8 * s, T::kStageBytes);
+                    }
                     const uint32_t sw = base + s * T::kStageBytes;
 #pragma unroll
                     for (uint32_t h = 0; h < kTmaConsumers; ++h) {  // past k or m: zero-filled boxes
                         const uint32_t k0 = kt * kSplitBK + h * kWgBK;
-                        tma_load_2d(sw + h * kWBox, wmap, k0, n0, full + 8 * s);
+                        if (!pre) tma_load_2d(sw + h * kWBox, wmap, k0, n0, full + 8 * s);
 #pragma unroll
                         for (uint32_t q = 0; q < BM / 64; ++q)  // 64-row boxes, back to back: one N = BM operand
                             tma_load_2d(sw + kTmaConsumers * kWBox + h * kABox + q * 64 * WgmmaLayout::kRowBytes,
@@ -216,7 +239,7 @@ __device__ __forceinline__ void tma_splitk_tiles(const TensorMap& amap, const Te
 // k <= kSplitShortK: 64-token tiles, one per CTA, k split only between the consumers (the cluster's
 // barriers and remote reads cost more than a short k saves); else k split over the cluster, with
 // 64-token tiles for m <= 64 and 128-token tiles above. The host plans the grid the same way.
-template <class Ep>
+template <bool kDependent, class Ep>
 __device__ __forceinline__ void tma_splitk_gemm(const TensorMap& amap, const TensorMap& wmap,
                                                 bf16* c, uint32_t m, uint32_t n, uint32_t k,
                                                 const Ep& ep) {
@@ -225,11 +248,11 @@ __device__ __forceinline__ void tma_splitk_gemm(const TensorMap& amap, const Ten
         asm volatile("prefetch.tensormap [%0];\n" :: "l"(reinterpret_cast<uint64_t>(&wmap)) : "memory");
     }
     if (k <= kSplitShortK) {
-        tma_splitk_tiles<kSplitBM, 1>(amap, wmap, c, m, n, k, ep);
+        tma_splitk_tiles<kSplitBM, 1, kDependent>(amap, wmap, c, m, n, k, ep);
     } else if (m <= kSplitBM) {
-        tma_splitk_tiles<kSplitBM, kSplitK>(amap, wmap, c, m, n, k, ep);
+        tma_splitk_tiles<kSplitBM, kSplitK, kDependent>(amap, wmap, c, m, n, k, ep);
     } else {
-        tma_splitk_tiles<kSplitWideBM, kSplitK>(amap, wmap, c, m, n, k, ep);
+        tma_splitk_tiles<kSplitWideBM, kSplitK, kDependent>(amap, wmap, c, m, n, k, ep);
     }
 }
 

@@ -18,8 +18,10 @@ Paths (``path=`` forces one; how each one works: docs/design_notes.md):
   ``TensorMaps`` when c does not suit a tensor map; a forced ``tma`` it cannot take runs ``wgmma``.
 - ``tma_store``  ``tma`` with a TMA store of c: chosen where c suits a tensor map (16-byte aligned,
   n % 8 == 0), else ``tma``.
-- ``tma_splitk``  few rows of a (33 to 256, 17 to 256 for k <= 256: ``use_splitk``); a forced
-  one whose operands a tensor map cannot describe runs what ``path=None`` would.
+- ``tma_splitk``  few rows of a (33 to 256, 17 to 256 for k <= 256: ``use_splitk``): k split over a
+  2-CTA cluster, its word twin's first weight stages requested before a programmatic dependent
+  launch waits; a forced one whose operands a tensor map cannot describe runs what ``path=None``
+  would.
 - ``simt``   one output per thread (a check on the others, never chosen automatically).
 
 ``dense_gemm_bf16_word`` is the same GEMM with the fused n-gram embedding's epilogue,

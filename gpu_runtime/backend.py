@@ -1,6 +1,6 @@
 """What the layers need from a GPU: ``GpuBackend`` (the required core) and the optional
 capabilities a backend may add (pinned and mapped host memory, events, graphs, pitched and
-device-to-device copies).
+device-to-device copies, TMA tensor maps).
 
 The layers are written against these interfaces only, so a test can record what a launcher
 builds without a GPU. A layer asks for a capability with ``isinstance(gpu, Graphs)``: a backend

@@ -2,7 +2,7 @@
 
 cuda.bindings returns every result as a tuple whose first item is the status. ``call`` turns a
 non-success status into a ``CudaError`` that names the call, and returns the remaining values,
-so the safe API in ``gpu.py`` never sees a status code.
+so the safe API (``cuda_backend/``, one module per area) never sees a status code.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Compile .cu files ahead of time with NVRTC, rebuilding only what changed.
 
 `make kernels` runs layers.precompile, which gives this tool the layers' files. Each image goes
-into the kernel cache that the backend reads ($GPU_RUNTIME_CACHE_DIR, else ~/.cache/gpu_runtime).
+into the kernel cache that the backend reads ($GPU_RUNTIME_CACHE_DIR, else $XDG_CACHE_HOME/gpu_runtime
+where that is set, else ~/.cache/gpu_runtime).
 A module is compiled again only when its cache key changed (its source,
 the bytes of any header it includes, the compiler options, the target or the NVRTC version) or
 its image is missing or damaged. Otherwise it is up to date, and nothing runs NVRTC.

@@ -357,7 +357,9 @@ BAD = [
     ("config-split-bool", _config(emb_split_num=True), "emb_split_num must be an int >= 1"),
     ("config-neighbor-1", _config(emb_neighbor_num=1), "emb_neighbor_num must be an int >= 2"),
     ("config-text-vocab", _config(text_vocab_size=256), "text_vocab_size 256 != vocab_size 300"),
-    ("config-oe-keys", _config(emb_neighbor_num=..., oe_neighbor_num=3), "missing key 'emb_neighbor_num'.*oe_"),
+    ("config-oe-keys", _config(emb_neighbor_num=..., oe_neighbor_num=3), r"LongCat-2.0's keys \['oe_neighbor_num'\]"),
+    ("config-oe-beside-emb", _config(oe_split_num=4, oe_special_tokens=[1]),
+     r"LongCat-2.0's keys \['oe_special_tokens', 'oe_split_num'\] are not served"),
     ("config-dims-change", _config(hidden_size=32), r"has shape \[300, 24\], config.json gives \[300, 32\]"),
     # the index
     ("index-not-json", _index("{weight"), "model.safetensors.index.json: not valid JSON"),

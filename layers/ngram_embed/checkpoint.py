@@ -7,7 +7,8 @@ Reads ``config.json`` (``vocab_size``, ``hidden_size``, ``emb_neighbor_num``, ``
 ``NgramDims`` and an ``NgramCheckpoint`` mapped only on demand (F16/F32 word table and projections
 rounded to bf16, nearest even). Refuses (``CheckpointError``): a missing key or tensor, a shape the
 config disagrees with, F16/F32 tables (``layers.ngram_embed.convert`` them), fp8 tables without
-per-row scales, several EOS ids, LongCat-Next's ``text_vocab_size``, LongCat-2.0's ``oe_*`` keys.
+per-row scales, several EOS ids, LongCat-Next's ``text_vocab_size`` (unless it equals
+``vocab_size``), any of LongCat-2.0's ``oe_*`` keys.
 Provenance: docs/checkpoints.md
 """
 
@@ -83,10 +84,7 @@ def read_config(model_dir: str | os.PathLike) -> dict[str, Any]:
 
 def _config_int(config: dict, key: str, where: str, low: int) -> int:
     if key not in config or config[key] is None:
-        hint = ""
-        if key.startswith("emb_") and ("oe_neighbor_num" in config or "oe_split_num" in config):
-            hint = " (it has LongCat-2.0's oe_* keys, which this loader does not serve)"
-        raise CheckpointError(f"{where}: missing key {key!r}{hint}")
+        raise CheckpointError(f"{where}: missing key {key!r}")
     value = config[key]
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise CheckpointError(f"{where}: {key} must be an int >= {low}, got {value!r}")
@@ -117,6 +115,9 @@ def dims_from_config(
     """``NgramDims.longcat_flash`` of a config (see the module docstring for the keys);
     ``eos_id`` overrides ``eos_token_id``. ``require_eos=False`` (the converter, which never
     hashes) does not read the EOS: the dims have ``eos_id`` (None unless given)."""
+    longcat2 = sorted(key for key in config if key.startswith("oe_"))
+    if longcat2:  # its n-gram settings and special-token exclusions, with or without emb_* beside them
+        raise CheckpointError(f"{where}: LongCat-2.0's keys {longcat2} are not served by this loader")
     v = _config_int(config, "vocab_size", where, 1)
     d = _config_int(config, "hidden_size", where, 1)
     n = _config_int(config, "emb_neighbor_num", where, 2)

@@ -15,8 +15,9 @@ the arena slots ``[R, T]`` that ``RowCache.resolve`` returned.
 ``embed_batch`` serves many sequences at once (ragged contexts, each with its own new tokens, one
 output ``[sum S_i, D]``); with ``graph=True`` each shape is captured once as a CUDA graph
 (upload, gather, GEMM) and replayed with only the packed host buffer rewritten: a decode step
-is then one ``cuGraphLaunch``. Graphs are keyed by (rows, out, stream) and need a created stream
-and a backend with graphs and pinned host memory (``gpu_runtime.Graphs``, ``PinnedHostMemory``).
+is then one ``cuGraphLaunch``. Graphs are keyed by (rows, out, stream, whether adapters are
+given) and need a created stream and a backend with graphs and pinned host memory
+(``gpu_runtime.Graphs``, ``PinnedHostMemory``).
 
 The runner borrows ``NgramWeights`` (no copies but the concatenated projections, built once on
 the weights). With a tensor-parallel shard's weights it runs one rank: pass ``collective=`` to

@@ -165,9 +165,7 @@ def _versioned_capsule(array: DeviceArray, flags: int):
     t.dtype = dlpack._DataType(*dlpack._DTYPES[array.dtype], 1)
     t.shape = ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64))
     _KEEP.append((managed, shape))
-    new = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)(
-        ("PyCapsule_New", ctypes.pythonapi))
-    return new(ctypes.addressof(managed), b"dltensor_versioned", None)
+    return dlpack._capsule_new(ctypes.addressof(managed), b"dltensor_versioned", None)
 
 
 def test_dlpack_is_read_without_a_stream_handshake_or_a_copy():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import ml_dtypes
 import numpy as np
 import pytest

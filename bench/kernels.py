@@ -16,7 +16,7 @@ from bench.common import bench_parser, copy_bandwidth, gated_gpu_us, print_table
 from bench.gemm import gemm_table
 from gpu_runtime import CudaBackend
 from layers.kernel_files import load_kernel
-from layers.ops.embed import batched_embed, batched_embed_fp8, embed_from_argmax
+from layers.ops.embed import ArgmaxEmbed, batched_embed, batched_embed_fp8
 from layers.ops.residual import scaled_add
 
 BF16 = ml_dtypes.bfloat16
@@ -115,7 +115,8 @@ def gather_rows(gpu: CudaBackend, bw: float) -> list[tuple]:
     vocab, m = 131072, 64
     ids_out = gpu.alloc(m * 4)
     logits = m * vocab * 2  # 16 MiB a call, 16 of them rotated (256 MiB of a): read from HBM, not L2
-    ms = _ms(lambda i: embed_from_argmax(gpu, k_arg, a + (i % 16) * logits, vocab, table, out, ids_out, m, dim, 0))
+    argmax = ArgmaxEmbed(gpu, k_arg, table, vocab, dim)
+    ms = _ms(lambda i: argmax.run(a + (i % 16) * logits, out, ids_out, m, 0))
     moved = m * vocab * 2 + 2 * m * dim * 2
     rows.append(
         (f"embed_from_argmax m={m} vocab={vocab}", ms * 1e3, moved / ms / 1e6, moved / (ms * 1e-3) / bw, None, None)

@@ -1,18 +1,19 @@
-"""Per-launch host cost of ``KernelLaunch`` and a ``KernelSpec`` launch against the bare
-driver call, cuda.core and CuPy.
+"""Per-launch host cost of every launch path against its floor: the bare driver call for the
+launchers (``Kernel.launch``, ``layers.ops``' seed launchers and planned ones), the same chain of
+calls doing nothing for the seed's ``KernelLaunch`` builder; cuda.core and CuPy beside them.
 
-Kernel: ``bf16_scaled_add`` (4 arguments: two pointers, an f32, a u32) on 1024 elements, so
-the GPU keeps up and the loop measures the host. "bare" is ``cuLaunchKernel`` with an argument
-array built once outside the loop: the floor for any Python launcher on cuda-python. Its second
-row also builds the ``CUfunction`` and ``CUstream`` objects once (the bindings convert an int
-into one at every call); our launchers hand the driver the kernel's ``CUfunction``, the stream as
-the caller's int.
+Kernel: ``bf16_scaled_add`` (4 arguments: two pointers, an f32, a u32) on 1024 elements, so the
+GPU keeps up and the loop measures the host, unless a row names another. "bare" is
+``cuLaunchKernel`` with an argument array built once outside the loop: the floor for any Python
+launcher on cuda-python. Its second row also builds the ``CUfunction`` and ``CUstream`` objects
+once (the bindings convert an int into one at every call); the third is the one call every
+launch of ours makes, ``cuLaunchKernelEx`` with its ``CUlaunchConfig`` built once.
 
-``python -m bench.launch --stub`` runs the same rows (and a few more launchers) on a
-``CudaBackend`` over a stubbed driver, without a GPU: every driver call answers at once, so the
-table is the Python each path costs on top of the driver call (NVRTC still compiles the kernels).
-``--stub --bindings`` keeps cuda-bindings' own ``cuLaunchKernel`` (its argument conversion) over
-``bench/fake_libcuda.c``, a driver library whose every call returns at once (built with ``cc``).
+``python -m bench.launch --stub`` runs the same rows on a ``CudaBackend`` over a stubbed driver,
+without a GPU: every driver call answers at once, so the table is the Python each path costs on
+top of the driver call (NVRTC still compiles the kernels). ``--stub --bindings`` keeps
+cuda-bindings' own launch functions (their argument conversion) over ``bench/fake_libcuda.c``, a
+driver library whose every call returns at once (built with ``cc``).
 """
 
 from __future__ import annotations
@@ -33,32 +34,14 @@ import numpy as np
 from cuda.bindings import driver as cu
 
 from bench.common import bench_parser, host_time_us, print_table
-from gpu_runtime import CudaBackend, KernelLaunch, KernelSpec, compiler, driver
+from gpu_runtime import CudaBackend, KernelLaunch, LaunchConfig, compiler, driver
 from gpu_runtime.cuda_backend import DRIVER_MODULES
 from layers.dense_weight import BF16, DenseWeight
 from layers.kernel_files import kernel_dir, load_kernel
 from layers.ops import gemm
-from layers.ops.embed import batched_embed
 from layers.ops.residual import scaled_add
-from layers.ops.specs import SCALED_ADD
-from layers.ops.token_overlay import embed_overlay_routed
 
 N = 1024
-
-
-class BackendRoutedSpec(KernelSpec):
-    """A spec that refuses the backend's direct route: every launch goes through
-    ``gpu.launch_spec`` (the path a spec launch took before ``KernelSpec.allow_direct``)."""
-
-    __slots__ = ()
-
-    def allow_direct(self, kernel: int, backend: object, *route: Any) -> dict[int, Any]:
-        return {}
-
-
-SCALED_ADD_ROUTED = BackendRoutedSpec(
-    SCALED_ADD.name, **{p.name: "P?" if p.name in SCALED_ADD.nullable else p.kind for p in SCALED_ADD.params}
-)
 
 
 def bare_launcher(gpu: CudaBackend, kernel: int, out: int, x: int, stream: int, handles: bool = False):
@@ -78,6 +61,29 @@ def bare_launcher(gpu: CudaBackend, kernel: int, out: int, x: int, stream: int, 
             raise RuntimeError(err)
 
     launch.keep = (buf, ptrs)  # type: ignore[attr-defined]
+    return launch
+
+
+def bare_ex_launcher(kernel: int, out: int, x: int, stream: int):
+    """``cuLaunchKernelEx`` with its config, the function and the argument array built once."""
+    function = cu.CUfunction(kernel)
+    config = cu.CUlaunchConfig()
+    config.gridDimX = config.gridDimY = config.gridDimZ = 1
+    config.blockDimX, config.blockDimY, config.blockDimZ = 256, 1, 1
+    config.sharedMemBytes = 0
+    config.hStream = cu.CUstream(stream)
+    buf = ctypes.create_string_buffer(24)
+    struct.pack_into("@QQfI", buf, 0, out, x, 0.5, N)
+    base = ctypes.addressof(buf)
+    ptrs = (ctypes.c_void_p * 4)(base, base + 8, base + 16, base + 20)
+    params = ctypes.addressof(ptrs)
+
+    def launch(i: int) -> None:
+        (err,) = cu.cuLaunchKernelEx(config, function, params, 0)
+        if err:
+            raise RuntimeError(err)
+
+    launch.keep = (buf, ptrs, config)  # type: ignore[attr-defined]
     return launch
 
 
@@ -155,7 +161,7 @@ def stub_driver(bindings: bool = False) -> ctypes.CDLL | None:
     """Make ``CudaBackend()`` run on a driver that answers every call at once (this process only):
     handles from a counter, no parameter layouts to report, an H200's shared memory opt-in,
     zeroed tensor maps, launches that do nothing. ``bindings``: launches go through the bindings'
-    own ``cuLaunchKernel`` to ``fake_libcuda``'s, which does nothing; returns that library."""
+    own launch functions to ``fake_libcuda``'s, which do nothing; returns that library."""
     handles = itertools.count(0x7F00_0000_0000, 1 << 20)
     opt_in = cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
 
@@ -181,7 +187,7 @@ def stub_driver(bindings: bool = False) -> ctypes.CDLL | None:
     cu.cuFuncGetParamInfo = None  # "this driver cannot report layouts": the checks skip them
     if bindings:
         return load_fake_libcuda()
-    cu.cuLaunchKernel = lambda *args: (0,)
+    cu.cuLaunchKernel = cu.cuLaunchKernelEx = lambda *args: (0,)
     return None
 
 
@@ -202,42 +208,9 @@ def load_fake_libcuda() -> ctypes.CDLL:
     return fake
 
 
-def stub_rows(gpu: CudaBackend, out: int, x: int, stream: int) -> list:
-    """Two more launchers, next to their ``KernelLaunch`` chains, for the stubbed table."""
-    embed = load_kernel(gpu, "embed_from_argmax", "batched_embed")
-    overlay = load_kernel(gpu, "token_overlay", "embed_overlay_routed_bf16")
-    ptrs = [gpu.alloc(256) for _ in range(6)]
-
-    def embed_builder(i: int) -> None:
-        (
-            KernelLaunch(gpu, embed)
-            .grid([1, 1, 1])
-            .block([256, 1, 1])
-            .arg_ptr(out)
-            .arg_ptr(x)
-            .arg_ptr(out)
-            .arg_u32(8)
-            .arg_u32(64)
-            .launch(stream)
-        )
-
-    def embed_launcher(i: int) -> None:
-        batched_embed(gpu, embed, out, x, out, 8, 64, stream)
-
-    def overlay_launcher(i: int) -> None:
-        embed_overlay_routed(gpu, overlay, *ptrs[:2], 1, *ptrs[2:], 8, 64, 1000, stream)
-
-    return [
-        ("KernelLaunch builder, batched_embed", embed_builder),
-        ("layers.ops.batched_embed launcher", embed_launcher),
-        ("layers.ops.embed_overlay_routed launcher", overlay_launcher),
-        *gemm_rows(gpu, stream, [(64, 4096, 4096)]),
-    ]
-
-
 def gemm_rows(gpu: CudaBackend, stream: int, shapes: list[tuple[int, int, int]]) -> list:
-    """The GEMM launcher at each (m, n, k), operands at fixed addresses (as an engine's are):
-    the Python of its checks and launch, the plan worked out at the first call."""
+    """The seed's GEMM launcher at each (m, n, k), operands at fixed addresses (as an engine's
+    are): the Python of its checks and launch, the launch worked out at the first call."""
     kernel = load_kernel(gpu, "gemm", gemm.KERNEL)
     rows = []
     for m, n, k in shapes:
@@ -256,8 +229,56 @@ def gemm_rows(gpu: CudaBackend, stream: int, shapes: list[tuple[int, int, int]])
         def launcher(i: int, a=a, weight=weight, c=c, m=m, n=n, k=k) -> None:
             gemm.dense_gemm_bf16_pipelined(gpu, kernel, a, weight, c, m, n, k, stream)
 
-        rows.append((f"layers.ops GEMM launcher, {m}x{n}x{k} {path}", launcher))
+        rows.append((f"layers.ops.dense_gemm_bf16_pipelined, {m}x{n}x{k} {path}", launcher))
     return rows
+
+
+def planned_rows(gpu: CudaBackend, stream: int, stub: bool) -> list:
+    """The planned launchers of the n-gram runners, one decode row each: a fused runner's gather
+    (``NgramGather.run``) and a decoder's (``DecodeLaunches.gather``) over a small model's tables
+    (T = 4), with the decoder's state zeroed and one token of one slot. On a stubbed driver (no
+    memory to upload to, nothing runs) the plans are made over bare allocations instead."""
+    from layers.ngram_embed import FusedNgramEmbedding, NgramDecoder, NgramDims, NgramWeights
+    from layers.ops import DecodeLaunches, NgramGather
+
+    dims = NgramDims(vocab_size=1000, hidden_size=64, max_ngram=3, splits=2, base_rows=1 << 10)
+    table_dims = (dims.num_tables(), dims.max_ngram, dims.splits, dims.table_dim(), dims.eos_id)
+    tokens = gpu.alloc(64)
+    gpu.memset(tokens, 0, 64, stream)  # token 0 of slot 0, a window of token 0
+    keep: tuple[Any, ...] = ()
+    if stub:
+        ptrs = [gpu.alloc(64) for _ in range(8)]
+        kernel = load_kernel(gpu, "ngram_fused", "ngram_gather")
+        gather = NgramGather(gpu, kernel, ptrs[0], ptrs[1], *table_dims)
+        state = dict(max_seqs=4, hist_len=2, vocab=dims.vocab_size, max_draft=0, tables=ptrs[0], pows=ptrs[1])
+        launches = DecodeLaunches(gpu, *ptrs[2:6], **state, **dict(zip(_TABLE_KEYS, table_dims)))
+        windows, fused_out, decode_out = tokens, ptrs[6], ptrs[7]
+    else:
+        rng = np.random.default_rng(0)
+        word = rng.standard_normal((dims.vocab_size, dims.hidden_size)).astype(BF16)
+        tables = [rng.standard_normal((dims.table_rows(c), dims.table_dim())).astype(BF16) for c in range(4)]
+        projs = [rng.standard_normal((dims.hidden_size, dims.table_dim())).astype(BF16) for _ in range(4)]
+        weights = NgramWeights.from_numpy(dims, word, tables, projs, gpu, stream=stream)
+        fused = FusedNgramEmbedding(weights, 16, stream)
+        decoder = NgramDecoder(weights, max_seqs=4, max_rows=16, stream=stream)
+        keep = (weights, fused, decoder)
+        gather, launches, windows = fused._gather_plan, decoder.launches, tokens
+        fused_out, decode_out = fused.projection.rows_at(1), decoder.projection.rows_at(1)
+
+    def fused_gather(i: int) -> None:
+        gather.run(windows, 0, fused_out, 0, 1, stream)
+
+    def decode_gather(i: int) -> None:
+        launches.gather(tokens, 0, tokens, decode_out, 1, 1, 1, stream)
+
+    fused_gather.keep = decode_gather.keep = keep  # type: ignore[attr-defined]
+    return [
+        ("NgramGather.run (the fused runner's gather), 1 row", fused_gather),
+        ("DecodeLaunches.gather (the decoder's gather), 1 row", decode_gather),
+    ]
+
+
+_TABLE_KEYS = ("num_tables", "max_ngram", "splits", "table_dim", "eos")
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -272,10 +293,13 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--bindings",
         action="store_true",
-        help="with --stub: launch through cuda-bindings' cuLaunchKernel over bench/fake_libcuda.c "
+        help="with --stub: launch through cuda-bindings' launch functions over bench/fake_libcuda.c "
         "(needs a C compiler), so the rows include the bindings' argument conversion",
     )
     return parser
+
+
+BARE, CHAIN = "bare cuLaunchKernel, prebuilt args", "chain floor: the builder's 7 calls, empty, then bare"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -291,8 +315,9 @@ def main(argv: list[str] | None = None) -> None:
         out, x = gpu.alloc(2 * N), gpu.alloc(2 * N)
         gpu.memset(out, 0, 2 * N)
         gpu.memset(x, 0, 2 * N)
+        bound, config = gpu.bind(kernel), LaunchConfig(1, 256)
 
-        def ours(i: int) -> None:
+        def builder(i: int) -> None:
             (
                 KernelLaunch(gpu, kernel)
                 .grid([1, 1, 1])
@@ -304,34 +329,28 @@ def main(argv: list[str] | None = None) -> None:
                 .launch(stream)
             )
 
-        def ours_spec_routed(i: int) -> None:
-            SCALED_ADD_ROUTED.launch(gpu, kernel, (1, 1, 1), (256, 1, 1), stream, out=out, x=x, scale=0.5, n=N)
+        def planned(i: int) -> None:
+            bound.launch(config, stream, out, x, 0.5, N)
 
-        def ours_launcher(i: int) -> None:
+        def launcher(i: int) -> None:
             scaled_add(gpu, kernel, out, x, 0.5, N, stream)
 
-        def ours_spec(i: int) -> None:
-            SCALED_ADD.launch(gpu, kernel, (1, 1, 1), (256, 1, 1), stream, out=out, x=x, scale=0.5, n=N)
-
+        # (row, launch, its floor's row)
         cases = [
-            ("bare cuLaunchKernel, prebuilt args", bare_launcher(gpu, kernel, out, x, stream)),
-            ("bare, CUfunction and CUstream objects", bare_launcher(gpu, kernel, out, x, stream, handles=True)),
-            (
-                "chain floor: the builder's 7 calls, empty, then bare",
-                empty_chain(bare_launcher(gpu, kernel, out, x, stream, handles=True)),
-            ),
-            ("KernelLaunch builder", ours),
-            ("KernelSpec launch (SCALED_ADD)", ours_spec),
-            ("KernelSpec launch, no direct route", ours_spec_routed),
-            ("layers.ops.scaled_add launcher", ours_launcher),
-            *gemm_rows(gpu, stream, [(1, 64, 64)]),  # a GEMM the GPU runs faster than the host launches it
-            ("cuda.core launch", None if stub else cuda_core_launcher(gpu, out, x)),
-            ("CuPy RawKernel", None if stub else cupy_launcher()),
+            (BARE, bare_launcher(gpu, kernel, out, x, stream), None),
+            ("bare, CUfunction and CUstream objects", bare_launcher(gpu, kernel, out, x, stream, handles=True), BARE),
+            ("bare cuLaunchKernelEx, prebuilt config", bare_ex_launcher(kernel, out, x, stream), BARE),
+            ("cuda.core launch", None if stub else cuda_core_launcher(gpu, out, x), BARE),
+            ("CuPy RawKernel", None if stub else cupy_launcher(), BARE),
+            ("Kernel.launch (the one mechanism)", planned, BARE),
+            ("layers.ops.scaled_add", launcher, BARE),
+            *[(name, fn, BARE) for name, fn in gemm_rows(gpu, stream, [(1, 64, 64)])],
+            *[(name, fn, BARE) for name, fn in planned_rows(gpu, stream, stub)],
+            (CHAIN, empty_chain(bare_launcher(gpu, kernel, out, x, stream, handles=True)), BARE),
+            ("KernelLaunch builder", builder, CHAIN),
         ]
-        if stub:
-            cases += stub_rows(gpu, out, x, stream)
         times = {}
-        for name, fn in cases:
+        for name, fn, _ in cases:
             if fn is None:
                 continue
             sync = getattr(fn, "sync", lambda: None if stub else gpu.synchronize(stream))
@@ -340,26 +359,31 @@ def main(argv: list[str] | None = None) -> None:
                 best.append(host_time_us(fn))
                 sync()
             times[name] = min(best)
-        bare = times["bare cuLaunchKernel, prebuilt args"]
-        rows = [(name, times.get(name), times[name] / bare if name in times else None) for name, _ in cases]
+        bare = times[BARE]
+        rows = []
+        for name, _, floor in cases:
+            t = times.get(name)
+            floor_us = times[floor] if floor else None
+            rows.append((name, t, floor or "-", t / floor_us if t and floor_us else None, t / bare if t else None))
         what = (
-            "stubbed driver under the bindings' cuLaunchKernel: Python us per launch"
+            "stubbed driver under the bindings' launch functions: Python us per launch"
             if args.bindings
             else "stubbed driver: Python us per launch"
             if stub
             else "host us per launch"
         )
-        launch_call = "the driver's cuLaunchKernel (which returns at once)" if args.bindings else "cuLaunchKernel"
         note = (
-            "The driver is stubbed (every call returns at once): each row is a launch path, us/launch the Python "
-            f"it costs on top of {launch_call}, x bare that over the bare call with prebuilt arguments "
-            "(cuda.core and CuPy not run)."
+            "The driver is stubbed (every call returns at once): us/launch is the Python a path costs on top of "
+            "the driver call, x floor that over its floor's row (cuda.core and CuPy not run)."
             if stub
-            else "Each row is a launch path of one kernel; us/launch is host time per launch (tight loop, best of 3), "
-            "x bare that over the bare cuLaunchKernel with prebuilt arguments; - where not installed."
+            else "Each row is a launch path: us/launch is host time per launch (tight loop, best of 3), x floor that "
+            "over its floor's row (measured in this run), x bare over the bare cuLaunchKernel; - where not installed."
         )
         print_table(
-            f"launch cost ({what}, 4-argument kernel unless named)", ["path", "us/launch", "x bare"], rows, note=note
+            f"launch cost ({what}, 4-argument kernel unless named)",
+            ["path", "us/launch", "floor", "x floor", "x bare"],
+            rows,
+            note=note,
         )
 
 

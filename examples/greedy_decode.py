@@ -20,7 +20,7 @@ import numpy as np
 from gpu_runtime import CudaBackend, DeviceArray, NoDeviceError
 from layers.kernel_files import load_kernel
 from layers.ngram_embed import NgramDecoder, NgramDims, NgramWeights, ngram_ids_tail
-from layers.ops import dense_gemm_bf16_pipelined, embed_from_argmax
+from layers.ops import ArgmaxEmbed, dense_gemm_bf16_pipelined
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 V, D, B, PROMPT, STEPS, CHECK = 32000, 1024, 4, 16, 32, 4
@@ -64,7 +64,9 @@ def main():
         s = gpu.create_stream()
         weights = NgramWeights.from_numpy(DIMS, word, tables, projs, gpu, stream=s)
         dec = NgramDecoder(weights, max_seqs=B, max_rows=B * PROMPT, stream=s)
-        argmax_k = load_kernel(gpu, "embed_from_argmax", "embed_from_argmax_bf16")
+        argmax = ArgmaxEmbed(
+            gpu, load_kernel(gpu, "embed_from_argmax", "embed_from_argmax_bf16"), weights.word.weight, V, D
+        )
         gemm_k = load_kernel(gpu, "gemm", "dense_gemm_bf16_pipelined")
         empty = lambda shape, dtype: DeviceArray.empty(gpu, shape, dtype, s)  # noqa: E731
         prompt_d = DeviceArray.from_numpy(gpu, prompts.reshape(-1), s)
@@ -81,13 +83,11 @@ def main():
             dec.reset(slot, s)
         dec.prefill(prompt_d, cu_seqlens, slots, B, B * PROMPT, prefill_out.ptr, s)
         # Each prompt's last row (a pitched copy) through the LM head: the first logits.
-        gpu.copy_2d_async(hidden.ptr, D * 2, prefill_out.ptr.offset((PROMPT - 1) * D * 2),
-                          PROMPT * D * 2, D * 2, B, s)
+        gpu.copy_2d_async(hidden.ptr, D * 2, prefill_out.ptr.offset((PROMPT - 1) * D * 2), PROMPT * D * 2, D * 2, B, s)
         lm_head()
 
         def step():
-            embed_from_argmax(gpu, argmax_k, logits.ptr, V, weights.word.weight, word_rows.ptr,
-                              tokens.ptr, B, D, s)  # word_rows: unused plain embedding
+            argmax.run(logits.ptr, word_rows.ptr, tokens.ptr, B, s)  # word_rows: unused plain embedding
             # gen <- gen[1:] ++ tokens: the same graph every step, yet every step's ids are kept
             gpu.copy_d2d_async(shift.ptr, gen.ptr.offset(B * 4), STEPS * B * 4, s)
             gpu.copy_d2d_async(shift.ptr.offset(STEPS * B * 4), tokens.ptr, B * 4, s)

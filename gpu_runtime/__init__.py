@@ -24,7 +24,7 @@ from .device_array import DeviceArray
 from .driver import device_count
 from .errors import ClosedError, CudaError, GpuError, KernelNotFoundError, NoDeviceError, NvrtcError
 from .kernel_args import KernelLaunch
-from .launch_spec import KernelSpec
+from .launch import Kernel, LaunchConfig, PreparedLaunch
 from .pointers import DevicePtr, KernelHandle
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
@@ -44,15 +44,17 @@ __all__ = [
     "GpuBackend",
     "GpuError",
     "Graphs",
+    "Kernel",
     "KernelHandle",
     "KernelLaunch",
     "KernelNotFoundError",
-    "KernelSpec",
+    "LaunchConfig",
     "MappedHostMemory",
     "NoDeviceError",
     "NvrtcError",
     "PinnedHostMemory",
     "PitchedCopies",
+    "PreparedLaunch",
     "TensorMaps",
     "device_count",
 ]

@@ -11,20 +11,16 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
-from . import launch_config
 from .host_memory import Host
+from .launch import Kernel
 from .pointers import DevicePtr, KernelHandle
 from .validate import _kind
 
 _T = TypeVar("_T")
-
-if TYPE_CHECKING:
-    from .launch_spec import KernelSpec
 
 KernelSource = str | os.PathLike  # a path to a .cu file
 
@@ -42,6 +38,13 @@ class GpuBackend(ABC):
         """Compile ``source`` (a ``.cu`` file) if needed and return kernel ``name``; raises
         ``KernelNotFoundError`` if either is missing. For now a bare module name (no ``/``, no
         ``.cu``) is also taken, resolved against the backend's kernel directory."""
+
+    @abstractmethod
+    def bind(self, kernel: KernelHandle) -> Kernel:
+        """``kernel`` (a handle ``kernel`` returned) as a ``Kernel`` to launch, made once: its
+        signature read from its source and checked against the parameter layout the driver
+        reports. Refuses a null handle (``ValueError``), one this backend did not load
+        (``GpuError``) and a closed backend (``ClosedError``)."""
 
     @abstractmethod
     def alloc(self, nbytes: int) -> DevicePtr: ...
@@ -65,54 +68,6 @@ class GpuBackend(ABC):
 
     @abstractmethod
     def create_stream(self) -> int: ...
-
-    @abstractmethod
-    def launch(
-        self,
-        kernel: KernelHandle,
-        grid: tuple[int, int, int],
-        block: tuple[int, int, int],
-        shared_mem: int,
-        stream: int,
-        kinds: str,
-        args: Sequence[int | float | bytes],
-        *,
-        overlap: bool = False,
-    ) -> None:
-        """Launch primitive behind ``KernelLaunch``: ``kinds`` has one letter per argument
-        (``P`` pointer, ``U`` u32, ``I`` i32, ``F`` f32, ``L`` u64; ``T`` tensor map, as bytes,
-        only from ``launch_spec`` below), already range-checked.
-        ``KernelLaunch.launch(stream, overlap=True)`` passes ``overlap=True``: a programmatic
-        dependent launch (the kernel may start before the previous one on the stream ends; it
-        must wait for it itself). Backends that cannot overlap may run it as a plain launch."""
-
-    def launch_spec(
-        self,
-        spec: KernelSpec,
-        kernel: KernelHandle,
-        grid: Sequence[int],
-        block: Sequence[int],
-        shared_mem: int,
-        stream: int,
-        params: int,
-        values: Sequence[Any],
-        overlap: bool = False,
-    ) -> None:
-        """Launch primitive behind ``KernelSpec.launch``: the values are packed already (so in
-        range) at ``params`` (the ``void*[]`` the driver takes), and given as ``values`` too, in
-        the spec's order.
-
-        This version, for backends that do not run kernels, refuses what ``CudaBackend`` refuses
-        (bad grid, block or shared memory, a null kernel) and hands the plain values to
-        ``launch``, where they are recorded as a ``KernelLaunch``'s are."""
-        if not kernel:
-            raise ValueError(f"{spec.name}: null kernel handle (the kernel was not loaded)")
-        grid, block, shared_mem = launch_config.check(grid, block, shared_mem)
-        args = spec.values(values)
-        if overlap:
-            self.launch(kernel, grid, block, shared_mem, stream, spec.kinds, args, overlap=True)
-        else:
-            self.launch(kernel, grid, block, shared_mem, stream, spec.kinds, args)
 
 
 class _Capability(ABC):  # noqa: B024  # abstract only through its subclasses (ABC for ABCMeta's __subclasshook__)
@@ -238,7 +193,7 @@ class TensorMaps(_Capability):
 def check_backend(value: _T, what: str, *, optional: bool = False) -> _T:
     """A ``GpuBackend`` (``gpu_runtime.CudaBackend``, or a test's fake backend); with
     ``optional``, None too (``what``: "DeviceBuffer: gpu"). The backends seen pass on one set
-    lookup (``KernelLaunch`` checks its ``gpu`` on every launch)."""
+    lookup."""
     kind = type(value)
     if kind in _BACKEND_TYPES or (optional and value is None):
         return value

@@ -3,7 +3,7 @@
 Layers hold their scratch and weights in these instead of bare pointers, and close them in
 reverse order of creation (an ``ExitStack`` does it). A buffer passes wherever a pointer int is
 taken (``int(buf)``, ``operator.index``: ``KernelLaunch.arg_ptr``, the backend's copies, a
-``KernelSpec`` launch); once closed, every such use raises ``ClosedError`` instead of handing a
+``Kernel.launch``); once closed, every such use raises ``ClosedError`` instead of handing a
 freed address to a kernel.
 """
 

@@ -1,38 +1,32 @@
-"""``KernelLaunch``: the positional argument builder the seeds launch every kernel with.
+"""``KernelLaunch``: the seed's positional builder, a thin front on ``Kernel.launch``.
 
-Each ``arg_*`` range-checks its value and records a kind letter; ``launch`` hands kinds and
-values to the backend, which packs them to the C ABI and checks them, once per kernel and shape,
-against the kernel's own signature. Kept lean: the n-gram layer launches dozens of kernels a call.
-
-Once a backend has checked a (kernel, kinds) shape on a thread it may grant it a direct route
-(``allow_direct``): that thread's plain launches of the shape on that backend (no ``overlap``; at
-most 48 KiB of dynamic shared memory, or as much as the backend has opted the kernel in to) pack
-into the backend's buffer and call its driver function from ``launch``, skipping the backend's
-frames; a refusal is phrased by the backend's function.
+Each ``arg_*`` range-checks its value as it is given and records its kind; ``launch`` binds the
+kernel (``gpu.bind``, made once per backend), refuses arguments whose kinds differ from the
+kernel's signature, and launches them with the ``LaunchConfig`` of the builder's grid, block and
+shared memory (made once per shape).
 """
 
 from __future__ import annotations
 
 import math
-import threading
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-from . import launch_config, validate
+from . import validate
 from .backend import GpuBackend, check_backend
-from .launch_config import SHARED_WITHOUT_OPT_IN
+from .launch import BLOCK_MAX, GRID_MAX, KIND_NAMES, MAX_THREADS, LaunchConfig
 from .pointers import DevicePtr, KernelHandle
 
 _U32 = 1 << 32
 _U64 = 1 << 64
 _I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
-# This thread's direct routes: (kernel, kinds) -> (backend, pack, params, driver launch, refusal,
-# opted-in shared memory, driver kernel).
-_ROUTES = threading.local()
+_F32_MAX = validate.F32_MAX
+_Dims = tuple[int, int, int]
+_CONFIGS: dict[tuple[_Dims, _Dims, int, bool], LaunchConfig] = {}  # every shape launched, up to 1024
 
 
 class KernelLaunch:
-    """``KernelLaunch(gpu, k).grid([x,y,z]).block([x,y,z]).arg_ptr(p).arg_u32(n).launch(stream)``."""
+    """``KernelLaunch(gpu, k).grid([x,y,z]).block([x,y,z]).arg_ptr(p).arg_u32(n).launch(stream)``:
+    ``k`` a handle from ``gpu.kernel``, arguments in the kernel's order."""
 
     __slots__ = ("_gpu", "_kernel", "_grid", "_block", "_shared", "_kinds", "_args")
 
@@ -42,8 +36,8 @@ class KernelLaunch:
             raise ValueError("KernelLaunch: null kernel handle (the kernel was not loaded)")
         self._gpu = gpu
         self._kernel = kernel
-        self._grid = (1, 1, 1)
-        self._block = (1, 1, 1)
+        self._grid: _Dims = (1, 1, 1)
+        self._block: _Dims = (1, 1, 1)
         self._shared = 0
         self._kinds = ""
         self._args: list[int | float] = []
@@ -53,127 +47,119 @@ class KernelLaunch:
         """The seed's spelling, ``KernelLaunch::new(gpu, kernel)``."""
         return cls(gpu, kernel)
 
-    # Each setter has a fast path for plain in-range ints (the common case, written inline with
-    # its limits as literals: a helper call or named constants cost more than the checks) and
-    # falls back to the general conversion and checks, which also phrase errors.
+    # Each setter takes plain in-range values on a fast path written inline (a helper call costs
+    # more than the checks), and falls back to the general conversion, which also phrases errors.
     def grid(self, dims: Sequence[int]) -> KernelLaunch:
+        """Grid dimensions ``[x, y, z]``, each >= 1 (x < 2**31, y and z < 65536)."""
         try:
             x, y, z = dims
-            plain = type(x) is type(y) is type(z) is int and 0 < x <= 2147483647 and 0 < y <= 65535 and 0 < z <= 65535
+            plain = type(x) is type(y) is type(z) is int and 0 < x < 2147483648 and 0 < y < 65536 and 0 < z < 65536
         except (TypeError, ValueError):
             plain = False
-        self._grid = (x, y, z) if plain else launch_config.grid_dims(dims)
+        self._grid = (x, y, z) if plain else _dims(dims, GRID_MAX, "grid")
         return self
 
     def block(self, dims: Sequence[int]) -> KernelLaunch:
+        """Block dimensions ``[x, y, z]``: at most 1024 threads (z <= 64)."""
         try:
             x, y, z = dims
-            plain = type(x) is type(y) is type(z) is int and 0 < x <= 1024 and 0 < y <= 1024 and 0 < z <= 64
+            plain = type(x) is type(y) is type(z) is int and x > 0 and y > 0 and 0 < z <= 64 and x * y * z <= 1024
         except (TypeError, ValueError):
             plain = False
-        self._block = (x, y, z) if plain and x * y * z <= 1024 else launch_config.block_dims(dims)
+        if not plain:
+            x, y, z = _dims(dims, BLOCK_MAX, "block")
+            if x * y * z > MAX_THREADS:
+                raise ValueError(f"block {[x, y, z]}: more than {MAX_THREADS} threads")
+        self._block = (x, y, z)
         return self
 
     def shared_mem(self, nbytes: int) -> KernelLaunch:
-        self._shared = launch_config.shared_bytes(nbytes)
-        return self
-
-    def _push_int(self, kind: str, value: int, low: int, high: int, what: str) -> KernelLaunch:
-        value = validate.integer(value, f"{what} argument")
-        if not low <= value < high:
-            raise ValueError(f"argument {len(self._args)}: {value} does not fit {what}")
-        self._kinds += kind
-        self._args.append(value)
+        """Dynamic shared memory in bytes (0 by default)."""
+        self._shared = validate.count(nbytes, "shared_mem", limit=_U32)
         return self
 
     def arg_ptr(self, ptr: int) -> KernelLaunch:
-        if type(ptr) is DevicePtr:  # in range by construction
-            self._kinds += "P"
-            self._args.append(ptr)
-            return self
-        return self._push_int("P", ptr, 0, _U64, "pointer")
+        """A device address (a ``DevicePtr``, an int, or anything with ``__index__``)."""
+        if not (type(ptr) is DevicePtr or type(ptr) is int and 0 <= ptr < _U64):
+            ptr = _int(ptr, 0, _U64, "pointer", len(self._args))
+        self._kinds += "P"
+        self._args.append(ptr)
+        return self
 
     def arg_u32(self, value: int) -> KernelLaunch:
-        if type(value) is int and 0 <= value <= 0xFFFFFFFF:
-            self._kinds += "U"
-            self._args.append(value)
-            return self
-        return self._push_int("U", value, 0, _U32, "u32")
+        """An unsigned 32-bit integer."""
+        if not (type(value) is int and 0 <= value < _U32):
+            value = _int(value, 0, _U32, "u32", len(self._args))
+        self._kinds += "U"
+        self._args.append(value)
+        return self
 
     def arg_i32(self, value: int) -> KernelLaunch:
-        return self._push_int("I", value, _I32_MIN, _I32_MAX + 1, "i32")
+        """A signed 32-bit integer."""
+        self._args.append(_int(value, _I32_MIN, _I32_MAX + 1, "i32", len(self._args)))
+        self._kinds += "I"
+        return self
 
     def arg_u64(self, value: int) -> KernelLaunch:
-        return self._push_int("L", value, 0, _U64, "u64")
+        """An unsigned 64-bit integer."""
+        self._args.append(_int(value, 0, _U64, "u64", len(self._args)))
+        self._kinds += "L"
+        return self
 
     def arg_f32(self, value: float) -> KernelLaunch:
-        if type(value) is float and -3.4028234663852886e38 <= value <= 3.4028234663852886e38:
-            self._kinds += "F"
-            self._args.append(value)
-            return self
-        if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
-            raise TypeError(f"argument {len(self._args)}: f32 needs a real number, got {value!r}")
-        value = float(value)
-        if math.isfinite(value) and abs(value) > 3.4028234663852886e38:
-            raise ValueError(f"argument {len(self._args)}: {value} overflows f32")
+        """A real number that fits an f32 (infinities and NaN too)."""
+        if type(value) is not float or not -_F32_MAX <= value <= _F32_MAX:
+            if isinstance(value, bool) or not hasattr(value, "__float__"):
+                raise TypeError(f"argument {len(self._args)}: f32 needs a real number, got {value!r}")
+            value = float(value)
+            if math.isfinite(value) and abs(value) > _F32_MAX:
+                raise ValueError(f"argument {len(self._args)}: {value} overflows f32")
         self._kinds += "F"
         self._args.append(value)
         return self
 
     def launch(self, stream: int = 0, *, overlap: bool = False) -> None:
-        """``overlap=True``: programmatic dependent launch, for kernels that start with work
-        independent of the previous kernel and wait for it (``griddepcontrol.wait``) before
-        reading its output."""
-        if type(stream) is not int or stream < 0:
-            stream = validate.stream(stream, "KernelLaunch.launch: stream")
-        kernel, shared = self._kernel, self._shared
-        try:
-            route = _ROUTES.table[(kernel, self._kinds)]
-        except (AttributeError, KeyError):  # no route on this thread (yet)
-            route = None
-        if (
-            route is not None
-            and route[0] is self._gpu
-            and not overlap
-            and (shared <= SHARED_WITHOUT_OPT_IN or shared <= route[5].get(kernel, 0))
-        ):
-            route[1](self._args)
-            gx, gy, gz = self._grid
-            bx, by, bz = self._block
-            (err,) = route[3](route[6], gx, gy, gz, bx, by, bz, shared, stream, route[2], 0)
-            if err:
-                raise route[4](err, "cuLaunchKernel", kernel, self._grid, self._block, shared)
-        elif overlap:
-            self._gpu.launch(kernel, self._grid, self._block, shared, stream, self._kinds, self._args, overlap=True)
-        else:
-            self._gpu.launch(kernel, self._grid, self._block, shared, stream, self._kinds, self._args)
+        """Launch on ``stream``. ``overlap=True``: a programmatic dependent launch
+        (``LaunchConfig.overlap``). ``TypeError`` where the arguments' kinds are not the
+        kernel's signature's."""
+        kernel = self._gpu.bind(self._kernel)
+        if kernel.layout.kinds != self._kinds:
+            raise TypeError(_mismatch(kernel.name, kernel.layout.kinds, self._kinds))
+        key = (self._grid, self._block, self._shared, overlap)
+        config = _CONFIGS.get(key)
+        if config is None:
+            config = LaunchConfig(self._grid, self._block, self._shared, overlap=overlap)
+            if len(_CONFIGS) >= 1024:
+                _CONFIGS.clear()
+            _CONFIGS[key] = config
+        kernel.launch(config, stream, *self._args)
 
-    @staticmethod
-    def allow_direct(
-        kernel: int,
-        kinds: str,
-        backend: object,
-        pack: Callable[[Sequence[Any]], None],
-        params: int,
-        launch: Callable[..., tuple[Any]],
-        refusal: Callable[..., Exception],
-        opted_in: Mapping[int, int] = launch_config.NO_OPT_IN,
-        driver_kernel: object = None,
-    ) -> dict[tuple[int, str], Any]:
-        """For backends, not users. Let this thread's plain launches of ``kernel`` with argument
-        kinds ``kinds`` on ``backend`` write their values with ``pack`` (into the buffer that the
-        ``void*[]`` at ``params`` points into) and call ``launch`` (``cuLaunchKernel``'s
-        arguments, the kernel given as ``driver_kernel``, by default ``kernel``) instead of
-        ``backend.launch``; a nonzero status is raised as ``refusal(status,
-        "cuLaunchKernel", kernel, grid, block, shared_mem)``. Launches with more than 48 KiB of
-        dynamic shared memory take the route only up to ``opted_in[kernel]`` (as
-        ``KernelSpec.allow_direct``). A backend calls this only after its own checks of the shape
-        passed on this thread. Returns the thread's table, from which the backend removes its
-        routes when it closes."""
-        try:
-            table = _ROUTES.table
-        except AttributeError:
-            table = _ROUTES.table = {}
-        driver = kernel if driver_kernel is None else driver_kernel
-        table[(int(kernel), kinds)] = (backend, pack, params, launch, refusal, opted_in, driver)
-        return table
+
+def _dims(dims: Sequence[int], limits: _Dims, what: str) -> _Dims:
+    try:
+        x, y, z = dims
+        if type(x) is type(y) is type(z) is int and 0 < x <= limits[0] and 0 < y <= limits[1] and 0 < z <= limits[2]:
+            return x, y, z
+    except (TypeError, ValueError):
+        pass
+    if isinstance(dims, (str, bytes)) or not isinstance(dims, Sequence) or len(dims) != 3:
+        raise ValueError(f"{what} must have 3 dimensions, got {dims!r}")
+    x, y, z = (validate.integer(d, what) for d in dims)
+    if not all(1 <= d <= limit for d, limit in zip((x, y, z), limits)):
+        raise ValueError(f"{what} {[x, y, z]}: each dimension must be in 1..{list(limits)}")
+    return x, y, z
+
+
+def _int(value: object, low: int, high: int, what: str, index: int) -> int:
+    n = validate.integer(value, f"{what} argument")
+    if not low <= n < high:
+        raise ValueError(f"argument {index}: {n} does not fit {what}")
+    return n
+
+
+def _mismatch(kernel: str, expected: str, given: str) -> str:
+    """Why a launch's kinds do not fit a kernel's: the first difference."""
+    if len(expected) != len(given):
+        return f"{kernel}: takes {len(expected)} arguments ({expected}), {len(given)} given ({given})"
+    i = next(i for i, (a, b) in enumerate(zip(expected, given)) if a != b)
+    return f"{kernel}: argument {i} must be {KIND_NAMES[expected[i]]}, launch passes {KIND_NAMES[given[i]]}"

@@ -1,9 +1,8 @@
 """Kernel signatures read from ``.cu`` source: each kernel's parameters, by name and kind.
 
-Arguments are passed by position, so a launcher that swaps two ``uint32_t`` or passes a pointer
-where a length belongs launches garbage. The backend checks every new (kernel, argument kinds)
-pair against the signature read here, a ``KernelSpec`` is checked against the names too, and a
-CPU test checks every launcher and spec against it.
+A kernel's signature gives its argument layout (``launch.ArgLayout``): the backend reads it when
+it binds the kernel and checks it against the parameter layout the driver reports, and a CPU test
+checks every launcher's arguments against it by name.
 
 Kinds: ``P`` pointer (any ``T*``), ``U`` u32, ``I`` i32, ``F`` f32, ``L`` u64, ``T`` a
 ``TensorMap`` (a ``CUtensorMap``) by value.

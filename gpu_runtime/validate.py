@@ -87,6 +87,18 @@ def pointer(value: object, what: str, *, nullable: bool = False) -> int:
     return ptr
 
 
+def pointer_refusal(what: str, **pointers: object) -> Exception:
+    """The refusal of the first of ``pointers`` (by name) that is not a non-null device address,
+    for a launcher whose one-expression check found one: ``ValueError("scaled_add x: null device
+    pointer")``, or the ``TypeError`` of a value that is no address at all."""
+    for name, value in pointers.items():
+        try:
+            pointer(value, f"{what} {name}")
+        except (TypeError, ValueError) as exc:
+            return exc
+    return ValueError(f"{what}: a null device pointer among {', '.join(pointers)}")
+
+
 def stream(value: object, what: str) -> int:
     """A stream handle: an int in 0..2**64-1 (0: the default stream), not a bool, a float or a
     backend (``what``: "FusedNgramEmbedding.embed: stream")."""

@@ -1,5 +1,5 @@
-"""What the driver receives from each launch path, through cuda-bindings' own ``cuLaunchKernel``
-and ``cuLaunchKernelEx``: run by ``tests/test_bindings_launch.py`` in a process of its own.
+"""What the driver receives from each launch path, through cuda-bindings' own ``cuLaunchKernelEx``:
+run by ``tests/test_bindings_launch.py`` in a process of its own.
 
 The backend runs on ``bench.launch``'s stubbed driver, except that its launches go through the
 bindings to ``bench/fake_libcuda.c``, which records the last one. Each launch below is printed as
@@ -15,9 +15,9 @@ import sys
 from typing import Any
 
 from bench.launch import stub_driver
-from gpu_runtime import CudaBackend, KernelLaunch
+from gpu_runtime import CudaBackend, KernelLaunch, LaunchConfig
 from layers.kernel_files import load_kernel
-from layers.ops.specs import SCALED_ADD
+from layers.ops import scaled_add
 
 SIZES = (8, 8, 4, 4)  # bf16_scaled_add(out: pointer, x: pointer, scale: f32, n: u32)
 
@@ -58,22 +58,25 @@ def main() -> None:
     out, x = gpu.alloc(4096), gpu.alloc(4096)
     print(json.dumps({"kernel": int(kernel), "stream": stream, "out": int(out), "x": int(x)}))
 
-    def spec(n: int, **options: Any) -> None:
-        SCALED_ADD.launch(gpu, kernel, (3, 2, 1), (128, 1, 1), stream, out=out, x=x, scale=0.75, n=n, **options)
+    bound = gpu.bind(kernel)
+
+    def direct(n: int, shared: int = 0, **options: Any) -> None:
+        bound.launch(LaunchConfig((3, 2), 128, shared, **options), stream, out, x, 0.75, n)
 
     def builder(n: int, overlap: bool = False) -> None:
         (KernelLaunch(gpu, kernel).grid([5, 1, 1]).block([64, 2, 1]).arg_ptr(out).arg_ptr(x).arg_f32(-2.5)
          .arg_u32(n).launch(stream, overlap=overlap))
 
     launches = [
-        ("spec, checked by the backend", lambda: spec(1001)),
-        ("spec, direct route", lambda: spec(1002)),
-        ("spec, overlap", lambda: spec(1003, overlap=True)),
-        ("spec, over 48 KiB of shared memory", lambda: spec(1004, shared_mem=64 * 1024)),
-        ("spec, over 48 KiB, direct route", lambda: spec(1005, shared_mem=64 * 1024)),
-        ("builder, checked by the backend", lambda: builder(2001)),
-        ("builder, direct route", lambda: builder(2002)),
+        ("kernel", lambda: direct(1001)),
+        ("kernel, again", lambda: direct(1002)),
+        ("kernel, overlap", lambda: direct(1003, overlap=True)),
+        ("kernel, over 48 KiB of shared memory", lambda: direct(1004, 64 * 1024)),
+        ("kernel, cluster", lambda: direct(1005, cluster=(3, 1, 1))),
+        ("builder", lambda: builder(2001)),
+        ("builder, again", lambda: builder(2002)),
         ("builder, overlap", lambda: builder(2003, overlap=True)),
+        ("scaled_add", lambda: scaled_add(gpu, kernel, out, x, 0.75, 3001, stream)),
     ]
     for name, launch in launches:
         launch()

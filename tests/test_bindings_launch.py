@@ -1,4 +1,4 @@
-"""Every launch path through cuda-bindings' own ``cuLaunchKernel`` / ``cuLaunchKernelEx``, without
+"""Every launch path through cuda-bindings' own ``cuLaunchKernelEx``, without
 a GPU: ``tests/bindings_probe.py`` runs in a process of its own over ``bench/fake_libcuda.c`` (a
 driver library that records the last launch), so the bindings' argument conversion runs as over
 the real driver. The scripted driver of the other CPU tests replaces the bindings' functions and
@@ -21,6 +21,7 @@ from tests.bindings_probe import NO_FAKE_DRIVER
 
 ROOT = Path(__file__).resolve().parent.parent
 PSS = int(cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
+CLUSTER = int(cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION)
 
 pytestmark = pytest.mark.skipif(
     shutil.which(os.environ.get("CC", "cc")) is None, reason="needs a C compiler to build bench/fake_libcuda.c"
@@ -40,32 +41,34 @@ def test_each_launch_path_reaches_the_driver_as_meant(tmp_path):
         pytest.skip(run.stderr.strip())  # a compiler was found, but it could not build the library
     assert run.returncode == 0, run.stderr
     first, *lines = (json.loads(line) for line in run.stdout.splitlines())
-    spec = ([3, 2, 1], [128, 1, 1], 0.75)  # grid, block, scale
+    direct = ([3, 2, 1], [128, 1, 1], 0.75)  # grid, block, scale
     builder = ([5, 1, 1], [64, 2, 1], -2.5)
-    expected = {  # launch: ((grid, block, scale), n, shared memory, overlap)
-        "spec, checked by the backend": (spec, 1001, 0, False),
-        "spec, direct route": (spec, 1002, 0, False),
-        "spec, overlap": (spec, 1003, 0, True),
-        "spec, over 48 KiB of shared memory": (spec, 1004, 64 * 1024, False),
-        "spec, over 48 KiB, direct route": (spec, 1005, 64 * 1024, False),
-        "builder, checked by the backend": (builder, 2001, 0, False),
-        "builder, direct route": (builder, 2002, 0, False),
-        "builder, overlap": (builder, 2003, 0, True),
+    none, overlap, cluster = (0, 0, 0), (1, PSS, 1), (1, CLUSTER, 3)  # attributes: count, first id, its value
+    expected = {  # launch: ((grid, block, scale), n, shared memory, attributes)
+        "kernel": (direct, 1001, 0, none),
+        "kernel, again": (direct, 1002, 0, none),
+        "kernel, overlap": (direct, 1003, 0, overlap),
+        "kernel, over 48 KiB of shared memory": (direct, 1004, 64 * 1024, none),
+        "kernel, cluster": (direct, 1005, 0, cluster),
+        "builder": (builder, 2001, 0, none),
+        "builder, again": (builder, 2002, 0, none),
+        "builder, overlap": (builder, 2003, 0, overlap),
+        "scaled_add": (([2, 1, 1], [256, 1, 1], 0.75), 3001, 0, none),
     }
     assert [line["launch"] for line in lines] == list(expected)
     for count, line in enumerate(lines, 1):
-        (grid, block, scale), n, shared, overlap = expected[line["launch"]]
+        (grid, block, scale), n, shared, (num_attrs, attr_id, attr_value) = expected[line["launch"]]
         assert line == {
             "launch": line["launch"],
             "count": count,  # one driver call each
-            "ex": int(overlap),
+            "ex": 1,
             "grid": grid,
             "block": block,
             "shared": shared,
             "function": first["kernel"],
             "stream": first["stream"],
             "args": [first["out"], first["x"], _f32_bits(scale), n, 0, 0, 0, 0],
-            "num_attrs": int(overlap),
-            "attr_id": PSS if overlap else 0,
-            "attr_value": int(overlap),  # programmatic stream serialisation allowed
+            "num_attrs": num_attrs,
+            "attr_id": attr_id,
+            "attr_value": attr_value,
         }

@@ -10,7 +10,7 @@ import pytest
 
 from layers import reference as ref
 from layers.kernel_files import load_kernel
-from layers.ops.embed import batched_embed, batched_embed_fp8, batched_embed_shard, embed_from_argmax
+from layers.ops.embed import ArgmaxEmbed, ShardGather, batched_embed, batched_embed_fp8
 from tests.helpers import TOO_SLOW_UNDER_SANITIZER, Guarded, bits, random_bf16, random_fp8
 
 pytestmark = pytest.mark.gpu
@@ -66,7 +66,7 @@ def test_batched_embed_shard_gathers_its_rows_and_zeros_the_rest(gpu, kernels, r
     want[held] = shard[ids[held] - lo]
     (got,) = _run_guarded(
         gpu, rng, [(shard, misalign), (ids, 0)], [((n, dim), BF16, misalign)],
-        lambda t, i, o: batched_embed_shard(gpu, kernels["batched_embed_shard"], i, t, o, n, dim, lo, count, 0))
+        lambda t, i, o: ShardGather(gpu, kernels["batched_embed_shard"], t, o, dim, lo, count).run(i, n, 0))
     np.testing.assert_array_equal(bits(got), bits(want))
 
 
@@ -113,8 +113,7 @@ def test_embed_from_argmax(gpu, kernels, rng, vocab, m):
         assert list(want_ids[:4]) == [1, 0, 1, vocab - 1] and want_ids[4] == 0
     got_rows, got_ids = _run_guarded(
         gpu, rng, [(logits, 0), (table, 0)], [((m, dim), BF16, 0), (m, np.uint32, 0)],
-        lambda lg, t, o, ids: embed_from_argmax(gpu, kernels["embed_from_argmax_bf16"], lg, vocab, t, o, ids, m,
-                                                dim, 0))
+        lambda lg, t, o, ids: ArgmaxEmbed(gpu, kernels["embed_from_argmax_bf16"], t, vocab, dim).run(lg, o, ids, m, 0))
     np.testing.assert_array_equal(got_ids, want_ids)
     np.testing.assert_array_equal(bits(got_rows), bits(want_rows))
 

@@ -22,12 +22,11 @@ from functools import partial
 import numpy as np
 import pytest
 
-from gpu_runtime import ClosedError, DeviceBuffer, DevicePtr, KernelHandle, KernelLaunch
+from gpu_runtime import ClosedError, DeviceBuffer, DevicePtr, KernelHandle, KernelLaunch, LaunchConfig
 from layers.kernel_files import kernel_dir, load_kernel
 from layers.reference import gemm_bf16, gemm_fp64
 from layers.ops import gemm
 from layers.ops.gemm import dense_gemm_bf16_pipelined
-from layers.ops.specs import GEMM_TMA, GEMM_TMA_SPLITK, GEMM_TMA_STORE
 from layers.dense_weight import BF16, FP8, DenseWeight
 from tests.helpers.fakes import RecordingBackend
 from tests.helpers import Guarded, bf16_ulp, bits, random_bf16
@@ -212,11 +211,11 @@ def test_forced_splitk_plan_short_k_takes_a_cta_per_tile(m, k, ctas):
     assert gemm.split_rows(m, k) == (64 if k <= gemm.SPLIT_SHORT_K or m <= 64 else 128)
 
 
-def test_a_repeated_launch_reuses_its_recipe_and_new_operands_get_their_own(monkeypatch):
+def test_a_repeated_launch_reuses_its_prepared_launch_and_new_operands_get_their_own(monkeypatch):
     """The plan, the path's kernel and the tensor maps are worked out once per (backend, kernel,
     path, operands, sizes): a repeated launch is the same launch, and another a, c or m (another
     key) gets maps and a plan of its own."""
-    monkeypatch.setattr(gemm, "_RECIPES", {})  # none of other tests' (and no clearing when full)
+    monkeypatch.setattr(gemm, "_LAUNCHES", {})  # none of other tests' (and no clearing when full)
     gpu = TmaBackend()
     kern = load_kernel(gpu, "gemm", gemm.KERNEL)
     planned = []
@@ -245,50 +244,41 @@ def test_a_repeated_launch_reuses_its_recipe_and_new_operands_get_their_own(monk
     assert len(planned) == 5 and other.launches[0].args == gpu.launches[0].args
 
 
-def test_a_recipe_is_not_used_for_another_backend_at_its_address(monkeypatch):
-    """A recipe names its backend weakly: one whose backend is gone (another object may have
-    its id) is worked out again; a backend that refuses weak references gets no recipe kept."""
-    monkeypatch.setattr(gemm, "_RECIPES", {})
-    gpu = TmaBackend()
+def test_a_prepared_launch_is_not_used_for_another_backend_at_its_address(monkeypatch):
+    """A kept launch names the backend its kernel is bound on: one made for another backend (an
+    object that may have had this one's id) is worked out again."""
+    monkeypatch.setattr(gemm, "_LAUNCHES", {})
+    gpu, other = TmaBackend(), TmaBackend()
     kern = load_kernel(gpu, "gemm", gemm.KERNEL)
     dense_gemm_bf16_pipelined(gpu, kern, _p(0), _weight(4096, 512), _p(2), 64, 4096, 512, 3)
-    (key,) = [key for key, recipe in gemm._RECIPES.items() if recipe.gpu() is gpu]
-    gone = TmaBackend()
-    dead = weakref.ref(gone)
-    del gone
-    gemm._RECIPES[key] = gemm._RECIPES[key]._replace(gpu=dead, grid=(1, 1, 1), args={})  # as if made for it
+    (key,) = gemm._LAUNCHES
+    kept = gemm._LAUNCHES[key]
+    elsewhere = other.bind(load_kernel(other, "gemm", kept.kernel.name.split(".")[1]))
+    gemm._LAUNCHES[key] = elsewhere.prepare(LaunchConfig(1, 384, gemm.SPLIT_SMEM), *kept.args)
     dense_gemm_bf16_pipelined(gpu, kern, _p(0), _weight(4096, 512), _p(2), 64, 4096, 512, 3)
     first, again = gpu.launches
-    assert (again.grid, again.args) == (first.grid, first.args)
-
-    def refused(obj):
-        raise TypeError(f"cannot create weak reference to {type(obj).__name__!r} object")
-
-    monkeypatch.setattr(gemm.weakref, "ref", refused)
-    size = len(gemm._RECIPES)
-    for _ in range(2):
-        dense_gemm_bf16_pipelined(gpu, kern, _p(0), _weight(4096, 512), _p(5), 64, 4096, 512, 3)
-    assert len(gemm._RECIPES) == size and gpu.launches[-1].args[2:] == [int(_p(0)), 0x200000, int(_p(5)), 64, 4096, 512]
+    assert (again.grid, again.args) == (first.grid, first.args) and other.launches == []
+    assert gemm._LAUNCHES[key].kernel.backend is gpu
 
 
-def test_recipes_are_bounded(monkeypatch):
-    monkeypatch.setattr(gemm, "_RECIPES_MAX", 4)
-    monkeypatch.setattr(gemm, "_RECIPES", {})
+def test_kept_launches_are_bounded(monkeypatch):
+    monkeypatch.setattr(gemm, "_LAUNCHES_MAX", 4)
+    monkeypatch.setattr(gemm, "_LAUNCHES", {})
     gpu = RecordingBackend()
     kern = load_kernel(gpu, "gemm", gemm.KERNEL)
     for i in range(10):
         dense_gemm_bf16_pipelined(gpu, kern, _p(0), _weight(4096, 256), _p(10 + i), 16, 4096, 256, 0)
-        assert len(gemm._RECIPES) <= 4
+        assert len(gemm._LAUNCHES) <= 4
     assert [launch.args[2] for launch in gpu.launches] == [int(_p(10 + i)) for i in range(10)]
 
 
 def test_an_operand_that_cannot_be_a_key_is_refused_as_before(monkeypatch):
-    monkeypatch.setattr(gemm, "_RECIPES", {})
+    monkeypatch.setattr(gemm, "_LAUNCHES", {})
     gpu = RecordingBackend()
     kern = load_kernel(gpu, "gemm", gemm.KERNEL)
     with pytest.raises(TypeError, match="dense_gemm_bf16_pipelined a must be an int, got list"):
         dense_gemm_bf16_pipelined(gpu, kern, [0x100000], _weight(4096, 256), _p(2), 16, 4096, 256, 0)
-    assert gpu.launches == [] and gemm._RECIPES == {}
+    assert gpu.launches == [] and gemm._LAUNCHES == {}
 
 
 @pytest.mark.parametrize("a_off, w_off, k", [(2, 0, 512), (0, 8, 512), (0, 0, 516)])
@@ -567,10 +557,10 @@ def test_pipelined_kernel_correct_for_any_launch(gpu, rng, m, n, k, grid, block,
 
 # -- GPU: the TMA kernels launched directly: few CTAs (each walks many tiles, so every stage's
 # barriers go through many phases), and launches they do not fit (scalar fallback) -----------------
-_DIRECT = {  # path -> (spec, rows of a and of w per box, shared memory, maps c too)
-    "tma": (GEMM_TMA, gemm.WG_BM, gemm.WG_BN, gemm.TMA_SMEM, False),
-    "tma_store": (GEMM_TMA_STORE, gemm.WG_BM, gemm.WG_BN, gemm.TMA_STORE_SMEM, True),
-    "tma_splitk": (GEMM_TMA_SPLITK, gemm.SPLIT_BM, gemm.SPLIT_BN, gemm.SPLIT_SMEM, False),
+_DIRECT = {  # path -> (rows of a and of w per box, shared memory, maps c too)
+    "tma": (gemm.WG_BM, gemm.WG_BN, gemm.TMA_SMEM, False),
+    "tma_store": (gemm.WG_BM, gemm.WG_BN, gemm.TMA_STORE_SMEM, True),
+    "tma_splitk": (gemm.SPLIT_BM, gemm.SPLIT_BN, gemm.SPLIT_SMEM, False),
 }
 
 
@@ -578,7 +568,7 @@ def _direct_tma_launch(gpu, rng, path, m, n, k, grid, block, smem) -> None:
     """The path's kernel launched as given on small-integer inputs: bit-exact, c fully written."""
     if not gemm.tma_available(gpu):
         pytest.skip(f"the TMA paths need sm_90a (this device compiles for {gpu.target})")
-    spec, a_rows, w_rows, plan_smem, maps_c = _DIRECT[path]
+    a_rows, w_rows, plan_smem, maps_c = _DIRECT[path]
     a = rng.integers(-8, 9, (m, k)).astype(np.float32).astype(BF16)
     w = rng.integers(-8, 9, (n, k)).astype(np.float32).astype(BF16)
     kern = load_kernel(gpu, "gemm", gemm.KERNELS[path])
@@ -587,12 +577,11 @@ def _direct_tma_launch(gpu, rng, path, m, n, k, grid, block, smem) -> None:
         ga.upload(a)
         gw.upload(w)
         gc.poison()
-        maps = dict(a_map=gpu.tensor_map_2d(ga.ptr, m, k, a_rows, 64),
-                    w_map=gpu.tensor_map_2d(gw.ptr, n, k, w_rows, 64))
+        maps = [gpu.tensor_map_2d(ga.ptr, m, k, a_rows, 64), gpu.tensor_map_2d(gw.ptr, n, k, w_rows, 64)]
         if maps_c:
-            maps["c_map"] = gpu.tensor_map_2d(gc.ptr, m, n, 64, 64)
-        spec.launch(gpu, kern, grid, block, 0, **maps, a=ga.ptr, w=gw.ptr, c=gc.ptr, m=m, n=n, k=k,
-                    shared_mem=plan_smem if smem == "plan" else smem)
+            maps.append(gpu.tensor_map_2d(gc.ptr, m, n, 64, 64))
+        config = LaunchConfig(grid, block, plan_smem if smem == "plan" else smem)
+        gpu.bind(kern).launch(config, 0, *maps, ga.ptr, gw.ptr, gc.ptr, m, n, k)
         got = gc.read()
         gc.assert_guards_intact()
     np.testing.assert_array_equal(bits(got), bits(gemm_bf16(a, w)))

@@ -17,7 +17,7 @@ from layers.ngram_embed import (PAD_SLOT, FusedNgramEmbedding, HostTable, HostWe
                                 TableFormatError, gather_entry, ngram_ids_tail, write_table)
 from layers.ngram_embed.tables import check_table
 from layers.ops import embed as embed_ops
-from layers.ops.ngram_fused import CACHED, pair_launch
+from layers.ops.ngram_fused import CACHED, PairLaunch
 from layers.dense_weight import BF16, FP8, DenseWeight
 from tests.helpers.fakes import MemoryBackend, RecordingBackend
 from tests.helpers import PAGE, POISON, Guarded, bits, page_aligned, random_bf16, random_fp8, run_on_poisoned
@@ -291,7 +291,7 @@ def test_host_and_device_placements_gather_the_same_rows(rng):
 @pytest.mark.parametrize("placement", ["device", "host", ["host", "device", "device", "device"]])
 def test_prefill_sized_gathers_of_host_tables_take_one_pair_a_warp(placement):
     """Past one wave of (row, table) pairs, the gathers of a runner with any table in host memory
-    take one pair a warp and one block an SM (``pair_launch``); decode-sized calls and device
+    take one pair a warp and one block an SM (``PairLaunch``); decode-sized calls and device
     tables keep the capped grid."""
     gpu = RecordingBackend()
     gpu.sm_count, gpu.max_shared_optin = 132, 227 * 1024  # type: ignore[attr-defined]
@@ -517,14 +517,14 @@ def test_host_tables_from_table_files_equal_device_tables(gpu, rng, tmp_path):
 
 @pytest.mark.gpu
 def test_prefill_sized_gathers_of_host_tables_equal_device_tables(gpu, rng):
-    """``pair_launch``'s host shape (one pair a warp, one block an SM, all the shared memory a
+    """``PairLaunch``'s host shape (one pair a warp, one block an SM, all the shared memory a
     block may have): a decoder's ragged prefill, captured after one eager call on padding, and
     the fused path give the device tables' bits."""
     dims = small_dims(max_ngram=3, splits=2, table_dim=24, hidden_size=72,
                       base_rows=int(rng.integers(500, 3000)), eos_id=3)
     host = random_layer(rng, dims, "bf")
     t, h, rows = dims.num_tables(), dims.hidden_size, 2500
-    assert pair_launch(gpu, rows * t, True)[1] > 0, "too few rows for the host shape on this GPU"
+    assert PairLaunch(gpu, True).config(rows * t).shared_mem > 0, "too few rows for the host shape on this GPU"
     tokens = rng.integers(0, dims.vocab_size, rows).astype(np.uint32)
     cu = np.array([0, *np.sort(rng.choice(np.arange(1, rows), 2, replace=False)), rows], np.uint32)
     stream = gpu.create_stream()

@@ -1,113 +1,174 @@
-"""Every launcher passes its kernel the argument kinds its C signature declares, in order; the
-token-overlay launchers pass them in exactly the seed's order (arguments go by position, so a
-swap would launch garbage without any error). Every kernel has a ``KernelSpec`` whose parameter
-names and kinds are its source's, and a spec launch binds by name, so a swap cannot pass."""
+"""Every launcher passes each argument where its kernel's signature (read from the ``.cu``)
+puts it, checked by name: each launcher is called with a distinct value per parameter, and every
+kernel parameter must receive the value of the launcher's parameter of its name (arguments go by
+position, so a swap of two ``uint32_t`` would launch garbage without any error). The
+token-overlay launchers pass them in exactly the seed's order. Then the one launch mechanism on
+``CudaBackend`` over a scripted driver: what it packs, what it checks once, and what it refuses."""
 
 from __future__ import annotations
 
 import ctypes
-import inspect
 import itertools
 import re
 import struct
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
-import numpy as np
 import pytest
 
-from gpu_runtime import (ClosedError, CudaBackend, CudaError, DevicePtr, GpuError, KernelHandle,
-                         KernelLaunch, KernelSpec, packing)
-from gpu_runtime.signatures import parse_signatures
-from layers.kernel_files import kernel_dir, load_kernel
-from layers.ops import embed, gemm, ngram_decode, ngram_fused, residual, row_cache, token_overlay
-from layers.ops.specs import (BATCHED_EMBED, EMBED_OVERLAY_ROUTED, EMBED_ROWDIFF,
-                              LMHEAD_OVERLAY_ROUTED, SPECS)
+from gpu_runtime import (ClosedError, CudaBackend, CudaError, DevicePtr, GpuError, KernelHandle, KernelLaunch,
+                         LaunchConfig)
+from gpu_runtime.launch import ArgLayout
+from gpu_runtime.signatures import Param, Signature, parse_signatures
 from layers.dense_weight import BF16, DenseWeight
+from layers.kernel_files import kernel_dir, load_kernel
+from layers.ops import (ArgmaxEmbed, DecodeLaunches, NgramGather, RowScatter, ShardGather, embed, gemm, residual,
+                        token_overlay)
+from layers.ops.ngram_decode import AdapterTables
 from tests.helpers.fakes import RecordingBackend
 from tests.helpers.scripted_driver import scripted_device
 
 SEEDS = Path(__file__).parent / "seeds"
 
 
-def _p(i: int) -> DevicePtr:
-    return DevicePtr(0x100000 * (i + 1))
+def _sources() -> dict[str, dict[str, Signature]]:
+    return {path.stem: parse_signatures(path.read_text()) for path in kernel_dir().glob("*.cu")}
 
 
-LAUNCHERS = {
-    ("embed_from_argmax", "batched_embed"):
-        lambda g, k: embed.batched_embed(g, k, _p(0), _p(1), _p(2), 5, 7, 3),
-    ("embed_from_argmax", "batched_embed_shard"):
-        lambda g, k: embed.batched_embed_shard(g, k, _p(0), _p(1), _p(2), 5, 7, 100, 50, 3),
-    ("embed_from_argmax", "batched_embed_fp8"):
-        lambda g, k: embed.batched_embed_fp8(g, k, _p(0), _p(1), _p(2), _p(3), 5, 7, 3),
-    ("embed_from_argmax", "embed_from_argmax_bf16"):
-        lambda g, k: embed.embed_from_argmax(g, k, _p(0), 11, _p(1), _p(2), _p(3), 5, 7, 3),
-    ("residual_add", "bf16_scaled_add"):
-        lambda g, k: residual.scaled_add(g, k, _p(0), _p(1), 0.25, 9, 3),
-    ("residual_add", "bf16_residual_add"):
-        lambda g, k: residual.residual_add(g, k, _p(0), _p(1), 9, 3),
-    ("gemm", "dense_gemm_bf16_pipelined"):
-        lambda g, k: gemm.dense_gemm_bf16_pipelined(
-            g, k, _p(0), DenseWeight(_p(1), (6, 8), BF16), _p(2), 5, 6, 8, 3),
-    ("gemm", "dense_gemm_bf16_word"):
-        lambda g, k: gemm.dense_gemm_bf16_word(
-            g, k, _p(0), DenseWeight(_p(1), (6, 8), BF16), _p(2), 5, 6, 8, _p(3), _p(4), 0.25, 3),
-    ("ngram_fused", "ngram_gather"):
-        lambda g, k: ngram_fused.ngram_gather(g, k, _p(0), _p(1), _p(2), _p(3), _p(4), _p(5),
-                                              5, 6, 4, 2, 7, 11, 3),
-    ("ngram_decode", "ngram_decode_gather"):
-        lambda g, k: ngram_decode.ngram_decode_gather(
-            g, k, _p(0), _p(1), _p(2), _p(3), _p(4), _p(5), _p(6), _p(7), _p(8), _p(9),
-            9, 2, 0, 4, 5, 500, 6, 4, 2, 7, 11, 3),
-    ("ngram_decode", "ngram_decode_seed"):
-        lambda g, k: ngram_decode.ngram_decode_seed(g, k, _p(0), _p(1), _p(2), _p(3), _p(4), _p(5),
-                                                    9, 2, 4, 5, 500, 3),
-    ("ngram_decode", "ngram_decode_fork"):
-        lambda g, k: ngram_decode.ngram_decode_fork(g, k, _p(0), _p(1), _p(2), _p(3), _p(4), 3, 4, 5, 3),
-    ("ngram_decode", "ngram_decode_rollback"):
-        lambda g, k: ngram_decode.ngram_decode_rollback(g, k, _p(0), _p(1), _p(2), _p(3), 2, 4, 3, 3),
-    ("row_cache", "scatter_rows"):
-        lambda g, k: row_cache.scatter_rows(g, k, _p(0), _p(1), _p(2), _p(3), _p(4), 5, 14, 3),
-    ("token_overlay", "embed_rowdiff_bf16"):
-        lambda g, k: token_overlay.embed_rowdiff(g, k, _p(0), _p(1), _p(2), 300, 7, 0.5, 3),
-    ("token_overlay", "embed_overlay_routed_bf16"):
-        lambda g, k: token_overlay.embed_overlay_routed(
-            g, k, _p(0), _p(1), 2, _p(2), _p(3), _p(4), _p(5), 5, 7, 11, 3),
-    ("token_overlay", "lmhead_overlay_routed_bf16"):
-        lambda g, k: token_overlay.lmhead_overlay_routed(
-            g, k, _p(0), _p(1), 2, _p(2), _p(3), _p(4), _p(5), 5, 4, 7, 11, 3),
-    ("token_overlay", "lmhead_overlay_routed_f32"):
-        lambda g, k: token_overlay.lmhead_overlay_routed(
-            g, k, _p(0), _p(1), 2, _p(2), _p(3), _p(4), _p(5), 5, 4, 7, 11, 3),
+class Values(dict):
+    """A distinct value per parameter name, made on first use: pointers 0x100000 apart, u32s
+    from 3 up, f32s halves (each exact in an f32)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._ptrs, self._ints, self._floats = itertools.count(1), itertools.count(3), itertools.count(1)
+
+    def ptr(self, name: str) -> DevicePtr:
+        return self.setdefault(name, DevicePtr(0x100000 * next(self._ptrs)))
+
+    def u32(self, name: str) -> int:
+        return self.setdefault(name, next(self._ints))
+
+    def f32(self, name: str) -> float:
+        return self.setdefault(name, next(self._floats) + 0.5)
+
+
+# Each launcher called with its parameters' values by name (``v``); the kernel parameters whose
+# value comes from another name (``RENAMED``), and those the launcher computes (``COMPUTED``).
+def _gemm_weight(v: Values) -> DenseWeight:
+    return DenseWeight(v.ptr("w"), (v["n"], v["k"]), BF16)
+
+
+LAUNCHERS: dict[tuple[str, str], Any] = {
+    ("embed_from_argmax", "batched_embed"): lambda g, k, v: embed.batched_embed(
+        g, k, v.ptr("ids"), v.ptr("table"), v.ptr("out"), v.u32("n"), v.u32("dim"), 3),
+    ("embed_from_argmax", "batched_embed_fp8"): lambda g, k, v: embed.batched_embed_fp8(
+        g, k, v.ptr("ids"), v.ptr("table"), v.ptr("row_scale"), v.ptr("out"), v.u32("n"), v.u32("dim"), 3),
+    ("embed_from_argmax", "batched_embed_shard"): lambda g, k, v: ShardGather(
+        g, k, v.ptr("table"), v.ptr("out"), v.u32("dim"), v.u32("lo"), v.u32("count")).run(v.ptr("ids"), v.u32("n"), 3),
+    ("embed_from_argmax", "embed_from_argmax_bf16"): lambda g, k, v: ArgmaxEmbed(
+        g, k, v.ptr("table"), v.u32("vocab"), v.u32("dim")).run(v.ptr("logits"), v.ptr("out"), v.ptr("ids_out"),
+                                                                 v.u32("m"), 3),
+    ("residual_add", "bf16_scaled_add"): lambda g, k, v: residual.scaled_add(
+        g, k, v.ptr("out"), v.ptr("x"), v.f32("scale"), v.u32("n"), 3),
+    ("residual_add", "bf16_residual_add"): lambda g, k, v: residual.residual_add(
+        g, k, v.ptr("out"), v.ptr("x"), v.u32("n"), 3),
+    ("gemm", "dense_gemm_bf16_pipelined"): lambda g, k, v: gemm.dense_gemm_bf16_pipelined(
+        g, k, v.ptr("a"), (v.u32("n"), v.u32("k"), _gemm_weight(v))[2], v.ptr("c"), v.u32("m"), v["n"], v["k"], 3),
+    ("gemm", "dense_gemm_bf16_word"): lambda g, k, v: gemm.dense_gemm_bf16_word(
+        g, k, v.ptr("a"), (v.u32("n"), v.u32("k"), _gemm_weight(v))[2], v.ptr("c"), v.u32("m"), v["n"], v["k"],
+        v.ptr("word_ids"), v.ptr("word"), v.f32("scale"), 3, word_over=v.ptr("word_over")),
+    ("ngram_fused", "ngram_gather"): lambda g, k, v: NgramGather(
+        g, k, v.ptr("tables"), v.ptr("pows"), v.setdefault("num_tables", 6), v.setdefault("max_ngram", 4),
+        v.setdefault("splits", 2), v.u32("td"), v.u32("eos")).run(
+        v.ptr("windows"), v.ptr("slots"), v.ptr("out"), v.ptr("ids_out"), v.u32("rows_r"), 3),
+    ("row_cache", "scatter_rows"): lambda g, k, v: RowScatter(
+        g, k, v.ptr("arena"), v.ptr("arena_scales"), v.u32("row_bytes")).run(
+        v.ptr("slots"), v.ptr("rows"), v.ptr("scales"), v.u32("n"), 3),
+    ("token_overlay", "embed_rowdiff_bf16"): lambda g, k, v: token_overlay.embed_rowdiff(
+        g, k, v.ptr("base"), v.ptr("served"), v.ptr("flags"), v.u32("rows"), v.u32("h"), v.f32("thresh"), 3),
+    ("token_overlay", "embed_overlay_routed_bf16"): lambda g, k, v: token_overlay.embed_overlay_routed(
+        g, k, v.ptr("ids"), v.ptr("seq_slot"), v.u32("active"), v.ptr("slot_map_tab"), v.ptr("rows_tab"),
+        v.ptr("n_tab"), v.ptr("out"), 5, v.u32("h"), v.u32("vocab"), 3, num_slots=v.u32("num_slots"),
+        err=v.ptr("err")),
+    ("token_overlay", "lmhead_overlay_routed_bf16"): lambda g, k, v: token_overlay.lmhead_overlay_routed(
+        g, k, v.ptr("hidden"), v.ptr("seq_slot"), v.u32("active"), v.ptr("rows_tab"), v.ptr("ids_tab"),
+        v.ptr("n_tab"), v.ptr("logits"), 5, 4, v.u32("h"), v.u32("vocab"), 3, num_slots=v.u32("num_slots"),
+        err=v.ptr("err")),
 }
+LAUNCHERS[("token_overlay", "lmhead_overlay_routed_f32")] = LAUNCHERS[("token_overlay", "lmhead_overlay_routed_bf16")]
 
 
-def _all_kernels() -> set[tuple[str, str]]:
-    found = set()
-    for path in kernel_dir().glob("*.cu"):
-        found |= {(path.stem, name) for name in parse_signatures(path.read_text())}
-    return found
+def _decode(name: str) -> Any:
+    """A ``DecodeLaunches`` call of kernel ``name`` (the plan's four kernels take one plan)."""
+    def launch(g: Any, k: Any, v: Values) -> None:
+        plan = DecodeLaunches(
+            g, v.ptr("hist"), v.ptr("state"), v.ptr("ctrl"), v.ptr("word_ids"), max_seqs=v.u32("max_seqs"),
+            hist_len=v.setdefault("hist_len", 40), vocab=v.u32("vocab"), max_draft=v.u32("max_draft"),
+            tables=v.ptr("tables"), pows=v.ptr("pows"), num_tables=v.setdefault("num_tables", 6),
+            max_ngram=v.setdefault("max_ngram", 4), splits=v.setdefault("splits", 2), table_dim=v.u32("td"),
+            eos=v.u32("eos"))
+        if name == "ngram_decode_gather":
+            adapters = AdapterTables(*(v.ptr(p) for p in ("adapters", "adapter_maps", "adapter_rows",
+                                                          "adapter_counts")), v.u32("num_adapters"),
+                                     v.u32("hidden"), v.ptr("word_over"))
+            plan.gather(v.ptr("tokens"), v.ptr("cu_seqlens"), v.ptr("slots"), v.ptr("out"), v.u32("rows"),
+                        v.u32("num_seqs"), v.u32("per_seq"), 3, adapters)
+        elif name == "ngram_decode_seed":
+            plan.seed(v.ptr("tokens"), v.ptr("cu_seqlens"), v.ptr("slots"), v.u32("rows"), v.u32("num_seqs"), 3)
+        elif name == "ngram_decode_fork":
+            plan.fork(v.ptr("src_slots"), v.ptr("dst_slots"), v.u32("num"), 3)
+        else:
+            plan.rollback(v.ptr("slots"), v.ptr("counts"), v.u32("num_seqs"), 3)
+    return launch
+
+
+for _name in ("ngram_decode_gather", "ngram_decode_seed", "ngram_decode_fork", "ngram_decode_rollback"):
+    LAUNCHERS[("ngram_decode", _name)] = _decode(_name)
+
+# gemm.cu's other kernels run a GEMM launcher's plans: by the path each shape and backend picks
+GEMM_PATH_KERNELS = {name for name in _sources()["gemm"]} - {"dense_gemm_bf16_pipelined", "dense_gemm_bf16_word"}
 
 
 def test_every_kernel_has_a_launcher_here():
-    assert _all_kernels() <= set(LAUNCHERS) | {k for k in _all_kernels() if k[0] == "gemm"}
-    assert {k for k in LAUNCHERS if k[0] != "gemm"} <= _all_kernels()
+    kernels = {(module, name) for module, names in _sources().items() for name in names}
+    assert kernels - set(LAUNCHERS) == {("gemm", name) for name in GEMM_PATH_KERNELS}
+    assert set(LAUNCHERS) <= kernels
 
 
 @pytest.mark.parametrize("module, name", sorted(LAUNCHERS))
-def test_launcher_kinds_match_c_signature(module, name):
-    gpu = RecordingBackend()
-    LAUNCHERS[(module, name)](gpu, load_kernel(gpu, module, name))
-    assert gpu.launches, "the launcher launched nothing"
-    signatures = parse_signatures((kernel_dir() / f"{module}.cu").read_text())
-    for launch in gpu.launches:
-        launched_module, launched_name = gpu.kernel_of(launch)
-        assert launched_module == module
-        assert launch.kinds == signatures[launched_name].kinds, launched_name
-        assert launch.stream == 3
+def test_each_kernel_parameter_gets_the_launchers_value_of_its_name(module, name):
+    gpu, values = RecordingBackend(), Values()
+    LAUNCHERS[(module, name)](gpu, load_kernel(gpu, module, name), values)
+    (launch,) = gpu.launches
+    assert gpu.kernel_of(launch) == (module, name) and launch.stream == 3
+    signature = _sources()[module][name]
+    assert launch.kinds == signature.kinds
+    want = [int(values[p.name]) if p.kind != "F" else values[p.name] for p in signature]
+    assert launch.args == want, name
+
+
+@pytest.mark.parametrize("path, name", [("tma", "dense_gemm_bf16_tma"), ("tma_store", "dense_gemm_bf16_tma_store"),
+                                        ("tma_splitk", "dense_gemm_bf16_tma_splitk"),
+                                        ("wgmma", "dense_gemm_bf16_wgmma"), ("small", "dense_gemm_bf16_small_m"),
+                                        ("tiled", "dense_gemm_bf16_tiled"), ("simt", "dense_gemm_bf16_simt")])
+def test_the_gemm_paths_kernels_get_their_operands_by_name(path, name):
+    """Each path's kernel gets a, w, c, m, n, k where its signature puts them (after the tensor
+    maps of the TMA paths), on a backend that builds maps and compiles for sm_90a."""
+    from tests.test_gemm import TmaBackend
+
+    gpu, values = TmaBackend(), Values()
+    values.update(a=DevicePtr(0x100000), w=DevicePtr(0x200000), c=DevicePtr(0x300000), m=256, n=512, k=256)
+    w = DenseWeight(values["w"], (512, 256), BF16)
+    gemm.dense_gemm_bf16_pipelined(gpu, load_kernel(gpu, "gemm", gemm.KERNEL), values["a"], w, values["c"], 256, 512,
+                                   256, 3, path=path)
+    (launch,) = gpu.launches
+    assert gpu.kernel_of(launch) == ("gemm", name)
+    signature = _sources()["gemm"][name]
+    maps = [p for p in signature if p.kind == "T"]
+    assert launch.args[len(maps):] == [int(values[p.name]) for p in signature if p.kind != "T"]
 
 
 def _seed_launches(path: Path) -> dict[str, list[tuple[str, str]]]:
@@ -122,299 +183,106 @@ def _seed_launches(path: Path) -> dict[str, list[tuple[str, str]]]:
 
 
 _KIND = {"ptr": "P", "u32": "U", "i32": "I", "f32": "F", "u64": "L"}
-
-
 # What the routed kernels take past the seed's arguments (keyword-only in the launchers, 0 by
 # default: the seed's contract): the slot tables' length and the error word that reports a slot
 # past it (the seed's kernels trust a device seq_slot; these check it).
 _PAST_THE_SEED = {"embed_overlay_routed": ("num_slots", "err"), "lmhead_overlay_routed": ("num_slots", "err")}
+_KERNEL_OF = {"embed_rowdiff": "embed_rowdiff_bf16", "embed_overlay_routed": "embed_overlay_routed_bf16",
+              "lmhead_overlay_routed": "lmhead_overlay_routed_bf16"}
 
 
 def test_overlay_launchers_follow_the_seed_position_for_position():
-    """Each launcher's spec names the seed chain's arguments in the seed's order (then the
-    checked routing's two, ``_PAST_THE_SEED``, which default to the seed's behaviour), and the
-    launcher puts its positional arguments there."""
+    """Each kernel's parameters (its source) are the seed chain's arguments in the seed's order
+    (then the checked routing's two, ``_PAST_THE_SEED``, which default to the seed's behaviour),
+    and the launcher puts its positional arguments there."""
     seed = _seed_launches(SEEDS / "ops_token_overlay.rs")
-    assert set(seed) == {"embed_rowdiff", "embed_overlay_routed", "lmhead_overlay_routed"}
+    assert set(seed) == set(_KERNEL_OF)
     for fn_name, chain in seed.items():
-        spec = {"embed_rowdiff": EMBED_ROWDIFF, "embed_overlay_routed": EMBED_OVERLAY_ROUTED,
-                "lmhead_overlay_routed": LMHEAD_OVERLAY_ROUTED}[fn_name]
+        signature = _sources()["token_overlay"][_KERNEL_OF[fn_name]]
         past = _PAST_THE_SEED.get(fn_name, ())
-        assert spec.params.names == (*(expr.strip() for _, expr in chain), *past), fn_name
+        assert signature.names == (*(expr.strip() for _, expr in chain), *past), fn_name
         fn = getattr(token_overlay, fn_name)
         params = list(fn.__code__.co_varnames[: fn.__code__.co_argcount])
         assert params[:2] == ["gpu", "kernel"] and params[-1] == "stream"
         values = {p: (i + 1) * 16 for i, p in enumerate(params[2:-1])}  # distinct per parameter
         gpu = RecordingBackend()
-        kernel = load_kernel(gpu, "token_overlay", "x")
-        fn(gpu, kernel, *values.values(), 5)
+        fn(gpu, load_kernel(gpu, "token_overlay", _KERNEL_OF[fn_name]), *values.values(), 5)
         (launch,) = gpu.launches
         assert launch.kinds == "".join(_KIND[k] for k, _ in chain) + "UP" * bool(past), fn_name
         expected = [values[expr.strip()] for _, expr in chain] + [0, 0] * bool(past)  # the seed's contract
-        assert [int(a) for a in launch.args] == expected, fn_name
+        assert launch.args == expected, fn_name
 
 
-# -- KernelSpec: named arguments ---------------------------------------------------------------
-def _sources() -> dict[str, dict]:
-    return {path.stem: parse_signatures(path.read_text()) for path in kernel_dir().glob("*.cu")}
-
-
-def test_every_kernel_has_a_spec_and_every_spec_a_kernel():
-    sources = _sources()
-    assert set(SPECS) == set(sources)
-    for module, specs in SPECS.items():
-        assert set(specs) == set(sources[module]), module
-
-
-_KERNEL_SPECS = [(module, kernel, spec) for module, specs in SPECS.items() for kernel, spec in specs.items()]
-
-
-@pytest.mark.parametrize("module, kernel, spec", _KERNEL_SPECS, ids=[k for _, k, _ in _KERNEL_SPECS])
-def test_spec_matches_its_kernel_source_names_and_kinds(module, kernel, spec):
-    signature = _sources()[module][kernel]
-    spec.check_signature(signature, kernel)  # raises on any difference
-    assert spec.params == signature and spec.params.names == signature.names
-    assert spec.name == kernel or spec is LMHEAD_OVERLAY_ROUTED  # the one spec of two kernels
-
-
-def test_spec_with_two_same_kind_parameters_swapped_is_refused():
-    """batched_embed takes (ids, table, out, n, dim): a spec that names n and dim the other way
-    round has the same kinds, and is refused by name."""
-    swapped = KernelSpec("batched_embed", ids="P", table="P", out="P", dim="U", n="U")
-    (signature,) = [sigs["batched_embed"] for sigs in _sources().values() if "batched_embed" in sigs]
-    assert swapped.kinds == signature.kinds
-    with pytest.raises(TypeError, match=r"parameter 3 is n: u32 in the source, dim: u32 in spec"):
-        swapped.check_signature(signature, "embed_from_argmax.batched_embed")
-
-
-def test_arguments_bound_by_name_land_in_their_positions():
-    """Keywords in any order launch the kernel's order; a missing or unknown name is refused
-    before anything is launched."""
-    gpu = RecordingBackend()
-    k = load_kernel(gpu, "embed_from_argmax", "batched_embed")
-    BATCHED_EMBED.launch(gpu, k, (2, 1, 1), (256, 1, 1), 3, dim=7, n=5, out=_p(2), table=_p(1), ids=_p(0))
-    (launch,) = gpu.launches
-    assert launch.kinds == "PPPUU" and launch.args == [int(_p(0)), int(_p(1)), int(_p(2)), 5, 7]
-    with pytest.raises(TypeError, match="missing 1 required keyword-only argument: 'dim'"):
-        BATCHED_EMBED.launch(gpu, k, (2, 1, 1), (256, 1, 1), 3, n=5, out=_p(2), table=_p(1), ids=_p(0))
-    with pytest.raises(TypeError, match="unexpected keyword argument 'count'"):
-        BATCHED_EMBED.launch(gpu, k, (2, 1, 1), (256, 1, 1), 3, count=5, dim=7, out=_p(2), table=_p(1),
-                             ids=_p(0))
-    with pytest.raises(TypeError):  # arguments cannot be given by position
-        BATCHED_EMBED.launch(gpu, k, (2, 1, 1), (256, 1, 1), 3, _p(0), _p(1), _p(2), 5, 7)
-    assert len(gpu.launches) == 1
-
-
-def test_launch_from_takes_each_argument_by_name_from_a_mapping():
-    """``launch_from`` looks each parameter up by name (a launcher passes its ``locals()``): the
-    same launch as by keywords; a missing name refused before anything is launched, names that
-    are not parameters left alone."""
-    gpu = RecordingBackend()
-    k = load_kernel(gpu, "embed_from_argmax", "batched_embed")
-    args = dict(gpu=gpu, stream=3, dim=7, n=5, out=_p(2), table=_p(1), ids=_p(0))
-    BATCHED_EMBED.launch_from(gpu, k, (2, 1, 1), (256, 1, 1), 3, args)
-    BATCHED_EMBED.launch(gpu, k, (2, 1, 1), (256, 1, 1), 3, dim=7, n=5, out=_p(2), table=_p(1), ids=_p(0))
-    assert gpu.launches[0] == gpu.launches[1]
-    assert str(inspect.signature(BATCHED_EMBED.launch_from)) == (
-        "(gpu, kernel, grid, block, stream, args, /, *, shared_mem=0, overlap=False)")
-    del args["dim"]
-    with pytest.raises(TypeError, match="batched_embed: no value for parameter 'dim'"):
-        BATCHED_EMBED.launch_from(gpu, k, (2, 1, 1), (256, 1, 1), 3, args)
-    with pytest.raises(ValueError, match="batched_embed out: null device pointer"):
-        BATCHED_EMBED.launch_from(gpu, k, (2, 1, 1), (256, 1, 1), 3, {**args, "dim": 7, "out": 0})
-    assert len(gpu.launches) == 2
-
-
-# -- KernelSpec: its own checks and CudaBackend's -----------------------------------------------------------------------------
-ADD = KernelSpec("add", dst="P", src="P", scale="F", n="U")
+# -- the mechanism on CudaBackend, over a scripted driver ----------------------------------------
 _ADD_SOURCE = ('extern "C" __global__ void add(float* dst, const float* src, float scale, unsigned n) {\n'
                '    if (threadIdx.x < n) dst[threadIdx.x] += scale * src[threadIdx.x];\n}\n')
-
-
-def test_kernel_spec_names_kinds_and_launch_signature():
-    assert ADD.kinds == "PPFU" and ADD.params.names == ("dst", "src", "scale", "n") and not ADD.nullable
-    assert (ADD.offsets, ADD.sizes) == ([0, 8, 16, 20], [8, 8, 4, 4])
-    assert repr(ADD) == "KernelSpec('add', dst='P', src='P', scale='F', n='U')"
-    assert str(inspect.signature(ADD.launch)) == (
-        "(gpu, kernel, grid, block, stream, /, *, dst, src, scale, n, shared_mem=0, overlap=False)")
-    with pytest.raises(ValueError, match="is not a kind"):
-        KernelSpec("k", n="Q")
-    with pytest.raises(ValueError, match="is not a kind"):
-        KernelSpec("k", n="U?")
-    # the launch's options, a private name, a keyword, and names the generated launcher reads: its
-    # positional parameters and the builtins it calls ("type" shadowed one)
-    for bad in ("overlap", "shared_mem", "_x", "lambda", "type", "len", "grid", "stream", "kernel", "args"):
-        with pytest.raises(ValueError, match="cannot name a parameter"):
-            KernelSpec("k", **{bad: "U"})
-    # the launcher's own variables start with "_" (a parameter "bad" once launched as its False)
-    for fine in ("bad", "plan", "err", "direct", "params", "buffer", "name", "out"):
-        assert KernelSpec("k", **{fine: "U"}).params.names == (fine,)
-
-
-def test_every_variable_of_the_generated_launcher_is_refused_as_a_parameter():
-    """Found by compiling the launchers, not listed by hand: whatever the template uses."""
-    from gpu_runtime.launch_spec import _launcher_names
-
-    used = {n for n in _launcher_names() if not n.startswith("_")}
-    assert {"gpu", "kernel", "grid", "block", "stream", "args", "type", "len"} <= used
-    assert not used & {"bad", "plan", "err", "direct", "spec", "local"}  # its own: "_" names
-    for name in used:
-        with pytest.raises(ValueError, match="cannot name a parameter"):
-            KernelSpec("k", **{name: "U"})
-
-
-def test_a_spec_without_parameters_launches():
-    spec = KernelSpec("k")
-    gpu = RecordingBackend()
-    k = gpu.kernel("m", "k")
-    spec.launch(gpu, k, (1, 1, 1), (1, 1, 1), 0)
-    spec.launch_from(gpu, k, (2, 1, 1), (1, 1, 1), 0, {})
-    assert [launch.args for launch in gpu.launches] == [[], []]
-
-
-def test_nullable_pointer_spec():
-    spec = KernelSpec("k", a="P", b="P?", n="U")
-    assert spec.kinds == "PPU" and spec.nullable == {"b"}
-    assert repr(spec) == "KernelSpec('k', a='P', b='P?', n='U')"
-    gpu = RecordingBackend()
-    k = gpu.kernel("m", "k")
-    spec.launch(gpu, k, (1, 1, 1), (1, 1, 1), 0, a=16, b=0, n=1)
-    with pytest.raises(ValueError, match="k a: null device pointer"):
-        spec.launch(gpu, k, (1, 1, 1), (1, 1, 1), 0, a=0, b=16, n=1)
-    assert [launch.args for launch in gpu.launches] == [[16, 0, 1]]
-
-
-def test_tensor_map_parameters_are_128_bytes_at_64_byte_offsets():
-    """A ``CUtensorMap`` by value (``const __grid_constant__ TensorMap``): the C ABI puts it at the
-    next multiple of 64; the spec takes exactly 128 bytes (``struct`` would pad or cut others)."""
-    source = ('extern "C" __global__ void __launch_bounds__(384, 1)\n'
-              'k(float* x, const __grid_constant__ TensorMap t, unsigned n, const __grid_constant__ '
-              'TensorMap u) {}\n')
-    assert parse_signatures(source)["k"].kinds == "PTUT"
-    assert packing.layout("PTUT") == ([0, 64, 192, 256], [8, 128, 4, 128])
-    spec = KernelSpec("k", x="P", t="T", n="U", u="T")
-    assert (spec.offsets, spec.sizes) == packing.layout("PTUT")
-    gpu = RecordingBackend()
-    k = gpu.kernel("m", "k")
-    tmap = bytes(range(128))
-    spec.launch(gpu, k, (1, 1, 1), (1, 1, 1), 0, x=16, t=tmap, n=3, u=tmap[::-1])
-    assert gpu.launches[0].args == [16, tmap, 3, tmap[::-1]]
-    for bad, error, message in ((tmap[:127], ValueError, "k t: a tensor map is 128 bytes, got 127"),
-                                (tmap + b"x", ValueError, "got 129"),
-                                (bytearray(tmap), TypeError, "k t must be a tensor map's bytes"),
-                                (0, TypeError, "got int")):
-        with pytest.raises(error, match=re.escape(message)):
-            spec.launch(gpu, k, (1, 1, 1), (1, 1, 1), 0, x=16, t=bad, n=3, u=tmap)
-    assert len(gpu.launches) == 1
-
-
-def test_spec_launch_records_like_a_kernel_launch():
-    gpu = RecordingBackend()
-    k = gpu.kernel("m", "add")
-    ADD.launch(gpu, k, [3, 1, 1], (64, 1, 1), 9, n=np.uint32(7), scale=np.float32(0.5), src=DevicePtr(16),
-               dst=32, shared_mem=128, overlap=True)
-    KernelLaunch(gpu, k).grid([3, 1, 1]).block([64, 1, 1]).shared_mem(128).arg_ptr(32).arg_ptr(16) \
-        .arg_f32(0.5).arg_u32(7).launch(9, overlap=True)
-    spec_launch, builder_launch = gpu.launches
-    assert spec_launch == builder_launch
-    assert [type(a) for a in spec_launch.args] == [int, int, float, int]
-
-
-@pytest.mark.parametrize("over, error, message", [
-    (dict(n=2**32), ValueError, r"^add n must be in 0\.\.2\*\*32-1, got 4294967296$"),
-    (dict(n=-1), ValueError, r"add n must be in 0\.\.2\*\*32-1, got -1"),
-    (dict(n=1.5), TypeError, r"^add n must be an int, got float 1\.5$"),
-    (dict(n="3"), TypeError, r"add n must be an int"),
-    (dict(n=True), TypeError, r"add n must be an int, got bool"),
-    (dict(dst=0), ValueError, r"^add dst: null device pointer$"),
-    (dict(dst=-1), ValueError, r"add dst: device pointer out of range: -1"),
-    (dict(src=None), TypeError, r"add src must be an int"),
-    (dict(src=np.zeros(2)), TypeError, r"add src must be an int"),
-    (dict(scale=1e39), ValueError, r"^add scale: 1e\+39 overflows f32$"),
-    (dict(scale="x"), TypeError, r"add scale must be a real number"),
-    (dict(grid=(0, 1, 1)), ValueError, r"each dimension must be in 1\.\."),
-    (dict(block=(2048, 1, 1)), ValueError, r"each dimension must be in 1\.\."),
-    (dict(block=(32, 1)), ValueError, "3 dimensions"),
-    (dict(shared_mem=-1), ValueError, "shared_mem"),
-    (dict(kernel=KernelHandle(0)), ValueError, "add: null kernel handle"),
-])
-def test_spec_launch_refusals_name_kernel_and_parameter(over, error, message):
-    gpu = RecordingBackend()
-    args = dict(kernel=gpu.kernel("m", "add"), grid=(1, 1, 1), block=(32, 1, 1), dst=32, src=16,
-                scale=0.5, n=7)
-    args.update(over)
-    kernel, grid, block = args.pop("kernel"), args.pop("grid"), args.pop("block")
-    with pytest.raises(error, match=message):
-        ADD.launch(gpu, kernel, grid, block, 0, **args)
-    assert gpu.launches == []
+_ADD = Signature([Param("dst", "P"), Param("src", "P"), Param("scale", "F"), Param("n", "U")])
 
 
 class _ScriptedDriver:
     """A driver for ``CudaBackend`` without a GPU (its ``call``, and the bindings' parameter
     layout and launch functions): handles from a counter, a parameter layout per kernel, and
-    launches recorded with the bytes their arguments point at, and the shared memory each
-    kernel was opted in to."""
+    launches recorded with their config and the bytes their arguments point at."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, sizes: list[int]) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, sizes: list[int], max_shared: int = 227 * 1024) -> None:
         from cuda.bindings import driver as cu
 
-        self.cu, self.sizes = cu, sizes
+        self.cu, self.sizes, self.max_shared = cu, sizes, max_shared
         self.handles = itertools.count(0x7F00_0000_0000, 1 << 20)
         self.launches: list[tuple] = []
         self.functions: list[object] = []  # cuModuleGetFunction's answers
         self.kernels_given: list[object] = []  # the kernel object each launch handed the driver
-        self.opt_ins: list[int] = []  # cuFuncSetAttribute's values (the scripted kernels take only that one)
+        self.opt_ins: list[int] = []  # cuFuncSetAttribute's values
+        self.configs: list[object] = []  # the CUlaunchConfig objects launched with
         self.layout_queries = 0
-        self.fail_with = None
+        self.fail_with: list[Any] = []  # statuses the next launches return, in turn
+        self.context_sets = 0
         scripted_device(monkeypatch, self.call)
         monkeypatch.setattr(cu, "cuFuncGetParamCount", lambda k: (cu.CUresult.CUDA_SUCCESS, len(sizes)),
                             raising=False)
         monkeypatch.setattr(cu, "cuFuncGetParamInfo", self.param_info)
-        monkeypatch.setattr(cu, "cuLaunchKernel", self.launch)
         monkeypatch.setattr(cu, "cuLaunchKernelEx", self.launch_ex)
 
     def call(self, fn, *args, detail=""):
         name = fn.__name__
         if name == "cuDeviceGetName":
             return b"scripted\0"
+        if name == "cuDeviceGetAttribute":
+            optin = self.cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
+            return self.max_shared if args[0] == optin else 0
         if name == "cuModuleGetFunction":  # the bindings' object, as the driver's answer
             self.functions.append(self.cu.CUfunction(next(self.handles)))
             return self.functions[-1]
         if name in ("cuModuleLoadData", "cuStreamCreate"):
             return next(self.handles)
+        if name == "cuFuncGetAttribute":
+            return 1024  # static shared memory
         if name == "cuFuncSetAttribute":
             self.opt_ins.append(args[2])
+        if name == "cuCtxSetCurrent":
+            self.context_sets += 1
         return 0
 
     def param_info(self, kernel, i):
         self.layout_queries += 1
-        offsets, _ = packing.layout("".join({8: "P", 4: "U"}[s] for s in self.sizes))
-        return self.cu.CUresult.CUDA_SUCCESS, offsets[i], self.sizes[i]
+        layout = ArgLayout(Signature(Param(f"a{j}", {8: "P", 4: "U"}[s]) for j, s in enumerate(self.sizes)))
+        return self.cu.CUresult.CUDA_SUCCESS, layout.offsets[i], self.sizes[i]
 
-    def _record(self, how, kernel, config, params):
+    def launch_ex(self, config, kernel, params, extra):
         pointers = (ctypes.c_void_p * len(self.sizes)).from_address(params)
         raw = [ctypes.string_at(pointers[i], s) for i, s in enumerate(self.sizes)]
         self.kernels_given.append(kernel)
-        self.launches.append((how, int(kernel), config, raw))
-        return (self.fail_with or self.cu.CUresult.CUDA_SUCCESS,)
-
-    def launch(self, kernel, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
-        if not all(type(d) is int and d >= 0 for d in (gx, gy, gz, bx, by, bz)):
-            raise TypeError("the bindings take unsigned ints")  # as cuda.bindings' conversion
-        invalid = not (gx and gy and gz and bx and by and bz) or bx * by * bz > 1024
-        if invalid:
-            return (self.cu.CUresult.CUDA_ERROR_INVALID_VALUE,)
-        return self._record("plain", kernel, ((gx, gy, gz), (bx, by, bz), shared, stream), params)
-
-    def launch_ex(self, config, kernel, params, extra):
+        self.configs.append(config)
         grid = (config.gridDimX, config.gridDimY, config.gridDimZ)
-        return self._record("overlap", kernel, (grid, config.sharedMemBytes), params)
+        block = (config.blockDimX, config.blockDimY, config.blockDimZ)
+        self.launches.append((grid, block, config.sharedMemBytes, int(config.hStream), config.numAttrs, raw))
+        return (self.fail_with.pop(0) if self.fail_with else self.cu.CUresult.CUDA_SUCCESS,)
 
 
 @pytest.fixture
 def scripted(monkeypatch, tmp_path):
-    """(backend, driver, kernel): a CudaBackend on the scripted driver and the ``add`` kernel,
-    compiled for real (NVRTC) from a source given by path."""
+    """(backend, driver, kernel handle): a CudaBackend on the scripted driver and the ``add``
+    kernel, compiled for real (NVRTC) from a source given by path."""
     monkeypatch.setenv("GPU_RUNTIME_CACHE_DIR", str(tmp_path / "cache"))
     driver = _ScriptedDriver(monkeypatch, [8, 8, 4, 4])
     src = tmp_path / "add.cu"
@@ -427,126 +295,156 @@ def _packed(dst, src, scale, n):
     return [struct.pack("<Q", dst), struct.pack("<Q", src), struct.pack("<f", scale), struct.pack("<I", n)]
 
 
-def test_spec_launch_packs_the_kernel_arguments_once_checked(scripted):
+def test_a_bound_kernel_packs_its_arguments_and_is_checked_once(scripted):
+    """``bind`` reads the signature from the source and checks it against the driver's layout
+    once; each launch packs its arguments where the ``void*[]`` points, and a config's driver
+    form is made once per stream."""
     gpu, driver, k = scripted
+    kernel = gpu.bind(k)
+    assert gpu.bind(k) is kernel and kernel.signature == _ADD and kernel.name == "add.add"
+    assert driver.layout_queries == 4 and driver.opt_ins == [227 * 1024 - 1024]  # all it may have, at bind
+    config = LaunchConfig((2, 3), 64, 100)
     for n in (7, 8):
-        ADD.launch(gpu, k, (2, 1, 1), (64, 1, 1), 5, n=n, scale=0.25, src=0x2000, dst=DevicePtr(0x1000))
-    ADD.launch(gpu, k, (2, 1, 1), (64, 1, 1), 5, n=9, scale=0.25, src=0x2000, dst=0x1000, overlap=True)
-    assert [(how, config) for how, _, config, _ in driver.launches] == [
-        ("plain", ((2, 1, 1), (64, 1, 1), 0, 5))] * 2 + [("overlap", ((2, 1, 1), 0))]
-    assert [raw for *_, raw in driver.launches] == [_packed(0x1000, 0x2000, 0.25, n) for n in (7, 8, 9)]
-    assert driver.layout_queries == 4  # the layout is asked once per kernel and spec, not per launch
+        kernel.launch(config, 5, DevicePtr(0x1000), 0x2000, 0.25, n)
+    kernel.launch(config, 6, 0x1000, 0x2000, 0.25, 9)
+    assert [launch[:5] for launch in driver.launches] == [((2, 3, 1), (64, 1, 1), 100, s, 0) for s in (5, 5, 6)]
+    assert [launch[5] for launch in driver.launches] == [_packed(0x1000, 0x2000, 0.25, n) for n in (7, 8, 9)]
+    assert driver.configs[0] is driver.configs[1] is config.driver[5] and config.driver[6] is driver.configs[2]
+    assert driver.layout_queries == 4  # not per launch
 
 
-def test_spec_refused_against_the_source_at_its_first_launch(scripted):
+def test_a_prepared_launch_packs_once_and_runs_on_any_stream(scripted):
     gpu, driver, k = scripted
-    swapped = KernelSpec("add", src="P", dst="P", scale="F", n="U")  # same kinds, names swapped
-    with pytest.raises(TypeError, match=r"add\.add: parameter 0 is dst: pointer in the source, "
-                                        r"src: pointer in spec add"):
-        swapped.launch(gpu, k, (1, 1, 1), (32, 1, 1), 0, src=1, dst=2, scale=1.0, n=3)
-    short = KernelSpec("add", dst="P", src="P", scale="F")
-    with pytest.raises(TypeError, match="the source has 4 parameters"):
-        short.launch(gpu, k, (1, 1, 1), (32, 1, 1), 0, src=1, dst=2, scale=1.0)
+    prepared = gpu.bind(k).prepare(LaunchConfig(4, 32, overlap=True), 0x10, 0x20, -1.5, 11)
+    assert prepared.args == (0x10, 0x20, -1.5, 11) and prepared.config.overlap
+    for stream in (0, 7, 0):
+        prepared.run(stream)
+    assert [(launch[3], launch[4]) for launch in driver.launches] == [(0, 1), (7, 1), (0, 1)]  # PDL attribute
+    assert {tuple(launch[5]) for launch in driver.launches} == {tuple(_packed(0x10, 0x20, -1.5, 11))}
+
+
+@pytest.mark.parametrize("args, error, message", [
+    ((0x10, 0x20, 0.5, 2**32), ValueError, r"^add\.add n must be in 0\.\.2\*\*32-1, got 4294967296$"),
+    ((0x10, 0x20, 0.5, 1.5), TypeError, r"^add\.add n must be an int, got float 1\.5$"),
+    ((0x10, -1, 0.5, 3), ValueError, r"add\.add src: device pointer out of range: -1"),
+    ((None, 0x20, 0.5, 3), TypeError, r"add\.add dst must be an int"),
+    ((0x10, 0x20, 1e39, 3), ValueError, r"^add\.add scale: 1e\+39 overflows f32$"),
+    ((0x10, 0x20, "x", 3), TypeError, r"add\.add scale must be a real number"),
+    ((0x10, 0x20, 0.5), TypeError, r"add\.add takes 4 arguments \(dst: pointer, src: pointer, scale: f32, n: u32\)"),
+])
+def test_arguments_that_do_not_pack_are_refused_by_name_before_the_driver(scripted, args, error, message):
+    gpu, driver, k = scripted
+    kernel = gpu.bind(k)
+    with pytest.raises(error, match=message):
+        kernel.launch(LaunchConfig(1, 32), 0, *args)
+    with pytest.raises(error, match=message):
+        kernel.prepare(LaunchConfig(1, 32), *args)
     assert driver.launches == []
 
 
-def test_spec_launch_refusals_on_the_cuda_backend(scripted):
+def test_bind_and_launch_refusals(scripted, tmp_path):
     gpu, driver, k = scripted
-    good = dict(dst=1, src=2, scale=1.0, n=3)
-    with pytest.raises(ValueError, match=r"add n must be in 0\.\.2\*\*32-1"):
-        ADD.launch(gpu, k, (1, 1, 1), (32, 1, 1), 0, **{**good, "n": 2**32})
-    with pytest.raises(ValueError, match="more than 1024 threads"):  # the driver refused; phrased
-        ADD.launch(gpu, k, (1, 1, 1), (32, 32, 2), 0, **good)
-    with pytest.raises(TypeError, match="grid must be an int"):  # the bindings refused; phrased
-        ADD.launch(gpu, k, (1.5, 1, 1), (32, 1, 1), 0, **good)
+    kernel = gpu.bind(k)
     with pytest.raises(ValueError, match="null kernel handle"):
-        ADD.launch(gpu, KernelHandle(0), (1, 1, 1), (32, 1, 1), 0, **good)
+        gpu.bind(KernelHandle(0))
     with pytest.raises(GpuError, match="not loaded by this backend"):
-        ADD.launch(gpu, KernelHandle(0xDEAD), (1, 1, 1), (32, 1, 1), 0, **good)
-    driver.fail_with = driver.cu.CUresult.CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES
-    with pytest.raises(CudaError, match=r"CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES: cuLaunchKernel \(add\.add"):
-        ADD.launch(gpu, k, (1, 1, 1), (32, 1, 1), 0, **good)
-    driver.fail_with = None
-    ADD.launch(gpu, k, (1, 1, 1), (32, 1, 1), 0, **good)  # still usable
-    assert len(driver.launches) == 2
+        gpu.bind(KernelHandle(0xDEAD))
+    with pytest.raises(TypeError, match="kernel must be a KernelHandle, got str"):
+        gpu.bind("add")
+    with pytest.raises(TypeError, match="config must be a gpu_runtime.LaunchConfig, got tuple"):
+        kernel.launch((1, 32), 0, 1, 2, 0.5, 3)
+    for stream, error in ((-1, ValueError), (True, TypeError), ("s", TypeError)):
+        with pytest.raises(error, match="add.add: stream must be a stream handle|launch: stream must be"):
+            kernel.launch(LaunchConfig(1, 32), stream, 1, 2, 0.5, 3)
+    driver.fail_with = [driver.cu.CUresult.CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES]
+    with pytest.raises(CudaError, match=r"CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES: cuLaunchKernelEx \(add\.add "
+                                        r"LaunchConfig\(grid=\(1, 1, 1\), block=\(32, 1, 1\)"):
+        kernel.launch(LaunchConfig(1, 32), 0, 1, 2, 0.5, 3)
+    driver.fail_with = [driver.cu.CUresult.CUDA_ERROR_INVALID_VALUE]
+    with pytest.raises(ValueError, match=r"300000 bytes of shared memory, device allows 232448"):
+        kernel.launch(LaunchConfig(1, 32, 300000), 0, 1, 2, 0.5, 3)
+    kernel.launch(LaunchConfig(1, 32), 0, 1, 2, 0.5, 3)  # still usable
+    assert len(driver.launches) == 3
 
 
-def test_spec_launch_per_thread_and_closed_backend(scripted):
+def test_a_source_signature_the_driver_disagrees_with_is_refused_at_bind(monkeypatch, tmp_path):
+    """The source says (float*, float*, float, unsigned); a driver that reports a u64 third
+    parameter refuses the kernel when it is bound, before any launch."""
+    monkeypatch.setenv("GPU_RUNTIME_CACHE_DIR", str(tmp_path / "cache"))
+    driver = _ScriptedDriver(monkeypatch, [8, 8, 8, 4])
+    src = tmp_path / "add.cu"
+    src.write_text(_ADD_SOURCE)
+    gpu = CudaBackend()
+    k = gpu.kernel(src, "add")
+    with pytest.raises(TypeError, match=r"add\.add: argument 2 is 8 bytes at offset 16, launch packs 4"):
+        gpu.bind(k)
+    with pytest.raises(TypeError, match=r"add\.add: argument 2"):
+        KernelLaunch(gpu, k).arg_ptr(1).arg_ptr(2).arg_f32(0.5).arg_u32(3).launch(0)
+    assert driver.launches == []
+
+
+def test_threads_each_pack_into_their_own_buffer_and_closing_refuses(scripted):
+    """Launches from several threads at once land with their own arguments (each thread packs
+    into its own buffer; one thread's launch between another's pack and its driver call cannot
+    change it); a closed backend's kernels and prepared launches refuse."""
     gpu, driver, k = scripted
-    ADD.launch(gpu, k, (1, 1, 1), (32, 1, 1), 0, dst=1, src=2, scale=1.0, n=3)
+    kernel = gpu.bind(k)
+    config = LaunchConfig(1, 32)
+    barrier = threading.Barrier(4)
 
     def other_thread(n: int) -> None:
-        for _ in range(50):
-            ADD.launch(gpu, k, (1, 1, 1), (32, 1, 1), 0, dst=1, src=2, scale=1.0, n=n)
+        barrier.wait()
+        for _ in range(200):
+            kernel.launch(config, 0, 1, 2, 1.0, n)
 
-    with ThreadPoolExecutor(2) as pool:
-        list(pool.map(other_thread, (10, 20)))  # re-raises what a thread raised
-    assert len(driver.launches) == 101
-    assert {raw[3] for *_, raw in driver.launches} == {struct.pack("<I", n) for n in (3, 10, 20)}
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(other_thread, (10, 20, 30, 40)))  # re-raises what a thread raised
+    assert len(driver.launches) == 800
+    counts = {n: sum(launch[5][3] == struct.pack("<I", n) for launch in driver.launches) for n in (10, 20, 30, 40)}
+    assert counts == {10: 200, 20: 200, 30: 200, 40: 200}
+    assert all(launch[5][:3] == _packed(1, 2, 1.0, 0)[:3] for launch in driver.launches)
+    prepared = kernel.prepare(config, 1, 2, 1.0, 3)
     gpu.close()
-    with pytest.raises(ClosedError, match="backend is closed"):
-        ADD.launch(gpu, k, (1, 1, 1), (32, 1, 1), 0, dst=1, src=2, scale=1.0, n=3)
-    with pytest.raises(ClosedError, match="backend is closed"):
-        KernelLaunch(gpu, k).arg_ptr(1).arg_ptr(2).arg_f32(1.0).arg_u32(3).launch(0)
-    assert len(driver.launches) == 101
+    for launch in (lambda: kernel.launch(config, 0, 1, 2, 1.0, 3), lambda: prepared.run(0),
+                   lambda: kernel.prepare(config, 1, 2, 1.0, 3), lambda: gpu.bind(k),
+                   lambda: KernelLaunch(gpu, k).arg_ptr(1).arg_ptr(2).arg_f32(1.0).arg_u32(3).launch(0)):
+        with pytest.raises(ClosedError, match="the backend is closed"):
+            launch()
+    assert len(driver.launches) == 800
 
 
-def test_spec_launch_takes_the_direct_route_once_checked(scripted, monkeypatch, tmp_path):
-    """After the first launch of a (kernel, spec) pair on a thread, its plain launches call the
-    driver from the spec's launcher: the backend's ``launch_spec`` only sees the first one, the
-    overlapped ones and those over 48 KiB of shared memory beyond what it has opted the kernel
-    in to. A second backend gets no route from the first's, and a closed one loses its routes."""
+def test_a_launch_on_a_thread_where_another_context_is_current_is_retried_once_bound(scripted):
+    """The driver refuses a launch whose context is not current (a thread that last used another
+    backend): the launch makes its context current and goes again, once."""
     gpu, driver, k = scripted
-    gpu.max_shared_optin = 227 * 1024  # the scripted device reports none
-    seen = []
-    through = gpu.launch_spec
-    monkeypatch.setattr(gpu, "launch_spec", lambda *a, **kw: (seen.append(a[0].name), through(*a, **kw)))
-    args = dict(dst=1, src=2, scale=0.5, n=3)
-    for _ in range(3):
-        ADD.launch(gpu, k, (1, 1, 1), (32, 1, 1), 0, **args)
-    ADD.launch(gpu, k, (1, 1, 1), (32, 1, 1), 0, **args, overlap=True)
-    shared = [48 * 1024, 48 * 1024 + 4, 48 * 1024 + 4, 48 * 1024 + 2, 64 * 1024, 64 * 1024]
-    for size in shared:
-        ADD.launch(gpu, k, (1, 1, 1), (32, 1, 1), 0, **args, shared_mem=size)
-    # the first, the overlapped one, and the first over 48 KiB and over its opt-in (which opt in)
-    assert seen == ["add"] * 4
-    assert driver.opt_ins == [48 * 1024 + 4, 64 * 1024]
-    assert [how for how, *_ in driver.launches] == ["plain"] * 3 + ["overlap"] + ["plain"] * len(shared)
-    plain = [config[2] for how, _, config, _ in driver.launches if how == "plain"]
-    assert plain == [0] * 3 + shared
-    assert {tuple(raw) for *_, raw in driver.launches} == {tuple(_packed(1, 2, 0.5, 3))}
+    prepared = gpu.bind(k).prepare(LaunchConfig(1, 32), 1, 2, 1.0, 3)
+    from gpu_runtime.cuda_backend import context
 
-    other = CudaBackend()  # the same kernel handle value on another backend: its own checks
-    with pytest.raises(GpuError, match="not loaded by this backend"):
-        ADD.launch(other, k, (1, 1, 1), (32, 1, 1), 0, **args)
-    gpu.close()
-    with pytest.raises(ClosedError, match="backend is closed"):
-        ADD.launch(gpu, k, (1, 1, 1), (32, 1, 1), 0, **args)
-    with pytest.raises(ClosedError, match="backend is closed"):  # the opted-in route is gone too
-        ADD.launch(gpu, k, (1, 1, 1), (32, 1, 1), 0, **args, shared_mem=48 * 1024 + 4)
-    assert len(driver.launches) == 4 + len(shared)
-    other.close()
+    context._CURRENT.ctx = object()  # as if another backend's context were current here
+    before = driver.context_sets
+    driver.fail_with = [driver.cu.CUresult.CUDA_ERROR_INVALID_CONTEXT]
+    prepared.run(0)
+    assert len(driver.launches) == 2 and driver.context_sets == before + 1
 
 
-def test_every_launch_path_hands_the_driver_its_function_object(scripted):
-    """The backend's path, both direct routes and the overlapped launch all give the driver the
+def test_every_launch_hands_the_driver_its_function_object(scripted):
+    """``Kernel.launch``, a prepared launch and the builder all give the driver the
     ``CUfunction`` that ``cuModuleGetFunction`` returned (which the bindings need not convert),
     not the ``KernelHandle`` int."""
     gpu, driver, k = scripted
-    args = dict(dst=1, src=2, scale=0.5, n=3)
-    for _ in range(2):  # the first through the backend, the second on the route
-        ADD.launch(gpu, k, (1, 1, 1), (32, 1, 1), 0, **args)
-        KernelLaunch(gpu, k).arg_ptr(1).arg_ptr(2).arg_f32(0.5).arg_u32(3).launch(0)
-    ADD.launch(gpu, k, (1, 1, 1), (32, 1, 1), 0, **args, overlap=True)
+    kernel = gpu.bind(k)
+    kernel.launch(LaunchConfig(1, 32), 0, 1, 2, 0.5, 3)
+    kernel.prepare(LaunchConfig(1, 32), 1, 2, 0.5, 3).run(0)
+    KernelLaunch(gpu, k).arg_ptr(1).arg_ptr(2).arg_f32(0.5).arg_u32(3).launch(0, overlap=True)
     (function,) = driver.functions
-    assert int(function) == int(k) and len(driver.kernels_given) == 5
+    assert int(function) == int(k) and len(driver.kernels_given) == 3
     assert all(given is function for given in driver.kernels_given)
+    assert driver.launches[2][4] == 1  # the builder's overlap: the PDL attribute
 
 
 def test_a_source_whose_signature_is_refused_loads_nothing(monkeypatch, tmp_path):
     """A kernel parameter the runtime cannot pack is refused before the module is compiled or
-    loaded, at every ask (before, the module stayed loaded without signatures, and the second
-    ``kernel()`` returned a handle whose launch failed with a bare ``KeyError``)."""
+    loaded, at every ask."""
     monkeypatch.setenv("GPU_RUNTIME_CACHE_DIR", str(tmp_path / "cache"))
     driver = _ScriptedDriver(monkeypatch, [8, 8])
     loads = []
@@ -560,105 +458,3 @@ def test_a_source_whose_signature_is_refused_loads_nothing(monkeypatch, tmp_path
             gpu.kernel(src, "f")
     assert "cuModuleLoadData" not in loads
     gpu.close()
-
-
-def test_two_threads_opting_in_leave_the_driver_and_the_table_agreeing(scripted, monkeypatch):
-    """Thread A asks for 60000 bytes while thread B's opt-in to 80000 is inside the driver: A
-    waits for it and then needs none, so the driver and the backend's table both hold 80000
-    (before, A's smaller opt-in reached the driver in between, the table kept B's value, and
-    every later 80000-byte launch failed)."""
-    gpu, driver, k = scripted
-    gpu.max_shared_optin = 227 * 1024
-    b_inside, a_launching = threading.Event(), threading.Event()
-    through = driver.call
-
-    def call(fn, *args, detail=""):
-        if fn.__name__ == "cuFuncSetAttribute" and args[2] == 80000:  # B, inside the driver
-            b_inside.set()
-            a_launching.wait(5)
-            time.sleep(0.1)  # room for A to reach the driver, if nothing stops it
-        return through(fn, *args, detail=detail)
-
-    scripted_device(monkeypatch, call)
-    args = dict(dst=1, src=2, scale=0.5, n=3)
-
-    def launch(shared: int) -> None:
-        ADD.launch(gpu, k, (1, 1, 1), (32, 1, 1), 0, **args, shared_mem=shared)
-
-    b = threading.Thread(target=launch, args=(80000,))
-    b.start()
-    assert b_inside.wait(5)
-    a_launching.set()
-    launch(60000)  # A
-    b.join()
-    assert driver.opt_ins == [80000] and gpu._shared_set[int(k)] == 80000
-
-
-def test_tables_of_threads_that_ended_are_dropped(scripted):
-    """Each thread that launches leaves the backend its checked-launch tables and a launcher's
-    route tables; those of threads that ended are dropped when the next thread binds (they grew
-    with every thread an engine ever started)."""
-    gpu, driver, k = scripted
-
-    def launch() -> None:
-        ADD.launch(gpu, k, (1, 1, 1), (32, 1, 1), 0, dst=1, src=2, scale=0.5, n=3)
-        KernelLaunch(gpu, k).arg_ptr(1).arg_ptr(2).arg_f32(0.5).arg_u32(3).launch(0)
-
-    for _ in range(40):
-        worker = threading.Thread(target=launch)
-        worker.start()
-        worker.join()
-    last = threading.Thread(target=launch)
-    last.start()
-    last.join()
-    assert len(gpu._thread_tables) <= 2 * 2  # the last two threads' (the one that ended is dropped later)
-    assert len(gpu._direct_tables) <= 2 * 2
-    assert len(driver.launches) == 2 * 41
-    launch()  # this thread: bound anew, its routes work
-    assert len(driver.launches) == 2 * 42
-
-
-def test_builder_launch_takes_the_direct_route_once_checked(scripted, monkeypatch):
-    """As a spec launch: after a (kernel, kinds) shape's first launch on a thread, the builder's
-    plain launches call the driver themselves, with the same packed bytes; overlapped ones and
-    those over 48 KiB beyond the kernel's opt-in still go through the backend. A driver refusal
-    on the route is phrased by the backend; a second backend gets no route from the first's, and
-    a closed one loses its."""
-    gpu, driver, k = scripted
-    gpu.max_shared_optin = 227 * 1024
-    seen = []
-    through = gpu.launch
-    monkeypatch.setattr(gpu, "launch", lambda *a, **kw: (seen.append(a[5]), through(*a, **kw)))
-
-    def built(backend, n):
-        return KernelLaunch(backend, k).grid([2, 1, 1]).block([32, 1, 1]).arg_ptr(1).arg_ptr(2).arg_f32(0.5).arg_u32(n)
-
-    for n in (3, 4, 5):
-        built(gpu, n).launch(7)
-    built(gpu, 6).launch(7, overlap=True)
-    built(gpu, 7).shared_mem(48 * 1024).launch(7)
-    built(gpu, 8).shared_mem(48 * 1024 + 4).launch(7)
-    assert seen == ["PPFU"] * 3  # the first, the overlapped one, the one over 48 KiB
-    assert [how for how, *_ in driver.launches] == ["plain"] * 3 + ["overlap"] + ["plain"] * 2
-    plain = [config for how, _, config, _ in driver.launches if how == "plain"]
-    assert plain == [((2, 1, 1), (32, 1, 1), shared, 7) for shared in (0, 0, 0, 48 * 1024, 48 * 1024 + 4)]
-    assert [raw for *_, raw in driver.launches] == [_packed(1, 2, 0.5, n) for n in range(3, 9)]
-
-    driver.fail_with = driver.cu.CUresult.CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES
-    with pytest.raises(CudaError, match=r"CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES: cuLaunchKernel \(add\.add grid"):
-        built(gpu, 9).launch(7)
-    driver.fail_with = None
-    assert seen == ["PPFU"] * 3 and len(driver.launches) == 7  # the refused one is recorded too
-    built(gpu, 10).shared_mem(48 * 1024 + 4).launch(7)  # within the kernel's opt-in: direct
-    built(gpu, 11).shared_mem(64 * 1024).launch(7)  # beyond it: the backend opts in again
-    assert seen == ["PPFU"] * 4 and driver.opt_ins == [48 * 1024 + 4, 64 * 1024]
-    assert [config[2] for _, _, config, _ in driver.launches[7:]] == [48 * 1024 + 4, 64 * 1024]
-
-    other = CudaBackend()  # the same kernel handle value on another backend: its own checks
-    with pytest.raises(GpuError, match="not loaded by this backend"):
-        built(other, 3).launch(0)
-    gpu.close()
-    with pytest.raises(ClosedError, match="backend is closed"):
-        built(gpu, 3).launch(0)
-    assert len(driver.launches) == 9
-    other.close()

@@ -39,8 +39,14 @@ def test_launch_sequence_is_the_seeds():
     inv = np.float32(1) / np.float32(1 + t)
     scaled = [l for l in gpu.launches if gpu.kernel_of(l)[1] == "bf16_scaled_add"]
     assert all(l.args[2] == float(inv) for l in scaled)
-    uploads = [op for op in gpu.ops if op[0] == "h2d"]
-    assert len(uploads) == 1 + t and all(len(u[1]) == 4 * 4 for u in uploads)
+    # One upload: the new tokens, then each table's ids ([1 + T, seq_len] u32), each gather
+    # reading its row of it (the seed uploads them table by table into one [seq_len] buffer).
+    (upload,) = [op for op in gpu.ops if op[0] == "h2d"]
+    tokens = np.arange(10) % dims.vocab_size
+    want = np.concatenate([tokens[-4:], np.ravel(ngram_ids_tail(dims, tokens, 4))]).astype(np.uint32)
+    assert upload[1] == want.tobytes()
+    gathers = [launch for launch in gpu.launches if gpu.kernel_of(launch)[1].startswith("batched_embed")]
+    assert [launch.args[0] - upload[2] for launch in gathers] == [16 * c for c in range(1 + t)]
 
 
 def test_cached_branch_resolves_then_ends_batch():
@@ -49,9 +55,12 @@ def test_cached_branch_resolves_then_ends_batch():
     layer = device_layer(gpu, random_layer(np.random.default_rng(2), dims, "b"), 8, cached=True)
     layer.embed([1, 2, 3], 2, DevicePtr(0x900000), gpu)
     assert layer.weights.tables[0].cache.calls == ["resolve", "end_batch"]
-    uploads = [op for op in gpu.ops if op[0] == "h2d" and len(op[1]) == 8]
-    assert len(uploads) == 2  # new tokens, then the table's slots (its ids would be overwritten)
+    uploads = [op for op in gpu.ops if op[0] == "h2d" and op[2] >= layer.ids_dev]
+    # the new tokens and the ids, then the table's slots over its ids, which the gather reads
+    assert [len(u[1]) for u in uploads] == [16, 8] and uploads[1][2] == layer.ids_dev + 8
     assert np.frombuffer(uploads[1][1], np.uint32).tolist() == ngram_ids_tail(dims, [1, 2, 3], 2)[0].tolist()
+    (gather,) = [launch for launch in gpu.launches[1:] if gpu.kernel_of(launch)[1] == "batched_embed"]
+    assert gather.args[0] == layer.ids_dev + 8
 
 
 @pytest.mark.parametrize("case, error, match", [
@@ -251,7 +260,7 @@ def test_decode_reads_only_the_tail_of_the_context():
     gpu.ops.clear()
     layer.embed(WindowOnly(10**12, tail), 2, DevicePtr(0x900000), gpu)
     uploads = [op[1] for op in gpu.ops if op[0] == "h2d"]
-    assert uploads[0] == np.array([7, 8], np.uint32).tobytes()
+    assert uploads[0][:8] == np.array([7, 8], np.uint32).tobytes()
     assert len(gpu.launches) == 2 + 3 * dims.num_tables()
 
 

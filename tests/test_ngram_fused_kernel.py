@@ -20,10 +20,10 @@ from gpu_runtime.signatures import parse_signatures
 from layers.kernel_files import kernel_dir, load_kernel
 from layers.ngram_embed.dims import NgramDims
 from layers.ngram_embed.ids import ngram_ids_array
-from layers.ops.ngram_fused import NO_EOS, NO_TOKEN, ngram_gather, pair_launch
+from layers.ops.ngram_fused import NO_EOS, NO_TOKEN, PairLaunch
 from tests.helpers.fakes import RecordingBackend
 from tests.helpers import Guarded, bits
-from tests.helpers.ngram_gather import Tables, context, make_tables, pows_for, windows_for
+from tests.helpers.ngram_gather import Tables, context, make_tables, ngram_gather, pows_for, windows_for
 
 BF16 = ml_dtypes.bfloat16
 MODULE, KERNEL = "ngram_fused", "ngram_gather"
@@ -116,7 +116,7 @@ def test_host_tables_past_one_wave_take_one_pair_a_warp(gpu_type, rows, host, gr
 
 
 def test_the_grid_never_passes_the_drivers_limit():
-    assert pair_launch(_SizedBackend(), 2**40, True)[0] == (2**31 - 1, 1, 1)  # the kernel strides past it
+    assert PairLaunch(_SizedBackend(), True).config(2**40).grid == (2**31 - 1, 1, 1)  # the kernel strides past it
 
 
 def test_zero_rows_launch_nothing():

@@ -5,7 +5,7 @@ The walk reads the public surface itself: the names in ``__all__`` of ``gpu_runt
 ``layers.ngram_embed``, ``layers.overlay``, ``layers.peft_adapter``, ``layers.tensor_parallel``
 and ``layers.tensor_parallel.nccl`` (and ``DenseWeight``, ``OverlayKernels``), each function,
 each class's constructor and public methods, and the callables a class declares as attributes
-(``KernelSpec.launch``). Every one whose signature has a ``gpu`` / ``gpus`` or ``stream`` /
+(``Kernel.launch``). Every one whose signature has a ``gpu`` / ``gpus`` or ``stream`` /
 ``streams`` parameter is an entry point, and needs a case in ``CASES``: how to build valid
 arguments for it on a logging host-memory backend. A new entry point without a case fails the
 walk. Each case is called with every wrong value of each such parameter, the others valid, and
@@ -41,7 +41,7 @@ from gpu_runtime import (
     GpuBackend,
     Graphs,
     KernelLaunch,
-    KernelSpec,
+    LaunchConfig,
     MappedHostMemory,
     PinnedHostMemory,
     PitchedCopies,
@@ -242,10 +242,8 @@ class Env:
     def collective(self) -> nccl.NcclCollective:
         return nccl.NcclCollective.init(2, 1, b"x" * 128, self.gpu)
 
-    def spec(self) -> tuple[KernelSpec, tuple, dict]:
-        spec = KernelSpec("bf16_residual_add", out="P", x="P", n="U")
-        head = (self.gpu, self.gpu.kernel("residual_add", "bf16_residual_add"), (1, 1, 1), (32, 1, 1), 0)
-        return spec, head, dict(out=self.out, x=self.out, n=8)
+    def bound(self) -> Any:
+        return self.gpu.bind(self.gpu.kernel("residual_add", "bf16_residual_add"))
 
 
 def call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Callable[..., Any], tuple, dict]:
@@ -265,9 +263,11 @@ CASES: dict[str, Callable[[Env], tuple[Callable[..., Any], tuple, dict]]] = {
     G + "KernelLaunch": lambda e: call(KernelLaunch, e.gpu, e.gpu.kernel("residual_add", "bf16_residual_add")),
     G + "KernelLaunch.new": lambda e: call(KernelLaunch.new, e.gpu, e.gpu.kernel("residual_add", "bf16_residual_add")),
     G + "KernelLaunch.launch": lambda e: call(
-        KernelLaunch(e.gpu, e.gpu.kernel("residual_add", "bf16_residual_add")).arg_ptr(e.out).arg_u32(8).launch),
-    G + "KernelSpec.launch": lambda e: (lambda s, head, kw: call(s.launch, *head, **kw))(*e.spec()),
-    G + "KernelSpec.launch_from": lambda e: (lambda s, head, kw: call(s.launch_from, *head, kw))(*e.spec()),
+        KernelLaunch(e.gpu, e.gpu.kernel("residual_add", "bf16_residual_add")).arg_ptr(e.out).arg_ptr(e.out).arg_u32(8)
+        .launch),
+    G + "Kernel.launch": lambda e: call(e.bound().launch, LaunchConfig(1, 32), 0, e.out, e.out, 8),
+    G + "Kernel.check": lambda e: call(e.bound().check, LaunchConfig(1, 32), 0, (e.out, e.out, 8)),
+    G + "PreparedLaunch.run": lambda e: call(e.bound().prepare(LaunchConfig(1, 32), e.out, e.out, 8).run, 0),
     # layers.ngram_embed
     NG + "FusedNgramEmbedding": lambda e: call(FusedNgramEmbedding, e.weights, 8),
     NG + "FusedNgramEmbedding.captured_graph": lambda e: call(FusedNgramEmbedding(e.weights, 8).captured_graph,

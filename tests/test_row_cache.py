@@ -16,6 +16,7 @@ from layers.ngram_embed import NgramDims, NgramEmbedding, NgramTable, NgramWeigh
 from layers.ngram_embed.row_cache import RowCache
 from layers.ngram_embed.slot_index import SlotIndex
 from layers.ngram_embed.table_file import TableFormatError, write_table
+from layers.ops.row_cache import RowScatter
 from layers.dense_weight import BF16, DenseWeight
 from tests.helpers import Guarded, bits
 from tests.helpers.ngram import device_layer, free_layer, random_layer
@@ -286,8 +287,6 @@ def test_cached_layer_equals_resident_over_a_long_stream(gpu, rng, tmp_path, kin
 @pytest.mark.gpu
 @pytest.mark.parametrize("row_bytes, scaled", [(512, False), (48, False), (7, True), (33, True), (1, False)])
 def test_scatter_rows_writes_only_its_slots(gpu, rng, row_bytes, scaled):
-    from layers.ops import scatter_rows
-
     capacity, n = 50, 23
     slots = rng.choice(capacity, n, replace=False).astype(np.uint32)
     rows = rng.integers(0, 256, (n, row_bytes), dtype=np.uint8)
@@ -301,8 +300,8 @@ def test_scatter_rows_writes_only_its_slots(gpu, rng, row_bytes, scaled):
         r_dev.upload(rows)
         sc_dev.upload(scales)
         before, before_scales = arena.read(), arena_scales.read()
-        scatter_rows(gpu, kernel, s_dev.ptr, r_dev.ptr, sc_dev.ptr if scaled else 0, arena.ptr,
-                     arena_scales.ptr if scaled else 0, n, row_bytes, 0)
+        scatter = RowScatter(gpu, kernel, arena.ptr, arena_scales.ptr if scaled else 0, row_bytes)
+        scatter.run(s_dev.ptr, r_dev.ptr, sc_dev.ptr if scaled else 0, n, 0)
         want, want_scales = before.copy(), before_scales.copy()
         want[slots] = rows
         if scaled:

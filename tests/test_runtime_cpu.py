@@ -14,21 +14,27 @@ import pytest
 from cuda.bindings import driver as cu_driver
 
 from gpu_runtime import (ClosedError, CudaBackend, CudaError, DeviceBuffer, DeviceCopies, DevicePtr, Events,
-                         GpuBackend, GpuError, Graphs, KernelHandle, KernelLaunch, MappedHostMemory,
+                         GpuBackend, GpuError, Graphs, KernelHandle, KernelLaunch, LaunchConfig, MappedHostMemory,
                          NoDeviceError, NvrtcError, PinnedHostMemory, PitchedCopies, TensorMaps,
                          compiler, device_count, validate)
-from gpu_runtime.packing import ArgPlan
+from gpu_runtime.launch import ArgLayout
 from gpu_runtime.signatures import Param, Signature, parse_signatures
 from layers.kernel_files import kernel_dir, kernel_files, kernel_path, load_kernel
 from layers.kernel_files import try_kernel
 from tests.helpers.fakes import MemoryBackend, RecordingBackend
 
 KERNEL_FILES = sorted(kernel_dir().glob("*.cu"))
+# the test kernels of the fake backends (module "m"): their signatures, no bodies
+SOURCES = {"m": 'extern "C" __global__ void k(float* p, unsigned u, int i, float f, unsigned long long l) {}\n'
+                'extern "C" __global__ void one(unsigned u) {}\n'
+                'extern "C" __global__ void ptr(float* p) {}\n'
+                'extern "C" __global__ void wide(unsigned a, unsigned b, int c, int d, unsigned long long e, '
+                'float f, float g) {}\n'}
 
 
 # -- KernelLaunch ---------------------------------------------------------------------------
 def test_launch_records_kinds_values_and_shape():
-    gpu = RecordingBackend()
+    gpu = RecordingBackend(sources=SOURCES)
     k = gpu.kernel("m", "k")
     (KernelLaunch(gpu, k).grid([3, 2, 1]).block([128, 1, 1]).shared_mem(1024)
      .arg_ptr(DevicePtr(0x1000)).arg_u32(np.uint32(7)).arg_i32(-5).arg_f32(0.5).arg_u64(2**63)
@@ -64,7 +70,7 @@ def test_launch_records_kinds_values_and_shape():
     (lambda L: L.shared_mem(-1), ValueError, "shared_mem must be in"),
 ])
 def test_launch_refuses_bad_values(build, error, match):
-    gpu = RecordingBackend()
+    gpu = RecordingBackend(sources=SOURCES)
     with pytest.raises(error, match=match):
         build(KernelLaunch(gpu, gpu.kernel("m", "k")))
     assert gpu.launches == []
@@ -75,22 +81,72 @@ def test_launch_refuses_null_kernel():
         KernelLaunch(RecordingBackend(), KernelHandle(0))
     with pytest.raises(ValueError, match="null kernel"):
         KernelLaunch.new(RecordingBackend(), KernelHandle(0))
-    gpu = RecordingBackend()
-    kernel = gpu.kernel("m", "k")
+    gpu = RecordingBackend(sources=SOURCES)
+    kernel = gpu.kernel("m", "one")
     KernelLaunch.new(gpu, kernel).grid([2, 1, 1]).block([32, 1, 1]).arg_u32(7).launch(0)
     (launch,) = gpu.launches
     assert (launch.kernel, launch.grid, launch.block, launch.args) == (kernel, (2, 1, 1), (32, 1, 1), [7])
 
 
 def test_extreme_values_accepted():
-    gpu = RecordingBackend()
-    (KernelLaunch(gpu, gpu.kernel("m", "k")).grid([2**31 - 1, 65535, 65535]).block([1024, 1, 1])
+    gpu = RecordingBackend(sources=SOURCES)
+    (KernelLaunch(gpu, gpu.kernel("m", "wide")).grid([2**31 - 1, 65535, 65535]).block([1024, 1, 1])
      .arg_u32(0).arg_u32(2**32 - 1).arg_i32(-(2**31)).arg_i32(2**31 - 1).arg_u64(2**64 - 1)
      .arg_f32(float("inf")).arg_f32(float("nan")).launch(0))
     assert gpu.launches[0].kinds == "UUIILFF"
 
 
+def test_launch_refuses_kinds_the_signature_does_not_have():
+    gpu = RecordingBackend(sources=SOURCES)
+    k = gpu.kernel("m", "k")
+    with pytest.raises(TypeError, match=r"m\.k: takes 5 arguments \(PUIFL\), 2 given \(PU\)"):
+        KernelLaunch(gpu, k).arg_ptr(1).arg_u32(2).launch(0)
+    with pytest.raises(TypeError, match="argument 2 must be i32, launch passes u32"):
+        KernelLaunch(gpu, k).arg_ptr(1).arg_u32(2).arg_u32(3).arg_f32(4.0).arg_u64(5).launch(0)
+    assert gpu.launches == []
+
+
+# -- LaunchConfig ---------------------------------------------------------------------------
+def test_launch_config_normalises_and_is_immutable():
+    config = LaunchConfig(5, 256)
+    assert (config.grid, config.block, config.shared_mem, config.cluster, config.overlap) == (
+        (5, 1, 1), (256, 1, 1), 0, None, False)
+    config = LaunchConfig((4, np.int64(2)), [32, 4, 2], 1024, cluster=(2, 1), overlap=True)
+    assert (config.grid, config.block, config.shared_mem, config.cluster, config.overlap) == (
+        (4, 2, 1), (32, 4, 2), 1024, (2, 1, 1), True)
+    assert all(type(d) is int for d in (*config.grid, *config.block))
+    assert repr(config) == "LaunchConfig(grid=(4, 2, 1), block=(32, 4, 2), shared_mem=1024, cluster=(2, 1, 1), overlap=True)"
+    with pytest.raises(AttributeError, match="immutable"):
+        config.grid = (1, 1, 1)  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("args, kwargs, error, match", [
+    ((0, 32), {}, ValueError, r"grid \[0, 1, 1\]: each dimension must be in 1\.\."),
+    (((1, 65536), 32), {}, ValueError, "each dimension must be in"),
+    ((2**31, 32), {}, ValueError, "each dimension must be in"),
+    (((1, 1, 1, 1), 32), {}, ValueError, "grid must have 1 to 3 dimensions"),
+    ((1, 1025), {}, ValueError, "block"),
+    ((1, (32, 32, 2)), {}, ValueError, "more than 1024 threads"),
+    ((1, (1, 1, 65)), {}, ValueError, "each dimension must be in"),
+    ((1.5, 32), {}, TypeError, "grid must be an int, got float"),
+    (((1.5,), 32), {}, TypeError, "grid must be an int, got float"),
+    ((True, 32), {}, TypeError, "got bool"),
+    ((1, 32, -1), {}, ValueError, "shared_mem must be in 0"),
+    ((1, 32, 2**32), {}, ValueError, "shared_mem must be in 0"),
+    ((3, 32), {"cluster": 2}, ValueError, r"grid \[3, 1, 1\] is not whole clusters of \[2, 1, 1\]"),
+    ((4, 32), {"cluster": 16}, ValueError, "cluster"),
+    ((4, 32), {"overlap": 1}, TypeError, "overlap must be a bool"),
+])
+def test_launch_config_refuses_by_the_one_policy(args, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        LaunchConfig(*args, **kwargs)
+
+
 # -- packing to the C ABI -------------------------------------------------------------------
+def _layout(kinds: str) -> ArgLayout:
+    return ArgLayout(Signature(Param(f"a{i}", k) for i, k in enumerate(kinds)))
+
+
 @pytest.mark.parametrize("kinds, offsets, size", [
     ("PPPUU", [0, 8, 16, 24, 28], 32),
     ("PUIFL", [0, 8, 12, 16, 24], 32),
@@ -100,21 +156,56 @@ def test_extreme_values_accepted():
     ("ULUL", [0, 8, 16, 24], 32),
     ("TTPPPUUU", [0, 128, 256, 264, 272, 280, 284, 288], 292),  # tensor maps: 128 bytes, 64-aligned
     ("UT", [0, 64], 192),
+    ("PTUT", [0, 64, 192, 256], 384),
 ])
-def test_arg_plan_matches_c_abi_offsets(kinds, offsets, size):
-    plan = ArgPlan(kinds)
-    assert plan.offsets == offsets
-    assert plan.packer.size == size
+def test_arg_layout_matches_c_abi_offsets(kinds, offsets, size):
+    layout = _layout(kinds)
+    assert layout.offsets == offsets
+    assert layout.packer.size == size
+    assert layout.sizes == [{"P": 8, "U": 4, "I": 4, "F": 4, "L": 8, "T": 128}[k] for k in kinds]
 
 
-def test_arg_plan_packs_bytes_where_pointers_point():
-    plan = ArgPlan("PUIFL")
-    values = [0x1122334455667788, 0xDEADBEEF, -2, 1.25, 2**64 - 3]
-    plan.packer.pack_into(plan.buffer, 0, *values)
-    raw = [ctypes.string_at(plan.pointers[i], s) for i, s in enumerate(plan.sizes)]
+def test_arg_layout_packs_bytes_where_its_pointers_point():
+    layout = _layout("PUIFLT")
+    buffer, params, pointers = layout.buffers()
+    assert params == ctypes.addressof(pointers)
+    tmap = bytes(range(128))
+    values = [0x1122334455667788, 0xDEADBEEF, -2, 1.25, 2**64 - 3, tmap]
+    layout.packer.pack_into(buffer, 0, *values)
+    raw = [ctypes.string_at(pointers[i], s) for i, s in enumerate(layout.sizes)]
     assert raw == [struct.pack("<Q", values[0]), struct.pack("<I", values[1]),
                    struct.pack("<i", values[2]), struct.pack("<f", values[3]),
-                   struct.pack("<Q", values[4])]
+                   struct.pack("<Q", values[4]), tmap]
+    assert layout.values([DevicePtr(16), np.uint32(3), -1, np.float32(0.5), 7, tmap]) == [16, 3, -1, 0.5, 7, tmap]
+
+
+@pytest.mark.parametrize("index, value, error, match", [
+    (0, -1, ValueError, "out of range"),
+    (0, 1.5, TypeError, "k a0 must be an int, got float"),
+    (0, None, TypeError, "k a0 must be an int"),
+    (0, np.zeros(2), TypeError, "k a0 must be an int"),
+    (1, 2**32, ValueError, r"k a1 must be in 0\.\.2\*\*32-1"),
+    (1, -1, ValueError, r"k a1 must be in 0\.\.2\*\*32-1"),
+    (1, "3", TypeError, "k a1 must be an int"),
+    (2, 2**31, ValueError, r"k a2 must be in -2\*\*31\.\.2\*\*31-1"),
+    (3, 1e39, ValueError, r"k a3: 1e\+39 overflows f32"),
+    (3, "x", TypeError, "k a3 must be a real number"),
+    (4, 2**64, ValueError, r"k a4 must be in 0\.\.2\*\*64-1"),
+    (5, bytes(127), TypeError, "k a5 must be a tensor map's 128 bytes"),
+])
+def test_arg_layout_refusals_name_kernel_and_parameter(index, value, error, match):
+    layout = _layout("PUIFLT")
+    args = [16, 3, -1, 0.5, 7, bytes(128)]
+    args[index] = value
+    with pytest.raises(error, match=match):
+        try:
+            layout.packer.pack(*args)
+        except (struct.error, TypeError, ValueError, OverflowError):
+            raise layout.refusal("k", args) from None
+        if index == 5:  # struct pads a short tensor map: the refusal is what finds it
+            raise layout.refusal("k", args)
+    assert isinstance(layout.refusal("k", args[:2]), TypeError)
+    assert "takes 6 arguments" in str(layout.refusal("k", args[:2]))
 
 
 # -- the validation policy ------------------------------------------------------------------
@@ -170,19 +261,19 @@ def test_require_open_raises_closed_error_a_gpu_error():
 
 # -- DeviceBuffer ---------------------------------------------------------------------------
 def test_device_buffer_is_a_pointer_until_closed_then_refuses():
-    gpu = MemoryBackend("m", ["k"])
+    gpu = MemoryBackend("m", ["ptr"], sources=SOURCES)
     buf = DeviceBuffer(gpu, 100)
     assert isinstance(buf.ptr, DevicePtr) and buf.nbytes == 100 and not buf.closed and buf.gpu is gpu
     assert int(buf) == buf.ptr == operator.index(buf) and int(buf.ptr) in gpu.mem
     gpu.memset(buf, 7, 100)  # taken wherever a pointer int is
     assert (gpu.read(buf.ptr, 100) == 7).all()
-    KernelLaunch(gpu, gpu.kernel("m", "k")).arg_ptr(buf).launch(0)
+    KernelLaunch(gpu, gpu.kernel("m", "ptr")).arg_ptr(buf).launch(0)
     assert gpu.launches[-1]["args"] == [int(buf.ptr)]
     ptr = buf.ptr
     buf.close()
     buf.close()  # idempotent: freed once
     assert buf.closed and int(ptr) not in gpu.mem and "closed" in repr(buf)
-    k = gpu.kernel("m", "k")
+    k = gpu.kernel("m", "ptr")
     for use in (lambda: buf.ptr, lambda: int(buf), lambda: KernelLaunch(gpu, k).arg_ptr(buf)):
         with pytest.raises(ClosedError, match="DeviceBuffer is closed"):
             use()

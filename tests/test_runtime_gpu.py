@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from gpu_runtime import (ClosedError, CudaBackend, CudaError, DeviceArray, DeviceBuffer, DevicePtr,
-                         KernelLaunch, KernelNotFoundError)
-from gpu_runtime.launch_spec import KernelSpec
+                         KernelLaunch, KernelNotFoundError, LaunchConfig)
+from gpu_runtime.signatures import Param, Signature
 from tests.helpers import DEVICE_MEMORY_MEASURABLE
 from layers.kernel_files import load_kernel
 
@@ -105,45 +105,92 @@ def test_argument_mismatches_refused_before_launch(tgpu):
         tgpu.free(out)
 
 
-ADD_U32 = KernelSpec("add_u32", dst="P", src="P", add="U", n="U")
-
-
-def test_spec_launch_binds_by_name_and_refuses_a_swapped_spec(tgpu, rng):
-    """A KernelSpec launch reaches the kernel with each argument in its place (keywords in any
-    order, DeviceBuffers as pointers, from a second thread too); a spec naming two u32 the other
-    way round is refused at its first launch, before the driver."""
+def test_kernel_launch_puts_each_argument_in_its_place(tgpu, rng):
+    """``Kernel.launch`` reaches the kernel with each argument where its signature puts it
+    (DeviceBuffers as pointers, from a second thread too); a refused config launches nothing."""
     n = 5000
-    add = tgpu.kernel(TEST_KERNELS / "runtime_test.cu", "add_u32")
+    add = tgpu.bind(tgpu.kernel(TEST_KERNELS / "runtime_test.cu", "add_u32"))
+    assert add.signature.names == ("dst", "src", "add", "n") and add.name == "runtime_test.add_u32"
     host = rng.integers(0, 2**31, n, dtype=np.uint32)
+    config = LaunchConfig(8, 256)
     with DeviceBuffer.upload(tgpu, host) as src, DeviceBuffer(tgpu, 4 * n) as dst:
-        ADD_U32.launch(tgpu, add, (8, 1, 1), (256, 1, 1), 0, n=n, add=11, dst=dst, src=src)
+        add.launch(config, 0, dst, src, 11, n)
         back = np.empty(n, np.uint32)
         tgpu.copy_d2h(back, dst)
         np.testing.assert_array_equal(back, host + np.uint32(11))
-        thread = threading.Thread(target=lambda: ADD_U32.launch(tgpu, add, [8, 1, 1], [256, 1, 1], 0,
-                                                                dst=dst, src=dst, add=1, n=n))
+        thread = threading.Thread(target=lambda: add.launch(config, 0, dst, dst, 1, n))
         thread.start()
         thread.join()
         tgpu.copy_d2h(back, dst)
         np.testing.assert_array_equal(back, host + np.uint32(12))
-        swapped = KernelSpec("add_u32", dst="P", src="P", n="U", add="U")
-        with pytest.raises(TypeError, match="parameter 2 is add: u32 in the source, n: u32 in spec"):
-            swapped.launch(tgpu, add, (8, 1, 1), (256, 1, 1), 0, dst=dst, src=src, add=1, n=n)
         with pytest.raises(ValueError, match="more than 1024 threads"):
-            ADD_U32.launch(tgpu, add, (8, 1, 1), (1024, 2, 1), 0, dst=dst, src=src, add=1, n=n)
+            add.launch(LaunchConfig(8, (1024, 2)), 0, dst, src, 1, n)
+        with pytest.raises(ValueError, match=r"runtime_test\.add_u32 n must be in 0\.\.2\*\*32-1"):
+            add.launch(config, 0, dst, src, 1, 2**32)
         tgpu.copy_d2h(back, dst)
         np.testing.assert_array_equal(back, host + np.uint32(12))  # nothing ran
 
 
-def test_the_layer_launcher_the_spec_and_the_builder_each_equal_the_reference(gpu, rng):
-    """``scaled_add`` (a spec launch), the spec launched by hand and the seed's positional
-    builder, each into its own output from the same start, each bit for bit the numpy reference
-    (so a wrong kernel or argument order cannot pass by agreeing with itself)."""
+def test_two_threads_each_with_its_runner_and_stream_equal_one_thread(gpu, rng):
+    """An engine's scheduler and worker launching at once: two threads, each with its own
+    ``NgramDecoder`` (over one shared ``NgramWeights``) and its own stream,
+    thousands of launches each; every output bit for bit what one thread computes alone."""
+    import ml_dtypes
+
+    from layers.ngram_embed import NgramDecoder, NgramDims
+    from tests.helpers.ngram import device_weights, random_layer
+
+    dims = NgramDims(vocab_size=3001, hidden_size=64, max_ngram=3, splits=2, base_rows=1 << 12)
+    layer = random_layer(rng, dims, "bf")
+    steps, batch = 600, 4  # two launches a step: 1200 a thread
+    tokens = rng.integers(0, dims.vocab_size, (2, steps, batch)).astype(np.uint32)
+
+    def run(weights, which: int, outs: np.ndarray) -> None:
+        stream = gpu.create_stream()
+        try:
+            with NgramDecoder(weights, max_seqs=batch, max_rows=batch, stream=stream) as dec, \
+                    DeviceArray.from_numpy(gpu, tokens[which].reshape(-1), stream) as toks, \
+                    DeviceArray.from_numpy(gpu, np.arange(batch, dtype=np.uint32), stream) as slots, \
+                    DeviceArray.empty(gpu, (steps, batch, dims.hidden_size), outs.dtype, stream) as out:
+                for step in range(steps):
+                    dec.step(toks.ptr.offset(step * batch * 4), slots, batch,
+                             out.ptr.offset(step * batch * dims.hidden_size * 2), stream)
+                gpu.copy_d2h(outs, out.ptr, stream)
+        finally:
+            gpu.destroy_stream(stream)
+
+    with device_weights(gpu, layer) as weights:
+        alone = [np.empty((steps, batch, dims.hidden_size), ml_dtypes.bfloat16) for _ in range(2)]
+        for which in range(2):
+            run(weights, which, alone[which])
+        together = [np.empty_like(a) for a in alone]
+        errors: list[BaseException] = []
+
+        def thread(which: int) -> None:
+            try:
+                run(weights, which, together[which])
+            except BaseException as exc:  # re-raised below, in the test's thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=thread, args=(w,)) for w in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+    for a, b in zip(alone, together):
+        np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
+    assert alone[0].view(np.uint16).any() and (alone[0].view(np.uint16) != alone[1].view(np.uint16)).any()
+
+
+def test_the_layer_launcher_the_kernel_and_the_builder_each_equal_the_reference(gpu, rng):
+    """``scaled_add``, the bound kernel launched by hand and the seed's positional builder, each
+    into its own output from the same start, each bit for bit the numpy reference (so a wrong
+    kernel or argument order cannot pass by agreeing with itself)."""
     import ml_dtypes
 
     from layers import reference as ref
     from layers.ops import scaled_add
-    from layers.ops.specs import SCALED_ADD
     from tests.helpers import bits
 
     n = 3001
@@ -155,7 +202,7 @@ def test_the_layer_launcher_the_spec_and_the_builder_each_equal_the_reference(gp
     with DeviceBuffer.upload(gpu, x) as xd, DeviceBuffer.upload(gpu, base) as a, \
             DeviceBuffer.upload(gpu, base) as b, DeviceBuffer.upload(gpu, base) as c:
         scaled_add(gpu, kernel, a, xd, -0.37, n, 0)
-        SCALED_ADD.launch(gpu, kernel, (2, 1, 1), (256, 1, 1), 0, out=b, x=xd, scale=-0.37, n=n)
+        gpu.bind(kernel).launch(LaunchConfig(2, 256), 0, b, xd, -0.37, n)
         (KernelLaunch(gpu, kernel).grid([2, 1, 1]).block([256, 1, 1])
          .arg_ptr(c.ptr).arg_ptr(xd.ptr).arg_f32(-0.37).arg_u32(n).launch(0))
         for buf in (a, b, c):
@@ -164,18 +211,21 @@ def test_the_layer_launcher_the_spec_and_the_builder_each_equal_the_reference(gp
             np.testing.assert_array_equal(bits(got), want)
 
 
-def test_param_info_check_without_source_signature(tgpu):
-    """Where the source signature is unknown, the driver's parameter layout still refuses."""
+def test_a_source_signature_the_driver_disagrees_with_is_refused_at_bind(tgpu):
+    """The driver's parameter layout (``cuFuncGetParamInfo``) refuses a signature whose sizes or
+    offsets differ from the kernel's: here one read as (dst, src, add: u64, n)."""
+    path = (TEST_KERNELS / "runtime_test.cu").resolve()
     k = tgpu.kernel(TEST_KERNELS / "runtime_test.cu", "add_u32")
-    signatures = tgpu._signatures[(TEST_KERNELS / "runtime_test.cu").resolve()]
-    saved = signatures.pop("add_u32")
+    signatures = tgpu._signatures[path]
+    saved, bound = signatures["add_u32"], tgpu._bound.pop(k, None)
+    signatures["add_u32"] = Signature([Param("dst", "P"), Param("src", "P"), Param("add", "L"), Param("n", "U")])
     try:
-        with pytest.raises(TypeError, match=r"add_u32: takes 4 arguments, 3 given"):
-            KernelLaunch(tgpu, k).arg_ptr(1).arg_ptr(2).arg_u32(3).launch(0)
         with pytest.raises(TypeError, match=r"argument 2 is 4 bytes at offset 16, launch packs 8"):
-            KernelLaunch(tgpu, k).arg_ptr(1).arg_ptr(2).arg_u64(3).arg_u32(4).launch(0)
+            tgpu.bind(k)
     finally:
         signatures["add_u32"] = saved
+        if bound is not None:
+            tgpu._bound[k] = bound
 
 
 def test_stream_ordering_and_async_upload_from_reused_buffer(tgpu, rng):

@@ -49,6 +49,7 @@ class CudaBackend(
     def __init__(self, device: int = 0, *, target: str | None = None, options: Sequence[str] = ()) -> None:
         super().__init__(device, target=target, options=options)
         self._init_kernels()
+        self._init_launches()
         self._init_memory()
         self._init_host_memory()
         self._init_streams()
@@ -91,6 +92,7 @@ class CudaBackend(
                     self._release_streams,
                     self._release_graphs,
                     self._release_host_memory,
+                    self._release_launches,
                     self._release_kernels,
                     self._staging.close,
                     self._release_context,

@@ -1,17 +1,14 @@
 """The device and its primary context: what every area of ``CudaBackend`` stands on.
 
-The context is made current on each thread at that thread's first call (``_bind``), which also
-gives the thread its own packed-argument plans and tables of the launches it has checked;
-``_live`` is the check every public call starts with: the backend is open, and bound on this
-thread.
+The context is made current on a thread at that thread's first call (``_bind``), and again
+whenever another backend's was made current there since; ``_live`` is the check every public
+call starts with: the backend is open, and its context current on this thread.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import threading
-import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -20,7 +17,6 @@ from cuda.bindings import driver as cu
 from .. import compiler, driver, validate
 from ..driver import call
 from ..errors import CudaError, NoDeviceError, attempt_each
-from ..packing import ArgPlan
 
 _CURRENT = threading.local()  # the context the backends last made current, per thread
 
@@ -48,13 +44,6 @@ class CudaContext:
         )
         self.name = call(cu.cuDeviceGetName, 256, self._dev).split(b"\0")[0].decode()
         self._lock = threading.RLock()
-        self._tls = threading.local()
-        # each thread's checked launches, beside a weak reference to the thread
-        self._thread_tables: list[tuple[Any, dict[Any, Any]]] = []
-        self._bind_thread()
-        # GPU_RUNTIME_OVERLAP=0 runs overlap=True launches as plain ones (a tool that cannot
-        # follow programmatic dependent launches, or to rule them out when hunting a race).
-        self.overlap = os.environ.get("GPU_RUNTIME_OVERLAP", "1") != "0"
         self._closed = False
 
     def _attribute(self, attr: Any) -> int:
@@ -65,28 +54,13 @@ class CudaContext:
         return self._closed
 
     def _bind(self) -> None:
-        """Make the context current on this thread: once per thread, and again whenever another
-        backend (another device: one process driving several GPUs) was used since."""
-        if getattr(_CURRENT, "ctx", None) is not self._ctx and not self._closed:  # closed: the caller says so
+        """Make the context current on this thread: at the thread's first call, and again
+        whenever another backend (another device: one process driving several GPUs) was used
+        there since."""
+        if getattr(_CURRENT, "ctx", None) is not self._ctx:
+            validate.require_open(self._closed, "CudaBackend")
             call(cu.cuCtxSetCurrent, self._ctx)
             _CURRENT.ctx = self._ctx
-        if not hasattr(self._tls, "shapes"):
-            validate.require_open(self._closed, "CudaBackend")
-            self._bind_thread()
-
-    def _bind_thread(self) -> None:
-        """This thread's tables: argument plans by kinds; the (kernel, kinds) launch shapes and
-        the kernel -> ``KernelSpec`` pairs it has checked (cleared on close, so that a launch on
-        a closed backend meets the checks again, and their refusal)."""
-        shapes: dict[tuple[int, str], ArgPlan] = {}
-        specs: dict[int, Any] = {}
-        with self._lock:  # (a thread that ended needs its tables no more: dropped here)
-            me = weakref.ref(threading.current_thread())
-            self._thread_tables = [(t, table) for t, table in self._thread_tables if _alive(t)]
-            self._thread_tables += [(me, shapes), (me, specs)]
-        self._tls.plans = {}
-        self._tls.shapes = shapes
-        self._tls.specs = specs
 
     def _live(self) -> None:
         """Every public call's first check: the backend is open and bound on this thread."""
@@ -112,9 +86,3 @@ class CudaContext:
 
     def _release_context(self) -> None:
         call(cu.cuDevicePrimaryCtxRelease, self._dev)
-
-
-def _alive(thread: Any) -> bool:
-    """``thread`` (a weak reference to a ``threading.Thread``) still running."""
-    t = thread()
-    return t is not None and t.is_alive()

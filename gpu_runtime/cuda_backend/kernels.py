@@ -1,8 +1,6 @@
-"""Kernels: NVRTC modules loaded from ``.cu`` sources, and the checks a launch passes once.
-
-Every new (kernel, argument kinds) pair, or (kernel, ``KernelSpec``) pair, is checked once
-against the kernel's signature, read from its source, and against the parameter layout the
-driver reports; ``launch.py`` then only packs values and calls the driver.
+"""Kernels: NVRTC modules loaded from ``.cu`` sources, and the checks a kernel passes once,
+when it is first bound (``launch.py``): its signature, read from its source, against the
+parameter layout the driver reports.
 """
 
 from __future__ import annotations
@@ -17,8 +15,7 @@ from cuda.bindings import driver as cu
 from .. import compiler
 from ..driver import call
 from ..errors import ClosedError, CudaError, GpuError, KernelNotFoundError
-from ..launch_spec import KernelSpec
-from ..packing import ArgPlan, kinds_mismatch
+from ..launch import ArgLayout
 from ..pointers import KernelHandle
 from ..signatures import Signature, module_signatures
 from .context import CudaContext
@@ -38,10 +35,6 @@ class CudaKernels(CudaContext):
     _kernels: dict[tuple[Any, str], KernelHandle]  # (source as given, name) -> handle
     _loaded: dict[int, _Loaded]
     _functions: dict[int, Any]  # kernel -> the driver's CUfunction (the bindings convert it faster than an int)
-    _checked: set[tuple[int, Any]]  # (kernel, kinds or KernelSpec) pairs that passed the checks
-    _shared_set: dict[int, int]  # kernel -> dynamic shared memory opted in to
-    # id -> (its thread, weakly; a launcher's per-thread table of direct routes: launch.py)
-    _direct_tables: dict[int, tuple[Any, dict[Any, Any]]]
 
     def _init_kernels(self) -> None:
         self._modules = {}
@@ -49,28 +42,15 @@ class CudaKernels(CudaContext):
         self._kernels = {}
         self._loaded = {}
         self._functions = {}
-        self._checked = set()
-        self._shared_set = {}
-        self._direct_tables = {}
 
     def _release_kernels(self) -> None:
         try:
             self._release_each(cu.cuModuleUnload, self._modules.values())
         finally:
-            self._forget_kernels()
-
-    def _forget_kernels(self) -> None:
-        self._modules.clear()
-        self._kernels.clear()
-        self._loaded.clear()
-        self._functions.clear()
-        self._checked.clear()
-        for _, table in self._thread_tables:  # every thread's: its next launch meets the checks again
-            table.clear()
-        for _, direct in self._direct_tables.values():  # the launchers' routes to this backend, too
-            for key in [k for k, route in direct.items() if route[0] is self]:
-                direct.pop(key, None)
-        self._direct_tables.clear()
+            self._modules.clear()
+            self._kernels.clear()
+            self._loaded.clear()
+            self._functions.clear()
 
     # -- loading ----------------------------------------------------------------------------
     def kernel(self, source: str | os.PathLike, name: str) -> KernelHandle:
@@ -128,44 +108,17 @@ class CudaKernels(CudaContext):
             raise GpuError(f"kernel handle 0x{int(kernel):x}: not loaded by this backend")
         return loaded
 
-    def _launch_shape(self, kernel: int, kinds: str) -> ArgPlan:
-        """A (kernel, kinds) pair new to this thread: bind the thread, check the pair (once per
-        backend), and return the thread's plan for ``kinds``."""
-        self._bind()
-        plan = self._tls.plans.get(kinds)
-        if plan is None:
-            plan = self._tls.plans[kinds] = ArgPlan(kinds)
-        if (int(kernel), kinds) not in self._checked:
-            self._check_launch(kernel, kinds, plan)
-        self._tls.shapes[(int(kernel), kinds)] = plan
-        return plan
-
-    def _check_launch(self, kernel: int, kinds: str, plan: ArgPlan) -> None:
-        """The kernel is ours, and the arguments match its signature (kinds read from the
-        source, offsets and sizes from ``cuFuncGetParamInfo``)."""
+    def _signature(self, kernel: int) -> tuple[str, Signature]:
+        """The kernel's name (module.kernel) and its signature read from its source, checked
+        against the parameter layout the driver reports (``TypeError`` where they differ)."""
         loaded = self._loaded_kernel(kernel)
-        expected = self._signatures[loaded.path].get(loaded.name)
         where = f"{loaded.module}.{loaded.name}"
-        if expected is not None and expected.kinds != kinds:
-            raise TypeError(kinds_mismatch(where, expected.kinds, kinds))
-        self._check_layout(kernel, where, plan.offsets, plan.sizes)
-        self._checked.add((int(kernel), kinds))
-
-    def _check_spec(self, kernel: int, spec: KernelSpec) -> None:
-        """As ``_check_launch``, for a spec (the source's parameter names count too); then
-        this thread launches ``kernel`` with ``spec`` without asking again."""
-        if not kernel:
-            raise ValueError(f"{spec.name}: null kernel handle (the kernel was not loaded)")
-        self._bind()
-        if (int(kernel), spec) not in self._checked:
-            loaded = self._loaded_kernel(kernel)
-            expected = self._signatures[loaded.path].get(loaded.name)
-            where = f"{loaded.module}.{loaded.name}"
-            if expected is not None:
-                spec.check_signature(expected, where)
-            self._check_layout(kernel, where, spec.offsets, spec.sizes)
-            self._checked.add((int(kernel), spec))
-        self._tls.specs[int(kernel)] = spec
+        signature = self._signatures[loaded.path].get(loaded.name)
+        if signature is None:
+            raise TypeError(f'{where}: no signature found in its source (an extern "C" __global__ declaration)')
+        layout = ArgLayout(signature)
+        self._check_layout(kernel, where, layout.offsets, layout.sizes)
+        return where, signature
 
     def _check_layout(self, kernel: int, where: str, offsets: list[int], sizes: list[int]) -> None:
         layout = self._param_layout(kernel)
@@ -209,14 +162,12 @@ class CudaKernels(CudaContext):
             layout.append((int(offset), int(size)))
         return layout
 
-    def _raise_shared_limit(self, kernel: int, shared_mem: int) -> None:
-        if shared_mem > self.max_shared_optin:
-            raise ValueError(
-                f"{self.kernel_name(kernel)}: {shared_mem} bytes of shared memory, "
-                f"device allows {self.max_shared_optin}"
-            )
-        attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        with self._lock:  # the driver's value and the table's move together, and only up
-            if self._shared_set.get(kernel, 0) < shared_mem:
-                call(cu.cuFuncSetAttribute, kernel, attr, shared_mem)
-                self._shared_set[kernel] = shared_mem
+    def _opt_in_shared(self, kernel: int) -> None:
+        """Let ``kernel`` launch with as much dynamic shared memory as the device gives a block,
+        less its static shared memory: launches then need no check of their own, and one asking
+        for more is refused by the driver."""
+        static = call(cu.cuFuncGetAttribute, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, kernel)
+        dynamic = self.max_shared_optin - int(static)
+        if dynamic > 48 * 1024:
+            attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            call(cu.cuFuncSetAttribute, kernel, attr, dynamic)

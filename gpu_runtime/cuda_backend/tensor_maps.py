@@ -14,7 +14,7 @@ from cuda.bindings import driver as cu
 
 from .. import validate
 from ..driver import call
-from ..packing import TENSOR_MAP_BYTES
+from ..launch import TENSOR_MAP_BYTES
 
 _OPAQUE = struct.Struct(f"<{TENSOR_MAP_BYTES // 8}Q")
 _BF16_BYTES = 2

@@ -24,8 +24,8 @@ import numpy as np
 
 from gpu_runtime import validate
 
-from .row_cache import RowCache, _refuse_slots_out
-from .slot_index import SharedSlotIndex, SlotStore
+from .row_cache import RowCache
+from .slot_index import SharedSlotIndex, SlotStore, refuse_slots_out
 
 _U32 = np.dtype(np.uint32)
 
@@ -37,7 +37,7 @@ def cache_group(caches: Sequence[RowCache]) -> CacheGroup:
     if caches and all(isinstance(c, RowCache) for c in caches):
         group = caches[0]._group
         if (
-            group is not None
+            isinstance(group, CacheGroup)
             and group._ok
             and len(group.caches) == len(caches)
             and all(a is b for a, b in zip(group.caches, caches))
@@ -79,7 +79,7 @@ class CacheGroup:
         """Move every member's index into a fresh store (copying its state)."""
         for cache in self.caches:
             old = cache._group
-            if old is not None and old is not self:
+            if isinstance(old, CacheGroup) and old is not self:
                 old.flush_stats()
                 old._ok = False
         self.flush_stats()
@@ -159,7 +159,7 @@ class CacheGroup:
             and slots_out.flags.writeable
         ):
             self._checked(ids, "resolve")
-            _refuse_slots_out("CacheGroup.resolve", slots_out, (r, tc))
+            refuse_slots_out("CacheGroup.resolve", slots_out, (r, tc))
         if r == 0:
             return
         if not in_range:

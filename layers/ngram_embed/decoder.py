@@ -28,9 +28,7 @@ import numpy as np
 
 from gpu_runtime import interop, validate
 
-from ..kernel_files import load_kernel
-from ..ops import ngram_decode as decode_ops
-from ..ops.ngram_decode import NO_ADAPTER, NO_ADAPTERS, PAD_SLOT, AdapterTables, DecodeError
+from ..ops.ngram_decode import NO_ADAPTER, NO_ADAPTERS, PAD_SLOT, AdapterTables, DecodeError, DecodeLaunches
 from ..overlay.slots import OverlaySlots
 from .front import require_open
 from .projection import RowProjection, check_collective, gemm_path
@@ -94,10 +92,6 @@ class NgramDecoder(Closing):
         self.max_seqs, self.max_rows, self.max_draft = max_seqs, max_rows, max_draft
         self.adapter_slots, self.collective = adapter_slots, collective
         self.hist_len = max(dims.max_ngram - 1 + max_draft, 1)
-        self.gather_kernel = load_kernel(gpu, decode_ops.MODULE, decode_ops.GATHER)
-        self.seed_kernel = load_kernel(gpu, decode_ops.MODULE, decode_ops.SEED)
-        self.fork_kernel = load_kernel(gpu, decode_ops.MODULE, decode_ops.FORK)
-        self.rollback_kernel = load_kernel(gpu, decode_ops.MODULE, decode_ops.ROLLBACK)
         self._resources = own = Resources(gpu)  # every buffer: released by close()
         try:
             self.projection = RowProjection(weights, max_rows, own, stream, collective=collective, path=path)
@@ -111,6 +105,26 @@ class NgramDecoder(Closing):
             gpu.memset(self.state, 0, max_seqs * 2 * 4, stream)
             gpu.memset(self.ctrl, 0, 2 * 4, stream)
             gpu.synchronize(stream)  # ready for a first call on any stream (a created one does not wait)
+            proj = self.projection
+            self.launches = DecodeLaunches(
+                gpu,
+                self.hist,
+                self.state,
+                self.ctrl,
+                self.word_ids,
+                max_seqs=max_seqs,
+                hist_len=self.hist_len,
+                vocab=dims.vocab_size,
+                max_draft=max_draft,
+                tables=proj.desc,
+                pows=proj.pows,
+                num_tables=dims.num_tables(),
+                max_ngram=dims.max_ngram,
+                splits=dims.splits,
+                table_dim=dims.table_dim(),
+                eos=dims.eos_id,
+                host_tables=proj.host_tables,
+            )
         except BaseException:
             own.close()
             raise
@@ -168,10 +182,8 @@ class NgramDecoder(Closing):
         num_seqs, num_tokens = self._sizes(num_seqs, num_tokens, limit_rows=False)
         indices = self._ragged(tokens, cu_seqlens, slots, num_seqs, num_tokens)
         stream = self._ready(stream)
-        sizes = (num_tokens, num_seqs, self.max_seqs, self.hist_len, self.dims.vocab_size)
-        decode_ops.ngram_decode_seed(
-            self.gpu, self.seed_kernel, *indices, self.hist, self.state, self.ctrl, *sizes, stream
-        )
+        if num_seqs:
+            self.launches.seed(*indices, num_tokens, num_seqs, stream)
 
     def fork(self, src_slots: Buffer, dst_slots: Buffer, num: int, stream: int = 0) -> None:
         """Slot ``dst_slots[p]`` becomes a copy of slot ``src_slots[p]`` (its history and
@@ -183,10 +195,8 @@ class NgramDecoder(Closing):
         src = self._index(src_slots, num, "src_slots")
         dst = self._index(dst_slots, num, "dst_slots")
         stream = self._ready(stream)
-        sizes = (num, self.max_seqs, self.hist_len)
-        decode_ops.ngram_decode_fork(
-            self.gpu, self.fork_kernel, src, dst, self.hist, self.state, self.ctrl, *sizes, stream
-        )
+        if num:
+            self.launches.fork(src, dst, num, stream)
 
     def rollback(self, slots: Buffer, counts: Buffer, num_seqs: int, stream: int = 0) -> None:
         """Drop the last ``counts[s]`` tokens (u32, on the device) of slot ``slots[s]``'s history;
@@ -197,10 +207,8 @@ class NgramDecoder(Closing):
         slots = self._index(slots, num_seqs, "slots")
         counts = self._index(counts, num_seqs, "counts")
         stream = self._ready(stream)
-        sizes = (num_seqs, self.max_seqs, self.max_draft)
-        decode_ops.ngram_decode_rollback(
-            self.gpu, self.rollback_kernel, slots, counts, self.state, self.ctrl, *sizes, stream
-        )
+        if num_seqs:
+            self.launches.rollback(slots, counts, num_seqs, stream)
 
     def reset(self, slot: int, stream: int = 0) -> None:
         """Empty slot ``slot``'s history (a new request); a memset, so capturable too."""
@@ -338,34 +346,8 @@ class NgramDecoder(Closing):
         """The first of a call's two launches alone: hash, gather into the projection's
         buffer, append the tokens to the histories (``prefill`` / ``step`` check their arguments
         before it; benchmarks time it by itself). Addresses as ``prefill`` takes them."""
-        if type(stream) is not int or stream < 0:
-            stream = validate.stream(stream, _STREAM)
-        dims, proj = self.dims, self.projection
-        decode_ops.ngram_decode_gather(
-            self.gpu,
-            self.gather_kernel,
-            tokens,
-            cu_seqlens,
-            slots,
-            self.hist,
-            self.state,
-            proj.desc,
-            proj.pows,
-            proj.rows_at(rows),
-            self.word_ids,
-            self.ctrl,
-            rows,
-            num_seqs,
-            per_seq,
-            self.max_seqs,
-            self.hist_len,
-            dims.vocab_size,
-            dims.num_tables(),
-            dims.max_ngram,
-            dims.splits,
-            dims.table_dim(),
-            dims.eos_id,
-            stream,
-            adapters,
-            proj.host_tables,
-        )
+        stream = validate.stream(stream, _STREAM)
+        if rows:
+            self.launches.gather(
+                tokens, cu_seqlens, slots, self.projection.rows_at(rows), rows, num_seqs, per_seq, stream, adapters
+            )

@@ -52,8 +52,9 @@ def require_backend(what: str, gpu: GpuBackend, own: GpuBackend) -> None:
         raise ValueError(f"{what}: gpu is not the backend of the weights; pass the weights' own backend (weights.gpu)")
 
 
-def require_out(out: int, what: str) -> None:
-    validate.pointer(out, f"{what} out")
+def require_out(out: int, what: str) -> int:
+    """``out``, a non-null device address, as an int."""
+    return validate.pointer(out, f"{what} out")
 
 
 # -- seq_len and contexts ------------------------------------------------------------------------

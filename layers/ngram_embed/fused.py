@@ -34,10 +34,10 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from gpu_runtime import Graphs, PinnedHostMemory, validate
+from gpu_runtime import Graphs, PinnedHostMemory, PreparedLaunch, validate
 
 from ..kernel_files import load_kernel
-from ..ops import ngram_fused as fused_ops
+from ..ops.ngram_fused import NgramGather
 from ..overlay.slots import OverlaySlots
 from .cached_rows import CachedRows
 from .front import check_tokens, context_tail, require_open, window_index
@@ -87,7 +87,6 @@ class FusedNgramEmbedding(Closing):
         self.weights, self.dims, self.gpu, self.max_rows = weights, dims, gpu, max_rows
         self.adapter_slots, self.collective = adapter_slots, collective
         t, n = dims.num_tables(), dims.max_ngram
-        self.gather_kernel = load_kernel(gpu, "ngram_fused", "ngram_gather")
         # Cached tables: ids hashed on the host from the windows in one pass (_ids_plan), the
         # RowCache ones resolved together by one CacheGroup, other RowSources one by one.
         self._rows = CachedRows(weights.tables, grouped=True)
@@ -107,8 +106,12 @@ class FusedNgramEmbedding(Closing):
         try:
             self._done = done = gpu.create_event()  # recorded after every call: its buffers are free again
             own.on_close(partial(gpu.destroy_event, done))
-            self.projection = RowProjection(weights, max_rows, own, stream, collective=collective, path=path)
+            self.projection = proj = RowProjection(weights, max_rows, own, stream, collective=collective, path=path)
             self.staging = own.alloc(max_rows * self._row_words * 4)
+            kernel = load_kernel(gpu, "ngram_fused", "ngram_gather")
+            table_dims = (t, n, dims.splits, dims.table_dim(), dims.eos_id)
+            self._gather_plan = NgramGather(gpu, kernel, proj.desc, proj.pows, *table_dims, proj.host_tables)
+            self._gathers: dict[int, PreparedLaunch] = {}  # the gather of each row count
         except BaseException:
             own.close()
             raise
@@ -277,28 +280,16 @@ class FusedNgramEmbedding(Closing):
         return -(-rows * self._base_words * 4 // 8) * 8
 
     def _gather(self, rows: int, stream: int) -> None:
-        """The call's gather of the T table rows into the projection's buffer."""
-        dims, n = self.dims, self.dims.max_ngram
-        slots = self.staging.offset(rows * (n + 1) * 4) if self.cached else 0
-        proj = self.projection
-        fused_ops.ngram_gather(
-            self.gpu,
-            self.gather_kernel,
-            self.staging,
-            proj.desc,
-            proj.pows,
-            slots,
-            proj.rows_at(rows),
-            0,
-            rows,
-            dims.num_tables(),
-            n,
-            dims.splits,
-            dims.table_dim(),
-            dims.eos_id,
-            stream,
-            proj.host_tables,
-        )
+        """The call's gather of the T table rows into the projection's buffer (prepared once per
+        row count: every address it takes is the runner's)."""
+        gather = self._gathers.get(rows)
+        if gather is None:
+            slots = self.staging.offset(rows * (self.dims.max_ngram + 1) * 4) if self.cached else 0
+            if len(self._gathers) >= 256:
+                self._gathers.clear()
+            out = self.projection.rows_at(rows)
+            gather = self._gathers[rows] = self._gather_plan.prepare(self.staging, slots, out, 0, rows)
+        gather.run(stream)
 
     def _word_ids(self, rows: int) -> int:
         return self.staging.offset(rows * self.dims.max_ngram * 4)

@@ -16,11 +16,11 @@ from typing import Any
 
 import numpy as np
 
-from gpu_runtime import DevicePtr, validate
+from gpu_runtime import DevicePtr, PreparedLaunch, validate
 
 from ..kernel_files import load_kernel
-from ..ops import embed as embed_ops
 from ..ops import gemm as gemm_ops
+from ..ops.embed import ShardGather
 from ..tensor_parallel import Collective
 from .resources import Resources
 from .tables import HostTable
@@ -85,8 +85,11 @@ class RowProjection:
         self.host_tables = any(isinstance(t, HostTable) for t in weights.tables)  # the gathers' shape
         self.buf = own.alloc(max_rows * (self.word_cols + self.cols) * 2)
         self.row_ids: DevicePtr | None = None
+        self._gemms: dict[tuple[int, int, int, int], PreparedLaunch] = {}  # (rows, word_ids, out, word_over)
         if self.shard is not None:
-            self.shard_kernel = load_kernel(gpu, "embed_from_argmax", "batched_embed_shard")
+            shard, kernel = self.shard, load_kernel(gpu, "embed_from_argmax", "batched_embed_shard")
+            word = weights.word.weight
+            self._shard = ShardGather(gpu, kernel, word, self.buf, dims.hidden_size, shard.word_lo, shard.word_rows)
             self.row_ids = own.upload(np.arange(max_rows, dtype=np.uint32), stream)
             gpu.synchronize(stream)  # read by a first call on any stream (a created one does not wait)
 
@@ -100,20 +103,7 @@ class RowProjection:
 
     def gather_words(self, rows: int, word_ids: int, stream: int) -> None:
         """A rank's word rows for ``word_ids`` into the buffer's front (zeros for the others')."""
-        shard = self.shard
-        assert shard is not None
-        embed_ops.batched_embed_shard(
-            self.gpu,
-            self.shard_kernel,
-            word_ids,
-            self.weights.word.weight,
-            self.buf,
-            rows,
-            self.dims.hidden_size,
-            shard.word_lo,
-            shard.word_rows,
-            stream,
-        )
+        self._shard.run(word_ids, rows, stream)
 
     def finish(self, rows: int, word_ids: int, out: int, stream: int, word_over: int = 0) -> None:
         """After the gather: (a rank) its word rows and the all-reduce, then ``project``."""
@@ -124,13 +114,23 @@ class RowProjection:
 
     def project(self, rows: int, word_ids: int, out: int, stream: int, word_over: int = 0) -> None:
         """The GEMM with the word-row epilogue into ``out [rows, D]`` (a rank: over the summed
-        buffer, whose row i holds row i's word row)."""
+        buffer, whose row i holds row i's word row), planned once per (rows, word ids, out,
+        word_over) and kept."""
+        key = (rows, int(word_ids), int(out), int(word_over))
+        gemm = self._gemms.get(key)
+        if gemm is None:
+            if len(self._gemms) >= 256:
+                self._gemms.clear()
+            gemm = self._gemms[key] = self._plan(rows, word_ids, out, word_over)
+        gemm.run(stream)
+
+    def _plan(self, rows: int, word_ids: int, out: int, word_over: int) -> PreparedLaunch:
         if self.row_ids is None:  # the word rows are the word table's, at the rows' word ids
             a, ids, word = self.buf, word_ids, self.weights.word.weight
         else:  # a rank: row i's word row is row i of the summed buffer's front
             a, ids, word = self.rows_at(rows), self.row_ids, self.buf
         # Programmatic dependent launch only behind the gather: a rank's GEMM follows the all-reduce.
-        gemm_ops.dense_gemm_bf16_word(
+        gemm = gemm_ops.plan_word_gemm(
             self.gpu,
             self.gemm_kernel,
             a,
@@ -142,8 +142,9 @@ class RowProjection:
             ids,
             word,
             self.inv_scale,
-            stream,
             overlap=self.shard is None,
             path=self.path,
             word_over=word_over,
         )
+        assert gemm is not None  # rows >= 1, D >= 1, T*td >= 1
+        return gemm

@@ -22,7 +22,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, ClassVar, cast
+from typing import TYPE_CHECKING, ClassVar, Protocol, cast
 
 import numpy as np
 
@@ -30,14 +30,13 @@ from gpu_runtime import DevicePtr, Events, GpuBackend, KernelHandle, PinnedHostM
 from gpu_runtime.backend import check_backend
 
 from ..kernel_files import load_kernel
-from ..ops.row_cache import scatter_rows
+from ..ops.row_cache import RowScatter
 from .resources import Resources
-from .slot_index import SlotIndex
+from .slot_index import SlotIndex, refuse_slots_out
 from .table_file import TableFile
 
 if TYPE_CHECKING:
     from ..backend_caps import PinnedEventsBackend
-    from .cache_group import CacheGroup
 
 _log = logging.getLogger(__name__)
 _PARALLEL_READ_ROWS = 1024  # below this a thread pool costs more than it saves
@@ -63,18 +62,14 @@ class CacheStats:
     evictions: int = 0
 
 
-def _refuse_slots_out(what: str, slots_out: object, shape: tuple[int, ...]) -> None:
-    """The refusal of a ``slots_out`` that is not a writable uint32 array of ``shape``:
-    ``TypeError`` for another type or dtype, ``ValueError`` for another shape."""
-    dtype = getattr(slots_out, "dtype", None)
-    if not isinstance(slots_out, np.ndarray) or dtype != np.uint32:
-        raise TypeError(
-            f"{what}: slots_out must be a uint32 array, got {type(slots_out).__name__ if dtype is None else dtype}"
-        )
-    raise ValueError(
-        f"{what}: slots_out must be writable and of shape {shape}, got shape "
-        f"{slots_out.shape}" + ("" if slots_out.flags.writeable else ", read-only")
-    )
+class GroupOfCaches(Protocol):
+    """What a ``RowCache`` asks of the ``CacheGroup`` it belongs to (``cache_group.py``)."""
+
+    def flush_stats(self) -> None:
+        """Credit the group's all-hit steps to its members' counters."""
+
+    def member_closed(self) -> None:
+        """One of its caches was closed: the group stops serving."""
 
 
 class _Loader:
@@ -97,6 +92,7 @@ class _Loader:
         self.arena, self.arena_scales = arena, arena_scales
         self.chunk_rows, self.readers = chunk_rows, readers
         self.row_bytes = file.row_bytes
+        self.scatter = RowScatter(gpu, kernel, arena, arena_scales, file.row_bytes)
         nbytes = self._layout(chunk_rows)[2]
         self.host: list[np.ndarray] = []
         self.events: list[int] = []
@@ -142,9 +138,10 @@ class _Loader:
                 self.gpu.copy_h2d_async(buf[:end], self.device, self.stream)
             else:
                 self.gpu.upload_pinned_async(buf[:end], self.device, self.stream)
-            dev, arena = self.device, (self.arena, self.arena_scales)  # chunk: slots, rows, scales
-            chunk = (dev, dev.offset(rows_at), dev.offset(scales_at) if self.arena_scales else 0)
-            scatter_rows(self.gpu, self.kernel, *chunk, *arena, n, self.row_bytes, self.stream)
+            dev = self.device  # the chunk: slots, rows, scales
+            self.scatter.run(
+                dev, dev.offset(rows_at), dev.offset(scales_at) if self.arena_scales else 0, n, self.stream
+            )
             if event is not None:
                 self.gpu.record_event(event, self.stream)
         return io
@@ -224,7 +221,7 @@ class RowCache:
         except BaseException:
             self.file.close()  # nothing else is made yet
             raise
-        self._group: CacheGroup | None = None  # the CacheGroup whose index store this cache's index lives in, if any
+        self._group: GroupOfCaches | None = None  # the CacheGroup whose index store this cache's index lives in, if any
         self._arena_scales = DevicePtr(0)
         self._readers = ThreadPoolExecutor(io_threads, "rowcache-read") if io_threads > 1 else None
         self._resources = own = Resources(gpu)  # the arena, then the loader's staging
@@ -260,7 +257,7 @@ class RowCache:
             and slots_out.shape == ids.shape
             and slots_out.flags.writeable
         ):
-            _refuse_slots_out("RowCache.resolve", slots_out, ids.shape)
+            refuse_slots_out("RowCache.resolve", slots_out, ids.shape)
         if ids.size == 1:  # a decode step: scalar operations only
             slot = int(self.index.slot_of[ids[0]])
             if slot >= 0:

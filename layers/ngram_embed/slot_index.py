@@ -219,3 +219,17 @@ class SharedSlotIndex(SlotIndex):
             self.store.n_pinned[self.k] += 1
             self.store.counted = True
         self.ref[slot] = True
+
+
+def refuse_slots_out(what: str, slots_out: object, shape: tuple[int, ...]) -> None:
+    """The refusal of a ``slots_out`` that is not a writable uint32 array of ``shape``:
+    ``TypeError`` for another type or dtype, ``ValueError`` for another shape."""
+    dtype = getattr(slots_out, "dtype", None)
+    if not isinstance(slots_out, np.ndarray) or dtype != np.uint32:
+        raise TypeError(
+            f"{what}: slots_out must be a uint32 array, got {type(slots_out).__name__ if dtype is None else dtype}"
+        )
+    raise ValueError(
+        f"{what}: slots_out must be writable and of shape {shape}, got shape "
+        f"{slots_out.shape}" + ("" if slots_out.flags.writeable else ", read-only")
+    )

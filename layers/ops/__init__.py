@@ -1,39 +1,44 @@
-"""One Python launcher per kernel, its arguments in the kernel's positional order.
+"""One launcher per kernel, over ``gpu_runtime``'s one launch mechanism (``Kernel.launch``).
 
-A launcher checks what only it knows (a finite scale, sizes >= 1, shapes that must agree, pairs
-of pointers given together), returns without a launch when a count is zero, computes the launch
-shape, and launches through its kernel's ``KernelSpec`` (``specs``), arguments bound by name:
-the spec refuses a value of the wrong type or range and a null pointer where the kernel needs
-one, naming the kernel and the parameter (``gpu_runtime.validate``'s policy). A launcher whose
-argument list would not fit a line launches with ``spec.launch_from(..., locals())``: its
-parameters carry the kernel's names (any other name is passed explicitly, as ``td=table_dim``),
-and a value it checks or converts is rebound to the same name, so the kernel gets that one. The
-GEMM launchers instead keep each operand set's launch (plan, kernel, tensor maps, arguments) as
-a recipe, so a repeated GEMM costs its checks and one spec launch (``gemm._launch``).
+The seed's launchers (``batched_embed``, ``batched_embed_fp8``, ``scaled_add``,
+``dense_gemm_bf16_pipelined``, and the token-overlay ones) keep its positional signatures:
+``(gpu, kernel, <the kernel's arguments in its order>, stream)``. Each checks what only it knows
+(a finite scale, sizes that must agree, the pointers its kernel needs), returns without a launch
+when a count is zero, and launches with a ``LaunchConfig`` made once per shape; packing checks the
+rest of the values (types and ranges, the kernel and parameter named).
+
+The launchers of the project's own kernels are planned once and run per call (flashinfer's
+``plan``/``run``): a class whose constructor binds the kernel and checks what does not change
+between calls (tables, sizes, buffers: ``ArgmaxEmbed``, ``ShardGather``, ``NgramGather``,
+``DecodeLaunches``, ``RowScatter``), or ``plan_gemm`` / ``plan_word_gemm``, whose
+``PreparedLaunch`` holds a GEMM's path, kernel, tensor maps and packed arguments. A call passes
+only what changes.
 """
 
-from .embed import batched_embed, batched_embed_fp8, embed_from_argmax
-from .gemm import dense_gemm_bf16_pipelined, dense_gemm_bf16_word
-from .ngram_decode import ngram_decode_gather, ngram_decode_rollback
-from .ngram_fused import ngram_gather
+from .embed import ArgmaxEmbed, ShardGather, batched_embed, batched_embed_fp8
+from .gemm import dense_gemm_bf16_pipelined, dense_gemm_bf16_word, plan_gemm, plan_word_gemm
+from .ngram_decode import DecodeLaunches
+from .ngram_fused import NgramGather
 from .residual import residual_add, scaled_add
-from .row_cache import scatter_rows
+from .row_cache import RowScatter
 from .token_overlay import OverlayKernels, embed_overlay_routed, embed_rowdiff, lmhead_overlay_routed
 
 __all__ = [
+    "ArgmaxEmbed",
+    "DecodeLaunches",
+    "NgramGather",
     "OverlayKernels",
+    "RowScatter",
+    "ShardGather",
     "batched_embed",
     "batched_embed_fp8",
     "dense_gemm_bf16_pipelined",
     "dense_gemm_bf16_word",
-    "embed_from_argmax",
     "embed_overlay_routed",
     "embed_rowdiff",
     "lmhead_overlay_routed",
-    "ngram_decode_gather",
-    "ngram_decode_rollback",
-    "ngram_gather",
+    "plan_gemm",
+    "plan_word_gemm",
     "residual_add",
     "scaled_add",
-    "scatter_rows",
 ]

@@ -24,6 +24,10 @@ Paths (``path=`` forces one; how each one works: docs/design_notes.md):
   would.
 - ``simt``   one output per thread (a check on the others, never chosen automatically).
 
+``plan_gemm`` and ``plan_word_gemm`` work a GEMM's launch out once (checks, path, kernel, tensor
+maps, its arguments packed) for runners that repeat it: a ``PreparedLaunch`` to ``run(stream)``.
+The two launchers keep the prepared launches of the operands they have seen.
+
 ``dense_gemm_bf16_word`` is the same GEMM with the fused n-gram embedding's epilogue,
 ``c[i, j] = bf16((acc[i, j] + float(word[word_ids[i], j])) * scale)`` (fp32 add, fp32 multiply, one
 rounding). Its kernels share every path and launch plan with their plain twins (``word_plan``).
@@ -33,11 +37,9 @@ picks; ``path="small"`` (any m) sums every row the same way whatever m is (batch
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable
-from typing import Any, NamedTuple, cast
+from typing import Any, cast
 
-from gpu_runtime import GpuBackend, KernelHandle, TensorMaps, validate
+from gpu_runtime import GpuBackend, KernelHandle, LaunchConfig, PreparedLaunch, TensorMaps, validate
 
 from ..dense_weight import BF16, DenseWeight
 from ..kernel_files import load_kernel
@@ -58,10 +60,8 @@ from .gemm_plan import (
     GemmPlan,
     plan,
 )
-from .specs import SPECS
 
 MODULE = "gemm"
-_SPECS = SPECS[MODULE]  # every kernel of gemm.cu by name
 MAX_DIM = (1 << 31) - 1  # the kernels index k with 32-bit arithmetic
 
 
@@ -89,8 +89,7 @@ def gemv_available(gpu: GpuBackend, a: int, w: int, k: int) -> bool:
 def _check_gemm(
     name: str, gpu: GpuBackend, kernel: KernelHandle, w: DenseWeight, m: int, n: int, k: int, path: str | None
 ) -> tuple[int, int, int]:
-    """The checks every GEMM launcher runs before launching (its spec checks the pointers);
-    returns (m, n, k) as ints."""
+    """The checks of every GEMM's operands but its pointers; returns (m, n, k) as ints."""
     if not kernel:
         raise ValueError(f"{name}: kernel not loaded (KernelHandle(0))")
     if not (
@@ -100,7 +99,7 @@ def _check_gemm(
         and 0 <= m <= MAX_DIM
         and 0 <= n <= MAX_DIM
         and 0 <= k <= MAX_DIM
-    ):  # the plain case first: this runs on every launch
+    ):  # the plain case first: the launchers run this on every call
         m, n, k = (validate.count(v, f"{name} {what}", limit=MAX_DIM + 1) for v, what in ((m, "m"), (n, "n"), (k, "k")))
     if not isinstance(w, DenseWeight):
         raise TypeError(f"{name}: w must be a DenseWeight, got {type(w).__name__}")
@@ -113,6 +112,100 @@ def _check_gemm(
     if path is not None and path not in PATHS:
         raise ValueError(f"unknown GEMM path {path!r}; one of {PATHS} or None")
     return m, n, k
+
+
+def plan_gemm(
+    gpu: GpuBackend,
+    kernel: KernelHandle,
+    a: int,
+    w: DenseWeight,
+    c: int,
+    m: int,
+    n: int,
+    k: int,
+    *,
+    path: str | None = None,
+) -> PreparedLaunch | None:
+    """``dense_gemm_bf16_pipelined``'s launch for these operands (module doc), checked, worked
+    out and prepared once; None where m, n or k is 0 (nothing to launch)."""
+    m, n, k = _check_gemm(KERNEL, gpu, kernel, w, m, n, k, path)
+    return _prepare(KERNEL, gpu, kernel, a, w, c, m, n, k, path, False, ()) if m and n and k else None
+
+
+def plan_word_gemm(
+    gpu: GpuBackend,
+    kernel: KernelHandle,
+    a: int,
+    w: DenseWeight,
+    c: int,
+    m: int,
+    n: int,
+    k: int,
+    word_ids: int,
+    word: int,
+    scale: float,
+    *,
+    path: str | None = None,
+    overlap: bool = False,
+    word_over: int = 0,
+) -> PreparedLaunch | None:
+    """``dense_gemm_bf16_word``'s launch (its arguments as there), checked, worked out and
+    prepared once; None where m, n or k is 0."""
+    m, n, k = _check_gemm(WORD_KERNEL, gpu, kernel, w, m, n, k, path)
+    epilogue = _epilogue(word_ids, word, word_over, scale)
+    overlap = validate.boolean(overlap, "overlap")
+    return _prepare(WORD_KERNEL, gpu, kernel, a, w, c, m, n, k, path, overlap, epilogue) if m and n and k else None
+
+
+def _epilogue(word_ids: int, word: int, word_over: int, scale: float) -> tuple[int, int, int, float]:
+    """The word kernels' last four arguments, in their order, checked."""
+    if type(scale) is not float or not -validate.F32_MAX <= scale <= validate.F32_MAX:
+        scale = validate.real32(scale, f"{WORD_KERNEL} scale")
+    try:
+        given = word_ids and word
+    except ValueError:  # an array's truth value
+        given = False
+    if not given:
+        raise validate.pointer_refusal(WORD_KERNEL, word_ids=word_ids, word=word)
+    return word_ids, word, word_over, scale
+
+
+def _prepare(
+    name: str,
+    gpu: GpuBackend,
+    kernel: KernelHandle,
+    a: int,
+    w: DenseWeight,
+    c: int,
+    m: int,
+    n: int,
+    k: int,
+    path: str | None,
+    overlap: bool,
+    epilogue: tuple[Any, ...],
+) -> PreparedLaunch:
+    """The launch of launcher ``name`` (``KERNEL`` or ``WORD_KERNEL``, whose ``epilogue`` ends its
+    arguments) on checked sizes, prepared: ``kernel`` where the plan runs it, else the path's
+    own kernel of ``gemm.cu``, with the TMA paths' tensor maps."""
+    try:
+        given = a and w.weight and c
+    except ValueError:  # an array's truth value
+        given = False
+    if not given:
+        raise validate.pointer_refusal(name, a=a, w=w.weight, c=c)
+    p = _launch_plan(gpu, a, w, c, m, n, k, path, word=name == WORD_KERNEL)
+    handle = kernel if p.kernel == name else load_kernel(gpu, MODULE, p.kernel)
+    maps = _tensor_maps(gpu, p.path, a, w, c, m, n, k) if p.path in _TMA_BOXES else ()
+    config = LaunchConfig(p.grid, p.threads, p.shared_mem, overlap=overlap)
+    return gpu.bind(handle).prepare(config, *maps, a, w.weight, c, m, n, k, *epilogue)
+
+
+# Prepared launches by (backend, launcher, kernel, path, overlap, a, w, c, m, n, k, epilogue): a
+# launcher's call with operands seen before skips the plan, the kernel lookup, the tensor maps
+# and the packing (~9 us of Python for a split-K launch). Emptied when full (an engine whose
+# activations move through many addresses keeps no stale ones).
+_LAUNCHES: dict[tuple[Any, ...], PreparedLaunch] = {}
+_LAUNCHES_MAX = 1024
 
 
 def dense_gemm_bf16_pipelined(
@@ -136,7 +229,7 @@ def dense_gemm_bf16_pipelined(
     """
     m, n, k = _check_gemm(KERNEL, gpu, kernel, w, m, n, k, path)
     if m and n and k:
-        _launch(KERNEL, gpu, kernel, stream, path, (a, w, c, m, n, k))
+        _cached(KERNEL, gpu, kernel, a, w, c, m, n, k, path, False, ()).run(stream)
 
 
 def dense_gemm_bf16_word(
@@ -171,85 +264,38 @@ def dense_gemm_bf16_word(
     adapter's replacement word row, 4-byte aligned when n is even) instead of ``word[word_ids[i]]``.
     """
     m, n, k = _check_gemm(WORD_KERNEL, gpu, kernel, w, m, n, k, path)
-    scale = validate.real32(scale, f"{WORD_KERNEL} scale")
+    epilogue = _epilogue(word_ids, word, word_over, scale)
     if m and n and k:
-        epilogue = {"word_ids": word_ids, "word": word, "scale": scale, "word_over": word_over}
-        _launch(WORD_KERNEL, gpu, kernel, stream, path, (a, w, c, m, n, k), epilogue, overlap)
+        overlap = validate.boolean(overlap, "overlap")
+        _cached(WORD_KERNEL, gpu, kernel, a, w, c, m, n, k, path, overlap, epilogue).run(stream)
 
 
-class _Recipe(NamedTuple):
-    """A GEMM call's launch, worked out once: its plan, the path's kernel and spec, and the
-    arguments that the call's key fixes (a, w, c, m, n, k and the TMA paths' tensor maps)."""
-
-    gpu: Callable[[], GpuBackend | None]  # a weak reference to its backend (an id may be reused)
-    launch_from: Callable[..., None]
-    kernel: KernelHandle
-    grid: tuple[int, int, int]
-    block: tuple[int, int, int]
-    shared_mem: int
-    args: dict[str, Any]
-
-
-# Recipes by (id(gpu), launcher, kernel, path, a, w, c, m, n, k): a launch with a key seen before
-# skips the plan, the kernel lookup and the tensor maps (~9 us of Python for a split-K launch).
-# Kept once launched; emptied when full (an engine whose activations move through many addresses
-# keeps no stale ones).
-_RECIPES: dict[tuple[Any, ...], _Recipe] = {}
-_RECIPES_MAX = 1024
-
-
-_Operands = tuple[int, DenseWeight, int, int, int, int]  # a, w, c, m, n, k
-
-
-def _launch(
+def _cached(
     name: str,
     gpu: GpuBackend,
     kernel: KernelHandle,
-    stream: int,
+    a: int,
+    w: DenseWeight,
+    c: int,
+    m: int,
+    n: int,
+    k: int,
     path: str | None,
-    operands: _Operands,
-    epilogue: dict[str, Any] | None = None,
-    overlap: bool = False,
-) -> None:
-    """Launch the GEMM of launcher ``name`` (``KERNEL`` or ``WORD_KERNEL``) from its checked
-    ``operands``, the word launcher's ``epilogue`` arguments by name, through their recipe."""
-    a, w, c, m, n, k = operands
-    key = (id(gpu), name, kernel, path, a, w.weight, c, m, n, k)
+    overlap: bool,
+    epilogue: tuple[Any, ...],
+) -> PreparedLaunch:
+    """``_prepare``, kept for the next call with the same operands on the same backend."""
+    key = (id(gpu), name, kernel, path, overlap, a, w.weight, c, m, n, k, *epilogue)
     try:
-        recipe, keyed = _RECIPES.get(key), True
-    except TypeError:  # an operand that cannot be a key: refused below, as it always was
-        recipe, keyed = None, False
-    fresh = recipe is None or recipe.gpu() is not gpu
-    if recipe is None or fresh:
-        recipe = _recipe(name, gpu, kernel, path, operands)
-    args = recipe.args if epilogue is None else {**recipe.args, **epilogue}
-    recipe.launch_from(
-        gpu, recipe.kernel, recipe.grid, recipe.block, stream, args, shared_mem=recipe.shared_mem, overlap=overlap
-    )
-    if fresh and keyed and recipe.gpu() is gpu:  # launched, and its backend can be named weakly
-        if len(_RECIPES) >= _RECIPES_MAX:
-            _RECIPES.clear()
-        _RECIPES[key] = recipe
-
-
-def _recipe(name: str, gpu: GpuBackend, kernel: KernelHandle, path: str | None, operands: _Operands) -> _Recipe:
-    """The plan of these operands on ``gpu``: ``kernel`` where the plan runs it, else the path's
-    own kernel of ``gemm.cu``, with the TMA paths' tensor maps."""
-    a, w, c, m, n, k = operands
-    p = _launch_plan(gpu, a, w, c, m, n, k, path, word=name == WORD_KERNEL)
-    handle = kernel if p.kernel == name else load_kernel(gpu, MODULE, p.kernel)
-    maps = _tensor_maps(gpu, p.path, a, w, c, m, n, k) if p.path in _TMA_BOXES else {}
-    args = {"a": a, "w": w.weight, "c": c, "m": m, "n": n, "k": k, **maps}
-    try:
-        backend: Callable[[], GpuBackend | None] = weakref.ref(gpu)
-    except TypeError:
-        backend = _no_backend
-    launch_from = _SPECS[p.kernel].launch_from
-    return _Recipe(backend, launch_from, handle, (p.grid, 1, 1), (p.threads, 1, 1), p.shared_mem, args)
-
-
-def _no_backend() -> None:
-    """A recipe's backend where it cannot be referred to weakly (the recipe is not kept)."""
+        prepared = _LAUNCHES.get(key)
+    except TypeError:  # an operand that cannot be a key: refused by _prepare
+        return _prepare(name, gpu, kernel, a, w, c, m, n, k, path, overlap, epilogue)
+    if prepared is None or prepared.kernel.backend is not gpu:
+        prepared = _prepare(name, gpu, kernel, a, w, c, m, n, k, path, overlap, epilogue)
+        if len(_LAUNCHES) >= _LAUNCHES_MAX:
+            _LAUNCHES.clear()
+        _LAUNCHES[key] = prepared
+    return prepared
 
 
 def _launch_plan(
@@ -273,15 +319,13 @@ _C_BOX = 64
 
 def _tensor_maps(
     gpu: GpuBackend, path: str, a: int, w: DenseWeight, c: int, m: int, n: int, k: int
-) -> dict[str, bytes]:
-    """a and w (and c for tma_store) as the TMA paths' tensor maps; the backend caches them, so a
-    weight's map is encoded once."""
+) -> tuple[bytes, ...]:
+    """a and w (and c for tma_store) as the TMA paths' tensor maps, in the kernels' order; the
+    backend caches them, so a weight's map is encoded once."""
     maker = cast(TensorMaps, gpu)  # a TMA path is planned only where tma_available(gpu) held
     a_rows, w_rows = _TMA_BOXES[path]
-    maps = {
-        "a_map": maker.tensor_map_2d(int(a), m, k, a_rows, WG_BK),
-        "w_map": maker.tensor_map_2d(int(w.weight), n, k, w_rows, WG_BK),
-    }
-    if path == "tma_store":
-        maps["c_map"] = maker.tensor_map_2d(int(c), m, n, _C_BOX, _C_BOX)
-    return maps
+    maps = (
+        maker.tensor_map_2d(int(a), m, k, a_rows, WG_BK),
+        maker.tensor_map_2d(int(w.weight), n, k, w_rows, WG_BK),
+    )
+    return (*maps, maker.tensor_map_2d(int(c), m, n, _C_BOX, _C_BOX)) if path == "tma_store" else maps

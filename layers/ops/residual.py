@@ -2,34 +2,48 @@
 
 from __future__ import annotations
 
-from gpu_runtime import GpuBackend, KernelHandle, validate
+from gpu_runtime import GpuBackend, KernelHandle, LaunchConfig, validate
 
-from .specs import RESIDUAL_ADD, SCALED_ADD
-
-_BLOCK = (256, 1, 1)
-_ELEMS_PER_BLOCK = 8 * 256  # each thread adds 8 elements
+_THREADS = 256
+_ELEMS_PER_BLOCK = 8 * _THREADS  # each thread adds 8 elements
 _MAX_BLOCKS = 4096  # grid-stride beyond this: 1M threads cover any H200-sized tensor
 
 
-def _grid(n: int) -> tuple[int, int, int]:
-    blocks = (n + _ELEMS_PER_BLOCK - 1) // _ELEMS_PER_BLOCK  # not min(): this runs every launch
-    return (blocks if blocks < _MAX_BLOCKS else _MAX_BLOCKS, 1, 1)
+_CONFIGS: dict[int, LaunchConfig] = {}  # by block count: at most _MAX_BLOCKS
+
+
+def add_config(n: int) -> LaunchConfig:
+    """The launch of either kernel over ``n >= 1`` elements."""
+    blocks = min((n + _ELEMS_PER_BLOCK - 1) // _ELEMS_PER_BLOCK, _MAX_BLOCKS)
+    config = _CONFIGS.get(blocks)
+    if config is None:
+        config = _CONFIGS[blocks] = LaunchConfig(blocks, _THREADS)
+    return config
 
 
 def scaled_add(gpu: GpuBackend, kernel: KernelHandle, out: int, x: int, scale: float, n: int, stream: int) -> None:
     """``out[i] = bf16(float(out[i]) + scale * float(x[i]))`` for ``i < n``, in place; ``scale``
     finite. ``n == 0`` launches nothing."""
-    scale = validate.real32(scale, "scaled_add scale")
-    n = validate.u32(n, "scaled_add n")
-    if n == 0:
+    if type(scale) is not float or not -validate.F32_MAX <= scale <= validate.F32_MAX:
+        scale = validate.real32(scale, "scaled_add scale")
+    if (type(n) is not int or not 0 < n < 1 << 32) and validate.u32(n, "scaled_add n") == 0:
         return
-    SCALED_ADD.launch(gpu, kernel, _grid(n), _BLOCK, stream, out=out, x=x, scale=scale, n=n)
+    try:
+        given = out and x
+    except ValueError:  # an array's truth value
+        given = False
+    if not given:
+        raise validate.pointer_refusal("scaled_add", out=out, x=x)
+    blocks = (n + _ELEMS_PER_BLOCK - 1) // _ELEMS_PER_BLOCK  # add_config, inline: this runs every call
+    config = _CONFIGS.get(blocks if blocks < _MAX_BLOCKS else _MAX_BLOCKS) or add_config(n)
+    gpu.bind(kernel).launch(config, stream, out, x, scale, n)
 
 
 def residual_add(gpu: GpuBackend, kernel: KernelHandle, out: int, x: int, n: int, stream: int) -> None:
     """``out[i] = bf16(float(out[i]) + float(x[i]))`` for ``i < n``, in place. ``n == 0``
     launches nothing."""
-    n = validate.u32(n, "residual_add n")
-    if n == 0:
+    if validate.u32(n, "residual_add n") == 0:
         return
-    RESIDUAL_ADD.launch(gpu, kernel, _grid(n), _BLOCK, stream, out=out, x=x, n=n)
+    validate.pointer(out, "residual_add out")
+    validate.pointer(x, "residual_add x")
+    gpu.bind(kernel).launch(add_config(n), stream, out, x, n)

@@ -4,28 +4,42 @@
 - ``embed_overlay_routed``: in the forward, replace overridden vocab rows after the embed gather;
 - ``lmhead_overlay_routed``: in the forward, recompute overridden logit columns.
 
-Each launcher's positional arguments, and its spec's parameters (``specs.py``), are the seed's
-``KernelLaunch`` chain position for position (a CPU test reads the seed: docs/SEED.md). The launchers check
-widths and counts and return without a launch on a zero count; the spec checks the rest.
+Each launcher's positional arguments, and the kernel's parameters, are the seed's
+``KernelLaunch`` chain position for position (a CPU test reads the seed: docs/SEED.md). The
+launchers check widths, counts and the pointers the kernels need, and return without a launch on
+a zero count; packing checks the rest (``gpu_runtime.launch``).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from dataclasses import dataclass
 
-from gpu_runtime import GpuBackend, KernelHandle, KernelNotFoundError, validate
+from gpu_runtime import GpuBackend, KernelHandle, KernelNotFoundError, LaunchConfig, validate
 from gpu_runtime.backend import check_backend
 
 from ..kernel_files import try_kernel
-from .specs import EMBED_OVERLAY_ROUTED, EMBED_ROWDIFF, LMHEAD_OVERLAY_ROUTED
 
 MODULE = "token_overlay"
 OVERLAY_BAD_SLOT = 1  # the routed kernels' error word: a row's slot index was >= num_slots (the row skipped)
 MAX_LMHEAD_OVERRIDES = 65535  # ids an LM-head overlay slot may override: the kernel's grid y, one id a row
-_BLOCK = (256, 1, 1)
-_WARP = (32, 1, 1)
+
+
+@functools.cache
+def _config(x: int, y: int, threads: int) -> LaunchConfig:
+    return LaunchConfig((x, y), threads)
+
+
+def embed_overlay_config(num_tokens: int) -> LaunchConfig:
+    """``embed_overlay_routed``'s launch over ``num_tokens >= 1`` rows: a block a row."""
+    return _config(num_tokens, 1, 256)
+
+
+def lmhead_overlay_config(m: int, max_n_override: int) -> LaunchConfig:
+    """``lmhead_overlay_routed``'s launch: a warp per (row, override), both counts >= 1."""
+    return _config(m, max_n_override, 32)
 
 
 @dataclass(frozen=True)
@@ -90,13 +104,19 @@ def embed_rowdiff(
         raise ValueError("embed_rowdiff: kernel not loaded (KernelHandle(0))")
     rows = validate.u32(rows, "embed_rowdiff rows")
     h = validate.positive(h, "embed_rowdiff h")
-    if isinstance(thresh, bool):  # a spec's f32 takes any real, a bool too
+    if isinstance(thresh, bool):  # packing's f32 takes any real, a bool too
         raise TypeError(f"embed_rowdiff thresh must be a real number, got {thresh!r}")
     if isinstance(thresh, numbers.Real) and math.isnan(thresh):  # a non-number: the spec's
         raise ValueError("embed_rowdiff thresh is NaN: it would flag every row")
     if rows == 0:
         return
-    EMBED_ROWDIFF.launch_from(gpu, kernel, (-(-rows // 256), 1, 1), _BLOCK, stream, locals())
+    try:
+        given = base and served and flags
+    except ValueError:  # an array's truth value
+        given = False
+    if not given:
+        raise validate.pointer_refusal("embed_rowdiff", base=base, served=served, flags=flags)
+    gpu.bind(kernel).launch(_config(-(-rows // 256), 1, 256), stream, base, served, flags, rows, h, thresh)
 
 
 def embed_overlay_routed(
@@ -134,9 +154,20 @@ def embed_overlay_routed(
     num_tokens = validate.u32(num_tokens, "embed_overlay_routed num_tokens")
     h = validate.positive(h, "embed_overlay_routed h")
     vocab = validate.positive(vocab, "embed_overlay_routed vocab")
+    if type(active) is not int:
+        active = validate.integer(active, "embed_overlay_routed active")
     if num_tokens == 0:
         return
-    EMBED_OVERLAY_ROUTED.launch_from(gpu, kernel, (num_tokens, 1, 1), _BLOCK, stream, locals())
+    try:
+        given = ids and slot_map_tab and rows_tab and n_tab and out
+    except ValueError:  # an array's truth value
+        given = False
+    if not given:
+        raise validate.pointer_refusal(
+            "embed_overlay_routed", ids=ids, slot_map_tab=slot_map_tab, rows_tab=rows_tab, n_tab=n_tab, out=out
+        )
+    args = (ids, seq_slot, active, slot_map_tab, rows_tab, n_tab, out, h, vocab, num_slots, err)
+    gpu.bind(kernel).launch(embed_overlay_config(num_tokens), stream, *args)
 
 
 def lmhead_overlay_routed(
@@ -177,9 +208,20 @@ def lmhead_overlay_routed(
         raise ValueError(
             f"lmhead_overlay_routed max_n_override {max_n_override} > {MAX_LMHEAD_OVERRIDES} (grid y limit)"
         )
+    if type(active) is not int:
+        active = validate.integer(active, "lmhead_overlay_routed active")
     if m == 0 or max_n_override == 0:
         return
-    LMHEAD_OVERLAY_ROUTED.launch_from(gpu, kernel, (m, max_n_override, 1), _WARP, stream, locals())
+    try:
+        given = hidden and rows_tab and ids_tab and n_tab and logits
+    except ValueError:  # an array's truth value
+        given = False
+    if not given:
+        raise validate.pointer_refusal(
+            "lmhead_overlay_routed", hidden=hidden, rows_tab=rows_tab, ids_tab=ids_tab, n_tab=n_tab, logits=logits
+        )
+    args = (hidden, seq_slot, active, rows_tab, ids_tab, n_tab, logits, h, vocab, num_slots, err)
+    gpu.bind(kernel).launch(lmhead_overlay_config(m, max_n_override), stream, *args)
 
 
 __all__ = [

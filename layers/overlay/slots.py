@@ -12,7 +12,7 @@ import numpy as np
 from gpu_runtime import DeviceBuffer, DevicePtr, GpuBackend, validate
 from gpu_runtime.backend import check_backend
 
-from ..ops.token_overlay import MAX_LMHEAD_OVERRIDES, OverlayKernels, embed_overlay_routed, lmhead_overlay_routed
+from ..ops.token_overlay import MAX_LMHEAD_OVERRIDES, OverlayKernels, embed_overlay_config, lmhead_overlay_config
 from .model import BF16, F32, AdapterOverlay
 
 
@@ -143,6 +143,21 @@ class OverlaySlots:
             for table in reversed(self._tables):
                 table.close()
             raise
+
+    @property
+    def kernels(self) -> OverlayKernels:
+        """The token-overlay kernels; setting them binds the forward hooks' ones (a missing one:
+        the hook does nothing)."""
+        return self._kernels
+
+    @kernels.setter
+    def kernels(self, kernels: OverlayKernels) -> None:
+        self._kernels = kernels
+        self._embed_kernel = self.gpu.bind(kernels.embed_overlay) if kernels.embed_overlay else None
+        self._lm_kernels = {
+            dtype: self.gpu.bind(handle) if handle else None
+            for dtype, handle in ((BF16, kernels.lmhead_overlay_bf16), (F32, kernels.lmhead_overlay_f32))
+        }
 
     @property
     def _errors(self) -> DevicePtr:
@@ -363,27 +378,15 @@ class OverlaySlots:
         active = self._check_active(active)
         num_tokens = validate.u32(num_tokens, "num_tokens")
         seq = self._seq_slot_host(seq_slot, num_tokens)
-        if num_tokens == 0 or not self.has_embed_overlay or not self.kernels.embed_overlay:
+        kernel = self._embed_kernel
+        if num_tokens == 0 or not self.has_embed_overlay or kernel is None:
             return  # nothing to launch: no rows, every slot's tables null, or no kernel (hook)
-        validate.pointer(ids, "embed_overlay_routed ids")  # before a host seq_slot is uploaded
-        validate.pointer(out, "embed_overlay_routed out")
-        embed_overlay_routed(
-            self.gpu,
-            self.kernels.embed_overlay,
-            ids,
-            self._seq_slot_ptr(seq, stream),
-            active,
-            self.embed_slot_map_tab,
-            self.embed_rows_tab,
-            self.embed_n_tab,
-            out,
-            num_tokens,
-            self.h,
-            self.vocab,
-            stream,
-            num_slots=self.num_slots,
-            err=self._errors,
-        )
+        ids = validate.pointer(ids, "embed_overlay_routed ids")  # before a host seq_slot is uploaded
+        out = validate.pointer(out, "embed_overlay_routed out")
+        seq_ptr = self._seq_slot_ptr(seq, stream)
+        tables = (self.embed_slot_map_tab, self.embed_rows_tab, self.embed_n_tab)
+        args = (ids, seq_ptr, active, *tables, out, self.h, self.vocab, self.num_slots, self._errors)
+        kernel.launch(embed_overlay_config(num_tokens), stream, *args)
 
     def lmhead_overlay(
         self, hidden: int, seq_slot: Any, active: int, logits: int, m: int, stream: int = 0, *, dtype: Any = BF16
@@ -392,34 +395,17 @@ class OverlaySlots:
         float32, which picks the kernel) from ``hidden`` (``[m, h]`` bf16), in place."""
         stream = self._live(stream, "lmhead_overlay")
         dtype = np.dtype(dtype)
-        if dtype == BF16:
-            kernel = self.kernels.lmhead_overlay_bf16
-        elif dtype == F32:
-            kernel = self.kernels.lmhead_overlay_f32
-        else:
+        if dtype not in self._lm_kernels:
             raise TypeError(f"logits dtype must be bfloat16 or float32, got {dtype}")
+        kernel = self._lm_kernels[dtype]
         active = self._check_active(active)
         m = validate.u32(m, "m")
         seq = self._seq_slot_host(seq_slot, m)
-        if m == 0 or self.max_n_override == 0 or not kernel:
+        if m == 0 or self.max_n_override == 0 or kernel is None:
             return  # nothing to launch: no rows, no LM-head overrides loaded, or no kernel (hook)
-        validate.pointer(hidden, "lmhead_overlay_routed hidden")  # before a host seq_slot is uploaded
-        validate.pointer(logits, "lmhead_overlay_routed logits")
-        lmhead_overlay_routed(
-            self.gpu,
-            kernel,
-            hidden,
-            self._seq_slot_ptr(seq, stream),
-            active,
-            self.lm_head_rows_tab,
-            self.lm_head_ids_tab,
-            self.lm_head_n_tab,
-            logits,
-            m,
-            self.max_n_override,
-            self.h,
-            self.vocab,
-            stream,
-            num_slots=self.num_slots,
-            err=self._errors,
-        )
+        hidden = validate.pointer(hidden, "lmhead_overlay_routed hidden")  # before a host seq_slot is uploaded
+        logits = validate.pointer(logits, "lmhead_overlay_routed logits")
+        seq_ptr = self._seq_slot_ptr(seq, stream)
+        tables = (self.lm_head_rows_tab, self.lm_head_ids_tab, self.lm_head_n_tab)
+        args = (hidden, seq_ptr, active, *tables, logits, self.h, self.vocab, self.num_slots, self._errors)
+        kernel.launch(lmhead_overlay_config(m, self.max_n_override), stream, *args)

@@ -2,9 +2,9 @@
 ``MemoryBackend`` keeps device memory in host arrays and emulates chosen kernels, so host logic
 (overlay slots, the row cache) runs end to end in CI.
 
-Both take ``KernelSpec`` launches through ``GpuBackend.launch_spec``'s own version, which checks
-them as ``CudaBackend`` does and hands the plain values to ``launch``: a spec launch is recorded
-exactly as the ``KernelLaunch`` of the same arguments.
+Both bind kernels (``bind``) to a ``Kernel`` whose launch checks its arguments as
+``CudaBackend``'s does (``Kernel.check``: the signature read from the kernel's ``.cu``) and then
+hands the plain values to the backend's ``launch``, which records them.
 
 ``refused``: a block that must raise before it records anything on a ``RecordingBackend``."""
 
@@ -21,9 +21,63 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import pytest
 
-from gpu_runtime import (DevicePtr, Events, GpuBackend, KernelHandle, KernelNotFoundError,
-                         MappedHostMemory, PinnedHostMemory, PitchedCopies)
+from gpu_runtime import (ClosedError, DevicePtr, Events, GpuBackend, GpuError, Kernel, KernelHandle,
+                         KernelNotFoundError, MappedHostMemory, PinnedHostMemory, PitchedCopies, PreparedLaunch)
 from gpu_runtime.host_memory import host_view
+from gpu_runtime.signatures import Signature, module_signatures, parse_signatures
+from layers.kernel_files import kernel_dir
+
+
+def kernel_signature(module: str, name: str, sources: dict[str, str] | None = None) -> tuple[str, Signature]:
+    """Kernel ``name``'s module and signature: from ``sources[module]`` (a test's own ``.cu``
+    text) where given, else from ``kernels/<module>.cu``, else from whichever kernel module has it."""
+    if sources and module in sources:
+        return module, parse_signatures(sources[module])[name]
+    path = kernel_dir() / f"{module}.cu"
+    if path.is_file() and name in module_signatures(path):
+        return module, module_signatures(path)[name]
+    for other in sorted(kernel_dir().glob("*.cu")):
+        if name in module_signatures(other):
+            return other.stem, module_signatures(other)[name]
+    raise KernelNotFoundError(f"{module}.{name}: no such kernel in the kernel sources")
+
+
+def recorded_kernel(gpu: Any, handle: KernelHandle, module: str, name: str,
+                    sources: dict[str, str] | None = None) -> Kernel:
+    """A ``Kernel`` whose launch checks as ``CudaBackend``'s and then records through
+    ``gpu.launch(handle, grid, block, shared_mem, stream, kinds, values, overlap=...)``."""
+    module, signature = kernel_signature(module, name, sources)
+    kernel = Kernel(gpu, handle, f"{module}.{name}", signature)
+
+    def launch(config, stream, *args):
+        stream, values = kernel.check(config, stream, args)
+        gpu.launch(handle, config.grid, config.block, config.shared_mem, stream, kernel.layout.kinds, values,
+                   overlap=config.overlap)
+
+    def prepare(config, *args):
+        kernel.check(config, 0, args)
+        prepared = PreparedLaunch(kernel, config, args)
+        prepared.run = lambda stream: launch(config, stream, *args)
+        return prepared
+
+    kernel.launch, kernel.prepare = launch, prepare
+    return kernel
+
+
+def bind_recorded(gpu: Any, kernel: Any, bound: dict[int, Kernel], names: dict[int, tuple[str, str]],
+                  sources: dict[str, str] | None = None) -> Kernel:
+    """A fake backend's ``bind``: refused as ``CudaBackend`` refuses, made once per handle."""
+    if gpu.closed:
+        raise ClosedError("backend is closed")
+    if isinstance(kernel, bool) or not isinstance(kernel, int):
+        raise TypeError(f"bind: kernel must be a KernelHandle, got {type(kernel).__name__}")
+    if not kernel:
+        raise ValueError("bind: null kernel handle (the kernel was not loaded)")
+    if int(kernel) not in names:
+        raise GpuError(f"kernel handle 0x{int(kernel):x}: not loaded by this backend")
+    if int(kernel) not in bound:
+        bound[int(kernel)] = recorded_kernel(gpu, KernelHandle(kernel), *names[int(kernel)], sources)
+    return bound[int(kernel)]
 
 
 @dataclass
@@ -50,6 +104,11 @@ class RecordingBackend(GpuBackend, PinnedHostMemory, MappedHostMemory, Events, P
     ops: list[tuple[Any, ...]] = field(default_factory=list)
     next_ptr: int = 0x10000
     closed: bool = False
+    sources: dict[str, str] = field(default_factory=dict)  # module -> .cu text of a test's own kernels
+    bound: dict[int, Kernel] = field(default_factory=dict)
+
+    def bind(self, kernel: KernelHandle) -> Kernel:
+        return bind_recorded(self, kernel, self.bound, self.names, self.sources)
 
     def kernel(self, source: Any, name: str) -> KernelHandle:
         module = Path(source).stem
@@ -182,8 +241,10 @@ class MemoryBackend(GpuBackend, PinnedHostMemory, MappedHostMemory, Events):
     closed = False
 
     def __init__(self, module: str, names: Sequence[str],
-                 emulate: dict[str, Callable[["MemoryBackend", list], None]] | None = None) -> None:
+                 emulate: dict[str, Callable[["MemoryBackend", list], None]] | None = None,
+                 sources: dict[str, str] | None = None) -> None:
         self.module = module
+        self.sources = sources
         self.mem: dict[int, np.ndarray] = {}
         self.host: dict[int, np.ndarray] = {}
         self.mapped: dict[int, tuple[int, int]] = {}  # host addr -> (fake device addr, bytes)
@@ -197,6 +258,11 @@ class MemoryBackend(GpuBackend, PinnedHostMemory, MappedHostMemory, Events):
         self.names = {int(h): n for n, h in self.handles.items()}
         self.emulate = emulate or {}
         self._lock = threading.Lock()  # the row cache's I/O thread launches too
+        self._bound: dict[int, Kernel] = {}
+
+    def bind(self, kernel: KernelHandle) -> Kernel:
+        names = {handle: (self.module, name) for handle, name in self.names.items()}
+        return bind_recorded(self, kernel, self._bound, names, self.sources)
 
     def _find(self, ptr: int, nbytes: int) -> tuple[np.ndarray, int]:
         bases = sorted(self.mem)

@@ -105,3 +105,12 @@ def make_tables(gpu, rng, dims: NgramDims, tokens: np.ndarray, positions: np.nda
     if (tables.entries[:, 3] & CACHED).any():
         tables.slots = slots
     return tables
+
+
+def ngram_gather(gpu, kernel, windows, tables, pows, slots, out, ids_out, rows, num_tables, max_ngram, splits,
+                 table_dim, eos, stream, host_tables=False) -> None:
+    """``NgramGather`` planned and run in one call, every argument in the kernel's order."""
+    from layers.ops.ngram_fused import NgramGather
+
+    plan = NgramGather(gpu, kernel, tables, pows, num_tables, max_ngram, splits, table_dim, eos, host_tables)
+    plan.run(windows, slots, out, ids_out, rows, stream)

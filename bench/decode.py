@@ -48,9 +48,9 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import bench_parser, copy_bandwidth, gated_gpu_us, print_table, torch_or_none
+from bench.common import bench_parser, copy_bandwidth, gated_gpu_us, interleaved_times_us, print_table, torch_or_none
 from bench.decode_serving import serving_rows
-from bench.ngram_embed import DIMS, device_weight, torch_view
+from bench.ngram_embed import DIMS, bare_launch_us, device_weight, torch_view
 from gpu_runtime import CudaBackend, DeviceArray, DevicePtr
 from layers import reference
 from layers.dense_weight import BF16
@@ -444,6 +444,50 @@ def prefill_row(ctx: Ctx, weights: NgramWeights, placement: str) -> tuple:
     return (placement, PREFILL, full_us, gather_us, moved / (gather_us * 1e-6) / 1e9)
 
 
+EAGER_PREFILL = 16
+
+
+def eager_table(ctx: Ctx, weights: NgramWeights) -> None:
+    """Eager calls (no graph), the inputs ``DeviceArray`` s: host us per call of a step at B = 1
+    and of a 16-token prefill, the stream synchronised (untimed) after each, against their two
+    launches (gather, GEMM) at the bare ``cuLaunchKernel``'s host cost measured in this run."""
+    gpu, s, dims = ctx.gpu, ctx.stream, ctx.dims
+    bare = bare_launch_us(gpu)
+    dec = NgramDecoder(weights, max_seqs=1, max_rows=EAGER_PREFILL, stream=s)
+    arrays = [
+        DeviceArray.from_numpy(gpu, ctx.rng.integers(0, dims.vocab_size, EAGER_PREFILL).astype(np.uint32), s),
+        DeviceArray.from_numpy(gpu, np.array([0, EAGER_PREFILL], np.uint32), s),
+        DeviceArray.from_numpy(gpu, np.zeros(1, np.uint32), s),
+        DeviceArray.empty(gpu, (EAGER_PREFILL, dims.hidden_size), BF16, s),
+    ]
+    tok, cu, slot, out = arrays
+    gpu.synchronize(s)
+    try:
+        calls = [
+            ("NgramDecoder.step, B = 1", lambda i: dec.step(tok, slot, 1, out, s)),
+            (
+                f"NgramDecoder.prefill, {EAGER_PREFILL} tokens",
+                lambda i: dec.prefill(tok, cu, slot, 1, EAGER_PREFILL, out, s),
+            ),
+        ]
+        times = interleaved_times_us([fn for _, fn in calls], lambda: gpu.synchronize(s), warmup=50, iters=1000)
+        assert dec.check_errors() == 0
+    finally:
+        gpu.synchronize(s)
+        for a in arrays:
+            a.free()
+        dec.close()
+    rows = [(name, 2, host, wall, 2 * bare, host / (2 * bare)) for (name, _), (wall, host) in zip(calls, times)]
+    print_table(
+        "eager decoder calls (host us per call)",
+        ["call", "launches", "host us", "wall us", "launch floor us", "host x floor"],
+        rows,
+        note=f"Each row is one eager call onto an idle GPU (median of 1000, the stream synchronised after each): "
+        f"host us until it returned, wall us until the sync returned, its launches at the bare cuLaunchKernel's "
+        f"host cost ({bare:.2f} us here, bench.launch's floor) and the host us over that.",
+    )
+
+
 def zero_copy_probe(ctx: Ctx, weights: NgramWeights, out_per_table: bool = False) -> float:
     """GB/s of the seed's gather kernel (batched_embed) reading PREFILL random rows of every host
     table in place, one launch per table (the same rows, tables and footprint as the prefill's
@@ -541,6 +585,7 @@ def main(argv: list[str] | None = None) -> None:
                 torch.cuda.synchronize()
             if not args.steps_only:
                 serving_rows(gpu, stream, weights, rng)
+                eager_table(ctx, weights)
         finally:
             gpu.synchronize(stream)
             weights.close()

@@ -268,12 +268,18 @@ def planned_rows(gpu: CudaBackend, stream: int, stub: bool) -> list:
     def fused_gather(i: int) -> None:
         gather.run(windows, 0, fused_out, 0, 1, stream)
 
+    prepared = gather.prepare(windows, 0, fused_out, 0, 1).run
+
+    def fused_prepared(i: int) -> None:
+        prepared(stream)
+
     def decode_gather(i: int) -> None:
         launches.gather(tokens, 0, tokens, decode_out, 1, 1, 1, stream)
 
     fused_gather.keep = decode_gather.keep = keep  # type: ignore[attr-defined]
     return [
-        ("NgramGather.run (the fused runner's gather), 1 row", fused_gather),
+        ("NgramGather.run (a fused runner's gather), 1 row", fused_gather),
+        ("NgramGather.prepare(...).run (as the fused runner calls it), 1 row", fused_prepared),
         ("DecodeLaunches.gather (the decoder's gather), 1 row", decode_gather),
     ]
 
@@ -332,6 +338,11 @@ def main(argv: list[str] | None = None) -> None:
         def planned(i: int) -> None:
             bound.launch(config, stream, out, x, 0.5, N)
 
+        prepared = bound.prepare(config, out, x, 0.5, N).run
+
+        def prepared_run(i: int) -> None:
+            prepared(stream)
+
         def launcher(i: int) -> None:
             scaled_add(gpu, kernel, out, x, 0.5, N, stream)
 
@@ -343,6 +354,7 @@ def main(argv: list[str] | None = None) -> None:
             ("cuda.core launch", None if stub else cuda_core_launcher(gpu, out, x), BARE),
             ("CuPy RawKernel", None if stub else cupy_launcher(), BARE),
             ("Kernel.launch (the one mechanism)", planned, BARE),
+            ("PreparedLaunch.run (arguments packed once)", prepared_run, BARE),
             ("layers.ops.scaled_add", launcher, BARE),
             *[(name, fn, BARE) for name, fn in gemm_rows(gpu, stream, [(1, 64, 64)])],
             *[(name, fn, BARE) for name, fn in planned_rows(gpu, stream, stub)],

@@ -25,6 +25,7 @@ from bench.common import (
     copy_bandwidth,
     gated_gpu_us,
     gpu_time_ms,
+    host_time_us,
     interleaved_times_us,
     matmul_rate,
     print_table,
@@ -88,6 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     t, h, td = dims.num_tables(), dims.hidden_size, dims.table_dim()
     with CudaBackend() as gpu:
         bw, rate = copy_bandwidth(gpu), matmul_rate()
+        bare = bare_launch_us(gpu)
         word = device_weight(gpu, rng, dims.vocab_size, h, 1.0)
         tables = [NgramTable.Bf16(device_weight(gpu, rng, dims.table_rows(c), td, 1.0)) for c in range(t)]
         projs = [device_weight(gpu, rng, h, td, td**-0.5) for _ in range(t)]
@@ -117,6 +119,7 @@ def main(argv: list[str] | None = None) -> None:
             moved = s * h * 2 + s * t * td * 2 + t * h * td * 2 + s * h * 2
             flops = 2 * s * h * td * t
             floor_ms = max(moved / bw, flops / rate if rate else 0.0) * 1e3
+            host_floor = (2 + 3 * t) * bare + hash_us  # its launches at the bare launch's cost, and its hashing
             torch_ms = None
             if torch is not None:
                 inv = 1.0 / (1 + t)
@@ -143,27 +146,64 @@ def main(argv: list[str] | None = None) -> None:
                     torch_ms / gpu_ms if torch_ms else None,
                     floor_ms * 1e3,
                     gpu_ms / floor_ms,
+                    host_floor,
+                    wall_us / host_floor,
                 )
             )
         print(
             f"measured: copy {bw / 1e12:.2f} TB/s, bf16 matmul "
-            f"{rate / 1e12 if rate else float('nan'):.0f} TFLOP/s; T = {t}, D = {h}, table dim {td}"
+            f"{rate / 1e12 if rate else float('nan'):.0f} TFLOP/s, bare launch {bare:.2f} us (host); "
+            f"T = {t}, D = {h}, table dim {td}"
         )
         if rows:
             print_table(
                 "n-gram embedding, seed-faithful path (per call)",
-                ["S", "GPU us", "wall us", "hash us", "torch us", "torch/ours", "floor us", "x floor"],
+                [
+                    "S",
+                    "GPU us",
+                    "wall us",
+                    "hash us",
+                    "torch us",
+                    "torch/ours",
+                    "floor us",
+                    "x floor",
+                    "launch floor us",
+                    "wall x launch floor",
+                ],
                 rows,
                 note="Each row is one call embedding S new tokens: GPU us (CUDA events around one call, so "
-                "the host's hashing and ~2 + 3T launches inside it count: this path is host-bound) and "
+                "the host's hashing and 2 + 3T launches inside it count: this path is host-bound) and "
                 "wall us (host, synchronised) per call, hash us the host's n-gram hashing alone, torch "
                 "eager's time (the same events; it hashes the ids on the host and uploads them inside the call, "
-                "as ours does) and torch/ours (> 1: ours is "
-                "faster), the floor us and GPU us over it.",
+                "as ours does) and torch/ours (> 1: ours is faster), the floor us and GPU us over it, and the "
+                "launch floor: its 2 + 3T launches at the bare cuLaunchKernel's host cost (bench.launch's floor, "
+                "measured in this run) plus its hashing, and the wall us over it.",
             )
         fused_table(gpu, rng, dims, weights, out, stream, bw, rate)
         layer.close()
         weights.close()
+
+
+def bare_launch_us(gpu: CudaBackend) -> float:
+    """Host us of a bare ``cuLaunchKernel`` with prebuilt arguments (bench.launch's floor), here."""
+    from bench.launch import N, bare_launcher
+    from layers.kernel_files import load_kernel
+
+    stream = gpu.create_stream()
+    out, x = gpu.alloc(2 * N), gpu.alloc(2 * N)
+    try:
+        gpu.memset(out, 0, 2 * N)
+        gpu.memset(x, 0, 2 * N)
+        bare = bare_launcher(gpu, load_kernel(gpu, "residual_add", "bf16_scaled_add"), out, x, stream)
+        best = []
+        for _ in range(3):
+            best.append(host_time_us(bare))
+            gpu.synchronize(stream)
+        return min(best)
+    finally:
+        gpu.free(out)
+        gpu.free(x)
+        gpu.destroy_stream(stream)
 
 
 def floor_us(dims: NgramDims, s: int, bw: float, rate: float | None) -> float:
@@ -231,6 +271,7 @@ def fused_table(
                 torch_us / eager_us if torch_us else None,
                 floor,
                 eager_us / floor,
+                eager_wall / eager_us,
                 late + late2,
             )
         )
@@ -247,6 +288,7 @@ def fused_table(
             "torch/ours",
             "floor us",
             "x floor",
+            "wall/GPU",
             "gate expired",
         ],
         rows,
@@ -254,8 +296,8 @@ def fused_table(
         "the replays repeat one captured input), wall us synchronised and graph host us until the call "
         "returned, torch's fused form (back to back behind the same gate, its ids hashed on the host "
         "beforehand) and torch/ours against our eager GPU us, the floor us (the 32 MiB of projections "
-        "counted from HBM, though back to back they stay in L2) and the eager GPU us over it, and the "
-        "gates expired.",
+        "counted from HBM, though back to back they stay in L2) and the eager GPU us over it, the eager "
+        "call's wall us over its GPU us, and the gates expired.",
     )
 
     # Batched decode: 256 sequences, one new token each, one call.

@@ -16,6 +16,7 @@ run one stream do. A DLPack capsule is read and left unconsumed (its producer fr
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +45,7 @@ class ArrayInfo:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)
 
 
 def _c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...] | None, item: int) -> bool:
@@ -147,6 +148,15 @@ def device_address(
     read-only. A bare address is taken as it is (not null). Errors name ``what``."""
     if type(obj) is int or type(obj) is DevicePtr:  # the common case, without the protocol lookups
         return validate.pointer(obj, what)
+    if (
+        type(obj) is DeviceArray
+        and obj.dtype in dtypes
+        and obj.ptr
+        and math.prod(obj.shape) >= count
+        and (cols is None or len(obj.shape) < 2 or obj.shape[-1] == cols)
+        and (gpu is None or obj.gpu is gpu)
+    ):  # this package's arrays, the plain case: on this backend (its device), long enough, writable
+        return obj.ptr
     info = array_info(obj)
     if info is None:
         try:

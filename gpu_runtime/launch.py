@@ -1,19 +1,14 @@
-"""Kernel launches: ``LaunchConfig`` (how a kernel runs) apart from its arguments, the argument
-layout a kernel's signature gives (``ArgLayout``), and ``Kernel``, a loaded kernel bound to its
-backend: ``kernel.launch(config, stream, *args)``.
-
-A kernel's parameters are read from its ``.cu`` source (``signatures``) and laid out once as the
-C ABI lays them out: each at the next offset aligned to its kind. A launch packs its arguments
-with one precompiled little-endian ``struct`` into a buffer of the calling thread, whose
-``void*[]`` (built once) the driver reads; the driver copies them before it returns. Kinds:
-``P`` pointer, ``U`` u32, ``I`` i32, ``F`` f32, ``L`` u64, ``T`` a ``CUtensorMap`` by value
-(the 128 bytes of ``TensorMaps.tensor_map_2d``, 64-byte aligned).
+"""Kernel launches: ``LaunchConfig`` (how a kernel runs) apart from its arguments; ``ArgLayout``,
+a signature's arguments laid out as the C ABI lays them out (each at the next offset aligned to
+its kind: ``P`` pointer, ``U`` u32, ``I`` i32, ``F`` f32, ``L`` u64, ``T`` a 128-byte
+``CUtensorMap``, 64-aligned), packed by one precompiled little-endian ``struct``; ``Kernel``, a
+loaded kernel bound to its backend (``launch``, ``prepare``); ``PreparedLaunch``.
 
 Packing checks what it packs: an integer kind takes an int (or anything with ``__index__``) in
-its range, ``F`` a real number that fits an f32 (infinities and NaN too). A value that does not
-pack raises the policy's exception (``TypeError`` for a type, ``ValueError`` for a range, the
-kernel and parameter named) and nothing is launched. What packing cannot see (a null pointer, a
-bool given for a count, sizes that must agree) the launcher checks at its public boundary.
+its range, ``F`` a real number that fits an f32. A value that does not pack raises the policy's
+``TypeError`` or ``ValueError``, naming the kernel and the parameter, and nothing is launched.
+What packing cannot see (a null pointer, a bool for a count, sizes that must agree) the launcher
+checks at its public boundary.
 """
 
 from __future__ import annotations
@@ -100,9 +95,7 @@ class LaunchConfig:
         raise AttributeError(f"LaunchConfig is immutable (its {name} cannot be set)")
 
     def __repr__(self) -> str:
-        extra = "".join(
-            f", {name}={value!r}" for name, value in (("cluster", self.cluster), ("overlap", self.overlap)) if value
-        )
+        extra = f", cluster={self.cluster}" * bool(self.cluster) + ", overlap=True" * self.overlap
         return f"LaunchConfig(grid={self.grid}, block={self.block}, shared_mem={self.shared_mem}{extra})"
 
 
@@ -133,11 +126,6 @@ class ArgLayout:
         base = ctypes.addressof(buffer)
         pointers = (ctypes.c_void_p * max(len(self.kinds), 1))(*[base + o for o in self.offsets])
         return buffer, (ctypes.addressof(pointers) if self.kinds else 0), pointers
-
-    def values(self, args: Sequence[Any]) -> list[int | float | bytes]:
-        """``args`` (packed without error) as plain values: what a backend that records
-        launches records."""
-        return [float(a) if k == "F" else bytes(a) if k == "T" else int(a) for k, a in zip(self.kinds, args)]
 
     def refusal(self, kernel: str, args: Sequence[Any]) -> Exception:
         """The policy's exception for ``args`` that did not pack: the first parameter at fault."""
@@ -174,17 +162,6 @@ def _check(what: str, param: Param, value: Any) -> None:
         raise ValueError(f"{what}: {value!r} overflows f32")
 
 
-def layout_of(signature: Signature) -> ArgLayout:
-    """The one ``ArgLayout`` of ``signature`` (made once, shared by every kernel with it)."""
-    layout = _LAYOUTS.get(signature)
-    if layout is None:
-        layout = _LAYOUTS.setdefault(signature, ArgLayout(signature))
-    return layout
-
-
-_LAYOUTS: dict[Signature, ArgLayout] = {}
-
-
 class PreparedLaunch:
     """One launch of a kernel with its ``config`` and ``args`` packed once (``Kernel.prepare``):
     ``run(stream)`` submits it, packing nothing. The arguments are the ones it was prepared
@@ -216,25 +193,13 @@ class Kernel:
 
     def __init__(self, backend: Any, handle: int, name: str, signature: Signature) -> None:
         self.backend, self.handle, self.name = backend, handle, name
-        self.layout = layout_of(signature)
+        self.layout = ArgLayout(signature)
         self.launch = self._unbound
         self.prepare: Callable[..., PreparedLaunch] = self._unbound  # prepare(config, *args), set by the backend
 
     @property
     def signature(self) -> Signature:
         return self.layout.signature
-
-    def check(self, config: LaunchConfig, stream: int, args: Sequence[Any]) -> tuple[int, list[int | float | bytes]]:
-        """What a launch of ``args`` checks, refused as it refuses: for backends that record
-        launches instead of running them. Returns the stream and the arguments as plain values."""
-        if not isinstance(config, LaunchConfig):
-            raise TypeError(f"{self.name}: config must be a gpu_runtime.LaunchConfig, got {type(config).__name__}")
-        stream = validate.stream(stream, f"{self.name}: stream")
-        try:
-            self.layout.packer.pack(*args)
-        except (struct.error, TypeError, ValueError, OverflowError):
-            raise self.layout.refusal(self.name, args) from None
-        return stream, self.layout.values(args)
 
     def _unbound(self, *args: Any) -> Any:
         raise NotImplementedError(f"{self.name}: no launch set by its backend")

@@ -302,7 +302,7 @@ def test_a_bound_kernel_packs_its_arguments_and_is_checked_once(scripted):
     gpu, driver, k = scripted
     kernel = gpu.bind(k)
     assert gpu.bind(k) is kernel and kernel.signature == _ADD and kernel.name == "add.add"
-    assert driver.layout_queries == 4 and driver.opt_ins == [227 * 1024 - 1024]  # all it may have, at bind
+    assert driver.layout_queries == 4 and driver.opt_ins == []
     config = LaunchConfig((2, 3), 64, 100)
     for n in (7, 8):
         kernel.launch(config, 5, DevicePtr(0x1000), 0x2000, 0.25, n)
@@ -360,11 +360,25 @@ def test_bind_and_launch_refusals(scripted, tmp_path):
     with pytest.raises(CudaError, match=r"CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES: cuLaunchKernelEx \(add\.add "
                                         r"LaunchConfig\(grid=\(1, 1, 1\), block=\(32, 1, 1\)"):
         kernel.launch(LaunchConfig(1, 32), 0, 1, 2, 0.5, 3)
-    driver.fail_with = [driver.cu.CUresult.CUDA_ERROR_INVALID_VALUE]
-    with pytest.raises(ValueError, match=r"300000 bytes of shared memory, device allows 232448"):
+    with pytest.raises(ValueError, match=r"add\.add: 300000 bytes of shared memory, device allows 232448"):
         kernel.launch(LaunchConfig(1, 32, 300000), 0, 1, 2, 0.5, 3)
     kernel.launch(LaunchConfig(1, 32), 0, 1, 2, 0.5, 3)  # still usable
-    assert len(driver.launches) == 3
+    assert len(driver.launches) == 2
+
+
+def test_a_kernel_is_opted_in_to_the_shared_memory_a_launch_asks_for_only_up(scripted):
+    """Past 48 KiB of dynamic shared memory a kernel is opted in, once, to what the launch (or
+    prepared launch) asks; a smaller launch after a larger one leaves the opt-in where it is,
+    and so do two threads asking for different sizes at once."""
+    gpu, driver, k = scripted
+    kernel = gpu.bind(k)
+    for shared in (48 * 1024, 64 * 1024, 50 * 1024, 64 * 1024):
+        kernel.launch(LaunchConfig(1, 32, shared), 0, 1, 2, 0.5, 3)
+    kernel.prepare(LaunchConfig(1, 32, 80 * 1024), 1, 2, 0.5, 3)
+    assert driver.opt_ins == [64 * 1024, 80 * 1024]
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda s: kernel.launch(LaunchConfig(1, 32, s), 0, 1, 2, 0.5, 3), (100_000, 90_000)))
+    assert driver.opt_ins[-1] == 100_000 and sorted(driver.opt_ins) == driver.opt_ins
 
 
 def test_a_source_signature_the_driver_disagrees_with_is_refused_at_bind(monkeypatch, tmp_path):

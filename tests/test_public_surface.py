@@ -266,7 +266,6 @@ CASES: dict[str, Callable[[Env], tuple[Callable[..., Any], tuple, dict]]] = {
         KernelLaunch(e.gpu, e.gpu.kernel("residual_add", "bf16_residual_add")).arg_ptr(e.out).arg_ptr(e.out).arg_u32(8)
         .launch),
     G + "Kernel.launch": lambda e: call(e.bound().launch, LaunchConfig(1, 32), 0, e.out, e.out, 8),
-    G + "Kernel.check": lambda e: call(e.bound().check, LaunchConfig(1, 32), 0, (e.out, e.out, 8)),
     G + "PreparedLaunch.run": lambda e: call(e.bound().prepare(LaunchConfig(1, 32), e.out, e.out, 8).run, 0),
     # layers.ngram_embed
     NG + "FusedNgramEmbedding": lambda e: call(FusedNgramEmbedding, e.weights, 8),

@@ -184,9 +184,10 @@ def test_two_threads_each_with_its_runner_and_stream_equal_one_thread(gpu, rng):
 
 
 def test_the_layer_launcher_the_kernel_and_the_builder_each_equal_the_reference(gpu, rng):
-    """``scaled_add``, the bound kernel launched by hand and the seed's positional builder, each
-    into its own output from the same start, each bit for bit the numpy reference (so a wrong
-    kernel or argument order cannot pass by agreeing with itself)."""
+    """``scaled_add``, the bound kernel launched by hand (plainly, prepared, in clusters of two,
+    as a programmatic dependent) and the seed's positional builder, each into its own output
+    from the same start, each bit for bit the numpy reference (so a wrong kernel or argument
+    order cannot pass by agreeing with itself)."""
     import ml_dtypes
 
     from layers import reference as ref
@@ -199,16 +200,22 @@ def test_the_layer_launcher_the_kernel_and_the_builder_each_equal_the_reference(
     base = rng.standard_normal(n).astype(ml_dtypes.bfloat16)
     want = bits(ref.scaled_add(base, x, -0.37))
     assert (want != bits(base)).any()
-    with DeviceBuffer.upload(gpu, x) as xd, DeviceBuffer.upload(gpu, base) as a, \
-            DeviceBuffer.upload(gpu, base) as b, DeviceBuffer.upload(gpu, base) as c:
+    outs = [DeviceBuffer.upload(gpu, base) for _ in range(6)]
+    with DeviceBuffer.upload(gpu, x) as xd:
+        a, b, c, d, e, f = outs
+        bound = gpu.bind(kernel)
         scaled_add(gpu, kernel, a, xd, -0.37, n, 0)
-        gpu.bind(kernel).launch(LaunchConfig(2, 256), 0, b, xd, -0.37, n)
+        bound.launch(LaunchConfig(2, 256), 0, b, xd, -0.37, n)
         (KernelLaunch(gpu, kernel).grid([2, 1, 1]).block([256, 1, 1])
          .arg_ptr(c.ptr).arg_ptr(xd.ptr).arg_f32(-0.37).arg_u32(n).launch(0))
-        for buf in (a, b, c):
+        bound.prepare(LaunchConfig(2, 256), d, xd, -0.37, n).run(0)
+        bound.launch(LaunchConfig(2, 256, cluster=2), 0, e, xd, -0.37, n)
+        bound.launch(LaunchConfig(2, 256, overlap=True), 0, f, xd, -0.37, n)
+        for buf in outs:
             got = np.empty(n, ml_dtypes.bfloat16)
             gpu.copy_d2h(got, buf)
             np.testing.assert_array_equal(bits(got), want)
+            buf.close()
 
 
 def test_a_source_signature_the_driver_disagrees_with_is_refused_at_bind(tgpu):

@@ -99,7 +99,7 @@ class CudaKernels(CudaContext):
             return f"?.<unknown kernel 0x{int(kernel):x}>"
         return f"{loaded.module}.{loaded.name}"
 
-    # -- checks, once per kernel and argument shape -----------------------------------------
+    # -- checks, once per kernel ------------------------------------------------------------
     def _loaded_kernel(self, kernel: int) -> _Loaded:
         loaded = self._loaded.get(int(kernel))
         if loaded is None:
@@ -161,13 +161,3 @@ class CudaKernels(CudaContext):
                 return None
             layout.append((int(offset), int(size)))
         return layout
-
-    def _opt_in_shared(self, kernel: int) -> None:
-        """Let ``kernel`` launch with as much dynamic shared memory as the device gives a block,
-        less its static shared memory: launches then need no check of their own, and one asking
-        for more is refused by the driver."""
-        static = call(cu.cuFuncGetAttribute, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, kernel)
-        dynamic = self.max_shared_optin - int(static)
-        if dynamic > 48 * 1024:
-            attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-            call(cu.cuFuncSetAttribute, kernel, attr, dynamic)

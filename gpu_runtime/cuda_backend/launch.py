@@ -1,13 +1,10 @@
-"""Launches on the driver: ``bind`` makes a loaded kernel a ``Kernel`` once, and its ``launch`` is
-a closure over everything a launch needs, so that a call reads no attribute and looks nothing up
-but the calling thread's argument buffer and the config's driver form for its stream.
-
-Every launch is one ``cuLaunchKernelEx``: a ``CUlaunchConfig`` (grid, block, shared memory,
-stream and the launch attributes: programmatic dependent launch, cluster) is built once per
-``LaunchConfig`` and stream and kept on the config, and the bindings convert its object faster
-than ``cuLaunchKernel``'s eleven arguments. ``GPU_RUNTIME_OVERLAP=0`` in the environment (read
-once, at import) launches ``overlap=True`` configs as plain ones: for a tool that cannot follow
-programmatic dependent launches, or to rule them out when hunting a race.
+"""Launches on the driver: ``bind`` makes a loaded kernel a ``Kernel`` once; its ``launch`` and
+``prepare`` are closures over all a launch needs (it reads no attribute, looks up only the
+thread's argument buffer and the config's driver form) and end in one ``cuLaunchKernelEx``, whose
+``CUlaunchConfig`` is built once per ``LaunchConfig`` and stream. A kernel is opted in to more
+than 48 KiB of dynamic shared memory when a launch first asks for it (a prepared one: when
+prepared). ``GPU_RUNTIME_OVERLAP=0`` (read at import) launches ``overlap=True`` configs as plain
+ones: for a tool that cannot follow programmatic dependent launches, or to rule them out.
 """
 
 from __future__ import annotations
@@ -22,13 +19,15 @@ from typing import Any
 from cuda.bindings import driver as cu
 
 from .. import validate
+from ..driver import call
 from ..errors import ClosedError, CudaError
-from ..launch import Kernel, LaunchConfig, PreparedLaunch
+from ..launch import SHARED_WITHOUT_OPT_IN, Kernel, LaunchConfig, PreparedLaunch
 from ..pointers import KernelHandle
 from .kernels import CudaKernels
 
 OVERLAP = os.environ.get("GPU_RUNTIME_OVERLAP", "1") != "0"
 _RETRY = (cu.CUresult.CUDA_ERROR_INVALID_CONTEXT, cu.CUresult.CUDA_ERROR_INVALID_HANDLE)
+_ATTR = cu.CUlaunchAttributeID
 
 
 class CudaLaunch(CudaKernels):
@@ -40,10 +39,8 @@ class CudaLaunch(CudaKernels):
         self._prepared = weakref.WeakSet()
 
     def bind(self, kernel: KernelHandle) -> Kernel:
-        try:
-            return self._bound[kernel]
-        except (KeyError, TypeError):
-            return self._bind_kernel(kernel)
+        bound = self._bound.get(kernel) if type(kernel) is KernelHandle else None
+        return bound if bound is not None else self._bind_kernel(kernel)
 
     def _bind_kernel(self, kernel: KernelHandle) -> Kernel:
         if isinstance(kernel, bool) or not isinstance(kernel, int):
@@ -57,15 +54,13 @@ class CudaLaunch(CudaKernels):
             made = self._bound.get(kernel)
             if made is None:
                 name, signature = self._signature(kernel)
-                self._opt_in_shared(kernel)
                 made = Kernel(self, KernelHandle(kernel), name, signature)
-                made.launch = _launcher(self, made, self._functions[int(kernel)])
-                made.prepare = _preparer(self, made, self._functions[int(kernel)])
+                made.launch, made.prepare = _launches(self, made, self._functions[int(kernel)])
                 self._bound[kernel] = made
             return made
 
     def _release_launches(self) -> None:
-        """At close: every bound kernel's launch refuses (a runner may still hold one)."""
+        """At close: every bound kernel and prepared launch refuses (a runner may still hold one)."""
         for kernel in self._bound.values():
             kernel.launch = kernel.prepare = _closed
         for prepared in list(self._prepared):
@@ -83,22 +78,33 @@ class CudaLaunch(CudaKernels):
         made.blockDimX, made.blockDimY, made.blockDimZ = config.block
         made.sharedMemBytes = config.shared_mem
         made.hStream = cu.CUstream(stream)
-        attrs = []
+        attrs = [cu.CUlaunchAttribute() for _ in range((config.overlap and OVERLAP) + (config.cluster is not None))]
         if config.overlap and OVERLAP:
-            attr = cu.CUlaunchAttribute()
-            attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-            attr.value.programmaticStreamSerializationAllowed = 1
-            attrs.append(attr)
+            attrs[0].id = _ATTR.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attrs[0].value.programmaticStreamSerializationAllowed = 1
         if config.cluster is not None:
-            attr = cu.CUlaunchAttribute()
-            attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-            attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = config.cluster
-            attrs.append(attr)
+            attrs[-1].id = _ATTR.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            dim = attrs[-1].value.clusterDim
+            dim.x, dim.y, dim.z = config.cluster
         if attrs:
             made.attrs = attrs
             made.numAttrs = len(attrs)
         config.driver[stream] = made
         return made
+
+    def _opt_in(self, kernel: Kernel, nbytes: int, opted: list[int]) -> None:
+        """Let ``kernel`` launch with ``nbytes`` of dynamic shared memory (``opted[0]``: what it
+        may now; only ever raised, under the lock: two threads cannot lower it)."""
+        with self._lock:
+            if nbytes <= opted[0]:
+                return
+            if nbytes > self.max_shared_optin:
+                raise ValueError(
+                    f"{kernel.name}: {nbytes} bytes of shared memory, device allows {self.max_shared_optin}"
+                )
+            attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            call(cu.cuFuncSetAttribute, self._functions[int(kernel.handle)], attr, nbytes)
+            opted[0] = nbytes
 
     def _retry(self, err: Any, kernel: Kernel, config: LaunchConfig, driver: Any, params: int) -> None:
         """A launch the driver refused: once more where this thread's current context was
@@ -108,20 +114,19 @@ class CudaLaunch(CudaKernels):
             (err,) = cu.cuLaunchKernelEx(driver, self._functions[int(kernel.handle)], params, 0)
             if not err:
                 return
-        detail = f"{kernel.name} {config!r}"
-        if config.shared_mem > self.max_shared_optin:
-            raise ValueError(
-                f"{detail}: {config.shared_mem} bytes of shared memory, device allows {self.max_shared_optin}"
-            )
-        raise CudaError(err, "cuLaunchKernelEx", detail)
+        raise CudaError(err, "cuLaunchKernelEx", f"{kernel.name} {config!r}")
 
 
-def _launcher(gpu: CudaLaunch, kernel: Kernel, function: Any) -> Any:
-    """``kernel.launch(config, stream, *args)`` for this backend (``Kernel``'s contract)."""
+def _launches(gpu: CudaLaunch, kernel: Kernel, function: Any) -> tuple[Any, Any]:
+    """``kernel.launch(config, stream, *args)`` and ``kernel.prepare(config, *args)`` for this
+    backend (``Kernel``'s contract). A prepared launch packs into a buffer of its own; a run on a
+    thread where another context is current (or none) is refused by the driver and retried once
+    the context is made current."""
     layout, name = kernel.layout, kernel.name
     refusal, new_buffers = layout.refusal, layout.buffers
-    driver_config, retry, launch_ex = gpu._driver_config, gpu._retry, cu.cuLaunchKernelEx
+    driver_config, opt_in, retry, launch_ex = gpu._driver_config, gpu._opt_in, gpu._retry, cu.cuLaunchKernelEx
     check_stream = validate.stream
+    opted = [SHARED_WITHOUT_OPT_IN]  # dynamic shared memory the kernel may launch with
     local = threading.local()  # .args: this thread's (pack(*args) into its buffer, kernelParams)
 
     def thread_args() -> tuple[Any, int]:
@@ -146,30 +151,22 @@ def _launcher(gpu: CudaLaunch, kernel: Kernel, function: Any) -> Any:
             driver = config.driver[stream]
         except (KeyError, AttributeError):
             driver = driver_config(config, stream)
+        if config.shared_mem > opted[0]:
+            opt_in(kernel, config.shared_mem, opted)
         (err,) = launch_ex(driver, function, params, 0)
         if err:
             retry(err, kernel, config, driver, params)
 
-    return launch
-
-
-def _preparer(gpu: CudaLaunch, kernel: Kernel, function: Any) -> Any:
-    """``kernel.prepare(config, *args)`` for this backend: the arguments packed into a buffer of
-    the launch's own, ``run`` a closure over it. A run on a thread where another context is
-    current (or none) is refused by the driver and retried once the context is made current."""
-    layout, name = kernel.layout, kernel.name
-    driver_config, retry, launch_ex = gpu._driver_config, gpu._retry, cu.cuLaunchKernelEx
-    check_stream = validate.stream
-
     def prepare(config: LaunchConfig, *args: Any) -> PreparedLaunch:
         if not isinstance(config, LaunchConfig):
             raise TypeError(f"{name}: config must be a gpu_runtime.LaunchConfig, got {type(config).__name__}")
-        buffer, params, pointers = layout.buffers()
+        buffer, params, pointers = new_buffers()
         try:
             layout.packer.pack_into(buffer, 0, *args)
         except (struct.error, TypeError, ValueError, OverflowError):
-            raise layout.refusal(name, args) from None
-        prepared = PreparedLaunch(kernel, config, args)
+            raise refusal(name, args) from None
+        if config.shared_mem > opted[0]:
+            opt_in(kernel, config.shared_mem, opted)
 
         def run(stream: int) -> None:
             if type(stream) is not int:
@@ -182,12 +179,13 @@ def _preparer(gpu: CudaLaunch, kernel: Kernel, function: Any) -> Any:
             if err:
                 retry(err, kernel, config, driver, params)
 
-        run.keep = (buffer, pointers)  # type: ignore[attr-defined]  # alive while run is (its driver reads them)
+        run.keep = (buffer, pointers)  # type: ignore[attr-defined]  # alive while run is: the driver reads them
+        prepared = PreparedLaunch(kernel, config, args)
         prepared.run = run
         gpu._prepared.add(prepared)
         return prepared
 
-    return prepare
+    return launch, prepare
 
 
 def _closed(*args: Any) -> Any:

@@ -329,7 +329,7 @@ class NgramDecoder(Closing):
         tables = self._adapter_tables(adapters, num_seqs)
         if rows == 0:
             return
-        self.launch_gather(*indices, num_seqs, rows, per_seq, stream, tables)
+        self.launches.gather(*indices, self.projection.rows_at(rows), rows, num_seqs, per_seq, stream, tables)
         self.projection.finish(rows, self.word_ids, out, stream, tables.word_over)
 
     def launch_gather(

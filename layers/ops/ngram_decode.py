@@ -57,12 +57,14 @@ class AdapterTables:
     hidden: int
     word_over: int
 
+    @property
     def kernel_args(self) -> tuple[int, ...]:
         """The gather kernel's adapter parameters, in its order (its last seven)."""
         return (self.index, self.maps, self.rows, self.counts, self.num, self.hidden, self.word_over)
 
 
 NO_ADAPTERS = AdapterTables(0, 0, 0, 0, 0, 0, 0)
+_NONE = NO_ADAPTERS.kernel_args
 
 _THREADS = 256  # 8 warps, one sequence (or fork pair) each; the gather's: PairLaunch
 
@@ -158,7 +160,7 @@ class DecodeLaunches:
             num_seqs,
             per_seq,
             *self._sizes,
-            *adapters.kernel_args(),
+            *(_NONE if adapters is NO_ADAPTERS else adapters.kernel_args),
         )
 
     def seed(self, tokens: int, cu_seqlens: int, slots: int, rows: int, num_seqs: int, stream: int) -> None:

@@ -3,8 +3,8 @@
 (overlay slots, the row cache) runs end to end in CI.
 
 Both bind kernels (``bind``) to a ``Kernel`` whose launch checks its arguments as
-``CudaBackend``'s does (``Kernel.check``: the signature read from the kernel's ``.cu``) and then
-hands the plain values to the backend's ``launch``, which records them.
+``CudaBackend``'s does (by the signature read from the kernel's ``.cu``) and then hands the plain
+values to the backend's ``launch``, which records them.
 
 ``refused``: a block that must raise before it records anything on a ``RecordingBackend``."""
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import struct
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import pytest
 
-from gpu_runtime import (ClosedError, DevicePtr, Events, GpuBackend, GpuError, Kernel, KernelHandle,
+from gpu_runtime import (LaunchConfig, validate, ClosedError, DevicePtr, Events, GpuBackend, GpuError, Kernel, KernelHandle,
                          KernelNotFoundError, MappedHostMemory, PinnedHostMemory, PitchedCopies, PreparedLaunch)
 from gpu_runtime.host_memory import host_view
 from gpu_runtime.signatures import Signature, module_signatures, parse_signatures
@@ -49,13 +50,24 @@ def recorded_kernel(gpu: Any, handle: KernelHandle, module: str, name: str,
     module, signature = kernel_signature(module, name, sources)
     kernel = Kernel(gpu, handle, f"{module}.{name}", signature)
 
+    def check(config, stream, args):  # what CudaBackend's launch checks, refused as it refuses
+        if not isinstance(config, LaunchConfig):
+            raise TypeError(f"{kernel.name}: config must be a gpu_runtime.LaunchConfig, got {type(config).__name__}")
+        stream = validate.stream(stream, f"{kernel.name}: stream")
+        try:
+            kernel.layout.packer.pack(*args)
+        except (struct.error, TypeError, ValueError, OverflowError):
+            raise kernel.layout.refusal(kernel.name, args) from None
+        values = [float(a) if k == "F" else bytes(a) if k == "T" else int(a) for k, a in zip(kernel.layout.kinds, args)]
+        return stream, values
+
     def launch(config, stream, *args):
-        stream, values = kernel.check(config, stream, args)
+        stream, values = check(config, stream, args)
         gpu.launch(handle, config.grid, config.block, config.shared_mem, stream, kernel.layout.kinds, values,
                    overlap=config.overlap)
 
     def prepare(config, *args):
-        kernel.check(config, 0, args)
+        check(config, 0, args)
         prepared = PreparedLaunch(kernel, config, args)
         prepared.run = lambda stream: launch(config, stream, *args)
         return prepared

@@ -395,7 +395,9 @@ def test_closed_backend_refuses_and_close_is_idempotent(gpu):
     ptr = backend.alloc(1024)
     backend.memset(ptr, 0, 1024)  # the kernel reads it (initcheck)
     k = backend.kernel(TEST_KERNELS / "runtime_test.cu", "add_u32")
-    ADD_U32.launch(backend, k, (1, 1, 1), (32, 1, 1), 0, dst=ptr, src=ptr, add=1, n=1)
+    add = backend.bind(k)
+    add.launch(LaunchConfig(1, 32), 0, ptr, ptr, 1, 1)
+    prepared = add.prepare(LaunchConfig(1, 32), ptr, ptr, 1, 1)
     backend.close()
     backend.close()
     with pytest.raises(ClosedError, match="CudaBackend is closed"):
@@ -404,8 +406,10 @@ def test_closed_backend_refuses_and_close_is_idempotent(gpu):
         backend.memset(ptr, 0, 16)
     with pytest.raises(ClosedError):
         KernelLaunch(backend, backend.kernel(TEST_KERNELS / "runtime_test.cu", "add_u32"))
-    with pytest.raises(ClosedError, match="backend is closed"):
-        ADD_U32.launch(backend, k, (1, 1, 1), (32, 1, 1), 0, dst=ptr, src=ptr, add=1, n=1)
+    for launch in (lambda: add.launch(LaunchConfig(1, 32), 0, ptr, ptr, 1, 1), lambda: prepared.run(0),
+                   lambda: backend.bind(k)):
+        with pytest.raises(ClosedError, match="backend is closed"):
+            launch()
 
 
 def test_pinned_upload_events_and_cross_stream_wait(gpu, rng):

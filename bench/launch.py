@@ -44,23 +44,29 @@ from layers.ops.residual import scaled_add
 N = 1024
 
 
+def _packed_args(out: int, x: int) -> tuple[int, tuple[Any, Any]]:
+    """``bf16_scaled_add``'s arguments (out, x, 0.5, N) packed once: the ``void*[]``'s address,
+    and what must stay alive with it."""
+    buf = ctypes.create_string_buffer(24)
+    struct.pack_into("@QQfI", buf, 0, out, x, 0.5, N)
+    base = ctypes.addressof(buf)
+    ptrs = (ctypes.c_void_p * 4)(base, base + 8, base + 16, base + 20)
+    return ctypes.addressof(ptrs), (buf, ptrs)
+
+
 def bare_launcher(gpu: CudaBackend, kernel: int, out: int, x: int, stream: int, handles: bool = False):
     """``cuLaunchKernel`` with a prebuilt argument array; ``handles``: the kernel and the stream
     given as the bindings' ``CUfunction`` / ``CUstream`` objects, built once, instead of ints."""
     if handles:
         kernel, stream = cu.CUfunction(kernel), cu.CUstream(stream)
-    buf = ctypes.create_string_buffer(24)
-    struct.pack_into("@QQfI", buf, 0, out, x, 0.5, N)
-    base = ctypes.addressof(buf)
-    ptrs = (ctypes.c_void_p * 4)(base, base + 8, base + 16, base + 20)
-    params = ctypes.addressof(ptrs)
+    params, keep = _packed_args(out, x)
 
     def launch(i: int) -> None:
         (err,) = cu.cuLaunchKernel(kernel, 1, 1, 1, 256, 1, 1, 0, stream, params, 0)
         if err:
             raise RuntimeError(err)
 
-    launch.keep = (buf, ptrs)  # type: ignore[attr-defined]
+    launch.keep = keep  # type: ignore[attr-defined]
     return launch
 
 
@@ -72,18 +78,14 @@ def bare_ex_launcher(kernel: int, out: int, x: int, stream: int):
     config.blockDimX, config.blockDimY, config.blockDimZ = 256, 1, 1
     config.sharedMemBytes = 0
     config.hStream = cu.CUstream(stream)
-    buf = ctypes.create_string_buffer(24)
-    struct.pack_into("@QQfI", buf, 0, out, x, 0.5, N)
-    base = ctypes.addressof(buf)
-    ptrs = (ctypes.c_void_p * 4)(base, base + 8, base + 16, base + 20)
-    params = ctypes.addressof(ptrs)
+    params, keep = _packed_args(out, x)
 
     def launch(i: int) -> None:
         (err,) = cu.cuLaunchKernelEx(config, function, params, 0)
         if err:
             raise RuntimeError(err)
 
-    launch.keep = (buf, ptrs, config)  # type: ignore[attr-defined]
+    launch.keep = (keep, config)  # type: ignore[attr-defined]
     return launch
 
 

@@ -95,7 +95,7 @@ def sections(log: str) -> list[tuple[str, list[str]]]:
     return out
 
 
-def render(log: str, *, commit: str | None, device: str, when: datetime) -> str:
+def render(log: str, *, commit: str | None, device: str, when: datetime, python: str | None = None) -> str:
     lines = [
         "# Benchmark results",
         "",
@@ -104,7 +104,7 @@ def render(log: str, *, commit: str | None, device: str, when: datetime) -> str:
         f"- machine: {device}",
         f"- commit: {commit or 'unknown (not a git checkout; pass --commit)'}",
         f"- date: {when.strftime('%Y-%m-%d %H:%M UTC')}",
-        f"- Python {platform.python_version()}",
+        *([f"- Python {python}"] if python else []),
     ]
     for name, body in sections(log):
         lines += ["", f"## {name}", *body]
@@ -120,6 +120,11 @@ def make_parser() -> argparse.ArgumentParser:
         "--out", type=Path, default=ROOT / "bench" / "RESULTS.md", help="where to write (default: bench/RESULTS.md)"
     )
     parser.add_argument("--commit", help="the commit the benchmarks ran on (default: this checkout's HEAD)")
+    parser.add_argument(
+        "--device",
+        help="the machine line, where the log is rendered off the machine that ran it "
+        "(default: asked of this machine's driver)",
+    )
     return parser
 
 
@@ -129,7 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.log.is_file():
         parser.error(f"no benchmark log at {args.log}")
     text = render(
-        args.log.read_text(), commit=args.commit or git_commit(), device=device_line(), when=datetime.now(UTC)
+        args.log.read_text(),
+        commit=args.commit or git_commit(),
+        device=args.device or device_line(),
+        when=datetime.now(UTC),
+        python=None if args.device else platform.python_version(),  # off the machine: not its Python
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)

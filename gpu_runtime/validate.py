@@ -87,16 +87,19 @@ def pointer(value: object, what: str, *, nullable: bool = False) -> int:
     return ptr
 
 
-def pointer_refusal(what: str, **pointers: object) -> Exception:
-    """The refusal of the first of ``pointers`` (by name) that is not a non-null device address,
-    for a launcher whose one-expression check found one: ``ValueError("scaled_add x: null device
-    pointer")``, or the ``TypeError`` of a value that is no address at all."""
-    for name, value in pointers.items():
-        try:
-            pointer(value, f"{what} {name}")
-        except (TypeError, ValueError) as exc:
-            return exc
-    return ValueError(f"{what}: a null device pointer among {', '.join(pointers)}")
+def pointers(what: str, names: str, *values: object) -> None:
+    """Refuse the first of ``values`` (named by the words of ``names``) that is not a non-null
+    device address: ``ValueError("scaled_add x: null device pointer")``, or the ``TypeError`` of
+    a value that is no address at all (an array, None). The launchers' one check of the pointers
+    their kernels need; the plain case is one ``all``."""
+    try:
+        if all(values):
+            return
+    except ValueError:  # a numpy array's truth value
+        pass
+    for name, value in zip(names.split(), values):
+        pointer(value, f"{what} {name}")
+    raise ValueError(f"{what}: a null device pointer among {names}")  # (not reached: one was refused)
 
 
 def stream(value: object, what: str) -> int:

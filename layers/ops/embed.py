@@ -45,12 +45,7 @@ def batched_embed(
     """
     if not _counts("batched_embed", n, dim):
         return
-    try:
-        given = ids and table and out
-    except ValueError:  # an array's truth value
-        given = False
-    if not given:
-        raise validate.pointer_refusal("batched_embed", ids=ids, table=table, out=out)
+    validate.pointers("batched_embed", "ids table out", ids, table, out)
     gpu.bind(kernel).launch(gather_config(n), stream, ids, table, out, n, dim)
 
 
@@ -61,12 +56,7 @@ def batched_embed_fp8(
     scale per row, rounded once to bf16. ``n`` or ``dim`` zero launches nothing."""
     if not _counts("batched_embed_fp8", n, dim):
         return
-    try:
-        given = ids and table and row_scale and out
-    except ValueError:  # an array's truth value
-        given = False
-    if not given:
-        raise validate.pointer_refusal("batched_embed_fp8", ids=ids, table=table, row_scale=row_scale, out=out)
+    validate.pointers("batched_embed_fp8", "ids table row_scale out", ids, table, row_scale, out)
     gpu.bind(kernel).launch(gather_config(n), stream, ids, table, row_scale, out, n, dim)
 
 
@@ -110,11 +100,6 @@ class ArgmaxEmbed:
         """One launch over ``m`` rows; ``m == 0`` launches nothing."""
         if validate.u32(m, "embed_from_argmax m") == 0:
             return
-        try:
-            given = logits and out and ids_out
-        except ValueError:  # an array's truth value
-            given = False
-        if not given:
-            raise validate.pointer_refusal("embed_from_argmax", logits=logits, out=out, ids_out=ids_out)
+        validate.pointers("embed_from_argmax", "logits out ids_out", logits, out, ids_out)
         args = (logits, self.vocab, self.table, out, ids_out, m, self.dim)
         self.kernel.launch(_argmax_config(m), stream, *args)

@@ -161,12 +161,7 @@ def _epilogue(word_ids: int, word: int, word_over: int, scale: float) -> tuple[i
     """The word kernels' last four arguments, in their order, checked."""
     if type(scale) is not float or not -validate.F32_MAX <= scale <= validate.F32_MAX:
         scale = validate.real32(scale, f"{WORD_KERNEL} scale")
-    try:
-        given = word_ids and word
-    except ValueError:  # an array's truth value
-        given = False
-    if not given:
-        raise validate.pointer_refusal(WORD_KERNEL, word_ids=word_ids, word=word)
+    validate.pointers(WORD_KERNEL, "word_ids word", word_ids, word)
     return word_ids, word, word_over, scale
 
 
@@ -187,12 +182,7 @@ def _prepare(
     """The launch of launcher ``name`` (``KERNEL`` or ``WORD_KERNEL``, whose ``epilogue`` ends its
     arguments) on checked sizes, prepared: ``kernel`` where the plan runs it, else the path's
     own kernel of ``gemm.cu``, with the TMA paths' tensor maps."""
-    try:
-        given = a and w.weight and c
-    except ValueError:  # an array's truth value
-        given = False
-    if not given:
-        raise validate.pointer_refusal(name, a=a, w=w.weight, c=c)
+    validate.pointers(name, "a w c", a, w.weight, c)
     p = _launch_plan(gpu, a, w, c, m, n, k, path, word=name == WORD_KERNEL)
     handle = kernel if p.kernel == name else load_kernel(gpu, MODULE, p.kernel)
     maps = _tensor_maps(gpu, p.path, a, w, c, m, n, k) if p.path in _TMA_BOXES else ()

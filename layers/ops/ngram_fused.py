@@ -112,12 +112,7 @@ class NgramGather:
 
     @staticmethod
     def _check(windows: int, out: int) -> None:
-        try:
-            given = windows and out
-        except ValueError:  # an array's truth value
-            given = False
-        if not given:
-            raise validate.pointer_refusal("ngram_gather", windows=windows, out=out)
+        validate.pointers("ngram_gather", "windows out", windows, out)
 
 
 def check_tables(

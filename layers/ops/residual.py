@@ -28,12 +28,7 @@ def scaled_add(gpu: GpuBackend, kernel: KernelHandle, out: int, x: int, scale: f
         scale = validate.real32(scale, "scaled_add scale")
     if (type(n) is not int or not 0 < n < 1 << 32) and validate.u32(n, "scaled_add n") == 0:
         return
-    try:
-        given = out and x
-    except ValueError:  # an array's truth value
-        given = False
-    if not given:
-        raise validate.pointer_refusal("scaled_add", out=out, x=x)
+    validate.pointers("scaled_add", "out x", out, x)
     blocks = (n + _ELEMS_PER_BLOCK - 1) // _ELEMS_PER_BLOCK  # add_config, inline: this runs every call
     config = _CONFIGS.get(blocks if blocks < _MAX_BLOCKS else _MAX_BLOCKS) or add_config(n)
     gpu.bind(kernel).launch(config, stream, out, x, scale, n)

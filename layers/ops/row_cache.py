@@ -36,11 +36,6 @@ class RowScatter:
             raise ValueError("scatter_rows: scales and arena_scales must both be given or both be null")
         if n == 0 or self.row_bytes == 0:
             return
-        try:
-            given = slots and rows
-        except ValueError:  # an array's truth value
-            given = False
-        if not given:
-            raise validate.pointer_refusal("scatter_rows", slots=slots, rows=rows)
+        validate.pointers("scatter_rows", "slots rows", slots, rows)
         config = _config(min(-(-n // _ROWS_PER_BLOCK), _MAX_BLOCKS))
         self.kernel.launch(config, stream, slots, rows, scales, self.arena, self.arena_scales, n, self.row_bytes)

@@ -110,12 +110,7 @@ def embed_rowdiff(
         raise ValueError("embed_rowdiff thresh is NaN: it would flag every row")
     if rows == 0:
         return
-    try:
-        given = base and served and flags
-    except ValueError:  # an array's truth value
-        given = False
-    if not given:
-        raise validate.pointer_refusal("embed_rowdiff", base=base, served=served, flags=flags)
+    validate.pointers("embed_rowdiff", "base served flags", base, served, flags)
     gpu.bind(kernel).launch(_config(-(-rows // 256), 1, 256), stream, base, served, flags, rows, h, thresh)
 
 
@@ -158,14 +153,9 @@ def embed_overlay_routed(
         active = validate.integer(active, "embed_overlay_routed active")
     if num_tokens == 0:
         return
-    try:
-        given = ids and slot_map_tab and rows_tab and n_tab and out
-    except ValueError:  # an array's truth value
-        given = False
-    if not given:
-        raise validate.pointer_refusal(
-            "embed_overlay_routed", ids=ids, slot_map_tab=slot_map_tab, rows_tab=rows_tab, n_tab=n_tab, out=out
-        )
+    validate.pointers(
+        "embed_overlay_routed", "ids slot_map_tab rows_tab n_tab out", ids, slot_map_tab, rows_tab, n_tab, out
+    )
     args = (ids, seq_slot, active, slot_map_tab, rows_tab, n_tab, out, h, vocab, num_slots, err)
     gpu.bind(kernel).launch(embed_overlay_config(num_tokens), stream, *args)
 
@@ -212,14 +202,9 @@ def lmhead_overlay_routed(
         active = validate.integer(active, "lmhead_overlay_routed active")
     if m == 0 or max_n_override == 0:
         return
-    try:
-        given = hidden and rows_tab and ids_tab and n_tab and logits
-    except ValueError:  # an array's truth value
-        given = False
-    if not given:
-        raise validate.pointer_refusal(
-            "lmhead_overlay_routed", hidden=hidden, rows_tab=rows_tab, ids_tab=ids_tab, n_tab=n_tab, logits=logits
-        )
+    validate.pointers(
+        "lmhead_overlay_routed", "hidden rows_tab ids_tab n_tab logits", hidden, rows_tab, ids_tab, n_tab, logits
+    )
     args = (hidden, seq_slot, active, rows_tab, ids_tab, n_tab, logits, h, vocab, num_slots, err)
     gpu.bind(kernel).launch(lmhead_overlay_config(m, max_n_override), stream, *args)
 

@@ -53,7 +53,7 @@ import time
 import numpy as np
 from cuda.bindings import driver as cu
 
-from bench.common import Events, bench_parser, gpu_time_ms, host_time_us, interleaved_times_us, print_table
+from bench.common import Events, bench_parser, gpu_time_ms, host_time_us, interleaved_times_us, print_table, run
 from bench.ngram_embed import CONTEXT, DIMS, device_weight
 from gpu_runtime import CudaBackend, DeviceBuffer
 from gpu_runtime.driver import call
@@ -463,4 +463,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

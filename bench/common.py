@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from functools import cache
@@ -17,7 +18,7 @@ from typing import Any
 
 from cuda.bindings import driver as cu
 
-from gpu_runtime import CudaBackend
+from gpu_runtime import CudaBackend, NoDeviceError, cli
 from gpu_runtime.driver import call
 
 
@@ -121,6 +122,16 @@ def gated_gpu_us(
     return statistics.median(times), expired
 
 
+def run(main: Callable[[], Any]) -> None:
+    """A benchmark's ``main``, run as ``python -m bench.<name>``: without a usable GPU, one line
+    on stderr and exit status 1 instead of the traceback."""
+    try:
+        main()
+    except NoDeviceError as exc:
+        spec = getattr(sys.modules["__main__"], "__spec__", None)  # bench.<name> under python -m
+        sys.exit(f"python -m {spec.name if spec else main.__module__}: needs a CUDA GPU: {exc}")
+
+
 def torch_stream() -> int:
     """torch's current CUDA stream as a raw handle (to gate and time torch the same way)."""
     return int(torch_or_none().cuda.current_stream().cuda_stream)
@@ -220,7 +231,7 @@ NEEDS_GPU = "Needs a CUDA GPU; torch (and CuPy) only for the comparison columns,
 def bench_parser(doc: str, module: str, epilog: str = NEEDS_GPU) -> argparse.ArgumentParser:
     """A benchmark's command line: its module docstring, whole, as the description (``--help``
     needs no GPU: nothing is imported or measured before ``main`` parses its arguments)."""
-    return argparse.ArgumentParser(
+    return cli.ArgumentParser(
         prog=f"python -m {module}",
         description=doc,
         epilog=f"{epilog}\n\n{BENCH_OUTPUT}",

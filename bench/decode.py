@@ -48,7 +48,15 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import bench_parser, copy_bandwidth, gated_gpu_us, interleaved_times_us, print_table, torch_or_none
+from bench.common import (
+    bench_parser,
+    copy_bandwidth,
+    gated_gpu_us,
+    interleaved_times_us,
+    print_table,
+    run,
+    torch_or_none,
+)
 from bench.decode_serving import serving_rows
 from bench.ngram_embed import DIMS, bare_launch_us, device_weight, torch_view
 from gpu_runtime import CudaBackend, DeviceArray, DevicePtr
@@ -678,4 +686,4 @@ def report(rows: list[Row]) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

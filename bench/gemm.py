@@ -24,6 +24,7 @@ from bench.common import (
     gated_gpu_us,
     matmul_rate,
     print_table,
+    run,
     torch_or_none,
     torch_stream,
 )
@@ -270,4 +271,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import bench_parser, gated_gpu_us, gpu_time_ms, print_table
+from bench.common import bench_parser, gated_gpu_us, gpu_time_ms, print_table, run
 from gpu_runtime import CudaBackend
 from layers.kernel_files import load_kernel
 from layers.ops.embed import batched_embed
@@ -195,4 +195,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 from cuda.bindings import driver as cu
 
-from bench.common import bench_parser, print_table
+from bench.common import bench_parser, print_table, run
 from bench.host_gather import DIM, ROW_BYTES, fill, gathered, random_block, tile, time_gather
 from gpu_runtime import CudaBackend
 from gpu_runtime.driver import call
@@ -256,4 +256,4 @@ def _cells(times: list[float], device: list[float]) -> tuple[float, float, float
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -12,7 +12,7 @@ import argparse
 import ml_dtypes
 import numpy as np
 
-from bench.common import bench_parser, copy_bandwidth, gated_gpu_us, print_table, torch_or_none, torch_stream
+from bench.common import bench_parser, copy_bandwidth, gated_gpu_us, print_table, run, torch_or_none, torch_stream
 from bench.gemm import gemm_table
 from gpu_runtime import CudaBackend
 from layers.kernel_files import load_kernel
@@ -148,4 +148,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

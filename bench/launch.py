@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 from cuda.bindings import driver as cu
 
-from bench.common import bench_parser, host_time_us, print_table
+from bench.common import bench_parser, host_time_us, print_table, run
 from gpu_runtime import CudaBackend, KernelLaunch, LaunchConfig, compiler, driver
 from gpu_runtime.cuda_backend import DRIVER_MODULES
 from layers.dense_weight import BF16, DenseWeight
@@ -402,4 +402,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

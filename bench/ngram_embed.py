@@ -29,6 +29,7 @@ from bench.common import (
     interleaved_times_us,
     matmul_rate,
     print_table,
+    run,
     torch_or_none,
     torch_stream,
     torch_time_ms,
@@ -330,4 +331,4 @@ def fused_table(
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-from bench.common import bench_parser, copy_bandwidth, gated_gpu_us, matmul_rate, print_table
+from bench.common import bench_parser, copy_bandwidth, gated_gpu_us, matmul_rate, print_table, run
 from gpu_runtime import CudaBackend, DevicePtr
 from layers.kernel_files import try_kernel
 from layers.ops.token_overlay import OverlayKernels
@@ -234,4 +234,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -18,6 +18,8 @@ import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
+from gpu_runtime import cli
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -112,7 +114,7 @@ def render(log: str, *, commit: str | None, device: str, when: datetime, python:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = cli.ArgumentParser(
         prog="python -m bench.results", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("log", type=Path, help="the output of `make bench` (gpu-check: $(LOG_DIR)/bench.log)")

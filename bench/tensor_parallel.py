@@ -16,7 +16,7 @@ import argparse
 
 import numpy as np
 
-from bench.common import bench_parser, print_table, wall_time_us
+from bench.common import bench_parser, print_table, run, wall_time_us
 from bench.ngram_embed import CONTEXT, DIMS, device_weight
 from gpu_runtime import CudaBackend, device_count
 from layers.ngram_embed import FusedNgramEmbedding, NgramShard, NgramTable, NgramWeights, embed_all, reduce_bytes
@@ -158,4 +158,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -32,6 +32,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from gpu_runtime import cli
 from layers.ngram_embed import CheckpointError, NgramCheckpoint
 from layers.overlay import AdapterOverlay, TableOverlay
 from layers.reference import gather_then_overlay_ref, gemm_bf16, lmhead_overlay_ref, ngram_embed, ngram_embed_fused
@@ -159,7 +160,7 @@ def run(model_dir: Path, seed: int, tokens: int, origin: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = cli.ArgumentParser(
         prog="cpu_reference.py",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -181,7 +182,11 @@ def main(argv: list[str] | None = None) -> int:
         "--save-model",
         type=Path,
         metavar="DIR",
-        help="write the tiny model folder into DIR and keep it (default: a temporary directory, deleted at exit)",
+        help="write the tiny model folder into DIR and keep it (default: a temporary directory, deleted at exit); "
+        "DIR must be new or empty, unless --force",
+    )
+    parser.add_argument(
+        "--force", action="store_true", help="with --save-model: write into DIR even if it holds files (replacing them)"
     )
     parser.add_argument(
         "--seed", type=int, default=0, help="seed of the tiny model's weights, the context and the adapter (default 0)"
@@ -192,6 +197,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--tokens must be >= 1")
     if args.seed < 0:
         parser.error("--seed must be >= 0")
+    if args.force and args.save_model is None:
+        parser.error("--force goes with --save-model")
+    save = args.save_model
+    if save is not None and save.exists() and not save.is_dir():
+        parser.error(f"--save-model {save}: a file is there, not a folder")
+    if save is not None and save.is_dir() and any(save.iterdir()) and not args.force:
+        parser.error(f"--save-model {save}: the folder is not empty (--force writes into it, replacing its model files)")
     try:
         if args.model_dir is not None:
             lines = run(args.model_dir, args.seed, args.tokens, str(args.model_dir))

@@ -12,12 +12,13 @@ copy at the end; the first CHECK steps are compared with a numpy re-run of the l
 Needs a CUDA GPU and the package installed (``pip install .``): python examples/greedy_decode.py
 """
 
+import argparse
 import sys
 
 import ml_dtypes
 import numpy as np
 
-from gpu_runtime import CudaBackend, DeviceArray, NoDeviceError
+from gpu_runtime import CudaBackend, DeviceArray, NoDeviceError, cli
 from layers.kernel_files import load_kernel
 from layers.ngram_embed import NgramDecoder, NgramDims, NgramWeights, ngram_ids_tail
 from layers.ops import ArgmaxEmbed, dense_gemm_bf16_pipelined
@@ -54,6 +55,9 @@ def reference_ids(word, tables, projs, prompts, steps):
 
 
 def main():
+    cli.ArgumentParser(
+        prog="greedy_decode.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    ).parse_args()  # no options: --help, and a usage error for any other argument
     rng = np.random.default_rng(0)
     word = randn(rng, (V, D), 1.0)
     tables = [randn(rng, (DIMS.table_rows(c), TD), 1.0) for c in range(T)]
@@ -122,4 +126,4 @@ if __name__ == "__main__":
     try:
         main()
     except NoDeviceError as exc:  # one line, not a traceback
-        sys.exit(f"{exc}\nThis example needs a CUDA GPU; examples/cpu_reference.py runs without one.")
+        sys.exit(f"greedy_decode.py needs a CUDA GPU (examples/cpu_reference.py runs without one): {exc}")

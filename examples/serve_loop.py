@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import ml_dtypes
 import numpy as np
 
-from gpu_runtime import CudaBackend, DeviceArray, NoDeviceError
+from gpu_runtime import CudaBackend, DeviceArray, NoDeviceError, cli
 from layers.ngram_embed import (
     NO_ADAPTER,
     PAD_SLOT,
@@ -524,10 +524,14 @@ def run(gpu: CudaBackend, steps: int = 2000, seed: int = 0) -> Report:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=2000)
-    parser.add_argument("--seed", type=int, default=0)
+    parser = cli.ArgumentParser(prog="serve_loop.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=2000, help="engine steps to run (default 2000)")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of the weights, the requests and the faults injected (default 0)"
+    )
     args = parser.parse_args()
+    if args.steps < 1 or args.seed < 0:
+        parser.error("--steps must be >= 1 and --seed >= 0")
     with CudaBackend() as gpu:
         report = run(gpu, args.steps, args.seed)
     print("\n".join(report.lines()))
@@ -537,4 +541,4 @@ if __name__ == "__main__":
     try:
         main()
     except NoDeviceError as exc:  # one line, not a traceback
-        sys.exit(f"{exc}\nThis example needs a CUDA GPU; examples/cpu_reference.py runs without one.")
+        sys.exit(f"serve_loop.py needs a CUDA GPU (examples/cpu_reference.py runs without one): {exc}")

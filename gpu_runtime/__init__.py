@@ -8,6 +8,7 @@ only adds a ``NullHandler``: nothing is printed unless the application configure
 
 import logging
 
+from . import cli  # the command-line tools' argument parser (usage errors in one line)
 from .backend import (
     DeviceCopies,
     Events,
@@ -33,6 +34,7 @@ __version__ = "0.2.0"  # the distribution's version (pyproject.toml reads it fro
 
 __all__ = [
     "__version__",
+    "cli",
     "ClosedError",
     "CudaBackend",
     "CudaError",

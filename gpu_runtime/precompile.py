@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from . import compiler, driver
+from . import cli, compiler, driver
 from .errors import NvrtcError
 from .signatures import module_signatures
 
@@ -81,7 +81,7 @@ def make_parser(
     description: str = __doc__, closing: str = "", prog: str = "python -m gpu_runtime.precompile"
 ) -> argparse.ArgumentParser:
     """The tool's options under another tool's description (``layers.precompile``)."""
-    parser = argparse.ArgumentParser(
+    parser = cli.ArgumentParser(
         prog=prog,
         description=description,
         epilog=closing or epilog(),
@@ -99,20 +99,31 @@ def make_parser(
     return parser
 
 
+def refuse(parser: argparse.ArgumentParser, message: str) -> int:
+    """A usage error in one line on stderr (``prog: error: message``); returns exit status 2."""
+    print(f"{parser.prog}: error: {message}", file=sys.stderr)
+    return 2
+
+
 def main(
     argv: list[str] | None = None,
     default_files: Callable[[], list[Path]] | None = None,
     parser: argparse.ArgumentParser | None = None,
+    no_default_files: str = "no .cu files given",
 ) -> int:
-    """Compile ``files`` (or ``default_files()`` when none are named); 1 if any failed."""
+    """Compile ``files`` (or ``default_files()`` when none are named); 1 if any failed, 2 for a
+    usage error (one line: ``no_default_files`` where there is nothing to compile)."""
     parser = parser or make_parser()
     args = parser.parse_args(argv)
     if args.arch and not re.fullmatch(r"(sm_\d{2,3}a?|compute_\d{2,3}a?)", args.arch):
-        parser.error(f"--arch {args.arch}: not sm_XX[a] or compute_XX (e.g. sm_90a, sm_80, compute_90)")
+        return refuse(parser, f"--arch {args.arch}: not sm_XX[a] or compute_XX (e.g. sm_90a, sm_80, compute_90)")
+    for path in args.files:
+        if not path.is_file():
+            return refuse(parser, f"{path}: {'a folder' if path.is_dir() else 'no such file'}, not a .cu file")
     arch = args.arch or default_arch()
     files = args.files or (default_files() if default_files else [])
     if not files:
-        parser.error("no .cu files given")
+        return refuse(parser, no_default_files)
     built = read_manifest()
     updates: dict[str, str] = {}
     compiled = fresh = failed = 0

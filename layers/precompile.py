@@ -12,16 +12,22 @@ warm); without one it is PTX for compute_90, which checks that every module comp
 
 from __future__ import annotations
 
+import os
 import sys
 
 from gpu_runtime import precompile
 
-from .kernel_files import kernel_files
+from .kernel_files import KERNEL_DIR_ENV, kernel_dir, kernel_files
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = precompile.make_parser(__doc__, precompile.epilog("layers.precompile", ""), "python -m layers.precompile")
-    return precompile.main(argv, default_files=kernel_files, parser=parser)
+    try:
+        where = f"no .cu files in {kernel_dir()}" + (f" (${KERNEL_DIR_ENV})" if os.environ.get(KERNEL_DIR_ENV) else "")
+        files = kernel_files
+    except FileNotFoundError as exc:  # no kernels/ folder anywhere
+        where, files = str(exc), list
+    return precompile.main(argv, default_files=files, parser=parser, no_default_files=where)
 
 
 if __name__ == "__main__":

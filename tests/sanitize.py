@@ -28,6 +28,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
+from gpu_runtime import cli
+
 TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
 SHARD_WEIGHT = {"racecheck": 2}  # racecheck runs about twice as long as the others
 
@@ -85,7 +87,7 @@ examples:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m tests.sanitize", description=__doc__, epilog=EPILOG,
+    ap = cli.ArgumentParser(prog="python -m tests.sanitize", description=__doc__, epilog=EPILOG,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("paths", nargs="*", default=["tests"], help="test files or directories (default: tests)")
     ap.add_argument("--tools", nargs="+", default=list(TOOLS), choices=TOOLS, metavar="TOOL",

@@ -514,3 +514,12 @@ def test_from_pretrained_on_the_gpu_embeds_as_from_numpy(gpu, rng, tmp_path, pla
     for a, b in zip(*results):
         assert np.isfinite(a.astype(np.float32)).all()
         np.testing.assert_array_equal(bits(a), bits(b))
+
+
+def test_a_checkpoint_made_from_a_path_points_to_open(tmp_path):
+    """``NgramCheckpoint(path)`` said "missing 7 required positional arguments" (issue 44)."""
+    from layers.ngram_embed.checkpoint import NgramCheckpoint
+
+    for path in (str(tmp_path), tmp_path):
+        with pytest.raises(TypeError, match=r"read a model folder with NgramCheckpoint\.open\(path\)"):
+            NgramCheckpoint(path)

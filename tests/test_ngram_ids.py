@@ -365,3 +365,14 @@ def test_seq_len_validation() -> None:
             ngram_ids_tail(dims, tokens, bad)  # type: ignore[arg-type]
     assert [a.tolist() for a in ngram_ids_tail(dims, tokens, np.int64(3))] == \
         ngram_ids_array(dims, tokens).tolist()
+
+
+@pytest.mark.parametrize("dims", [None, "dims", 3])
+def test_dims_that_are_not_ngram_dims_are_a_type_error(dims):
+    """``ngram_ids(None, ...)`` was an ``AttributeError`` from deep inside (issue 44)."""
+    from layers.ngram_embed.ids import ngram_ids, ngram_ids_array, ngram_ids_tail
+
+    for call in (lambda: ngram_ids(dims, [1, 2]), lambda: ngram_ids_array(dims, [1, 2]),
+                 lambda: ngram_ids_tail(dims, [1, 2], 1)):
+        with pytest.raises(TypeError, match=f"dims must be an NgramDims, got {type(dims).__name__}"):
+            call()

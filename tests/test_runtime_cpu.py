@@ -559,9 +559,8 @@ def test_precompile_reports_each_module(capsys, cache):
 def test_runtime_precompile_needs_files(capsys):
     from gpu_runtime import precompile
 
-    with pytest.raises(SystemExit):
-        precompile.main(["--arch", "compute_90"])
-    assert "no .cu files given" in capsys.readouterr().err
+    assert precompile.main(["--arch", "compute_90"]) == 2
+    assert capsys.readouterr().err == "python -m gpu_runtime.precompile: error: no .cu files given\n"
 
 
 def test_precompile_fails_on_error(tmp_path, cache, capsys):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gpu_runtime import compiler, precompile
+from gpu_runtime import compiler, device_count, precompile
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -223,9 +223,23 @@ def test_every_bench_table_has_a_header_line():
 
 @pytest.mark.parametrize("arch", ["bogus", "sm90", "sm_9x", "compute_"])
 def test_a_bad_target_is_one_usage_error(arch, capsys):
-    with pytest.raises(SystemExit) as exit_:
-        precompile.main(["--arch", arch, str(ROOT / "kernels" / "residual_add.cu")])
-    assert exit_.value.code == 2 and f"--arch {arch}: not sm_XX[a] or compute_XX" in capsys.readouterr().err
+    assert precompile.main(["--arch", arch, str(ROOT / "kernels" / "residual_add.cu")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--arch {arch}: not sm_XX[a] or compute_XX" in err
+
+
+@pytest.mark.parametrize("args, env, says", [
+    (["missing.cu"], {}, "error: missing.cu: no such file, not a .cu file"),
+    (["kernels"], {}, "error: kernels: a folder, not a .cu file"),
+    ([], {"GPU_RUNTIME_KERNEL_DIR": "/nowhere"}, "error: no .cu files in /nowhere ($GPU_RUNTIME_KERNEL_DIR)"),
+])
+def test_make_kernels_refuses_what_it_cannot_compile_in_one_line(args, env, says):
+    """A missing file, a folder, or a kernel directory (named by the variable) with no sources:
+    one line on stderr, exit status 2, nothing compiled (issue 44: a 15-line traceback before)."""
+    done = subprocess.run([sys.executable, "-m", "layers.precompile", *args], cwd=ROOT, capture_output=True,
+                          text=True, env=dict(os.environ, PYTHONPATH=str(ROOT), **env), timeout=120)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == f"python -m layers.precompile: {says}\n"
 
 
 def test_sanitize_without_compute_sanitizer_says_so(monkeypatch, capsys):
@@ -235,3 +249,58 @@ def test_sanitize_without_compute_sanitizer_says_so(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_:
         sanitize.main(["--tools", "memcheck"])
     assert exit_.value.code == 2 and "compute-sanitizer is not on PATH" in capsys.readouterr().err
+
+
+# -- usage errors and missing GPUs: one line each (issue 44) ------------------------------------
+def _run(argv: list[str], **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="", **env))
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["examples/greedy_decode.py", "--bogus"], "greedy_decode.py: error: unrecognized arguments: --bogus"),
+    (["examples/serve_loop.py", "--bogus"], "serve_loop.py: error: unrecognized arguments: --bogus"),
+    (["examples/serve_loop.py", "--steps", "0"], "serve_loop.py: error: --steps must be >= 1 and --seed >= 0"),
+    (["examples/cpu_reference.py", "--bogus"], "cpu_reference.py: error: unrecognized arguments: --bogus"),
+    (["examples/cpu_reference.py", "--force"], "cpu_reference.py: error: --force goes with --save-model"),
+    (["-m", "bench.launch", "--bogus"], "python -m bench.launch: error: unrecognized arguments: --bogus"),
+    (["-m", "layers.ngram_embed.convert"],
+     "python -m layers.ngram_embed.convert: error: the following arguments are required: MODEL_DIR, OUT_DIR"),
+    (["-m", "tests.sanitize", "--tools", "bogus"], "python -m tests.sanitize: error: argument --tools: invalid choice"),
+])
+def test_a_usage_error_is_one_line_and_status_2(argv, says):
+    done = _run(argv)
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith(says), done.stderr
+
+
+def test_the_examples_answer_help_with_what_they_do():
+    for example, words in (("greedy_decode.py", "captured graph"), ("serve_loop.py", "--steps STEPS engine steps")):
+        done = _run([f"examples/{example}", "--help"])
+        assert done.returncode == 0 and words in _flat(done.stdout), done.stdout
+
+
+def test_save_model_refuses_a_folder_with_files_or_a_file_unless_forced(tmp_path):
+    """``--save-model DIR`` replaced a model folder's files silently, and a file was a traceback."""
+    full, file = tmp_path / "model", tmp_path / "file"
+    full.mkdir()
+    (full / "config.json").write_text("mine")
+    file.write_text("mine")
+    for target, says in ((full, "the folder is not empty"), (file, "a file is there, not a folder")):
+        done = _run(["examples/cpu_reference.py", "--save-model", str(target)])
+        assert done.returncode == 2 and done.stderr.count("\n") == 1 and says in done.stderr, done.stderr
+    assert (full / "config.json").read_text() == "mine" and file.read_text() == "mine"
+    done = _run(["examples/cpu_reference.py", "--save-model", str(full), "--force"])
+    assert done.returncode == 0 and (full / "model.safetensors").is_file(), done.stderr
+    done = _run(["examples/cpu_reference.py", "--save-model", str(tmp_path / "new")])
+    assert done.returncode == 0 and (tmp_path / "new" / "config.json").is_file(), done.stderr
+
+
+@pytest.mark.skipif(device_count() > 0, reason="a GPU is present: the examples and benchmarks would run")
+@pytest.mark.parametrize("argv", [["examples/greedy_decode.py"], ["examples/serve_loop.py", "--steps", "1"],
+                                  ["-m", "bench.decode"], ["-m", "bench.kernels"]])
+def test_without_a_gpu_the_gpu_tools_say_so_in_one_line(argv):
+    done = _run(argv)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    last = done.stderr.splitlines()[-1]
+    assert "needs a CUDA GPU" in last and len(done.stderr.splitlines()) <= 2, done.stderr

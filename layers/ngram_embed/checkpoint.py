@@ -256,6 +256,11 @@ class NgramCheckpoint:
     scales: tuple[TensorRef | None, ...]
     shards: tuple[Path, ...]  # the files whose headers were read
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> NgramCheckpoint:
+        if len(args) == 1 and not kwargs and isinstance(args[0], (str, os.PathLike)):
+            raise TypeError(f"NgramCheckpoint({args[0]!r}): read a model folder with NgramCheckpoint.open(path)")
+        return super().__new__(cls)
+
     @classmethod
     def open(
         cls, model_dir: str | os.PathLike, *, eos_id: int | None = None, parts: str = "all", wide_tables: bool = False

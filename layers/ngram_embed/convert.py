@@ -49,7 +49,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from gpu_runtime import validate
+from gpu_runtime import cli, validate
 
 from ..atomic_write import write_atomically
 from ..dense_weight import BF16, FP8
@@ -324,7 +324,7 @@ arguments (MODEL_DIR missing or unreadable, OUT_DIR that cannot be created); 130
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = cli.ArgumentParser(
         prog=PROG,
         description=DESCRIPTION,
         epilog=EPILOG,

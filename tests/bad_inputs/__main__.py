@@ -7,11 +7,12 @@ tests/bad_inputs/test_readme.py checks that the README's table is the one genera
 
 import argparse
 
+from gpu_runtime import cli
 from tests.bad_inputs.readme import matrix_markdown
 
 
 def make_parser() -> argparse.ArgumentParser:
-    return argparse.ArgumentParser(
+    return cli.ArgumentParser(
         prog="python -m tests.bad_inputs", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Output: markdown on stdout, to paste over the README's section (no GPU needed).")
 

@@ -105,8 +105,9 @@ def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
             ok = end - start == count * DTYPES[dtype].itemsize
         if not ok or base + end > size:
             raise ValueError(
-                f"{path.name}: tensor {name!r} byte range [{start}, {end}) does not "
-                f"hold shape {shape} {dtype} (file is {size} bytes)"
+                f"{path.name}: tensor {name!r} at bytes [{base + start}, {base + end}) of the file "
+                f"(data_offsets [{start}, {end}) after the {base}-byte header) does not hold shape {shape} "
+                f"{dtype} (file is {size} bytes)"
             )
         out[name] = TensorInfo(name, dtype, shape, base + start, base + end)
     ranges = sorted((t.start, t.end, t.name) for t in out.values() if t.end > t.start)

@@ -341,6 +341,11 @@ def test_command_line(tmp_path, rng, capsys):
     rewrite_tensor(model, TABLE.format(1), None)
     assert main([str(model.path), str(tmp_path / "out3"), "--fp8"]) == 1
     assert "no tensor 'model.ngram_embeddings.embedders.1.weight'" in capsys.readouterr().err
+    # a refused conversion leaves no empty OUT_DIR behind (it did, issue 44); one that was there stays
+    assert not (tmp_path / "out2").exists() and not (tmp_path / "out3").exists()
+    (tmp_path / "mine").mkdir()
+    assert main([str(model.path), str(tmp_path / "mine"), "--fp8"]) == 1
+    assert (tmp_path / "mine").is_dir()
 
 
 # ==== progress, Ctrl-C, unused tensors, bad folders and --help =====================================

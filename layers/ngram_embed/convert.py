@@ -370,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     out_dir = Path(args.out_dir)
+    made = not out_dir.exists()  # a refused conversion leaves no empty OUT_DIR behind
     try:
         model_folder(args.model_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -390,6 +391,8 @@ def _run(args: argparse.Namespace) -> int:
         )
     except (CheckpointError, VerifyError, ValueError, OSError) as err:
         print(f"convert: {err}", file=sys.stderr)
+        if made and not any(out_dir.iterdir()):
+            out_dir.rmdir()
         return 1
     LOG.info("%d tables (%s) in %s", len(manifest["tables"]), manifest["dtype"], out_dir)
     return 0

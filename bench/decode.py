@@ -545,13 +545,13 @@ def main(argv: list[str] | None = None) -> None:
     if not placements or not set(placements) <= set(PLACEMENTS):
         raise SystemExit(f"bench.decode: --placements takes some of {', '.join(PLACEMENTS)}, got {args.placements!r}")
     torch = None if args.steps_only else torch_or_none()
-    if torch is None and not args.steps_only:
-        print("torch with CUDA not available: the torch rows are skipped", flush=True)
     rng = np.random.default_rng(0)
     dims = DIMS
     t, h, td = dims.num_tables(), dims.hidden_size, dims.table_dim()
     assert dims.max_ngram - 1 <= PROMPT
     with CudaBackend() as gpu:
+        if torch is None and not args.steps_only:
+            print("torch with CUDA not available: the torch rows are skipped", flush=True)
         stream = gpu.create_stream()
         bw = copy_bandwidth(gpu)
         word = device_weight(gpu, rng, dims.vocab_size, h, 1.0)

@@ -60,8 +60,8 @@ from gpu_runtime.driver import call
 from layers.dense_weight import BF16, DenseWeight
 from layers.ngram_embed import FusedNgramEmbedding, NgramEmbedding, NgramTable, NgramWeights
 from layers.ngram_embed.ids import ngram_ids_tail
-from layers.ngram_embed.row_cache import RowCache
-from layers.ngram_embed.table_file import TableFile, TableFormatError, TableHeader, TableWriter
+from layers.ngram_store.row_cache import RowCache
+from layers.ngram_store.table_file import TableFile, TableFormatError, TableHeader, TableWriter
 
 CAPACITY = 65536  # rows per table in each cache's device arena
 FUSED_BATCHES = (1, 64)  # sequences per fused decode step, one new token each

@@ -30,7 +30,6 @@ Run it on a CUDA GPU with the package installed (``pip install .``):
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from collections import Counter

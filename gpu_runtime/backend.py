@@ -43,17 +43,23 @@ class GpuBackend(ABC):
     def bind(self, kernel: KernelHandle) -> Kernel:
         """``kernel`` (a handle ``kernel`` returned) as a ``Kernel`` to launch, made once: its
         signature read from its source and checked against the parameter layout the driver
-        reports. Refuses a null handle (``ValueError``), one this backend did not load
-        (``GpuError``) and a closed backend (``ClosedError``)."""
+        reports. Raises ``ValueError`` for a null handle, ``GpuError`` for one this backend did not
+        load and ``ClosedError`` once the backend is closed."""
 
     @abstractmethod
-    def alloc(self, nbytes: int) -> DevicePtr: ...
+    def alloc(self, nbytes: int) -> DevicePtr:
+        """Allocate ``nbytes`` (>= 1) of device memory the backend owns until ``free`` or ``close``;
+        returns its address. Raises ``ValueError`` for 0 bytes."""
 
     @abstractmethod
-    def free(self, ptr: int) -> None: ...
+    def free(self, ptr: int) -> None:
+        """Free an address ``alloc`` returned; ``free(0)`` does nothing. Raises ``ValueError`` for an
+        address this backend did not allocate, or one freed already."""
 
     @abstractmethod
-    def memset(self, ptr: int, byte: int, nbytes: int, stream: int = 0) -> None: ...
+    def memset(self, ptr: int, byte: int, nbytes: int, stream: int = 0) -> None:
+        """Queue a fill of ``nbytes`` bytes at ``ptr`` with ``byte`` (0..255) on ``stream``; returns
+        at once."""
 
     @abstractmethod
     def copy_h2d_async(self, host: Host, dst: int, stream: int = 0) -> None:
@@ -64,10 +70,13 @@ class GpuBackend(ABC):
         """Fill ``host_out`` from ``src`` after the work queued on ``stream``; returns when done."""
 
     @abstractmethod
-    def synchronize(self, stream: int = 0) -> None: ...
+    def synchronize(self, stream: int = 0) -> None:
+        """Block the host until the work queued on ``stream`` (0: the default stream) has finished."""
 
     @abstractmethod
-    def create_stream(self) -> int: ...
+    def create_stream(self) -> int:
+        """A new stream handle (not synchronising with the default stream), owned by the backend
+        until ``close`` (``CudaBackend.destroy_stream`` ends one sooner)."""
 
 
 class _Capability(ABC):  # noqa: B024  # abstract only through its subclasses (ABC for ABCMeta's __subclasshook__)
@@ -92,7 +101,9 @@ class PinnedHostMemory(_Capability):
         place, over PCIe)."""
 
     @abstractmethod
-    def free_host(self, array: np.ndarray) -> None: ...
+    def free_host(self, array: np.ndarray) -> None:
+        """Free a whole buffer ``alloc_host`` returned (the same array: its address and size);
+        raises ``ValueError`` for anything else, or a buffer freed already."""
 
     @abstractmethod
     def upload_pinned_async(self, host: np.ndarray, dst: int, stream: int = 0) -> None:
@@ -123,17 +134,21 @@ class Events(_Capability):
     """Events, to order streams against each other and to wait for one point of a stream."""
 
     @abstractmethod
-    def create_event(self) -> int: ...
+    def create_event(self) -> int:
+        """A new event handle (no timing), owned by the backend until ``destroy_event`` or ``close``."""
 
     @abstractmethod
-    def record_event(self, event: int, stream: int = 0) -> None: ...
+    def record_event(self, event: int, stream: int = 0) -> None:
+        """Record ``event`` at the current end of ``stream``: it completes when the work queued
+        there before it has."""
 
     @abstractmethod
     def wait_event(self, stream: int, event: int) -> None:
         """Work queued on ``stream`` after this waits for ``event`` (on the GPU; the host goes on)."""
 
     @abstractmethod
-    def event_synchronize(self, event: int) -> None: ...
+    def event_synchronize(self, event: int) -> None:
+        """Block the host until the work before ``event``'s last record has finished."""
 
     @abstractmethod
     def event_done(self, event: int) -> bool:
@@ -141,7 +156,9 @@ class Events(_Capability):
         (a watchdog polls it to give up on a stream that never finishes)."""
 
     @abstractmethod
-    def destroy_event(self, event: int) -> None: ...
+    def destroy_event(self, event: int) -> None:
+        """Destroy an event ``create_event`` returned; raises ``ValueError`` for one this backend did
+        not create, or one destroyed already."""
 
 
 class Graphs(_Capability):
@@ -160,13 +177,19 @@ class Graphs(_Capability):
         """Stop recording and discard it (after an error during capture)."""
 
     @abstractmethod
-    def launch_graph(self, graph: int, stream: int) -> None: ...
+    def launch_graph(self, graph: int, stream: int) -> None:
+        """Queue one replay of ``graph`` (an ``end_capture`` handle) on ``stream``; raises
+        ``ValueError`` for a handle that is not a live graph of this backend."""
 
     @abstractmethod
-    def destroy_graph(self, graph: int) -> None: ...
+    def destroy_graph(self, graph: int) -> None:
+        """Destroy a graph ``end_capture`` returned; raises ``ValueError`` for one that is not a live
+        graph of this backend (or destroyed already)."""
 
 
 class PitchedCopies(_Capability):
+    """2-D device-to-device copies between buffers whose rows are laid out with different pitches."""
+
     @abstractmethod
     def copy_2d_async(
         self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int, stream: int = 0
@@ -175,6 +198,8 @@ class PitchedCopies(_Capability):
 
 
 class DeviceCopies(_Capability):
+    """Device-to-device copies of a byte range in stream order (``LocalGroup``'s all-reduce needs them)."""
+
     @abstractmethod
     def copy_d2d_async(self, dst: int, src: int, nbytes: int, stream: int = 0) -> None:
         """Device to device, ``nbytes`` from ``src`` to ``dst``, in stream order."""

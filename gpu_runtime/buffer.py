@@ -61,6 +61,7 @@ class DeviceBuffer:
 
     @property
     def closed(self) -> bool:
+        """True once ``close()`` ran (or began): ``ptr`` and ``int(buffer)`` then raise ``ClosedError``."""
         return self._ptr is None
 
     @property

@@ -27,6 +27,11 @@ from .pointers import DevicePtr
 
 
 class DeviceArray:
+    """A typed view of device memory: ``ptr`` on ``gpu`` holding a C-contiguous ``shape`` array of
+    numpy ``dtype``, its work queued on ``stream``. Frees the memory on ``free()`` only when it is
+    the ``owner`` (``empty``, ``from_numpy``); exports it to other libraries without a copy.
+    Raises ``TypeError`` / ``ValueError`` for a wrong ``gpu``, ``stream`` or ``shape``."""
+
     __slots__ = ("gpu", "ptr", "shape", "dtype", "owner", "stream", "__weakref__")
 
     def __init__(
@@ -42,6 +47,8 @@ class DeviceArray:
     # -- construction -----------------------------------------------------------------------
     @classmethod
     def empty(cls, gpu: GpuBackend, shape: Sequence[int], dtype: Any, stream: int = 0) -> DeviceArray:
+        """A new, uninitialised array that owns its allocation (at least one byte, so a zero-size
+        array has an address too), its work queued on ``stream``."""
         check_backend(gpu, "DeviceArray.empty: gpu")
         validate.stream(stream, "DeviceArray.empty: stream")
         dims = _shape(shape, "DeviceArray.empty: shape")
@@ -50,6 +57,8 @@ class DeviceArray:
 
     @classmethod
     def from_numpy(cls, gpu: GpuBackend, host: np.ndarray, stream: int = 0) -> DeviceArray:
+        """A new owning array holding a copy of ``host`` (made C-contiguous), uploaded on ``stream``;
+        ``host`` may be reused as soon as this returns. Frees the allocation if the upload raises."""
         check_backend(gpu, "DeviceArray.from_numpy: gpu")
         validate.stream(stream, "DeviceArray.from_numpy: stream")
         host = np.ascontiguousarray(host)
@@ -64,13 +73,17 @@ class DeviceArray:
     # -- data movement ----------------------------------------------------------------------
     @property
     def size(self) -> int:
+        """The element count, the product of ``shape`` (1 for a 0-d array)."""
         return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
+        """The bytes the elements take, ``size * dtype.itemsize``."""
         return self.size * self.dtype.itemsize
 
     def upload(self, host: np.ndarray) -> DeviceArray:
+        """Copy ``host`` (converted to this dtype, C-contiguous) into the array on its stream and
+        return the array; raises ``ValueError`` when the shapes differ."""
         host = np.ascontiguousarray(host, dtype=self.dtype)
         if host.shape != self.shape:
             raise ValueError(f"upload of shape {host.shape} into a DeviceArray of shape {self.shape}")
@@ -78,6 +91,8 @@ class DeviceArray:
         return self
 
     def to_numpy(self) -> np.ndarray:
+        """A new host array with the contents, after the work queued on the array's stream
+        (this waits for it)."""
         out = np.empty(self.shape, self.dtype)
         self.gpu.copy_d2h(out, self.ptr, self.stream)
         return out
@@ -105,9 +120,9 @@ class DeviceArray:
         self, *, stream: int | None = None, max_version: Any = None, dl_device: Any = None, copy: bool | None = None
     ) -> Any:
         """An unversioned DLPack capsule over this array (no copy: ``copy=True`` and another
-        ``dl_device`` are refused). The work queued on this array's stream completes first (one
-        synchronisation) unless the consumer's ``stream`` is that stream (None and 1: the legacy
-        default stream, which is this array's 0) or -1 (no synchronisation)."""
+        ``dl_device`` raise ``BufferError``). The work queued on this array's stream completes first
+        (one synchronisation) unless the consumer's ``stream`` is that stream (None and 1: the
+        legacy default stream, which is this array's 0) or -1 (no synchronisation)."""
         if copy:
             raise BufferError("DeviceArray.__dlpack__: copy=True is not supported (the export is a view)")
         if dl_device is not None and tuple(dl_device) != self.__dlpack_device__():
@@ -126,6 +141,8 @@ class DeviceArray:
 
     # -- lifetime ---------------------------------------------------------------------------
     def free(self) -> None:
+        """Free the allocation if the array owns it and the backend is open, and null ``ptr``; safe
+        to call twice. Views exported earlier must not be used after it."""
         if self.owner and self.ptr and not self.gpu.closed:
             self.gpu.free(self.ptr)
         self.ptr = DevicePtr(0)
@@ -144,7 +161,8 @@ _LEGACY_STREAM = 1  # the legacy default stream, as the array interface and DLPa
 
 
 def _shape(shape: Sequence[int], what: str) -> tuple[int, ...]:
-    """``shape`` as a tuple of ints >= 0 (a negative or non-integer dimension is refused)."""
+    """``shape`` as a tuple of ints >= 0 (``ValueError`` for a negative dimension, ``TypeError`` for a
+    non-integer one)."""
     try:
         dims = tuple(shape) if not isinstance(shape, (str, bytes)) else None
     except TypeError:

@@ -41,7 +41,7 @@ class CudaError(GpuError):
 
 
 class NvrtcError(GpuError):
-    """NVRTC refused a kernel source; ``log`` holds the compiler's own file:line messages."""
+    """NVRTC failed to compile a kernel source; ``log`` holds the compiler's own file:line messages."""
 
     def __init__(self, result: str, source: str, log: str) -> None:
         self.result = result
@@ -65,7 +65,7 @@ def _cuda_result_name(code: int) -> str:
 
 def attempt_each(steps: Iterable[Callable[[], object]], catch: type[Exception] = Exception) -> None:
     """Run every one of ``steps``, even after one raised ``catch`` (a release after a kernel
-    fault: the driver may refuse some and must still be asked for the rest); the first such
+    fault: the driver may fail some and must still be asked for the rest); the first such
     error is raised once the last step ran."""
     first: Exception | None = None
     for step in steps:

@@ -1,9 +1,9 @@
 """``KernelLaunch``: the seed's positional builder, a thin front on ``Kernel.launch``.
 
 Each ``arg_*`` range-checks its value as it is given and records its kind; ``launch`` binds the
-kernel (``gpu.bind``, made once per backend), refuses arguments whose kinds differ from the
-kernel's signature, and launches them with the ``LaunchConfig`` of the builder's grid, block and
-shared memory (made once per shape).
+kernel (``gpu.bind``, made once per backend), raises ``TypeError`` for arguments whose kinds
+differ from the kernel's signature, and launches them with the ``LaunchConfig`` of the builder's
+grid, block and shared memory (made once per shape).
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ class KernelLaunch:
 
     @classmethod
     def new(cls, gpu: GpuBackend, kernel: KernelHandle) -> KernelLaunch:
-        """The seed's spelling, ``KernelLaunch::new(gpu, kernel)``."""
+        """``KernelLaunch(gpu, kernel)``: a builder for ``kernel`` on ``gpu``, in the spelling of the Rust
+        engine this package mirrors, ``KernelLaunch::new(gpu, kernel)`` (docs/SEED.md)."""
         return cls(gpu, kernel)
 
     # Each setter takes plain in-range values on a fast path written inline (a helper call costs

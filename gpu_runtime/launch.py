@@ -142,7 +142,7 @@ class ArgLayout:
 
 
 def _check(what: str, param: Param, value: Any) -> None:
-    """Refuse ``value`` for ``param`` as the policy words it (the slow path: a launch failed)."""
+    """Raise the error the validation policy gives ``value`` for ``param`` (the slow path: a launch failed)."""
     kind = param.kind
     if kind == "P":
         validate.pointer(value, what, nullable=True)
@@ -184,7 +184,7 @@ class Kernel:
     ``stream`` (an int handle, 0: the default stream); ``prepare(config, *args)`` packs them
     once, for a ``PreparedLaunch`` to run as often as needed. Both are set by the backend that
     made the kernel: a launch packs, submits, and raises ``CudaError`` naming the kernel if the
-    driver refuses; ``ClosedError`` once the backend is closed. Safe to call from several threads
+    driver rejects it; ``ClosedError`` once the backend is closed. Safe to call from several threads
     at once (each packs into its own buffer)."""
 
     __slots__ = ("backend", "handle", "name", "layout", "launch", "prepare")
@@ -199,6 +199,8 @@ class Kernel:
 
     @property
     def signature(self) -> Signature:
+        """The kernel's parameters in order (``Param``: C name and kind letter), read from its source:
+        what ``launch`` checks its arguments against."""
         return self.layout.signature
 
     def _unbound(self, *args: Any) -> Any:

@@ -68,7 +68,7 @@ class PinnedStaging:
 
     def _untracked(self, cls: int, host: int, stream: int) -> None:
         """A queued copy whose end no event marks: its buffer goes back to the pool only once the
-        stream has finished with it, and stays out (freed at close) if even that is refused."""
+        stream has finished with it, and stays out (freed at close) if even that wait fails."""
         try:
             call(cu.cuStreamSynchronize, stream)
         except CudaError:

@@ -88,7 +88,7 @@ def pointer(value: object, what: str, *, nullable: bool = False) -> int:
 
 
 def pointers(what: str, names: str, *values: object) -> None:
-    """Refuse the first of ``values`` (named by the words of ``names``) that is not a non-null
+    """Raise for the first of ``values`` (named by the words of ``names``) that is not a non-null
     device address: ``ValueError("scaled_add x: null device pointer")``, or the ``TypeError`` of
     a value that is no address at all (an array, None). The launchers' one check of the pointers
     their kernels need; the plain case is one ``all``."""
@@ -116,7 +116,7 @@ def stream(value: object, what: str) -> int:
 
 
 def _kind(value: object) -> str:
-    """A value of the wrong type as a refusal names it: its type, and a short scalar's repr
+    """A value of the wrong type as an error message names it: its type, and a short scalar's repr
     (``str 'cpu'``, ``int 0``, ``None``; a backend or an array by its type alone)."""
     if value is None:
         return "None"

@@ -2,7 +2,7 @@
 
 bf16 weights are ``[rows, cols]`` ``ml_dtypes.bfloat16``; fp8 weights are
 ``ml_dtypes.float8_e4m3fn`` with one f32 scale per row (``row_scale``), without which an fp8
-weight is refused. The owner frees it with ``close()`` (or a ``with`` block): a weight owns the
+weight raises ``ValueError``. The owner frees it with ``close()`` (or a ``with`` block): a weight owns the
 ``DeviceBuffer`` s it was built on (``from_numpy``, ``owning``).
 """
 
@@ -51,14 +51,17 @@ class WeightShape:
 
     @property
     def rows(self) -> int:
+        """``shape[0]``: the weight's rows."""
         return self.shape[0]
 
     @property
     def cols(self) -> int:
+        """``shape[1]``: the elements of one row."""
         return self.shape[1]
 
     @property
     def nbytes(self) -> int:
+        """The bytes of the rows, ``rows * cols * dtype.itemsize`` (fp8 scales not counted)."""
         return self.rows * self.cols * self.dtype.itemsize
 
 
@@ -89,8 +92,8 @@ class DenseWeight(WeightShape):
         row_scale: DeviceBuffer | None = None,
     ) -> DenseWeight:
         """A weight over ``weight`` (and ``row_scale``), buffers on ``gpu`` that it owns from now
-        on. Refused unless ``shape`` is two positive ints, the dtype bf16 or fp8 (then with
-        ``row_scale``), and each buffer holds what the shape says."""
+        on. Raises ``TypeError`` / ``ValueError`` unless ``shape`` is two positive ints, the dtype bf16
+        or fp8 (then with ``row_scale``), and each buffer holds what the shape says."""
         check_backend(gpu, "DenseWeight.owning: gpu")
         try:
             rows, cols = shape

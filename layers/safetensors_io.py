@@ -60,7 +60,7 @@ class TensorInfo:
 def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
     """The header of one file, read without touching (or mapping) any tensor data: ``{name:
     TensorInfo}``. Checks the header's structure and that every byte range lies inside the file;
-    a dtype this reader cannot map is kept by name (``map_tensor`` refuses it), so a shard whose
+    a dtype this reader cannot map is kept by name (``map_tensor`` raises for it), so a shard whose
     other tensors have exotic dtypes can still be read for the ones that matter."""
     path = Path(path)
     size = path.stat().st_size

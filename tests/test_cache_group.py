@@ -17,11 +17,11 @@ import pytest
 
 from gpu_runtime import ClosedError, KernelHandle
 from layers.ngram_embed import FusedNgramEmbedding, NgramDims, NgramTable, NgramWeights
-from layers.ngram_embed.cache_group import CacheGroup, cache_group
+from layers.ngram_store.cache_group import CacheGroup, cache_group
 from layers.ngram_embed.ids import NO_TOKEN, ngram_ids_tail, ngram_ids_windows
-from layers.ngram_embed.row_cache import RowCache
-from layers.ngram_embed.slot_index import SharedSlotIndex, SlotIndex, SlotStore
-from layers.ngram_embed.table_file import write_table
+from layers.ngram_store.row_cache import RowCache
+from layers.ngram_store.slot_index import SharedSlotIndex, SlotIndex, SlotStore
+from layers.ngram_store.table_file import write_table
 from layers.dense_weight import BF16
 from tests.helpers.fakes import MemoryBackend
 from tests.helpers import Guarded, bits

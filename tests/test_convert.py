@@ -29,11 +29,12 @@ from layers import reference as ref
 from layers.ngram_embed import (CheckpointError, FusedNgramEmbedding, NgramDecoder, NgramTable, NgramWeights,
                                 TableFile)
 from layers.ngram_embed import convert_progress
-from layers.ngram_embed.convert import (NonFiniteRow, TableWriter, VerifyError, convert, main, quantize_fp8_rows,
-                                        verify_tables)
+from layers.ngram_embed.convert import convert, main, verify_tables
+from layers.ngram_store import TableWriter, VerifyError
+from layers.ngram_store.row_encoding import NonFiniteRow, quantize_fp8_rows
 from layers.ngram_embed.decoder import NO_ROW_CACHE
-from layers.ngram_embed.row_cache import RowCache
-from layers.ngram_embed.table_manifest import MANIFEST
+from layers.ngram_store.row_cache import RowCache
+from layers.ngram_store.table_manifest import MANIFEST
 from layers.dense_weight import BF16, FP8
 from tests.helpers import bits, random_bf16
 from tests.helpers.checkpoint import (PROJ, SCALE, TABLE, layer_bytes, make_model, rewrite_tensor, shard_of, tiny_config,

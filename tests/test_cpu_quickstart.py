@@ -2,7 +2,8 @@
 opened with ``NgramCheckpoint`` and run through the numpy references of the layer and of a LoRA
 token overlay, no GPU.
 
-- The example, run from another directory on the installed package, prints each result's shape
+- The example, run from another directory on the working tree's packages (not an older install),
+  prints each result's shape
   and the exact CRC32 of its bytes for the default seed (``EXPECTED``).
 - With every CUDA driver and NVRTC function of ``cuda.bindings`` replaced by a recorder, and
   ``CUDA_VISIBLE_DEVICES=``, it prints the same and calls none of them: nothing on the CPU path
@@ -20,7 +21,6 @@ token overlay, no GPU.
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
 import importlib.util
 import os
 import re
@@ -82,14 +82,10 @@ if calls:
 
 
 def _env(tmp_path: Path) -> dict[str, str]:
-    """No visible GPU, an empty kernel cache path, and the package as installed: on PYTHONPATH
-    only where it is not (a checkout run without ``pip install``)."""
+    """No visible GPU, an empty kernel cache path, and the working tree's packages first on the
+    path (an installed copy may be older than the tree under test)."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "GPU_RUNTIME_CACHE_DIR": str(tmp_path / "kernel-cache")}
-    env.pop("PYTHONPATH", None)
-    try:
-        importlib.metadata.distribution("metrale-gpu")
-    except importlib.metadata.PackageNotFoundError:
-        env["PYTHONPATH"] = str(ROOT)
+    env["PYTHONPATH"] = str(ROOT)
     return env
 
 
@@ -222,6 +218,16 @@ def test_example_imports_public_names_only():
 
 
 # -- the README --------------------------------------------------------------------------------------
+def test_the_example_runs_on_the_working_tree(tmp_path):
+    """What the example imports is this checkout's code, whatever ``pip install .`` put in
+    site-packages earlier."""
+    probe = "import gpu_runtime, layers, layers.reference; print(gpu_runtime.__file__); print(layers.__file__)"
+    done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=_env(tmp_path), capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert [Path(line).resolve().parents[1] for line in done.stdout.splitlines()] == [ROOT, ROOT]
+
+
 def test_readme_shows_the_examples_output():
     assert _readme_block("text") == EXPECTED
 

@@ -109,10 +109,19 @@ def test_no_import_cycles_and_no_private_names_across_packages():
     assert private == []
 
 
+def test_the_storage_tier_imports_nothing_of_the_model():
+    """``layers.ngram_store`` sits below ``layers.ngram_embed`` (docs/ARCHITECTURE.md): importing
+    the model from it would tie the packages in a circle through their ``__init__``."""
+    edges, _ = import_graph()
+    store = {m: deps for m, deps in edges.items() if m.startswith("layers.ngram_store")}
+    assert len(store) >= 8
+    assert [(m, d) for m, deps in store.items() for d in deps if d.startswith("layers.ngram_embed")] == []
+
+
 def test_type_checking_imports_count():
     """An import only the type checker follows ties its modules as any other does."""
     edges, _ = import_graph()
-    assert "layers.backend_caps" in edges["layers.ngram_embed.row_cache"]  # imported under TYPE_CHECKING there
+    assert "layers.backend_caps" in edges["layers.ngram_store.row_cache"]  # imported under TYPE_CHECKING there
 
 
 def test_the_checks_see_a_cycle_and_a_private_import():

@@ -15,7 +15,7 @@ import pytest
 
 from gpu_runtime import compiler
 from layers.ngram_embed import DeviceBudget, NgramWeights, RowCache
-from layers.ngram_embed.cache_group import CacheGroup
+from layers.ngram_store.cache_group import CacheGroup
 from tests.helpers.checkpoint import make_model, write_model
 from tests.helpers.logging_backend import LoggingBackend
 from tests.helpers.row_cache import mem_gpu, table_file
@@ -93,7 +93,7 @@ def test_a_batch_of_mostly_misses_is_one_warning_per_interval(cache, caplog):
     caplog.set_level(logging.WARNING, logger="layers")
     _resolve(cache, range(200))  # 200 misses of 200 ids
     (record,) = records(caplog, "layers", logging.WARNING)
-    assert record.name == "layers.ngram_embed.row_cache"
+    assert record.name == "layers.ngram_store.row_cache"
     message = record.getMessage()
     assert "t.ngt" in message and "200 of a batch's 200 ids missed" in message
     assert "the arena holds 1024 of 4096 rows" in message and "no such notice for 60 s" in message
@@ -177,7 +177,7 @@ def test_nothing_is_printed_unless_logging_is_configured(capsys):
     assert loud.returncode == 0, loud.stderr
     assert "INFO:gpu_runtime.compiler:NVRTC compiled kernel module 'k' for compute_90" in loud.stderr
     assert "INFO:layers.ngram_embed.pretrained:NgramWeights.from_pretrained: 4 of 4 tables in host memory" in loud.stderr
-    assert "WARNING:layers.ngram_embed.row_cache:RowCache" in loud.stderr
+    assert "WARNING:layers.ngram_store.row_cache:RowCache" in loud.stderr
     for name in ("gpu_runtime", "layers"):  # the library adds a NullHandler, and nothing else
         handlers = logging.getLogger(name).handlers
         assert handlers and all(type(h) is logging.NullHandler for h in handlers)

@@ -18,9 +18,10 @@ from gpu_runtime.interop import device_address
 from layers.atomic_write import write_atomically
 from layers.dense_weight import BF16, FP8
 from layers.ngram_embed import NgramCheckpoint, NgramDecoder, NgramDims, TableFile
-from layers.ngram_embed.convert import TableWriter, VerifyError, convert, verify_tables
-from layers.ngram_embed.table_file import write_table
-from layers.ngram_embed.table_manifest import MANIFEST
+from layers.ngram_embed.convert import convert, verify_tables
+from layers.ngram_store import TableWriter, VerifyError
+from layers.ngram_store.table_file import write_table
+from layers.ngram_store.table_manifest import MANIFEST
 from layers.ops.token_overlay import MAX_LMHEAD_OVERRIDES, OverlayKernels, lmhead_overlay_routed
 from layers.overlay import AdapterOverlay, OverlaySlots, TableOverlay
 from tests.helpers import random_bf16, random_fp8

@@ -3,7 +3,7 @@ every host-side refusal before any launch; on the GPU, bit for bit the fused pat
 tokens through ragged and chunked prefills, 100 graph-replayed decode steps, EOS, slot reuse,
 k-token steps with rollbacks, host-memory reads of the histories, and every device-side bad
 value flagged with the other rows intact and nothing written outside the outputs (those checks
-live in ``tests.helpers.decoder_checks``, which test_tensor_parallel.py runs on a one-rank shard's
+live in ``tests.helpers.decoder_checks``, which test_tensor_parallel_runners.py runs on a one-rank shard's
 decoder too)."""
 
 from __future__ import annotations
@@ -170,7 +170,7 @@ def world(gpu, rng):
 def test_decoder_check(world, check):
     """Ragged and chunked prefills, graph-replayed steps with resets and slot reuse, k-token steps
     with rollbacks, bad device values: ``decoder_checks``' checks, run on a one-rank shard's
-    decoder too (test_tensor_parallel.py)."""
+    decoder too (test_tensor_parallel_runners.py)."""
     check(world)
 
 

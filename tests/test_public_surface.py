@@ -13,7 +13,7 @@ must raise ``TypeError`` (``ValueError`` for a negative stream) whose message na
 parameter, with nothing logged on the backend; then once with the valid arguments.
 
 Left out: the backend interface itself (``GpuBackend``, its capabilities, ``CudaBackend``: its
-streams go to the driver as they are, README "Bad input") and protocols (``Collective``,
+streams go to the driver as they are, docs/BAD_INPUT.md) and protocols (``Collective``,
 ``CollectiveGroup``: implemented elsewhere). ``PENDING``: entry points another change owns.
 ``pytest -s tests/test_public_surface.py`` prints the counts."""
 
@@ -64,10 +64,8 @@ from tests.helpers.logging_backend import LoggingBackend
 from tests.helpers.ngram import device_weights, random_layer, small_dims
 from tests.helpers.overlay import adapter_copy, random_overlay
 from tests.helpers.peft import EMBED, save_adapter, token_rows, tt_config
+from tests.helpers.public_names import exported
 
-MODULES = ["gpu_runtime", "layers.ngram_embed", "layers.overlay", "layers.peft_adapter", "layers.tensor_parallel",
-           "layers.tensor_parallel.nccl"]
-MORE = {"layers.dense_weight": ["DenseWeight"], "layers.ops.token_overlay": ["OverlayKernels"]}
 INTERFACES = (GpuBackend, PinnedHostMemory, MappedHostMemory, Events, Graphs, PitchedCopies, DeviceCopies, TensorMaps)
 BACKENDS, STREAMS = ("gpu", "gpus"), ("stream", "streams")
 PENDING: dict[str, str] = {}
@@ -90,10 +88,7 @@ def public_callables() -> dict[str, Any]:
     attribute maps to None (its signature comes from the case's instance)."""
     found: dict[str, Any] = {}
     seen: set[int] = set()
-    names = [(m, n) for m in MODULES for n in importlib.import_module(m).__all__]
-    names += [(m, n) for m, ns in MORE.items() for n in ns]
-    for module, name in names:
-        obj = getattr(importlib.import_module(module), name)
+    for module, name, obj in exported():
         if id(obj) in seen or not callable(obj):
             continue
         seen.add(id(obj))

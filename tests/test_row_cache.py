@@ -13,9 +13,9 @@ import pytest
 from gpu_runtime import ClosedError
 from layers.kernel_files import load_kernel
 from layers.ngram_embed import NgramDims, NgramEmbedding, NgramTable, NgramWeights
-from layers.ngram_embed.row_cache import RowCache
-from layers.ngram_embed.slot_index import SlotIndex
-from layers.ngram_embed.table_file import TableFormatError, write_table
+from layers.ngram_store.row_cache import RowCache
+from layers.ngram_store.slot_index import SlotIndex
+from layers.ngram_store.table_file import TableFormatError, write_table
 from layers.ops.row_cache import RowScatter
 from layers.dense_weight import BF16, DenseWeight
 from tests.helpers import Guarded, bits
@@ -78,7 +78,7 @@ def test_a_cache_in_a_group_used_alone_behaves_as_before(tmp_path, rng):
     """A cache whose index moved into a CacheGroup's store, resolved on its own (as the seed
     path does), gives the slots, index state and stats of a cache never grouped; its
     end_batch ends the group's batch (the other member's pins too)."""
-    from layers.ngram_embed.cache_group import CacheGroup
+    from layers.ngram_store.cache_group import CacheGroup
 
     path, table, scales = table_file(tmp_path, rng, 700, 12, True)
     other_path, _, _ = table_file(tmp_path, rng, 50, 4, False, "other.ngt")
@@ -216,7 +216,7 @@ def test_advise_willneed_covers_every_page_of_the_rows(tmp_path, rng, monkeypatc
     path, _, _ = table_file(tmp_path, rng, 5000, 3000, True)  # 3000-byte rows straddle pages
     calls = []
     monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: calls.append((off, n, advice)))
-    from layers.ngram_embed.table_file import PAGE, TableFile
+    from layers.ngram_store.table_file import PAGE, TableFile
 
     with TableFile(path) as f:
         ids = np.array([0, 1, 7, 4999])

@@ -13,7 +13,7 @@ import pytest
 
 from gpu_runtime import ClosedError
 from layers import safetensors_io
-from layers.ngram_embed.table_file import (TableFile, TableFormatError, TableHeader, TableWriter,
+from layers.ngram_store.table_file import (TableFile, TableFormatError, TableHeader, TableWriter,
                                            write_table, write_table_from_safetensors)
 from layers.dense_weight import BF16, FP8
 from tests.helpers import bits, random_bf16, random_fp8
@@ -213,7 +213,7 @@ def test_a_failed_final_close_removes_the_partial_file(tmp_path, rng, monkeypatc
     again (EBADF, hiding the EIO) and must remove its .tmp."""
     import errno
 
-    from layers.ngram_embed import table_file
+    from layers.ngram_store import table_file
 
     table, _ = _table(rng, BF16, 4, 8)
     w = TableWriter(tmp_path / "t.ngt", BF16, 4, 8)
@@ -237,7 +237,7 @@ def test_a_directory_fsync_failure_is_raised_unless_unsupported(tmp_path, rng, m
     import errno
     import stat
 
-    from layers.ngram_embed import table_file
+    from layers.ngram_store import table_file
 
     table, _ = _table(rng, BF16, 4, 8)
     real_fsync = os.fsync

@@ -78,7 +78,7 @@ class CudaBackend(
     def close(self) -> None:
         """Wait for the device, then free everything this backend handed out; idempotent. Every
         step runs even where one fails (after a kernel fault the wait reports the sticky error,
-        and frees may be refused too), the primary context is released in any case, and the
+        and frees may fail too), the primary context is released in any case, and the
         first error is raised at the end."""
         if self._closed:
             return

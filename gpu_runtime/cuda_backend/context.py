@@ -51,6 +51,7 @@ class CudaContext:
 
     @property
     def closed(self) -> bool:
+        """True once ``close()`` ran: every call but ``close`` then raises ``ClosedError``."""
         return self._closed
 
     def _bind(self) -> None:
@@ -69,16 +70,16 @@ class CudaContext:
 
     def _release_all(self, destroy: Any, handles: set[int] | dict[int, Any]) -> None:
         """At close: ``destroy`` each of ``handles`` (a set of them, or a dict keyed by them),
-        then forget them, refused or not (``_release_each``)."""
+        then forget them, destroyed or not (``_release_each``)."""
         try:
             self._release_each(destroy, handles)
         finally:
             handles.clear()
 
     def _release_each(self, destroy: Any, handles: Iterable[Any]) -> None:
-        """At close: ``destroy`` each of ``handles``, every one attempted even after a refusal
-        (after a kernel fault the driver may refuse some); the first refusal is raised after the
-        last attempt."""
+        """At close: ``destroy`` each of ``handles``, every one attempted even after one fails
+        (after a kernel fault the driver may fail some); the first ``CudaError`` is raised after
+        the last attempt."""
         attempt_each([functools.partial(call, destroy, handle) for handle in handles], CudaError)
 
     def _synchronize_context(self) -> None:

@@ -24,6 +24,8 @@ class CudaGraphs(CudaContext):
             self._graphs.clear()
 
     def begin_capture(self, stream: int) -> None:
+        """Start capturing the work queued on ``stream`` (this thread's capture mode) instead of
+        running it; raises ``ValueError`` for the default stream (0)."""
         stream = validate.stream(stream, "begin_capture stream")
         if not stream:
             raise ValueError("begin_capture: the default stream cannot be captured; use create_stream()")
@@ -32,6 +34,8 @@ class CudaGraphs(CudaContext):
         call(cu.cuStreamBeginCapture, stream, mode)
 
     def end_capture(self, stream: int) -> int:
+        """Stop capturing ``stream`` and instantiate what it recorded; returns the executable graph's
+        handle, owned by the backend until ``destroy_graph`` or ``close``."""
         stream = validate.stream(stream, "end_capture stream")
         self._live()
         graph = call(cu.cuStreamEndCapture, stream)
@@ -44,6 +48,8 @@ class CudaGraphs(CudaContext):
         return int(exe)
 
     def abort_capture(self, stream: int) -> None:
+        """Stop capturing ``stream`` and discard the capture; never raises for a capture an error
+        invalidated."""
         stream = validate.stream(stream, "abort_capture stream")
         self._live()
         # The status is not checked on purpose: after an error the capture may be invalidated,
@@ -53,6 +59,8 @@ class CudaGraphs(CudaContext):
             call(cu.cuGraphDestroy, graph)
 
     def launch_graph(self, graph: int, stream: int) -> None:
+        """Queue one replay of ``graph`` on ``stream``; raises ``ValueError`` for a handle that is not
+        a live graph of this backend."""
         stream = validate.stream(stream, "launch_graph stream")
         self._live()
         exe = self._graphs.get(int(graph))
@@ -61,6 +69,8 @@ class CudaGraphs(CudaContext):
         call(cu.cuGraphLaunch, exe, stream)
 
     def destroy_graph(self, graph: int) -> None:
+        """Destroy the executable graph ``graph``; raises ``ValueError`` for a handle that is not a
+        live graph of this backend (or destroyed already)."""
         self._live()
         with self._lock:
             exe = self._graphs.pop(int(graph), None)

@@ -45,6 +45,8 @@ class CudaHostMemory(CudaContext):
         return len(self._registered)
 
     def alloc_host(self, nbytes: int, *, mapped: bool = False) -> np.ndarray:
+        """``cuMemHostAlloc``: a page-locked uint8 array of ``nbytes`` (>= 1), portable and mapped into
+        the device's address space when ``mapped``; owned until ``free_host`` or ``close``."""
         nbytes = validate.count(nbytes, "alloc_host size")
         if nbytes == 0:
             raise ValueError("alloc_host of 0 bytes")
@@ -59,6 +61,8 @@ class CudaHostMemory(CudaContext):
         return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(addr))
 
     def free_host(self, array: np.ndarray) -> None:
+        """Free a whole ``alloc_host`` buffer (the same array: address and size); raises ``ValueError``
+        for anything else, or a buffer freed already."""
         addr = int(array.ctypes.data)
         self._live()
         with self._lock:
@@ -69,6 +73,9 @@ class CudaHostMemory(CudaContext):
         call(cu.cuMemFreeHost, addr)
 
     def upload_pinned_async(self, host: np.ndarray, dst: int, stream: int = 0) -> None:
+        """Queue a copy of ``host`` to ``dst`` on ``stream`` with no staging copy; raises
+        ``ValueError`` unless ``host`` lies inside one ``alloc_host`` buffer. Leave ``host`` untouched
+        until the copy has run."""
         dst = validate.pointer(dst, "upload_pinned_async destination")
         stream = validate.stream(stream, "upload_pinned_async stream")
         addr, nbytes, _ = host_view(host)
@@ -93,6 +100,8 @@ class CudaHostMemory(CudaContext):
         return None
 
     def host_device_ptr(self, array: np.ndarray) -> DevicePtr:
+        """The device address of ``array``, which must lie inside a mapped ``alloc_host`` buffer or a
+        ``register_host`` range (``ValueError`` otherwise, ``TypeError`` for a non-array)."""
         if not isinstance(array, np.ndarray):
             raise TypeError(f"host_device_ptr: expected a numpy array, got {type(array).__name__}")
         addr, nbytes, _ = host_view(array)
@@ -108,6 +117,9 @@ class CudaHostMemory(CudaContext):
         return DevicePtr(dev + (addr - base))
 
     def register_host(self, array: np.ndarray, *, read_only: bool = True) -> DevicePtr:
+        """Page-lock and map a C-contiguous, page-aligned array in place (read-only for the device when
+        ``read_only`` and the device supports it); returns its device address. Raises ``ValueError`` for
+        an empty or misaligned array, or one that overlaps pinned memory this backend holds."""
         if not isinstance(array, np.ndarray):
             raise TypeError(f"register_host: expected a numpy array, got {type(array).__name__}")
         read_only = validate.boolean(read_only, "register_host: read_only")
@@ -147,6 +159,8 @@ class CudaHostMemory(CudaContext):
         return self._read_only_register
 
     def unregister_host(self, array: np.ndarray) -> None:
+        """Undo ``register_host(array)`` (the same address and size); raises ``ValueError`` for
+        anything else, or a range unregistered already."""
         if not isinstance(array, np.ndarray):
             raise TypeError(f"unregister_host: expected a numpy array, got {type(array).__name__}")
         addr = int(array.ctypes.data)

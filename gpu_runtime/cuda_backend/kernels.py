@@ -54,6 +54,9 @@ class CudaKernels(CudaContext):
 
     # -- loading ----------------------------------------------------------------------------
     def kernel(self, source: str | os.PathLike, name: str) -> KernelHandle:
+        """Load kernel ``name`` of the ``.cu`` file ``source`` (compiled by NVRTC, or read from the
+        kernel cache) and return its handle, cached per (source, name). Raises ``KernelNotFoundError``
+        for a missing file or kernel, ``NvrtcError`` when the source does not compile."""
         handle = self._kernels.get((source, name))
         if handle is not None:
             return handle
@@ -94,6 +97,8 @@ class CudaKernels(CudaContext):
         return loaded
 
     def kernel_name(self, kernel: int) -> str:
+        """``module.kernel`` of a handle this backend loaded, for messages; an unknown handle gives
+        ``?.<unknown kernel 0x...>`` rather than raising."""
         loaded = self._loaded.get(int(kernel))
         if loaded is None:
             return f"?.<unknown kernel 0x{int(kernel):x}>"

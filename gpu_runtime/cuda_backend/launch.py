@@ -39,6 +39,10 @@ class CudaLaunch(CudaKernels):
         self._prepared = weakref.WeakSet()
 
     def bind(self, kernel: KernelHandle) -> Kernel:
+        """``kernel`` as a ``Kernel`` (made and checked once, then looked up). Raises ``TypeError``
+        for a non-handle, ``ValueError`` for a null one, ``GpuError`` for one this backend did not load,
+        ``ClosedError`` once closed, and ``TypeError`` where its source's signature and the driver's
+        parameter layout differ."""
         bound = self._bound.get(kernel) if type(kernel) is KernelHandle else None
         return bound if bound is not None else self._bind_kernel(kernel)
 
@@ -60,7 +64,8 @@ class CudaLaunch(CudaKernels):
             return made
 
     def _release_launches(self) -> None:
-        """At close: every bound kernel and prepared launch refuses (a runner may still hold one)."""
+        """At close: every bound kernel and prepared launch raises ``ClosedError`` from then on (a
+        runner may still hold one)."""
         for kernel in self._bound.values():
             kernel.launch = kernel.prepare = _closed
         for prepared in list(self._prepared):
@@ -107,7 +112,7 @@ class CudaLaunch(CudaKernels):
             opted[0] = nbytes
 
     def _retry(self, err: Any, kernel: Kernel, config: LaunchConfig, driver: Any, params: int) -> None:
-        """A launch the driver refused: once more where this thread's current context was
+        """A launch the driver rejected: once more where this thread's current context was
         another backend's (made ours first); else its error, naming the kernel and the config."""
         if err in _RETRY:
             self._bind()
@@ -120,7 +125,7 @@ class CudaLaunch(CudaKernels):
 def _launches(gpu: CudaLaunch, kernel: Kernel, function: Any) -> tuple[Any, Any]:
     """``kernel.launch(config, stream, *args)`` and ``kernel.prepare(config, *args)`` for this
     backend (``Kernel``'s contract). A prepared launch packs into a buffer of its own; a run on a
-    thread where another context is current (or none) is refused by the driver and retried once
+    thread where another context is current (or none) is rejected by the driver and retried once
     the context is made current."""
     layout, name = kernel.layout, kernel.name
     refusal, new_buffers = layout.refusal, layout.buffers

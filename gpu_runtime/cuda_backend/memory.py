@@ -28,6 +28,8 @@ class CudaMemory(CudaContext):
         self._release_all(cu.cuMemFree, self._allocs)
 
     def alloc(self, nbytes: int) -> DevicePtr:
+        """``cuMemAlloc`` of ``nbytes`` (>= 1), recorded as this backend's until ``free`` or ``close``.
+        Raises ``ValueError`` for 0 bytes, ``CudaError`` when the driver fails (out of memory)."""
         nbytes = validate.count(nbytes, "alloc size")
         if nbytes == 0:
             raise ValueError("alloc of 0 bytes")
@@ -38,6 +40,8 @@ class CudaMemory(CudaContext):
         return DevicePtr(ptr)
 
     def free(self, ptr: int) -> None:
+        """``cuMemFree`` of an address ``alloc`` returned; ``free(0)`` does nothing, even once closed.
+        Raises ``ValueError`` for an address this backend did not allocate, or one freed already."""
         if not ptr:  # free(0) does nothing, as C's free(NULL), on a closed backend too
             return
         self._live()
@@ -48,6 +52,9 @@ class CudaMemory(CudaContext):
         call(cu.cuMemFree, int(ptr))
 
     def memset(self, ptr: int, byte: int, nbytes: int, stream: int = 0) -> None:
+        """Queue ``cuMemsetD8Async``: ``nbytes`` bytes at ``ptr`` set to ``byte`` (0..255) on
+        ``stream``. A null ``ptr``, a bad count or stream raise ``TypeError`` / ``ValueError``
+        before the driver is called."""
         ptr = validate.pointer(ptr, "memset")
         byte = validate.count(byte, "memset byte", limit=256)
         nbytes = validate.count(nbytes, "memset size")
@@ -57,6 +64,8 @@ class CudaMemory(CudaContext):
             call(cu.cuMemsetD8Async, ptr, byte, nbytes, stream)
 
     def copy_h2d_async(self, host: Host, dst: int, stream: int = 0) -> None:
+        """Upload ``host`` (an array or bytes-like) to ``dst`` on ``stream`` through a pinned staging
+        buffer: ``host`` may be reused as soon as this returns."""
         dst = validate.pointer(dst, "copy_h2d_async destination")
         stream = validate.stream(stream, "copy_h2d_async stream")
         addr, nbytes, keep = host_view(host)
@@ -66,6 +75,8 @@ class CudaMemory(CudaContext):
         del keep
 
     def copy_d2h(self, host_out: Host, src: int, stream: int = 0) -> None:
+        """Fill ``host_out`` (a writable array or buffer) with its size in bytes from ``src``, after the
+        work queued on ``stream``; returns once the copy is done (synchronises ``stream``)."""
         src = validate.pointer(src, "copy_d2h source")
         stream = validate.stream(stream, "copy_d2h stream")
         addr, nbytes, keep = host_view(host_out, writable=True)
@@ -76,6 +87,7 @@ class CudaMemory(CudaContext):
         del keep
 
     def copy_d2d_async(self, dst: int, src: int, nbytes: int, stream: int = 0) -> None:
+        """Queue a copy of ``nbytes`` from ``src`` to ``dst`` (device addresses) on ``stream``."""
         dst = validate.pointer(dst, "copy_d2d_async destination")
         src = validate.pointer(src, "copy_d2d_async source")
         nbytes = validate.count(nbytes, "copy size")
@@ -87,6 +99,8 @@ class CudaMemory(CudaContext):
     def copy_2d_async(
         self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int, stream: int = 0
     ) -> None:
+        """Queue a device-to-device copy of ``height`` rows of ``width`` bytes, rows ``src_pitch`` /
+        ``dst_pitch`` bytes apart, on ``stream``; raises ``ValueError`` for a pitch below ``width``."""
         dst = validate.pointer(dst, "copy_2d_async destination")
         src = validate.pointer(src, "copy_2d_async source")
         width, height = validate.count(width, "copy width"), validate.count(height, "copy height")

@@ -43,42 +43,54 @@ class CudaStreams(CudaContext):
 
     # -- streams ----------------------------------------------------------------------------
     def create_stream(self) -> int:
+        """A new non-blocking stream (it does not synchronise with the default stream), destroyed by
+        ``destroy_stream`` or ``close``."""
         self._live()
         stream = call(cu.cuStreamCreate, cu.CUstream_flags.CU_STREAM_NON_BLOCKING)
         return self._own(self._streams, int(stream))
 
     def destroy_stream(self, stream: int) -> None:
+        """Wait for ``stream`` to finish, then destroy it; raises ``ValueError`` for a stream this
+        backend did not create (or destroyed already)."""
         self._live()
         self._disown(self._streams, stream, f"stream 0x{stream:x} was not created by this backend")
         call(cu.cuStreamSynchronize, stream)
         call(cu.cuStreamDestroy, stream)
 
     def synchronize(self, stream: int = 0) -> None:
+        """Block the host until the work queued on ``stream`` (0: the default stream) has finished;
+        a fault in that work raises ``CudaError``."""
         stream = validate.stream(stream, "synchronize stream")
         self._live()
         call(cu.cuStreamSynchronize, stream)
 
     # -- events -----------------------------------------------------------------------------
     def create_event(self) -> int:
+        """A new event without timing, destroyed by ``destroy_event`` or ``close``."""
         self._live()
         event = call(cu.cuEventCreate, cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)
         return self._own(self._events, int(event))
 
     def record_event(self, event: int, stream: int = 0) -> None:
+        """Record ``event`` at the current end of ``stream``."""
         stream = validate.stream(stream, "record_event stream")
         self._live()
         call(cu.cuEventRecord, event, stream)
 
     def wait_event(self, stream: int, event: int) -> None:
+        """Make the work queued on ``stream`` from now on wait for ``event`` (on the GPU; the host goes on)."""
         stream = validate.stream(stream, "wait_event stream")
         self._live()
         call(cu.cuStreamWaitEvent, stream, event, 0)
 
     def event_synchronize(self, event: int) -> None:
+        """Block the host until the work before ``event``'s last record has finished."""
         self._live()
         call(cu.cuEventSynchronize, event)
 
     def event_done(self, event: int) -> bool:
+        """Whether the work before ``event``'s last record has finished, without waiting; a fault
+        raises ``CudaError``."""
         self._live()
         (err,) = cu.cuEventQuery(event)
         if err == cu.CUresult.CUDA_ERROR_NOT_READY:
@@ -88,6 +100,8 @@ class CudaStreams(CudaContext):
         return True
 
     def destroy_event(self, event: int) -> None:
+        """Destroy ``event``; raises ``ValueError`` for one this backend did not create (or destroyed
+        already)."""
         self._live()
         self._disown(self._events, event, f"event 0x{event:x} was not created by this backend (or destroyed twice)")
         call(cu.cuEventDestroy, event)

@@ -5,20 +5,22 @@ Face model folder; a tensor-parallel rank's ``shard``); three runners serve them
 ``NgramEmbedding`` (the seed's launch sequence), ``FusedNgramEmbedding`` (two launches, batches,
 CUDA graphs) and ``NgramDecoder`` (token histories on the device, inside the caller's graph).
 Tables live on the device, in host memory (``HostWeight``) or on disk behind a ``RowCache``
-(table files from ``python -m layers.ngram_embed.convert``)."""
+(table files from ``python -m layers.ngram_embed.convert``); those and the table files are
+``layers.ngram_store``'s, named here too."""
 
-from .checkpoint import CheckpointError, NgramCheckpoint
+from ..ngram_store.errors import CheckpointError
+from ..ngram_store.host_weight import HostWeight
+from ..ngram_store.row_cache import CacheStats, RowCache
+from ..ngram_store.table_file import TableFile, TableFormatError, TableWriter, write_table, write_table_from_safetensors
+from .checkpoint import NgramCheckpoint
 from .decoder import NO_ADAPTER, PAD_SLOT, DecodeError, NgramDecoder
 from .dims import NgramDims
 from .embedding import NgramEmbedding
 from .fused import FusedNgramEmbedding
-from .host_weight import HostWeight
 from .ids import ngram_ids, ngram_ids_tail
 from .placement import DeviceBudget
 from .rank_group import embed_all
-from .row_cache import CacheStats, RowCache
 from .shard import NgramShard, reduce_bytes
-from .table_file import TableFile, TableFormatError, TableWriter, write_table, write_table_from_safetensors
 from .tables import HostTable, NgramTable, RowSource, gather_entry
 from .weights import NgramWeights
 

@@ -1,14 +1,14 @@
 """``CachedRows``: the cached tables (``NgramTable.Cached``) of one layer, for every path.
 
 A cached table's rows are made resident by ``resolve`` and stay pinned until ``end_batch``, so
-a call that fails between the two (a launch refused, a load failing, a bad argument found late)
+a call that fails between the two (a launch that raises, a load failing, a bad argument found late)
 would leave them pinned for good, and later batches would find the arena full. ``batch()`` is
 the one place that ends a batch: a context manager around everything from the first
 ``resolve`` to the last launch that reads the rows, which ends it on leaving, after a failure
 too. The seed-faithful path ends each table's batch after its gather (``batch(column)``); the
 fused path ends every table's together (``batch()``).
 
-Refusals come before the first load: ``validate`` (the faithful path, table by table ids) and
+Bad ids raise before the first load: ``validate`` (the faithful path, table by table ids) and
 ``resolve`` (the fused path, every cached table's ids at once; ``RowCache`` tables through one
 ``CacheGroup`` when ``grouped``, the others one by one).
 """
@@ -19,8 +19,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from .cache_group import CacheGroup, cache_group
-from .row_cache import RowCache
+from ..ngram_store.cache_group import CacheGroup, cache_group
+from ..ngram_store.row_cache import RowCache
 from .tables import AnyTable, CachedTable, RowSource
 
 
@@ -58,8 +58,8 @@ class CachedRows:
 
     # -- refusals and resolve ------------------------------------------------------------------
     def validate(self, ids: Sequence[np.ndarray] | np.ndarray) -> None:
-        """Refuse, loading nothing, what resolving ``ids[c]`` (the ids of table ``c``, every
-        table of the layer) would refuse, for each cached table that can tell (``RowCache``)."""
+        """Raise, loading nothing, what resolving ``ids[c]`` (the ids of table ``c``, every
+        table of the layer) would raise, for each cached table that can tell (``RowCache``)."""
         for c, cache in zip(self.columns, self.caches):
             if hasattr(cache, "validate"):
                 cache.validate(ids[c])
@@ -67,7 +67,7 @@ class CachedRows:
     def resolve(self, ids: np.ndarray, slots: np.ndarray, *, in_range: bool = False) -> None:
         """Every cached table's rows at once: ``ids [len(columns), R]`` (row j: table
         ``columns[j]``), ``slots [R, T]`` u32 gets each cached table's arena slots in its column
-        and 0 in the others. Every refusal comes before the first load. ``in_range=True``: the
+        and 0 in the others. Bad ids raise before the first load. ``in_range=True``: the
         caller guarantees every id is below its table's rows (hashed modulo them)."""
         for j, _ in self._others:
             cache = self.caches[j]

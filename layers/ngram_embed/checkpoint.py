@@ -5,7 +5,7 @@ Reads ``config.json`` (``vocab_size``, ``hidden_size``, ``emb_neighbor_num``, ``
 ``ngram_vocab_size_ratio``, ``eos_token_id``: an int or a list of one) and the safetensors headers
 (one file or an index) of ``WORD_NAMES``, ``TABLE_NAME``, ``SCALE_NAMES``, ``PROJ_NAME``; returns
 ``NgramDims`` and an ``NgramCheckpoint`` mapped only on demand (F16/F32 word table and projections
-rounded to bf16, nearest even). Refuses (``CheckpointError``): a missing key or tensor, a shape the
+rounded to bf16, nearest even). Raises ``CheckpointError`` for: a missing key or tensor, a shape the
 config disagrees with, F16/F32 tables (``layers.ngram_embed.convert`` them), fp8 tables without
 per-row scales, several EOS ids, LongCat-Next's ``text_vocab_size`` (unless it equals
 ``vocab_size``), any of LongCat-2.0's ``oe_*`` keys.
@@ -27,6 +27,7 @@ import numpy as np
 
 from .. import safetensors_io
 from ..dense_weight import BF16
+from ..ngram_store.errors import CheckpointError
 from .dims import NgramDims
 
 CONFIG = "config.json"
@@ -41,10 +42,6 @@ PROJ_NAME = "model.ngram_embeddings.post_projs.{}.weight"
 _DENSE_DTYPES = ("BF16", "F16", "F32")  # word table and projections: F16/F32 become bf16 on load
 _WIDE_TABLE_DTYPES = ("F16", "F32")  # the converter reads these; from_pretrained refuses them
 _SCALE_DTYPES = ("F32", "BF16", "F16")
-
-
-class CheckpointError(ValueError):
-    """A model folder, config, index, tensor or table file that cannot be served, named."""
 
 
 # ---- config.json ------------------------------------------------------------------------------
@@ -265,7 +262,7 @@ class NgramCheckpoint:
     def open(
         cls, model_dir: str | os.PathLike, *, eos_id: int | None = None, parts: str = "all", wide_tables: bool = False
     ) -> NgramCheckpoint:
-        """Read config, index and the needed shards' headers; refuse (``CheckpointError``) a
+        """Read config, index and the needed shards' headers; raise ``CheckpointError`` for a
         missing tensor, a shape that disagrees with the config or a dtype that cannot be served.
         ``wide_tables`` accepts F16/F32 tables (the converter narrows them)."""
         if parts not in ("all", "tables", "dense"):
@@ -329,10 +326,14 @@ class NgramCheckpoint:
 
     # -- arrays (mapped; converted where the module docstring says) ----------------------------
     def word_array(self) -> np.ndarray:
+        """The word table ``[vocab, D]`` as bf16, mapped from its file (an F16/F32 table is converted,
+        one rounding to nearest even). Needs the word table, i.e. ``parts`` other than ``"tables"``."""
         assert self.word is not None, "opened without the word table"
         return _as_bf16(self.word.array())
 
     def proj_array(self, c: int) -> np.ndarray:
+        """Projection ``c`` (``[D, table width]``) as bf16, mapped from its file (an F16/F32 one is
+        converted, one rounding to nearest even)."""
         return _as_bf16(self.projs[c].array())
 
     def table_arrays(self, c: int) -> tuple[np.ndarray, np.ndarray | None]:

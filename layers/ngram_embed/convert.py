@@ -2,7 +2,7 @@
 
     python -m layers.ngram_embed.convert MODEL_DIR OUT_DIR [--fp8] [--chunk-mib 64] [--log-interval 30] [--quiet]
 
-Writes ``OUT_DIR/table_{c:03d}.ngt`` (``layers.ngram_embed.table_file``'s format) for every table
+Writes ``OUT_DIR/table_{c:03d}.ngt`` (``layers.ngram_store.table_file``'s format) for every table
 ``model.ngram_embeddings.embedders.{c}.weight`` of MODEL_DIR (``checkpoint.py`` says how tables,
 names and config are found), and ``OUT_DIR/ngram_tables.json``, the manifest through which
 ``NgramWeights.from_pretrained(MODEL_DIR, gpu, placement="files" or "host", table_dir=OUT_DIR)``
@@ -20,7 +20,7 @@ docs/table_files.md.
   e4m3(clip(f32(row) / scale, -448, 448))`` (nearest even; the clip only matters for a scale that
   is an f32 subnormal), an all-zero row gets ``q = 0, scale = 0``; the gathers then read
   ``bf16(f32(q) * scale)`` (``layers.reference.dequant_fp8``). fp8 sources are copied as they are.
-  A NaN or infinite value is refused, naming the tensor and row.
+  A NaN or infinite value fails the conversion, naming the tensor and row.
 * Verified: while a table is written the CRC32 of its row bytes (and scales) is taken from what
   the source gave; after the rename the file is reopened (header, size) and its CRCs recomputed
   from disk; a mismatch deletes the file and fails. The CRCs go in the manifest, so
@@ -29,7 +29,7 @@ docs/table_files.md.
   file is listed, still matches its CRCs and header, and comes from the same source tensor (file
   name and size, offset, dtype, shape); it rewrites any other (a partial ``*.tmp`` is started
   over: ``TableWriter`` writes the header last, so a partial file is never taken for a table).
-  A rerun with other settings (``--fp8`` or not, other dims) into the same OUT_DIR is refused.
+  A rerun with other settings (``--fp8`` or not, other dims) into the same OUT_DIR raises ``CheckpointError``.
 """
 
 from __future__ import annotations
@@ -46,71 +46,29 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from gpu_runtime import cli, validate
 
 from ..atomic_write import write_atomically
 from ..dense_weight import BF16, FP8
+from ..ngram_store.errors import CheckpointError
+from ..ngram_store.row_encoding import encode_rows
+from ..ngram_store.table_check import VerifyError, check_table_file
+from ..ngram_store.table_file import SCALE_DTYPE, TableWriter
+from ..ngram_store.table_manifest import MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, manifest_dims, read_manifest
 from ..safetensors_io import read_header
 from .checkpoint import (
     PROJ_NAME,
     SCALE_NAMES,
     TABLE_NAME,
     WORD_NAMES,
-    CheckpointError,
     NgramCheckpoint,
     model_folder,
     weight_files,
 )
 from .convert_progress import DEFAULT_INTERVAL, LOG, Progress
-from .table_file import SCALE_DTYPE, TableWriter
-from .table_manifest import MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, manifest_dims, read_manifest
-from .table_verify import VerifyError, check_table_file
 from .table_verify import verify_tables as verify_tables  # its home before
-
-FP8_MAX = np.float32(448.0)  # largest finite e4m3fn
-
-
-class NonFiniteRow(ValueError):
-    """A row with a NaN or infinity, which has no fp8 form; ``row`` is its index."""
-
-    def __init__(self, row: int, where: str = "") -> None:
-        super().__init__(f"{where + ': ' if where else ''}row {row} holds a NaN or infinity; it has no fp8 form")
-        self.row = row
-
-
-def quantize_fp8_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(e4m3 [n, d], f32 scales [n])`` of ``rows`` (any float dtype, read as f32): the
-    convention in the module docstring. Refuses non-finite values (``NonFiniteRow``)."""
-    x = np.asarray(rows).astype(np.float32, copy=False)
-    amax = np.max(np.abs(x), axis=1) if x.shape[1] else np.zeros(x.shape[0], np.float32)
-    if not np.isfinite(amax).all():
-        raise NonFiniteRow(int(np.flatnonzero(~np.isfinite(amax))[0]))
-    scale = (amax / FP8_MAX).astype(np.float32)
-    safe = np.where(scale > 0, scale, np.float32(1.0)).astype(np.float32)
-    q = np.clip(x / safe[:, None], -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
-    return q, np.where(amax > 0, scale, np.float32(0.0)).astype(np.float32)
-
-
-def _target_rows(
-    src: np.ndarray, src_scales: np.ndarray | None, fp8: bool, where: str, start: int
-) -> tuple[np.ndarray, np.ndarray | None]:
-    """One chunk of source rows as the table stores them."""
-    if src.dtype == FP8:
-        if fp8:
-            return src, src_scales
-        assert src_scales is not None  # an F8_E4M3 table has its scales (NgramCheckpoint checks)
-        return (src.astype(np.float32) * src_scales[:, None]).astype(BF16), None
-    if fp8:
-        try:
-            return quantize_fp8_rows(src)
-        except NonFiniteRow as err:
-            raise NonFiniteRow(start + err.row, where) from None
-    if src.dtype == BF16:
-        return src, None
-    return src.astype(np.float32).astype(BF16), None
 
 
 def _write_json(path: Path, data: Any) -> None:
@@ -269,7 +227,7 @@ def _write_table(
         with TableWriter(path, dtype, rows, td) as writer:
             for start in range(0, rows, chunk_rows):
                 stop = min(start + chunk_rows, rows)
-                out, scales = _target_rows(
+                out, scales = encode_rows(
                     src[start:stop], None if src_scales is None else src_scales[start:stop], fp8, where, start
                 )
                 out = np.ascontiguousarray(out)

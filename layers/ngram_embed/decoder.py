@@ -15,7 +15,7 @@ Static under capture: the call's addresses, ``num_seqs``, ``num_tokens``, ``k`` 
 device each replay; bad ones set a flag that ``check_errors`` reads and zero the affected rows,
 never making a kernel touch memory outside its buffers.
 
-``RowCache`` tables need the host every step and are refused. With a tensor-parallel shard's
+``RowCache`` tables need the host every step and are rejected (``ValueError``). With a tensor-parallel shard's
 weights and ``collective=`` it runs one rank, the all-reduce inside the same call. One decoder
 must not run on two streams at once (it has one gather buffer).
 """
@@ -30,9 +30,9 @@ from gpu_runtime import interop, validate
 
 from ..ops.ngram_decode import NO_ADAPTER, NO_ADAPTERS, PAD_SLOT, AdapterTables, DecodeError, DecodeLaunches
 from ..overlay.slots import OverlaySlots
+from ..resources import Closing, Resources
 from .front import require_open
 from .projection import RowProjection, check_collective, gemm_path
-from .resources import Closing, Resources
 from .runner_checks import (
     NO_ROW_CACHE,
     check_adapter_slots,
@@ -56,9 +56,13 @@ _STREAM = f"{_WHAT}: stream"
 
 
 class NgramDecoder(Closing):
-    """Per-slot token histories on the device and the capturable calls over them (module doc).
-    ``adapter_slots``: the ``OverlaySlots`` whose embedding rows ``adapters=`` selects (its
-    vocab and row width must be the model's). ``batch_invariant``: every row's bits the same
+    """The n-gram embedding for a serving loop's captured decode step: each of ``max_seqs`` slots
+    keeps its token history on the device, and every call (``prefill``, ``step``, ``seed``, ``fork``,
+    ``rollback``, ``reset``) takes device buffers only, with no host synchronisation, so it can be
+    recorded in a CUDA graph; bad device inputs set flags that ``check_errors`` reads. Rejects
+    ``RowCache`` tables (``ValueError``). Borrows the weights. ``adapter_slots``: the
+    ``OverlaySlots`` whose embedding rows ``adapters=`` selects (its vocab and row width must be
+    the model's). ``batch_invariant``: every row's bits the same
     whatever else is in its call (and equal to the fused path's alone, ``projection.gemm_path``).
     ``collective``: a tensor-parallel shard's all-reduce (required for a shard's weights)."""
 
@@ -217,6 +221,7 @@ class NgramDecoder(Closing):
         self.gpu.memset(self.state.offset(slot * 8), 0, 8, stream)
 
     def reset_all(self, stream: int = 0) -> None:
+        """Empty every slot's history (a memset on ``stream``, capturable too)."""
         stream = self._ready(stream)
         self.gpu.memset(self.state, 0, self.max_seqs * 8, stream)
 
@@ -252,6 +257,7 @@ class NgramDecoder(Closing):
     # -- helpers ----------------------------------------------------------------------------------
     @property
     def closed(self) -> bool:
+        """True once ``close()`` ran: every call then raises ``ClosedError``."""
         return self._resources.closed
 
     def _open(self) -> None:

@@ -33,10 +33,10 @@ from ..kernel_files import load_kernel
 from ..ops import gemm as gemm_ops
 from ..ops.embed import gather_config
 from ..ops.residual import add_config
+from ..resources import Closing, Resources
 from .cached_rows import CachedRows
 from .front import check_seq_len, require_backend, require_open, require_out, tail_tokens
 from .ids import tail_ids
-from .resources import Closing, Resources
 from .tables import gather_entry
 from .weights import NgramWeights
 
@@ -55,8 +55,10 @@ class _Plan(NamedTuple):
 
 
 class NgramEmbedding(Closing):
-    """The seed's ``embed`` over ``weights`` (module doc), with staging for ``max_tokens`` new
-    tokens per call. Borrows the weights; ``close()`` frees only the staging."""
+    """The n-gram embedding of ``weights`` launch for launch as the Rust engine it mirrors runs it:
+    per table a gather, a GEMM and a bf16 add, the running sum rounded after every add; for up to
+    ``max_tokens`` new tokens per call. Rejects a tensor-parallel shard's weights (``ValueError``).
+    Borrows the weights; ``close()`` frees only the staging."""
 
     def __init__(self, weights: NgramWeights, max_tokens: int) -> None:
         if not isinstance(weights, NgramWeights):
@@ -92,6 +94,7 @@ class NgramEmbedding(Closing):
 
     @property
     def closed(self) -> bool:
+        """True once ``close()`` freed the staging: ``embed`` then raises ``ClosedError``."""
         return self._staging.closed
 
     def embed(

@@ -1,7 +1,7 @@
 """The n-gram front end: what every path does with a call before its first launch.
 
 The seed-faithful ``NgramEmbedding.embed``, the fused ``FusedNgramEmbedding.embed`` /
-``embed_batch`` and the device-resident ``NgramDecoder`` refuse a closed runner or weights, a
+``embed_batch`` and the device-resident ``NgramDecoder`` reject a closed runner or weights, a
 backend other than the weights' and a null output here; the two host paths also check their
 contexts and ``seq_len`` here and cut each context to the tail they read:
 
@@ -11,13 +11,13 @@ contexts and ``seq_len`` here and cut each context to the tail they read:
   context's start, built in one vectorised pass.
 
 Only each context's tail is read and converted, so a decode step costs the same after 10 or
-10**6 context tokens; a ``seq_len`` of 0 reads nothing. Refusals follow the one policy of
+10**6 context tokens; a ``seq_len`` of 0 reads nothing. The errors follow the one policy of
 ``gpu_runtime.validate`` (``TypeError`` for a wrong type: a ``seq_len`` that is not an int,
 tokens that are not integers; ``ValueError`` for a wrong value; ``ClosedError`` for a closed
 layer), and each message starts with ``what``, the caller's name.
 
 ``CachedRows`` (``cached_rows.py``) is the other half of the front end: the cached tables'
-refusals, ``resolve`` and ``end_batch``.
+checks, ``resolve`` and ``end_batch``.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def check_seq_len(value: Any, what: str, index: int | None = None) -> int:
 def sliceable(ctx: Any, what: str, index: int | None = None, name: str = "ctx_tokens") -> Any:
     """``ctx`` as something sliceable without copying the whole context: an ndarray or a list /
     tuple stays as it is (element types are checked on the tail that is read), anything else is
-    converted; refuses anything that is not 1-D (naming ``name``, or context ``index``)."""
+    converted; ``ValueError`` for anything that is not 1-D (naming ``name``, or context ``index``)."""
     if type(ctx) in _PLAIN_SEQUENCES:
         return ctx
     arr = ctx
@@ -92,7 +92,7 @@ def sliceable(ctx: Any, what: str, index: int | None = None, name: str = "ctx_to
 
 def context_tail(ctx: Any, seq_len: int, lookback: int, what: str, index: int | None = None) -> tuple[Any, int]:
     """The last ``seq_len + lookback`` entries of ``ctx`` (fewer at its start), unconverted, and
-    where they start; refuses a ``seq_len`` over the context's length."""
+    where they start; ``ValueError`` for a ``seq_len`` over the context's length."""
     ctx = sliceable(ctx, what, index)
     total = len(ctx)
     if seq_len > total:

@@ -6,9 +6,9 @@ sum to bf16 T + 1 times. This path computes the same function as
     out = bf16((word[tok] + sum_c proj_c @ table_c[id_c]) * 1/(1+T))
 
 with one ``ngram_gather`` (every table's id hashed on the GPU from the tokens, all T rows of each
-new token gathered into one ``[R, T*td]`` bf16 buffer; fp8 rows dequantised) and one GEMM
-against the projections concatenated into ``[D, T*td]`` (``RowProjection``), accumulating in fp32,
-adding the word row in its epilogue and rounding once. The host uploads one packed buffer per
+new token gathered into one ``[R, T*td]`` bf16 buffer, td the table width; fp8 rows dequantised)
+and one GEMM against the projections concatenated into ``[D, T*td]`` (``RowProjection``),
+accumulating in fp32, adding the word row in its epilogue and rounding once. The host uploads one packed buffer per
 call: each new token's look-back window ``[R, N]``, its word id ``[R]`` and, for cached tables,
 the arena slots ``[R, T]`` that ``RowCache.resolve`` returned.
 
@@ -39,12 +39,12 @@ from gpu_runtime import Graphs, PinnedHostMemory, PreparedLaunch, validate
 from ..kernel_files import load_kernel
 from ..ops.ngram_fused import NgramGather
 from ..overlay.slots import OverlaySlots
+from ..resources import Closing, Resources
 from .cached_rows import CachedRows
 from .front import check_tokens, context_tail, require_open, window_index
 from .front import windows as front_windows
 from .ids import ids_from_windows, window_plan
 from .projection import RowProjection, check_collective, gemm_path
-from .resources import Closing, Resources
 from .runner_checks import (
     adapter_index,
     check_adapter_slots,
@@ -62,7 +62,10 @@ _STREAM = f"{_WHAT}: stream"
 
 
 class FusedNgramEmbedding(Closing):
-    """The fused path over ``weights`` (module doc). ``collective``: a shard's all-reduce for
+    """The n-gram embedding of ``weights`` in two launches per call (a gather of every table's rows,
+    then one GEMM that adds the word row and rounds to bf16 once), for up to ``max_rows`` new tokens
+    per call; ``embed_batch`` serves many sequences, optionally replayed as CUDA graphs. Borrows the
+    weights; ``close()`` frees only its own buffers. ``collective``: a shard's all-reduce for
     ``embed``/``embed_batch``; ``adapter_slots``: the ``OverlaySlots`` whose embedding rows
     ``embed_batch(..., adapters=)`` selects inside the n-gram sum; ``batch_invariant``: every
     row's bits independent of the batch it is in (``projection.gemm_path``)."""
@@ -119,6 +122,7 @@ class FusedNgramEmbedding(Closing):
     # -- calls ------------------------------------------------------------------------------------
     @property
     def closed(self) -> bool:
+        """True once ``close()`` ran: every call then raises ``ClosedError``."""
         return self._resources.closed
 
     @property
@@ -144,9 +148,9 @@ class FusedNgramEmbedding(Closing):
         """The decode loop's call (one context that reaches back N - 1 tokens before its new ones,
         a shape already captured, no cached tables) in a few numpy operations: the window rows
         are the context's tail read through a cached index, written straight into the pinned
-        upload. Refuses a bad context as the general path does (``front``'s checks); returns
-        False, having done nothing, for anything else (the general path then serves or refuses
-        it: a seq_len that is not a plain int, an unknown shape, closed weights or collective)."""
+        upload. Raises for a bad context as the general path does (``front``'s checks); returns
+        False, having done nothing, for anything else (the general path then serves it or raises:
+        a seq_len that is not a plain int, an unknown shape, closed weights or collective)."""
         plain = type(seq_len) is int and type(stream) is int and isinstance(out, int)  # (True would find stream 1)
         exe = self._graphs.get((seq_len, out, stream, False)) if plain else None
         if exe is None or self.weights.closed or (self.collective is not None and self.collective.closed):
@@ -244,8 +248,8 @@ class FusedNgramEmbedding(Closing):
 
     # -- the host half of a call (public for benchmarks and tests) --------------------------------
     def windows(self, contexts: Sequence, seq_lens: Sequence[int]) -> np.ndarray:
-        """``[R, N]`` u32 look-back windows of a batch (``front_windows``), refused as
-        ``embed_batch`` refuses a bad batch: what ``pack`` takes."""
+        """``[R, N]`` u32 look-back windows of a batch (``front_windows``), raising for a bad batch
+        as ``embed_batch`` does: what ``pack`` takes."""
         if len(contexts) != len(seq_lens):
             raise ValueError(f"fused ngram embed: {len(contexts)} contexts, {len(seq_lens)} seq_lens")
         return front_windows(self.dims, contexts, seq_lens, _WHAT)
@@ -333,7 +337,7 @@ class FusedNgramEmbedding(Closing):
     def stage(self, contexts: Sequence[Any], seq_lens: Sequence[int], stream: int = 0) -> int:
         """Upload a batch and gather this rank's rows (zeros for the others') into the buffer the
         group sums (``projection.buf``, ``projection.reduce_count(rows)`` elements); returns the
-        rows. Refuses a bad batch before any upload."""
+        rows. Raises for a bad batch before any upload."""
         self._require_open(serve=False)
         stream = validate.stream(stream, _STREAM)
         self._rows.check_stream(stream, _WHAT)

@@ -19,7 +19,7 @@ PLACEMENTS = ("device", "host")  # where from_numpy puts a table: a DenseWeight 
 
 def placements(placement: str | Sequence[str], count: int, allowed: Sequence[str] = PLACEMENTS) -> list[str]:
     """One placement per table (each one of ``allowed``), from one for all or a sequence of
-    ``count``; refused before anything is uploaded."""
+    ``count``; a bad one raises before anything is uploaded."""
     names = " or ".join(f"'{p}'" for p in allowed)
     if isinstance(placement, str):
         if placement not in allowed:
@@ -46,7 +46,7 @@ class DeviceBudget:
     """``placement=DeviceBudget(nbytes)``: the weights take at most ``nbytes`` of device memory
     (word rows, projections, fp8 scales and as many tables as fit, in order); the other tables
     go to host memory. The runners' buffers and the fused runners' concatenated projections
-    (``D * T*td * 2`` bytes, built on the weights at first use) come on top."""
+    (``D * T*td * 2`` bytes, td the table width, built on the weights at first use) come on top."""
 
     nbytes: int
 
@@ -59,7 +59,7 @@ def resolve_placement(
 ) -> list[str]:
     """One of ``PLACES`` per table, from a name, one name per table, or a ``DeviceBudget`` (an
     int is one) that counts only the ``held`` tables and ``word_rows`` word rows (a
-    tensor-parallel rank's share); refused before any upload."""
+    tensor-parallel rank's share); a bad one raises before any upload."""
     t = dims.num_tables()
     if isinstance(placement, (int, np.integer)) and not isinstance(placement, (bool, np.bool_)):
         placement = DeviceBudget(int(placement))

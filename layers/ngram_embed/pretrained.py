@@ -14,13 +14,13 @@ from typing import Any
 from gpu_runtime import validate
 
 from ..dense_weight import FP8, DenseWeight
+from ..ngram_store.host_weight import HostWeight
+from ..ngram_store.table_file import TableFile
+from ..ngram_store.table_manifest import open_table_files
+from ..resources import closed_on_failure
 from .checkpoint import NgramCheckpoint
-from .host_weight import HostWeight
 from .placement import DeviceBudget, resolve_placement
-from .resources import closed_on_failure
 from .shard import resolve_shard
-from .table_file import TableFile
-from .table_manifest import open_table_files
 
 _log = logging.getLogger(__name__)
 _NEEDS_TABLE_DIR = (
@@ -59,7 +59,7 @@ def load_weights(
         raise ValueError(_NEEDS_TABLE_DIR)
     _log_slow_places(placement, places, held)
 
-    from .row_cache import RowCache  # here: row_cache imports the ops, kept off the import path
+    from ..ngram_store.row_cache import RowCache  # here: row_cache imports the ops, kept off the import path
     from .tables import AbsentTable, AnyTable, Bf16Table, CachedTable, Fp8Table, HostTable
 
     with closed_on_failure() as owned:

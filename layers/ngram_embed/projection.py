@@ -1,10 +1,10 @@
 """``RowProjection``: the second half of both fused runners (``FusedNgramEmbedding``,
 ``NgramDecoder``), after their gather kernels.
 
-A call's gather writes its rows' T table rows ``[R, T*td]`` bf16 into ``rows_at(R)``; ``finish``
-multiplies them by the concatenated projections ``[D, T*td]`` in fp32, adds each row's word row
-(or its adapter's, ``word_over``) in the epilogue, scales by 1/(1+T) and rounds once into
-``out [R, D]``. On a tensor-parallel rank (``weights.shard``) the buffer is ``[R, D + T*td]``:
+A call's gather writes its rows' T table rows ``[R, T*td]`` bf16 (td: the table width) into
+``rows_at(R)``; ``finish`` multiplies them by the concatenated projections ``[D, T*td]`` in fp32,
+adds each row's word row (or its adapter's, ``word_over``) in the epilogue, scales by 1/(1+T) and
+rounds once into ``out [R, D]``. On a tensor-parallel rank (``weights.shard``) the buffer is ``[R, D + T*td]``:
 ``finish`` first gathers the rank's word rows (zeros for the others') in front of the table rows,
 sums the buffer over the group through ``collective`` (exact: one contributor per element), then
 projects; every rank's output is the single-GPU one, bit for bit.
@@ -21,8 +21,8 @@ from gpu_runtime import DevicePtr, PreparedLaunch, validate
 from ..kernel_files import load_kernel
 from ..ops import gemm as gemm_ops
 from ..ops.embed import ShardGather
+from ..resources import Resources
 from ..tensor_parallel import Collective
-from .resources import Resources
 from .tables import HostTable
 from .weights import NgramWeights
 
@@ -59,8 +59,9 @@ def check_collective(what: str, collective: Any, weights: NgramWeights) -> None:
 
 
 class RowProjection:
-    """The gather buffer for ``max_rows`` rows and the GEMM over it (module doc); its buffers are
-    ``own``'s, released with the runner. ``path``: the GEMM path (``gemm_path``)."""
+    """The gather buffer for ``max_rows`` rows of the T table rows and the GEMM that projects them,
+    adds the word row and rounds once into ``out``; its buffers are ``own``'s, released with the
+    runner. ``path``: the GEMM path (``gemm_path``)."""
 
     def __init__(
         self,

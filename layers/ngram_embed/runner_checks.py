@@ -46,7 +46,7 @@ def check_sizes(max_seqs: int, max_rows: int, max_draft: int) -> tuple[int, int,
 
 
 def check_servable(dims: NgramDims, max_rows: int) -> int:
-    """What the fused kernels cannot serve, refused before anything is built; ``max_rows`` as an int."""
+    """``ValueError`` for dims the fused kernels cannot serve, before anything is built; ``max_rows`` as an int."""
     max_rows = validate.positive(max_rows, "max_rows")
     if dims.vocab_size >= fused_ops.NO_TOKEN:
         raise ValueError(f"fused n-gram path: vocab_size {dims.vocab_size} must be < 2**32 - 1")
@@ -59,7 +59,7 @@ def check_servable(dims: NgramDims, max_rows: int) -> int:
 
 def check_adapter_slots(what: str, slots: OverlaySlots | None, dims: NgramDims, gpu: GpuBackend) -> None:
     """``slots`` (None: no adapters) can route this model's word rows: open ``OverlaySlots`` on
-    ``gpu`` whose vocab and row width are the model's (an adapter of another width is refused
+    ``gpu`` whose vocab and row width are the model's (an adapter of another width raises
     when it is loaded into them)."""
     if slots is None:
         return

@@ -44,6 +44,9 @@ class NgramShard:
 
     @classmethod
     def of(cls, dims: NgramDims, rank: int, size: int) -> NgramShard:
+        """The shard of rank ``rank`` of ``size`` for ``dims``: a contiguous run of the tables and of the
+        word rows (rank r takes ``[r*X//size, (r+1)*X//size)`` of each). Raises ``ValueError`` for a rank
+        outside ``0..size-1`` or a ``size`` over the table count."""
         size = validate.positive(size, "tensor-parallel size")
         rank = validate.count(rank, "tensor-parallel rank")
         if rank >= size:
@@ -55,11 +58,14 @@ class NgramShard:
         return cls(rank, size, range(rank * t // size, (rank + 1) * t // size), lo, hi - lo)
 
     def holds_word(self, token: int) -> bool:
+        """Whether this rank holds the word row of ``token``."""
         return self.word_lo <= token < self.word_lo + self.word_rows
 
 
 def reduce_bytes(dims: NgramDims, rows: int) -> dict[str, int]:
-    """The all-reduce's payload per call, for both places to reduce (the module docstring)."""
+    """The bytes one all-reduce moves for a call of ``rows`` rows at each place a rank could reduce:
+    ``"gathered rows (bf16)"`` (``[rows, D + T*td]``, what the runners do) and ``"projected output
+    (fp32)"`` (``[rows, D]``); the module docstring compares them."""
     d, k = dims.hidden_size, dims.num_tables() * dims.table_dim()
     return {"gathered rows (bf16)": 2 * rows * (d + k), "projected output (fp32)": 4 * rows * d}
 

@@ -21,8 +21,8 @@ import numpy as np
 from gpu_runtime import validate
 
 from ..dense_weight import BF16, FP8, DenseWeight
+from ..ngram_store.host_weight import HostWeight
 from ..ops.ngram_fused import ABSENT, CACHED
-from .host_weight import HostWeight
 
 
 @runtime_checkable
@@ -59,6 +59,7 @@ class _WeightTable(Generic[W]):
 
     @property
     def shape(self) -> tuple[int, int]:
+        """The table's ``(rows, cols)``: its weight's shape."""
         return self.weight.shape
 
 
@@ -69,12 +70,12 @@ class _ResidentTable(_WeightTable[DenseWeight]):
 
 @dataclass(frozen=True)
 class Bf16Table(_ResidentTable):
-    pass
+    """A bf16 table resident on the device (``NgramTable.Bf16(weight)``, a ``DenseWeight``)."""
 
 
 @dataclass(frozen=True)
 class Fp8Table(_ResidentTable):
-    pass
+    """An fp8 table resident on the device, with its per-row f32 scales (``NgramTable.Fp8(weight)``)."""
 
 
 @dataclass(frozen=True)
@@ -84,10 +85,14 @@ class HostTable(_WeightTable[HostWeight]):
 
 @dataclass(frozen=True)
 class CachedTable:
+    """A table whose rows a ``RowSource`` (a ``RowCache``) brings into a device arena batch by batch
+    (``NgramTable.Cached(cache)``)."""
+
     cache: RowSource
 
     @property
     def shape(self) -> tuple[int, int]:
+        """The table's ``(rows, cols)``: the cache's ``(rows, dim)``."""
         return (self.cache.rows, self.cache.dim)
 
 
@@ -100,11 +105,15 @@ class AbsentTable:
 
     @property
     def shape(self) -> tuple[int, int]:
+        """The table's ``(rows, dim)`` as the dims give it."""
         return (self.rows, self.dim)
 
 
 class NgramTable:
-    """Namespace of the five variants, spelled as the seed spells the three it has."""
+    """Where one n-gram table's rows live, as five variants to build and ``match`` on:
+    ``Bf16`` / ``Fp8`` (a ``DenseWeight`` on the device), ``Host`` (a ``HostWeight`` in mapped host
+    memory), ``Cached`` (a ``RowSource`` such as ``RowCache``) and ``Absent`` (another rank's table:
+    its shape only). The Rust engine this package mirrors (docs/SEED.md) has the first three."""
 
     Bf16 = Bf16Table
     Fp8 = Fp8Table
@@ -119,7 +128,8 @@ _NAMES = "NgramTable.Bf16/Fp8/Host/Cached/Absent"
 
 
 def check_table(table: AnyTable, index: int, rows: int, dim: int) -> None:
-    """Refuse a table whose variant, dtype or shape disagrees with the dims (before any launch)."""
+    """Raise ``TypeError`` / ``ValueError`` for a table whose variant, dtype or shape disagrees with the
+    dims (before any launch)."""
     where = f"table {index}"
     if not isinstance(table, _VARIANTS):
         raise TypeError(f"{where}: expected {_NAMES}, got {type(table).__name__}")

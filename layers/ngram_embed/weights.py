@@ -2,11 +2,12 @@
 
 The word table ``[V, D]`` (a tensor-parallel rank: its word rows), the T hashed tables (each an
 ``NgramTable`` variant: device, host memory, cached, or absent on this rank) and the T
-projections ``[D, td]``, all bf16 but fp8 tables. The fused runners' concatenated projection
-``[D, T*td]`` and the gather kernels' table descriptors are built from them once, on first use.
+projections ``[D, td]`` (td: the table width), all bf16 but fp8 tables. The fused runners'
+concatenated projection ``[D, T*td]`` and the gather kernels' table descriptors are built from them
+once, on first use.
 The weights own what their loaders built and free it in ``close()``; runners
-(``NgramEmbedding``, ``FusedNgramEmbedding``, ``NgramDecoder``) borrow them and refuse every
-call once they are closed.
+(``NgramEmbedding``, ``FusedNgramEmbedding``, ``NgramDecoder``) borrow them and raise
+``ClosedError`` on every call once they are closed.
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ from gpu_runtime import DevicePtr, GpuBackend, PitchedCopies, validate
 from gpu_runtime.backend import check_backend
 
 from ..dense_weight import BF16, DenseWeight
+from ..ngram_store.host_weight import HostWeight
+from ..resources import Closing, Resources, closed_on_failure
 from .dims import NgramDims
-from .host_weight import HostWeight
 from .placement import placements
-from .resources import Closing, Resources, closed_on_failure
 from .shard import NgramShard, resolve_shard
 from .tables import AbsentTable, AnyTable, Bf16Table, Fp8Table, HostTable, check_table, gather_entry
 
@@ -32,8 +33,12 @@ HostTableArrays = np.ndarray | tuple[np.ndarray, np.ndarray] | None  # bf16, (fp
 
 
 class NgramWeights(Closing):
-    """The weights of ``dims`` on ``gpu`` (module doc); ``shard``: a tensor-parallel rank's share,
-    whose ``word`` holds only its word rows and whose other tables are ``NgramTable.Absent``."""
+    """One n-gram embedding's weights on ``gpu``, checked against ``dims``: the bf16 word table
+    ``[V, D]``, the T tables (``NgramTable`` variants) and the T bf16 projections ``[D, td]`` (td:
+    the table width). Raises ``TypeError`` / ``ValueError`` for a count, shape or dtype the dims
+    disagree with. ``shard``: a tensor-parallel rank's share, whose ``word`` holds only its word
+    rows and whose other tables are ``NgramTable.Absent``. Runners borrow it; ``close()`` frees
+    what its loaders built."""
 
     def __init__(
         self,
@@ -243,6 +248,7 @@ class NgramWeights(Closing):
     # -- ownership ---------------------------------------------------------------------------------
     @property
     def closed(self) -> bool:
+        """True once ``close()`` ran: the runners built on these weights then raise ``ClosedError``."""
         return self._owned.closed
 
     def own(self, *things: Any) -> None:
@@ -264,7 +270,7 @@ class NgramWeights(Closing):
 
 
 def _check_loader_args(what: str, dims: Any, gpu: Any, stream: Any) -> int:
-    """A loader's ``dims``, ``gpu`` and ``stream`` (returned as an int), refused before anything
+    """A loader's ``dims``, ``gpu`` and ``stream`` (returned as an int), checked before anything
     is read or uploaded."""
     if not isinstance(dims, NgramDims):
         raise TypeError(f"{what}: dims must be NgramDims, got {type(dims).__name__}")

@@ -19,8 +19,8 @@ Paths (``path=`` forces one; how each one works: docs/design_notes.md):
 - ``tma_store``  ``tma`` with a TMA store of c: chosen where c suits a tensor map (16-byte aligned,
   n % 8 == 0), else ``tma``.
 - ``tma_splitk``  few rows of a (33 to 256, 17 to 256 for k <= 256: ``use_splitk``): k split over a
-  2-CTA cluster, its word twin's first weight stages requested before a programmatic dependent
-  launch waits; a forced one whose operands a tensor map cannot describe runs what ``path=None``
+  2-CTA cluster (its word-epilogue kernel requests its first weight stages before a programmatic
+  dependent launch waits); a forced one whose operands a tensor map cannot describe runs what ``path=None``
   would.
 - ``simt``   one output per thread (a check on the others, never chosen automatically).
 
@@ -30,7 +30,8 @@ The two launchers keep the prepared launches of the operands they have seen.
 
 ``dense_gemm_bf16_word`` is the same GEMM with the fused n-gram embedding's epilogue,
 ``c[i, j] = bf16((acc[i, j] + float(word[word_ids[i], j])) * scale)`` (fp32 add, fp32 multiply, one
-rounding). Its kernels share every path and launch plan with their plain twins (``word_plan``).
+rounding). Its kernels (``dense_gemm_bf16_word*``) share every path and launch plan with the plain
+GEMM's kernels (``word_plan``).
 The paths sum a row's products in different orders, so a row's bits may depend on the path m
 picks; ``path="small"`` (any m) sums every row the same way whatever m is (batch invariance).
 """
@@ -126,8 +127,8 @@ def plan_gemm(
     *,
     path: str | None = None,
 ) -> PreparedLaunch | None:
-    """``dense_gemm_bf16_pipelined``'s launch for these operands (module doc), checked, worked
-    out and prepared once; None where m, n or k is 0 (nothing to launch)."""
+    """``dense_gemm_bf16_pipelined``'s launch for these operands (``c[m,n] = a[m,k] @ w[n,k]^T``),
+    checked, worked out and prepared once; None where m, n or k is 0 (nothing to launch)."""
     m, n, k = _check_gemm(KERNEL, gpu, kernel, w, m, n, k, path)
     return _prepare(KERNEL, gpu, kernel, a, w, c, m, n, k, path, False, ()) if m and n and k else None
 
@@ -192,8 +193,8 @@ def _prepare(
 
 # Prepared launches by (backend, launcher, kernel, path, overlap, a, w, c, m, n, k, epilogue): a
 # launcher's call with operands seen before skips the plan, the kernel lookup, the tensor maps
-# and the packing (~9 us of Python for a split-K launch). Emptied when full (an engine whose
-# activations move through many addresses keeps no stale ones).
+# and the packing (the launch's Python work: NOTES.md, "Moved from docstrings"). Emptied when full
+# (an engine whose activations move through many addresses keeps no stale ones).
 _LAUNCHES: dict[tuple[Any, ...], PreparedLaunch] = {}
 _LAUNCHES_MAX = 1024
 
@@ -241,10 +242,12 @@ def dense_gemm_bf16_word(
     word_over: int = 0,
 ) -> None:
     """``c[i, j] = bf16((sum_k a[i, k] w[j, k] + float(word[word_ids[i], j])) * scale)``: the
-    fused n-gram embedding (a the gathered rows [S, T*td], w the T projections concatenated
-    [D, T*td], word the bf16 [vocab, n] table, word_ids u32 [m], scale 1/(1+T)), one rounding.
+    fused n-gram embedding (a the gathered rows [S, T*td], td the table width; w the T projections
+    concatenated [D, T*td]; word the bf16 [vocab, n] table; word_ids u32 [m]; scale 1/(1+T)), one
+    rounding.
 
-    ``kernel`` is ``load_kernel(gpu, "gemm", "dense_gemm_bf16_word")``; the wgmma twin is looked up here.
+    ``kernel`` is ``load_kernel(gpu, "gemm", "dense_gemm_bf16_word")``; the other word-epilogue
+    kernels a path needs (``dense_gemm_bf16_word_*``: wgmma, TMA, a forced small) are looked up here.
     ``path`` forces one as in ``dense_gemm_bf16_pipelined`` (``word_plan`` says which are allowed).
     Every check runs before any launch; m, n or k == 0 is a no-op. word_ids must be < vocab, or
     0xFFFFFFFF for a row written as zeros: the kernel cannot check them. ``overlap=True`` launches

@@ -36,9 +36,9 @@ PATHS = (
     "simt",
 )
 
-# word-row epilogue twins: dense_gemm_bf16_word picks small / tiled / simt as the contract's kernel
-# does (from m, block and dynamic shared memory), so only the wgmma and TMA paths need their own
-# entry points (WORD_TWINS: path -> twin).
+# The word-row epilogue kernels: dense_gemm_bf16_word picks small / tiled / simt as KERNEL
+# (dense_gemm_bf16_pipelined) does (from m, block and dynamic shared memory), so only the wgmma and
+# TMA paths need kernels of their own (WORD_TWINS: path -> its word-epilogue kernel).
 WORD_KERNEL = "dense_gemm_bf16_word"
 WORD_SMALL_KERNEL = "dense_gemm_bf16_word_small_m"  # a forced small path for m > 64
 WORD_WGMMA_KERNEL = "dense_gemm_bf16_word_wgmma"
@@ -55,13 +55,11 @@ WORD_TWINS = {
 THREADS = 256
 WARPS = THREADS // 32
 
-# gemv path (gemm.cu: kGemv*): run by the contract's kernel (and dense_gemm_bf16_word) when launched
-# with GEMV_SMEM bytes, for the shapes ``use_gemv`` allows, on a device that gives a block that much
+# gemv path (gemm.cu: kGemv*): run by KERNEL (and dense_gemm_bf16_word) when launched with
+# GEMV_SMEM bytes, for the shapes ``use_gemv`` allows, on a device that gives a block that much
 # shared memory (the launcher's ``gemv``: sm_90a) and operands it can stream (k % 8 == 0, a and w
-# 16-byte aligned). path=None takes it up to k = GEMV_AUTO_MAX_K (bench.gemm on the H200, us, one
-# run: 1x4096x256 4.58 against small's 5.0 and cuBLAS's 4.67; 1x4096x4096 13.3 against 13.7 cold,
-# but the decode step with its weights hot in L2 13.9 against 13.6: small there; k between 256 and
-# 4096 not measured yet)
+# 16-byte aligned). path=None takes it up to k = GEMV_AUTO_MAX_K, where it beat the small path;
+# above, small (the timings: NOTES.md, "Moved from docstrings")
 GEMV_MAX_ROWS = 4
 GEMV_COLS = 32
 GEMV_CHUNK = 256
@@ -108,10 +106,9 @@ SPLIT_K, SPLIT_BN, SPLIT_BM, SPLIT_WIDE_BM = 2, 64, 64, 128
 SPLIT_STAGES, SPLIT_WIDE_STAGES = 4, 3
 SPLIT_SHORT_K = 256  # up to this k the cluster does not split k: each CTA takes 64-token tiles of its own
 SPLIT_BK = TMA_CONSUMERS * WG_BK
-# path=None takes it for 16 < m <= 256 with k <= SPLIT_SHORT_K, and 32 < m <= 256 above
-# (bench.gemm --sweep on the H200, n = 4096, us: k = 256, m = 32: 5.47 against small's 5.83,
-# m = 128: 5.80 against tiled's 6.62; k = 512, m = 64: 7.42 against 7.67; k = 4096, m = 64: 14.9
-# against 21.6, m = 128: 18.3 against tiled's 40.8; below those m the small path's start wins)
+# path=None takes it for 16 < m <= 256 with k <= SPLIT_SHORT_K, and 32 < m <= 256 above, where it
+# beat the small and tiled paths; below those m the small path is quicker to start (the timings:
+# NOTES.md, "Moved from docstrings")
 SPLIT_AUTO_ROWS, SPLIT_AUTO_SHORT_MIN_ROWS = (33, 256), 17
 
 
@@ -192,12 +189,13 @@ def use_wgmma(m: int, n: int) -> bool:
 
 def use_gemv(m: int, k: int, forced: bool = False) -> bool:
     """The gemv path's shapes: a few rows of a, staged whole in its shared memory; unless
-    ``forced``, k up to GEMV_AUTO_MAX_K, where it measured faster than small."""
+    ``forced``, only k up to GEMV_AUTO_MAX_K (above it ``path=None`` keeps the small path)."""
     return m <= GEMV_MAX_ROWS and m * k <= GEMV_A_ELEMS and (forced or k <= GEMV_AUTO_MAX_K)
 
 
 def use_splitk(m: int, k: int) -> bool:
-    """The split-K path for the mid-size m, where it measures faster than small and tiled."""
+    """Whether ``path=None`` takes the split-K path: the mid-size m of ``SPLIT_AUTO_ROWS`` (from
+    ``SPLIT_AUTO_SHORT_MIN_ROWS`` for k <= ``SPLIT_SHORT_K``), where it beats small and tiled."""
     lo, hi = SPLIT_AUTO_ROWS
     return (SPLIT_AUTO_SHORT_MIN_ROWS if k <= SPLIT_SHORT_K else lo) <= m <= hi
 
@@ -222,9 +220,9 @@ def plan(
     allow it: ``gemm.gemv_available``); for m > 64 with enough 128x256 tiles, tma_store (when ``tma`` and
     ``tma_store``: the device has TMA, a and w suit a tensor map, and so does c), tma (c does not)
     or wgmma (when ``wgmma``: no TMA); else tma_splitk where ``use_splitk`` (and ``tma``); else
-    small for m <= 64 and the tiled config ``pick_tile`` gives above, both run by the contract's
-    kernel. A forced TMA or gemv path falls back the same way. ``sms``: the persistent TMA grid.
-    ``word=True`` (``word_plan``): the same launch, run by the word-epilogue kernels
+    small for m <= 64 and the tiled config ``pick_tile`` gives above, both run by ``KERNEL``
+    (``dense_gemm_bf16_pipelined``) itself. A forced TMA or gemv path falls back the same way.
+    ``sms``: the persistent TMA grid. ``word=True`` (``word_plan``): the same launch, run by the word-epilogue kernels
     (``_word_twin``).
     """
     if (path is None or path == "gemv") and gemv and use_gemv(m, k, forced=path == "gemv"):
@@ -288,10 +286,10 @@ def _word_twin(p: GemmPlan, m: int, path: str | None) -> GemmPlan:
     """``p``, a plain kernel's plan, for the word-epilogue kernels: same path, grid and shared
     memory, run by ``dense_gemm_bf16_word`` (small for m <= 64, tiled above, simt when launched
     with no shared memory) or, for the wgmma and TMA paths and a forced ``small`` with m > 64,
-    their ``dense_gemm_bf16_word_*`` twins.
+    their own ``dense_gemm_bf16_word_*`` kernels.
 
-    That kernel chooses small or tiled from m, so a forced ``tiled*`` needs m > 64 and is refused
-    for smaller m rather than silently running another path. A forced ``small`` runs every m the
+    That kernel chooses small or tiled from m, so a forced ``tiled*`` needs m > 64 and raises
+    ``ValueError`` for smaller m rather than silently running another path. A forced ``small`` runs every m the
     same way (each row's sum in the same order whatever m is: batch invariance).
     """
     if p.path in WORD_TWINS:

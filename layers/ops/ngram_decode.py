@@ -144,9 +144,9 @@ class DecodeLaunches:
         adapters: AdapterTables = NO_ADAPTERS,
     ) -> None:
         """Gather every table's row of ``rows >= 1`` tokens (ragged by ``cu_seqlens [num_seqs +
-        1]``, or ``per_seq`` each when ``cu_seqlens`` is 0) into ``out [rows, T*td]``, their word
-        ids into ``word_ids`` (and, with ``adapters``, their replacement word rows into its
-        ``word_over``), then append each sequence's tokens to the history of ``slots[s]``."""
+        1]``, or ``per_seq`` each when ``cu_seqlens`` is 0) into ``out [rows, T*td]`` (td: the table
+        width), their word ids into ``word_ids`` (and, with ``adapters``, their replacement word rows
+        into its ``word_over``), then append each sequence's tokens to the history of ``slots[s]``."""
         self.gather_kernel.launch(
             self.launches.config(rows * self.pairs_per_row),
             stream,

@@ -1,5 +1,5 @@
 """Launcher of ``kernels/ngram_fused.cu``: hash every n-gram table's id on the GPU and gather all
-``T`` rows of each output row into one ``[R, T*td]`` bf16 buffer.
+``T`` rows of each output row into one ``[R, T*td]`` bf16 buffer (td: the table width).
 
 Device inputs, built on the host:
 
@@ -66,8 +66,9 @@ class PairLaunch:
 
 class NgramGather:
     """``ngram_gather`` planned over one set of tables: ``tables [T, 4]`` u64 descriptors and
-    ``pows [T, N]`` (module doc), with the dims' table count, n-gram order, splits, row width and
-    eos (None: none); ``host_tables``: some table is in host memory (``PairLaunch``).
+    ``pows [T, N]`` (laid out in the module docstring), with the dims' table count, n-gram order,
+    splits, row width and eos (None: none); ``host_tables``: some table is in host memory
+    (``PairLaunch``).
 
     ``run`` writes ``out[r, c*td:(c+1)*td] = row id_c(r) of table c`` for every output row
     ``r < rows`` and table ``c``, fp8 rows dequantised and rounded once to bf16, and the ids to

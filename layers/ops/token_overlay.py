@@ -47,7 +47,8 @@ class OverlayKernels:
     """The four token-overlay kernels, resolved once at model construction with ``try_kernel``.
 
     A missing kernel gives ``KernelHandle(0)``: the forward hooks then return without a launch,
-    and ``build_overlay`` (and ``OverlaySlots.load``) refuse an adapter that ships overlay tensors.
+    and ``build_overlay`` (and ``OverlaySlots.load``) raise ``KernelNotFoundError`` for an adapter
+    that ships overlay tensors.
     """
 
     rowdiff: KernelHandle
@@ -73,8 +74,9 @@ class OverlayKernels:
         return cls(zero, zero, zero, zero)
 
     def require(self, ships: str, *names: str) -> None:
-        """Refuse an adapter that ships ``ships`` (e.g. "embedding overlay tensors") when any of
-        the kernels ``names`` (field names) is not loaded: the seed's refusal, before any work."""
+        """Raise ``KernelNotFoundError`` for an adapter that ships ``ships`` (e.g. "embedding overlay
+        tensors") when any of the kernels ``names`` (field names) is not loaded, before any work (as
+        the Rust engine this mirrors does)."""
         missing = [n for n in names if not getattr(self, n)]
         if missing:
             raise KernelNotFoundError(

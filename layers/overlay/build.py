@@ -82,9 +82,10 @@ def build_overlay(
     """The overlay of an adapter that ships full tables (``modules_to_save`` copies).
 
     A row is overridden where ``max_i |adapter - served| > thresh`` (a NaN counts as differing);
-    the differing rows are found on the GPU and gathered from the adapter's table. Refuses an
-    adapter with overlay tensors when the overlay kernels are missing (the seed), a table whose
-    shape differs from the served one, and a table with no served counterpart.
+    the differing rows are found on the GPU and gathered from the adapter's table. Raises
+    ``KernelNotFoundError`` for an adapter with overlay tensors when the overlay kernels are missing,
+    and ``ValueError`` for a table whose shape differs from the served one or that has no served
+    counterpart.
     """
     check_backend(gpu, "build_overlay: gpu")
     stream = validate.stream(stream, "build_overlay: stream")
@@ -106,7 +107,8 @@ def overlay_from_trainable_tokens(
     """The overlay of PEFT's ``trainable_token_indices`` form: token ids plus their absolute
     replacement rows (``[len(indices), h]``). With ``tied`` (embedding and LM head share one
     matrix) the LM head reuses the embedding rows, so ``lm_head_rows`` must not be given.
-    ``vocab``, when known, refuses ids >= vocab here rather than at ``OverlaySlots.load``."""
+    ``vocab``, when known, rejects ids >= vocab here (``ValueError``) rather than at
+    ``OverlaySlots.load``."""
     if tied and lm_head_rows is not None:
         raise ValueError("tied embeddings: the LM head reuses the embedding rows; lm_head_rows must not be given")
     if tied and embed_rows is None:

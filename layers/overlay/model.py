@@ -74,7 +74,7 @@ class TableOverlay:
 
     @classmethod
     def of(cls, ids: Any, rows: Any, vocab: int | None = None, what: str = "overlay") -> TableOverlay:
-        """Validate, sort by id and copy: refuses duplicate or negative ids, ids >= ``vocab``
+        """Validate, sort by id and copy: raises for duplicate or negative ids, ids >= ``vocab``
         (when given), and a row count that differs from the id count."""
         id_arr = as_ids(ids, f"{what} ids")
         row_arr = as_bf16_rows(rows, f"{what} rows")
@@ -89,18 +89,21 @@ class TableOverlay:
 
     @classmethod
     def empty(cls, h: int) -> TableOverlay:
+        """An overlay that replaces no row of a table ``h`` wide (``n == 0``)."""
         return cls(np.zeros(0, np.int32), np.zeros((0, h), BF16))
 
     @property
     def n(self) -> int:
+        """How many rows it replaces."""
         return int(self.ids.shape[0])
 
     @property
     def h(self) -> int:
+        """The row width (the served table's columns)."""
         return int(self.rows.shape[1])
 
     def check_fits(self, which: str, h: int, vocab: int) -> None:
-        """Refuse rows of another width than the served table's, or an id outside its vocab."""
+        """``ValueError`` for rows of another width than the served table's, or an id outside its vocab."""
         if self.h != h:
             raise ValueError(f"{which} overlay rows have width {self.h}, the served table {h}")
         if self.n and int(self.ids[-1]) >= vocab:
@@ -117,4 +120,5 @@ class AdapterOverlay:
 
     @property
     def is_empty(self) -> bool:
+        """True when it replaces no row of either table."""
         return all(t is None or t.n == 0 for t in (self.embed, self.lm_head))

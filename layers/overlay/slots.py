@@ -4,7 +4,6 @@ read to route each token to its sequence's adapter."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -14,78 +13,15 @@ from gpu_runtime.backend import check_backend
 
 from ..ops.token_overlay import MAX_LMHEAD_OVERRIDES, OverlayKernels, embed_overlay_config, lmhead_overlay_config
 from .model import BF16, F32, AdapterOverlay
-
-
-@dataclass
-class _SlotBuffers:
-    """Device buffers of one loaded slot (None where a table has no overlay)."""
-
-    overlay: AdapterOverlay
-    embed_map: DeviceBuffer | None = None
-    embed_rows: DeviceBuffer | None = None
-    lm_rows: DeviceBuffer | None = None
-    lm_ids: DeviceBuffer | None = None
-
-    @classmethod
-    def upload(cls, gpu: GpuBackend, overlay: AdapterOverlay, vocab: int, stream: int) -> _SlotBuffers:
-        """Allocate and fill the buffers of ``overlay`` on ``stream``; tables with no rows stay
-        null (n = 0). On a failure, what was allocated is freed before the error propagates."""
-        buf = cls(overlay)
-        try:
-            emb = overlay.embed
-            if emb is not None and emb.n:
-                slot_map = np.full(vocab, -1, np.int32)
-                slot_map[emb.ids] = np.arange(emb.n, dtype=np.int32)
-                buf.embed_map = DeviceBuffer.upload(gpu, slot_map, stream)
-                buf.embed_rows = DeviceBuffer.upload(gpu, emb.rows, stream)
-            lm = overlay.lm_head
-            if lm is not None and lm.n:
-                buf.lm_rows = DeviceBuffer.upload(gpu, lm.rows, stream)
-                buf.lm_ids = DeviceBuffer.upload(gpu, lm.ids, stream)
-        except BaseException:
-            buf.close(gpu, stream)
-            raise
-        return buf
-
-    @property
-    def embed_n(self) -> int:
-        emb = self.overlay.embed  # not None where embed_rows is not
-        return emb.n if emb is not None and self.embed_rows is not None else 0
-
-    @property
-    def lm_n(self) -> int:
-        lm = self.overlay.lm_head  # not None where lm_rows is not
-        return lm.n if lm is not None and self.lm_rows is not None else 0
-
-    def entries(self) -> tuple[int, int, int, int, int, int]:
-        """This slot's entry in each of ``OverlaySlots``' six tables (``_host_tables`` order)."""
-
-        def address(buf: DeviceBuffer | None) -> int:
-            return 0 if buf is None else int(buf)
-
-        return (
-            address(self.embed_map),
-            address(self.embed_rows),
-            self.embed_n,
-            address(self.lm_rows),
-            address(self.lm_ids),
-            self.lm_n,
-        )
-
-    def close(self, gpu: GpuBackend, stream: int | None = None) -> None:
-        """Free the buffers, newest first; with ``stream``, once the work queued on it (which may
-        read them) is done. Without, the caller has drained every stream that reads them."""
-        if stream is not None and not gpu.closed:
-            gpu.synchronize(stream)
-        for buf in (self.lm_ids, self.lm_rows, self.embed_rows, self.embed_map):
-            if buf is not None:
-                buf.close()
+from .slot_buffers import SlotBuffers
 
 
 def _device_table(index: int) -> property:
-    """``OverlaySlots``' device pointer table ``index`` (``_host_tables`` order), refused once closed."""
+    """``OverlaySlots``' device pointer table ``index`` (``_host_tables`` order); ``ClosedError`` once closed."""
 
     def table(self: OverlaySlots) -> DevicePtr:
+        """Device address of one of the pointer tables the routed kernels read, one entry per slot
+        (what each table holds: the ``OverlaySlots`` docstring); ``ClosedError`` once closed."""
         return self._table(index)
 
     return property(table)
@@ -130,7 +66,7 @@ class OverlaySlots:
         self._host_lm_rows = np.zeros(ns, np.uint64)
         self._host_lm_ids = np.zeros(ns, np.uint64)
         self._host_lm_n = np.zeros(ns, np.int32)
-        self._slots: list[_SlotBuffers | None] = [None] * ns
+        self._slots: list[SlotBuffers | None] = [None] * ns
         self._seq_scratch: DeviceBuffer | None = None  # host seq_slot arrays go here
         self._tables: list[DeviceBuffer] = []
         self._closed = False
@@ -198,6 +134,7 @@ class OverlaySlots:
 
     @property
     def closed(self) -> bool:
+        """True once ``close()`` ran: every call then raises ``ClosedError``."""
         return self._closed
 
     @property
@@ -207,6 +144,7 @@ class OverlaySlots:
 
     @property
     def has_embed_overlay(self) -> bool:
+        """Whether any loaded slot overrides embedding rows (else the embedding overlay can be skipped)."""
         return bool((self._host_embed_n > 0).any())
 
     def loaded(self, slot: int) -> AdapterOverlay | None:
@@ -234,7 +172,7 @@ class OverlaySlots:
 
     # -- loading and eviction ----------------------------------------------------------------
     def _live(self, stream: Any = 0, call: str = "") -> int:
-        """Refuses a closed object, then a bad ``stream`` (of ``OverlaySlots.<call>``)."""
+        """Raises for a closed object, then for a bad ``stream`` (of ``OverlaySlots.<call>``)."""
         validate.require_open(self._closed, "OverlaySlots")
         if type(stream) is int and stream >= 0:
             return stream
@@ -296,7 +234,7 @@ class OverlaySlots:
         entry.close(self.gpu, stream)
 
     def _upload(self, slot: int, overlay: AdapterOverlay, stream: int) -> None:
-        buf = _SlotBuffers.upload(self.gpu, overlay, self.vocab, stream)
+        buf = SlotBuffers.upload(self.gpu, overlay, self.vocab, stream)
         self._set_entries(slot, buf.entries(), stream)
         self._slots[slot] = buf
 

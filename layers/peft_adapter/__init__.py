@@ -5,16 +5,16 @@
 trainable-token rows (absolute replacements, rounded to bf16) as they are, full tables
 (``modules_to_save`` copies, or a resized vocabulary's) through ``build_overlay`` (only rows that
 differ from the served table). ``read_peft_adapter`` does the reading and every check alone (host
-memory only) and returns a ``PeftAdapter`` whose ``overlay(...)`` builds. Refused: see
-``read_peft_adapter`` (``adapter_model.bin`` only, LoRA on the embedding or LM head, nothing an
-overlay serves, ...).
+memory only) and returns a ``PeftAdapter`` whose ``overlay(...)`` builds. Rejected with
+``PeftAdapterError`` (the full list: ``read_peft_adapter``): ``adapter_model.bin`` only, LoRA on
+the embedding or LM head, nothing an overlay serves, ...
 
 Tied embeddings (``tied``): only matters when the embedding's token rows are saved and the LM
 head's are not. ``True``: the LM head overlay gets the embedding's rows; ``False``: the LM head
 is the served one. ``None``: told from the adapter (a LoRA dict that lists the LM head with the
 embedding's ids but saved no rows for it: tied; a standalone adapter: untied), else from the
 served tables (``served_lm_head`` the same table as ``served_embed``: tied, another: untied), else
-refused.
+``PeftAdapterError``.
 
 Which module is the embedding and which the LM head: by name (``embed_names``,
 ``lm_head_names``: the last path components, or a dotted suffix), a LoRA list form's module is
@@ -75,9 +75,11 @@ def overlay_from_peft(
     h]`` bf16; a tied model passes the same table for both (or ``served_lm_head=None`` with
     ``tied=True``).
 
-    ``tied``: see the module docstring (None: told from the adapter, else from the served
-    tables, else refused). Everything is read and checked before anything is uploaded or
-    launched: see ``read_peft_adapter`` for what is refused.
+    ``tied`` (whether the LM head shares the embedding's rows; it matters only when the
+    embedding's token rows are saved and the LM head's are not): None tells it from the adapter,
+    else from the served tables (the same table for both: tied), else raises ``PeftAdapterError``.
+    Everything is read and checked before anything is uploaded or launched; what
+    ``read_peft_adapter`` rejects, this rejects too.
     """
     check_backend(gpu, "overlay_from_peft: gpu", optional=True)
     validate.stream(stream, "overlay_from_peft: stream")

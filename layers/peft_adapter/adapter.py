@@ -38,6 +38,7 @@ class PeftTable:
 
     @property
     def h(self) -> int:
+        """The row width: the token rows' or the full table's columns."""
         if self.tokens is not None:
             return self.tokens.h
         assert self.full is not None  # a table has its token rows, its full table or both
@@ -46,8 +47,11 @@ class PeftTable:
 
 @dataclass(frozen=True)
 class PeftAdapter:
-    """A PEFT adapter read and checked (host memory only). ``tied``: as given or told from the
-    adapter (None: not told; the rule is in ``layers.peft_adapter``'s docstring); ``other_modules``:
+    """A PEFT adapter folder read and checked by ``read_peft_adapter`` (host memory only): its
+    embedding and LM-head tables (``PeftTable``, None where it saved nothing for one) for a model of
+    ``vocab`` rows of width ``h``; ``overlay(...)`` builds the ``AdapterOverlay``. ``tied``: as given,
+    or told from the adapter (True when its LoRA config lists the LM head with the embedding's ids
+    but saved no rows for it, False for a standalone trainable-tokens one; None: not told); ``other_modules``:
     modules whose tensors no overlay serves (e.g. attention LoRA)."""
 
     path: Path
@@ -80,8 +84,12 @@ class PeftAdapter:
         thresh: float = 0.0,
         stream: int = 0,
     ) -> AdapterOverlay:
-        """Build the overlay; see ``overlay_from_peft``. Everything is checked before the first
-        upload or launch."""
+        """The ``AdapterOverlay`` of this adapter against the served tables (``[vocab, h]`` bf16,
+        a ``DenseWeight`` or a numpy array): token rows as saved; a full table reduced to the rows
+        that differ from the served one by more than ``thresh`` (on ``gpu`` / the served weight's
+        backend with ``kernels``, else on the host). Raises ``PeftAdapterError`` for a full table
+        without its served table, or ``tied`` left undecided where it matters; everything is
+        checked before the first upload or launch."""
         check_backend(gpu, "PeftAdapter.overlay: gpu", optional=True)
         stream = validate.stream(stream, "PeftAdapter.overlay: stream")
         thresh = _check_thresh(thresh)

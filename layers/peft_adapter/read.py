@@ -5,7 +5,7 @@ tensors used (memory-mapped), each tensor classified by module and role, every c
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -13,10 +13,8 @@ import numpy as np
 
 from gpu_runtime import validate
 
-from .. import safetensors_io
 from ..overlay import TableOverlay
-from ..overlay.model import BF16
-from .adapter import ROWS_PER_CHUNK_ELEMS, PeftAdapter, PeftTable, _check_tied
+from .adapter import PeftAdapter, PeftTable, _check_tied
 from .config import (
     BIN_NAME,
     CONFIG_NAME,
@@ -28,32 +26,12 @@ from .config import (
     PeftAdapterError,
     _Config,
 )
+from .tensors import AdapterFile, full_table, merge_rows, token_rows
 
 _PREFIX = "base_model.model."
 _TOKENS_RE = re.compile(r"^(?P<mod>.+?)(?P<wrap>\.token_adapter)?\.trainable_tokens_delta(?:\.(?P<name>[^.]+))?$")
 _COPY_RE = re.compile(r"^(?P<mod>.+?)\.modules_to_save(?:\.(?P<name>[^.]+))?\.weight$")
 _BASE_RE = re.compile(r"^(?P<mod>.+?)(?:\.token_adapter)?\.base_layer\.weight$")
-
-
-# -- the safetensors file: its header checked, only the tensors used are mapped -----------------
-
-_FLOATS = ("F16", "BF16", "F32", "F64")
-
-
-class _Safetensors:
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        try:
-            self.entries = safetensors_io.read_header(path)
-        except ValueError as e:  # malformed or truncated: the loader's own error type
-            raise PeftAdapterError(str(e)) from None
-
-    def float_array(self, name: str) -> np.ndarray:
-        """The tensor, read-only memory-mapped, with its float dtype (others refused)."""
-        info = self.entries[name]
-        if info.dtype not in _FLOATS:
-            raise PeftAdapterError(f"{self.path.name}: tensor {name!r} is {info.dtype}, not a float type")
-        return safetensors_io.map_tensor(self.path, info)
 
 
 # -- reading -------------------------------------------------------------------------------------
@@ -99,71 +77,6 @@ def _names(value: Any, what: str) -> tuple[str, ...]:
     return value
 
 
-def _token_rows(st: _Safetensors, key: str, ids: list[int], vocab: int, module: str) -> TableOverlay:
-    arr = st.float_array(key)
-    if arr.ndim != 2 or arr.shape[0] != len(ids) or arr.shape[1] == 0:
-        raise PeftAdapterError(
-            f"{st.path.name}: {key} has shape {list(arr.shape)}, expected "
-            f"[{len(ids)}, h] for the {len(ids)} token ids of {module}"
-        )
-    rows = np.ascontiguousarray(arr).astype(BF16)
-    bad = ~np.isfinite(rows).all(axis=1)
-    if bad.any():
-        raise PeftAdapterError(
-            f"{st.path.name}: {key}: non-finite values (NaN/inf, or too large for "
-            f"bf16) in the rows of token ids {np.asarray(ids)[bad][:8].tolist()}"
-        )
-    limit = min(vocab, 1 << 31)  # the overlay's ids are int32
-    outside = [int(i) for i in ids if not 0 <= int(i) < limit][:1]  # Python ints: none wraps or overflows
-    if outside:
-        raise PeftAdapterError(
-            f"{CONFIG_NAME}: token id {outside[0]} of {module} outside the vocabulary 0..{limit - 1}"
-        )
-    id_arr = np.asarray(ids, np.int64)
-    return _merge([(id_arr, rows)], f"token ids of {module}")
-
-
-def _merge(parts: Iterable[tuple[np.ndarray, np.ndarray]], what: str) -> TableOverlay:
-    """One sorted overlay from (ids, bf16 rows) pairs; a repeated id must carry the same row."""
-    parts = list(parts)
-    ids = np.concatenate([p[0] for p in parts]).astype(np.int64)
-    rows = np.concatenate([p[1] for p in parts])
-    order = np.argsort(ids, kind="stable")
-    ids, rows = ids[order], rows[order]
-    dup = np.flatnonzero(ids[1:] == ids[:-1])
-    if dup.size:
-        u16 = rows.view(np.uint16)
-        differ = (u16[dup] != u16[dup + 1]).any(axis=1)
-        if differ.any():
-            raise PeftAdapterError(f"{what}: token id {int(ids[dup[differ][0]])} given twice with different rows")
-        keep = np.ones(ids.size, bool)
-        keep[dup + 1] = False
-        ids, rows = ids[keep], rows[keep]
-    return TableOverlay(np.ascontiguousarray(ids, np.int32), np.ascontiguousarray(rows))
-
-
-def _full_table(st: _Safetensors, key: str, vocab: int, module: str) -> np.ndarray:
-    arr = st.float_array(key)
-    if arr.ndim != 2 or arr.shape[1] == 0:
-        raise PeftAdapterError(f"{st.path.name}: {key} has shape {list(arr.shape)}, not a [vocab, h] table")
-    if arr.shape[0] != vocab:
-        raise PeftAdapterError(
-            f"{st.path.name}: {key} has {arr.shape[0]} rows but vocab is {vocab} (PEFT saves the full "
-            f"table of {module} when the vocabulary was resized: serve the resized model)"
-        )
-    out = np.empty(arr.shape, BF16)
-    step = max(1, ROWS_PER_CHUNK_ELEMS // arr.shape[1])
-    for a in range(0, arr.shape[0], step):
-        out[a : a + step] = arr[a : a + step]
-        bad = ~np.isfinite(out[a : a + step]).all(axis=1)
-        if bad.any():
-            raise PeftAdapterError(
-                f"{st.path.name}: {key}: non-finite values (NaN/inf, or too large "
-                f"for bf16) in rows {(np.flatnonzero(bad) + a)[:8].tolist()}"
-            )
-    return out
-
-
 def _other_module(key: str) -> str:
     """The module a tensor belongs to, for messages: without ``.weight``/``.bias`` and the
     parameter name (``q_proj.lora_A.weight`` -> ``q_proj``)."""
@@ -182,7 +95,7 @@ def read_peft_adapter(
 ) -> PeftAdapter:
     """Read and check a PEFT adapter folder (host memory only; nothing is built or uploaded).
 
-    Refuses, before returning: a missing folder / config / weights (``FileNotFoundError``),
+    Raises, before returning: a missing folder / config / weights (``FileNotFoundError``),
     ``adapter_model.bin`` only, a malformed config or safetensors file, token ids outside
     ``0..vocab-1``, rows whose count or width does not match (``hidden_size`` when given), NaN or
     inf rows, the same id with different rows (two modules of one table, or twice in one list),
@@ -196,7 +109,7 @@ def read_peft_adapter(
     embed_names, lm_head_names = _names(embed_names, "embed_names"), _names(lm_head_names, "lm_head_names")
     d, cfg_path, weights = _files(adapter_dir)
     cfg = _Config.read(cfg_path)
-    st = _Safetensors(weights)
+    st = AdapterFile(weights)
 
     # classify every tensor
     tokens: dict[str, str] = {}  # module -> key
@@ -299,7 +212,7 @@ def read_peft_adapter(
 
     per_role_tokens: dict[str, list[tuple[str, TableOverlay]]] = {EMBED: [], LM_HEAD: []}
     for mod, key in tokens.items():
-        per_role_tokens[roles[mod]].append((mod, _token_rows(st, key, ids_for(mod), vocab, mod)))
+        per_role_tokens[roles[mod]].append((mod, token_rows(st, key, ids_for(mod), vocab, mod)))
 
     # modules the config names but whose rows were not saved
     tied_by_config = None
@@ -338,14 +251,16 @@ def read_peft_adapter(
         if not toks and not full_mods:
             continue
         tok = (
-            _merge([(t.ids, t.rows) for _, t in toks], f"{role} trainable tokens of {', '.join(m for m, _ in toks)}")
+            merge_rows(
+                [(t.ids, t.rows) for _, t in toks], f"{role} trainable tokens of {', '.join(m for m, _ in toks)}"
+            )
             if toks
             else None
         )
         full = kind = None
         for mod in full_mods:
             key, k = fulls[mod]
-            arr = _full_table(st, key, vocab, mod)
+            arr = full_table(st, key, vocab, mod)
             if full is not None and (arr.shape != full.shape or (arr.view(np.uint16) != full.view(np.uint16)).any()):
                 raise PeftAdapterError(f"{d}: the full {role} tables of {', '.join(full_mods)} differ")
             if kind is not None and k != kind:

@@ -32,7 +32,8 @@ class Collective(Protocol):
     size: int
 
     @property
-    def closed(self) -> bool: ...
+    def closed(self) -> bool:
+        """True once the communicator is closed or aborted (or its backend closed): no more collectives."""
 
     def allreduce_bf16(self, ptr: int, count: int, stream: int) -> None:
         """``ptr[:count]`` (bf16) summed over the ranks, in place, in ``stream``'s order."""
@@ -45,7 +46,8 @@ class CollectiveGroup(Protocol):
     size: int
 
     @property
-    def closed(self) -> bool: ...
+    def closed(self) -> bool:
+        """True once the group is closed (or its backend): no more collectives."""
 
     def allreduce_bf16_all(self, buffers: Sequence[tuple[int, int, int]]) -> None:
         """Rank r's ``(ptr, count, stream)`` is ``buffers[r]``: each summed over the ranks, in place."""
@@ -68,9 +70,15 @@ class LocalGroup:
 
     @property
     def closed(self) -> bool:
+        """True once ``close()`` ran or the backend is closed: ``allreduce_bf16_all`` then raises
+        ``ClosedError``."""
         return self._closed or self.gpu.closed
 
     def allreduce_bf16_all(self, buffers: Sequence[tuple[int, int, int]]) -> None:
+        """Rank r's ``(ptr, count, stream)`` is ``buffers[r]``: rank 0's buffer gets the sum, then it
+        is copied to the others, all queued on the one shared stream. Raises ``ValueError``
+        (nothing queued) for a buffer count other than ``size``, a null pointer, or ranks with
+        different counts or streams."""
         validate.require_open(self.closed, "LocalGroup")
         if len(buffers) != self.size:
             raise ValueError(f"LocalGroup: {len(buffers)} buffers for a group of {self.size}")
@@ -88,4 +96,5 @@ class LocalGroup:
             self.gpu.copy_d2d_async(ptr, ptr0, count * 2, stream)
 
     def close(self) -> None:
+        """Mark the group closed (it owns no device memory; the add kernel stays with the backend)."""
         self._closed = True

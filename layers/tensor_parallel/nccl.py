@@ -71,9 +71,13 @@ class NcclCollective:
 
     @property
     def closed(self) -> bool:
+        """True once ``close()`` or ``abort()`` ran, or the backend is closed."""
         return self._closed or self.gpu.closed
 
     def allreduce_bf16(self, ptr: int, count: int, stream: int) -> None:
+        """Post an in-place bf16 sum all-reduce of ``ptr[:count]`` over the ranks on ``stream``
+        (capturable in a CUDA graph); returns at once. Raises ``ClosedError`` once closed,
+        ``ValueError`` for a null ``ptr``."""
         validate.require_open(self.closed, "NcclCollective")
         ptr = validate.pointer(ptr, "all-reduce buffer")
         count = validate.count(count, "all-reduce count")
@@ -93,6 +97,7 @@ class NcclCollective:
             self.comm.abort()
 
     def close(self) -> None:
+        """Destroy the communicator (once; later calls, and a call after ``abort``, do nothing)."""
         if not self._closed:
             self._closed = True
             self.comm.destroy()
@@ -117,6 +122,7 @@ class NcclGroup:
 
     @property
     def closed(self) -> bool:
+        """True once any member communicator is closed or aborted."""
         return any(m.closed for m in self.members)
 
     def allreduce_bf16_all(self, buffers: Sequence[tuple[int, int, int]]) -> None:
@@ -151,6 +157,9 @@ class NcclGroup:
             core.group_end()
 
     def wait(self, streams: Sequence[int], timeout_s: float) -> None:
+        """Block until every rank's ``streams[r]`` has finished; past ``timeout_s`` seconds, or on an
+        NCCL asynchronous error, abort every member and raise ``TimeoutError`` / ``RuntimeError``.
+        Raises ``ValueError`` for a stream count other than ``size``."""
         if len(streams) != self.size:
             raise ValueError(f"NcclGroup.wait: {len(streams)} streams for a group of {self.size}")
         _wait(
@@ -160,10 +169,12 @@ class NcclGroup:
         )
 
     def abort(self) -> None:
+        """Abort every member's communicator now, pending collectives included."""
         for m in self.members:
             m.abort()
 
     def close(self) -> None:
+        """Destroy every member's communicator (each once)."""
         for m in self.members:
             m.close()
 

@@ -1,4 +1,4 @@
-"""The bad-input matrix (README, "Bad input"): every public entry point against wrong dtype, shape,
+"""The bad-input matrix (docs/BAD_INPUT.md): every public entry point against wrong dtype, shape,
 length, range, null pointers, closed objects, ids >= vocab/rows and empty input.
 
 Each case must raise a clear exception (its type, and key words of its message), write nothing
@@ -14,12 +14,14 @@ answer. An "empty" case that is a no-op must return without writing anything eit
   of that launcher checked against numpy: the backend is still usable.
 
 Known gaps are cases marked ``xfail(strict=True)``: the day one is fixed, the marker must go.
-The README table is generated from the case tables: ``python -m tests.bad_inputs``.
+The page docs/BAD_INPUT.md is generated from the case tables:
+``python -m tests.bad_inputs > docs/BAD_INPUT.md``.
 
 Layout: ``matrix`` (rows, columns, the case constructors), ``world`` (the CPU subjects on a
 logging host-memory backend), ``offline`` (the offline ``CudaBackend``), ``launcher_rows`` (each
 launcher row's function and kernel), ``device`` (the GPU rigs), ``cases/`` (the tables by area:
 runtime, launchers, n-gram weights, n-gram runners, loaders, row cache and table files, overlays),
-``readme`` (the README section); the tests are ``test_cpu``, ``test_offline_cuda``, ``test_gpu_backend``,
-``test_gpu_launchers`` and ``test_readme``.
+``readme`` (the generated page, docs/BAD_INPUT.md; the name is from when it was a README section);
+the tests are ``test_cpu``, ``test_offline_cuda``, ``test_gpu_backend``, ``test_gpu_launchers`` and
+``test_readme`` (the page against the cases).
 """

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from tests.bad_inputs.offline import Target
     from tests.bad_inputs.world import World
 
-# Matrix rows (test-id prefix, README label) and columns (test-id part, README header).
+# Matrix rows (test-id prefix, table label) and columns (test-id part, table header) of docs/BAD_INPUT.md.
 ROWS = [
     ("CudaBackend.alloc", "`CudaBackend.alloc` / `free`"),
     ("CudaBackend.memset", "`CudaBackend.memset`"),

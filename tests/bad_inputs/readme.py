@@ -1,5 +1,7 @@
-"""The README's "Bad input" section, generated from the case tables: which exception each entry
-point raises for each kind of bad input. ``python -m tests.bad_inputs`` prints it."""
+"""The "Bad input" page, ``docs/BAD_INPUT.md``, generated from the case tables: which exception
+each entry point raises for each kind of bad input. ``python -m tests.bad_inputs`` prints it
+(``python -m tests.bad_inputs > docs/BAD_INPUT.md`` rewrites it); the module keeps its old name,
+from when the table was a section of the README."""
 
 from __future__ import annotations
 
@@ -10,8 +12,9 @@ from typing import Any
 from tests.bad_inputs.cases import CPU_CASES, CUDA_CASES, GPU_LAUNCH_CASES
 from tests.bad_inputs.matrix import COLUMN_KEYS, COLUMNS, ROW_KEYS, ROWS
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "BAD_INPUT.md"
 COMMAND = "python -m tests.bad_inputs"
+WRITE = f"{COMMAND} > docs/BAD_INPUT.md"  # regenerates the page, run from the repository root
 
 
 def _outcome(exc: type[BaseException] | None) -> str:
@@ -41,6 +44,10 @@ def matrix_cells() -> dict[tuple[str, str], dict[str, Any]]:
         add(param, param.values[2], False)
     return cells
 
+
+TITLE = "# Bad input"
+GENERATED = (f"<!-- Generated from the cases in tests/bad_inputs/cases/ by `{WRITE}`:\n"
+             "     edit the cases, then regenerate (tests/bad_inputs/test_readme.py checks this page). -->")
 
 INTRO = """\
 Every public entry point refuses bad input with a clear exception before it writes or launches
@@ -97,14 +104,14 @@ def matrix_table() -> tuple[list[str], list[str]]:
 
 
 def matrix_markdown() -> str:
-    """The README section, generated from the case tables."""
+    """The whole page, generated from the case tables."""
     lines, gaps = matrix_table()
     reasons = {p.id: next(m.kwargs["reason"] for m in p.marks if m.name == "xfail")
                for p in CPU_CASES + CUDA_CASES if any(m.name == "xfail" for m in p.marks)}
     notes = [textwrap.fill(f"- `{gap}`: {reasons[gap]}.", 100, subsequent_indent="  ") for gap in gaps]
     run = ("Run it with `pytest tests/bad_inputs` (the GPU cases with the rest: `make gpu-check`);\n"
-           f"`{COMMAND}` prints this section from the cases.")
+           f"`{COMMAND}` prints this page from the cases;\n`{WRITE}` rewrites it.")
     gaps_text = [GAPS + "\n" + "\n".join(notes)] if notes else []
-    return "\n\n".join(["## Bad input", INTRO, "\n".join(lines), LEGEND, *gaps_text, NOT_CHECKED,
+    return "\n\n".join([TITLE, GENERATED, INTRO, "\n".join(lines), LEGEND, *gaps_text, NOT_CHECKED,
                         run]) + "\n"
 

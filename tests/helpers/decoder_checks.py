@@ -1,6 +1,6 @@
 """The decoder's GPU checks, written once for every decoder ``World`` they run on: the plain
 decoder (``tests.helpers.decoder.World``, in test_ngram_decoder.py) and the decoder over a one-rank
-shard (``tests.helpers.tensor_parallel.RankWorld``, in test_tensor_parallel.py). Each check takes
+shard (``tests.helpers.tensor_parallel.RankWorld``, in test_tensor_parallel_runners.py). Each check takes
 the world, drives its decoder beside the fused path and asserts every output row bit for bit, into
 poisoned, guarded outputs; where the world has a recording collective (``world.collective``, a
 ``RankWorld``'s) it also checks that a launch all-reduces once. ``CHECKS``: each as a pytest param

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from layers.ngram_embed.row_cache import RowCache
-from layers.ngram_embed.table_file import write_table
+from layers.ngram_store.row_cache import RowCache
+from layers.ngram_store.table_file import write_table
 from tests.helpers.fakes import MemoryBackend
 from tests.helpers import random_bf16, random_fp8
 

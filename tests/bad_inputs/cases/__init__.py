@@ -1,6 +1,6 @@
 """Every case table, by area. The CPU test runs ``CPU_CASES`` (each followed by its row's good
 call in ``AFTER``); ``CUDA_CASES`` run offline on CPU and on the device; ``GPU_LAUNCH_CASES`` on
-the device; the README's table is generated from all three."""
+the device; docs/BAD_INPUT.md's table is generated from all three."""
 
 from __future__ import annotations
 

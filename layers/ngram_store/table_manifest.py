@@ -8,16 +8,52 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ..dense_weight import FP8
-from .checkpoint import CheckpointError
-from .dims import NgramDims
+from .errors import CheckpointError
 from .table_file import TableFile, TableFormatError
 
 MANIFEST = "ngram_tables.json"  # written by layers.ngram_embed.convert into its OUT_DIR
 MANIFEST_FORMAT = "metrale-ngram-tables"
 MANIFEST_VERSION = 1
+
+
+class TableLayout(Protocol):
+    """The dims a manifest records and its files are checked against (``NgramDims`` is one)."""
+
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary size (the word table's rows)."""
+
+    @property
+    def hidden_size(self) -> int:
+        """The embedding width D."""
+
+    @property
+    def max_ngram(self) -> int:
+        """The largest n-gram order N (the tables cover orders 2..N)."""
+
+    @property
+    def splits(self) -> int:
+        """Tables per n-gram order."""
+
+    @property
+    def base_rows(self) -> int:
+        """m, the rows every table starts from (``NgramDims``: table c has ``m + 2*c + b`` rows)."""
+
+    @property
+    def row_bias(self) -> int:
+        """b (0 or 1), added to every table's rows (``NgramDims``: ``m + 2*c + b``)."""
+
+    def num_tables(self) -> int:
+        """The table count, ``splits * (max_ngram - 1)``."""
+
+    def table_rows(self, index: int) -> int:
+        """The rows of table ``index`` (its hash modulus)."""
+
+    def table_dim(self) -> int:
+        """The table width (td): the columns of every table (``NgramDims``: ``D // T`` unless given)."""
 
 
 @dataclass(frozen=True)
@@ -31,7 +67,7 @@ class TableFiles:
     dtypes: tuple[str, ...]  # "BF16" or "F8_E4M3" per table
 
 
-def manifest_dims(dims: NgramDims) -> dict[str, int]:
+def manifest_dims(dims: TableLayout) -> dict[str, int]:
     return {
         "vocab_size": dims.vocab_size,
         "hidden_size": dims.hidden_size,
@@ -66,7 +102,7 @@ def read_manifest(table_dir: str | os.PathLike) -> dict[str, Any]:
     return manifest
 
 
-def open_table_files(table_dir: str | os.PathLike, dims: NgramDims) -> TableFiles:
+def open_table_files(table_dir: str | os.PathLike, dims: TableLayout) -> TableFiles:
     """Find every table's file through the manifest and check each header (dtype, rows, dim,
     size) against ``dims``; the files are closed again (``RowCache`` and ``HostWeight`` reopen)."""
     table_dir = Path(table_dir)

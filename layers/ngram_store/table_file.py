@@ -1,7 +1,7 @@
 """On-disk n-gram tables too big for the device: ``TableFile`` memory-maps one read-only and
 gathers rows by id (nothing reads a whole table into RAM); ``TableWriter`` / ``write_table``
 stream one to disk in chunks, atomically (``.tmp``, header last, fsync, rename). A file whose
-header or size is not what this package writes is refused (``TableFormatError``). The format is
+header or size is not what this package writes raises ``TableFormatError``. The format is
 ``table_format``'s; the layout and the design: docs/table_files.md.
 """
 
@@ -72,6 +72,7 @@ class TableFile:
 
     @property
     def closed(self) -> bool:
+        """True once ``close()`` ran: reads then raise ``ClosedError``."""
         return self._fd < 0
 
     def _check_open(self) -> None:
@@ -197,6 +198,7 @@ class TableWriter:
 
     @property
     def closed(self) -> bool:
+        """True once the writer committed (``close``) or gave up (``abort``): writes then raise ``ClosedError``."""
         return self._fd < 0
 
     def _pwrite(self, array: np.ndarray, offset: int) -> None:
@@ -235,7 +237,8 @@ class TableWriter:
         self.written += n
 
     def close(self) -> TableHeader:
-        """Write the header, fsync and rename into place; refuses a short table."""
+        """Write the header, fsync and rename into place; returns the header. Raises ``ValueError``
+        (writing nothing) when fewer rows than declared were appended, ``ClosedError`` after ``abort``."""
         if self._committed:
             return self.header
         if self.closed:

@@ -8,8 +8,8 @@ works on its own), and resolves ``ids [Tc, R]`` for all members at once:
 * all hits: the pins and CLOCK reference bits of every slot set in a few vectorised operations,
   whatever Tc and R; the hits are credited to every member's stats when ``RowCache.stats`` is read.
 * some misses: the members with a miss go through their own ``resolve`` (which loads rows), after
-  every refusal of the batch has been checked (ids out of range for any member, then room in the
-  arena of every member with a miss), so nothing is loaded before a refusal.
+  every check of the batch has passed (ids out of range for any member, then room in the arena
+  of every member with a miss), so nothing is loaded before an error is raised.
 
 Members share one batch: ``end_batch`` of the group, or of any member (``RowCache.end_batch``
 calls ``SharedSlotIndex.unpin_all``), unpins every member's rows. Why the index stays on the
@@ -98,6 +98,8 @@ class CacheGroup:
         self._adopt()  # another group took members over: take them back
 
     def member_closed(self) -> None:
+        """Called by a member ``RowCache`` as it closes: the next call checks every member again (and
+        raises ``ClosedError`` naming the closed one) instead of taking the fast path."""
         self._ok = False
 
     def flush_stats(self) -> None:
@@ -133,7 +135,7 @@ class CacheGroup:
             )
 
     def validate(self, ids: np.ndarray) -> None:
-        """Refuse, loading nothing, what ``resolve(ids, ...)`` would refuse: a closed member, ids
+        """Raise, loading nothing, what ``resolve(ids, ...)`` would raise for: a closed member, ids
         out of range, a member needing more rows resident at once than its arena holds."""
         ids = self._checked(ids, "validate")
         if ids.size == 0:
@@ -146,7 +148,7 @@ class CacheGroup:
     def resolve(self, ids: np.ndarray, slots_out: np.ndarray, *, in_range: bool = False) -> None:
         """Make the rows of ``ids [Tc, R]`` resident and pinned until ``end_batch``;
         ``slots_out[r, k]`` gets the slot of ``ids[k, r]`` in ``caches[k]``'s arena. Every
-        refusal (``validate``'s) comes before the first load. ``in_range=True``: the caller
+        error (``validate``'s) is raised before the first load. ``in_range=True``: the caller
         guarantees ``0 <= ids[k] < caches[k].rows`` (ids hashed modulo the table's rows), and
         the range test is skipped."""
         if not (self._ok and type(ids) is np.ndarray and ids.ndim == 2 and ids.dtype.kind in "iu"):

@@ -100,6 +100,7 @@ class HostWeight(WeightShape):
 
     @property
     def closed(self) -> bool:
+        """True once ``close()`` released the memory (``gpu`` is then None): a layer given it raises ``ClosedError``."""
         return self.gpu is None
 
     def close(self) -> None:

@@ -5,8 +5,8 @@ A layer allocates its device scratch through ``alloc`` / ``upload`` (each a
 with ``on_close`` and the objects it owns with ``adopt``; ``close()`` releases everything once,
 in reverse order of creation, also after a constructor failed half-way. The layer keeps the
 returned addresses (``DevicePtr``) for its launches: a ``DeviceBuffer`` is taken for an address
-too, but a plain address costs less per launch on the decode paths, and a layer refuses every
-call once ``closed`` (``ClosedError``), so a freed address never reaches a kernel.
+too, but a plain address costs less per launch on the decode paths, and a layer raises
+``ClosedError`` on every call once ``closed``, so a freed address never reaches a kernel.
 """
 
 from __future__ import annotations

@@ -222,7 +222,7 @@ class SharedSlotIndex(SlotIndex):
 
 
 def refuse_slots_out(what: str, slots_out: object, shape: tuple[int, ...]) -> None:
-    """The refusal of a ``slots_out`` that is not a writable uint32 array of ``shape``:
+    """Raise for a ``slots_out`` that is not a writable uint32 array of ``shape``:
     ``TypeError`` for another type or dtype, ``ValueError`` for another shape."""
     dtype = getattr(slots_out, "dtype", None)
     if not isinstance(slots_out, np.ndarray) or dtype != np.uint32:

@@ -4,7 +4,7 @@
 Version 1, little-endian: a header block (magic ``b"NGRAMTBL"``, version, dtype code 1 bf16 or
 2 fp8 e4m3, rows, dim, rows_offset, scales_offset, crc32 of those 48 bytes; zeros up to 4096),
 the rows raw and row-major from byte 4096, and for fp8 the f32 per-row scales from the next page
-boundary after them. ``TableHeader.unpack`` refuses (``TableFormatError``) a wrong magic, version,
+boundary after them. ``TableHeader.unpack`` raises ``TableFormatError`` for a wrong magic, version,
 crc, dtype code, size or offsets. The layout in full: docs/table_files.md.
 """
 

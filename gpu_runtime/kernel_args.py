@@ -13,15 +13,14 @@ from collections.abc import Sequence
 
 from . import validate
 from .backend import GpuBackend, check_backend
-from .launch import BLOCK_MAX, GRID_MAX, KIND_NAMES, MAX_THREADS, LaunchConfig
+from .launch import GRID_MAX, KIND_NAMES, Dims, LaunchConfig, check_block, check_dims
 from .pointers import DevicePtr, KernelHandle
 
 _U32 = 1 << 32
 _U64 = 1 << 64
 _I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
 _F32_MAX = validate.F32_MAX
-_Dims = tuple[int, int, int]
-_CONFIGS: dict[tuple[_Dims, _Dims, int, bool], LaunchConfig] = {}  # every shape launched, up to 1024
+_CONFIGS: dict[tuple[Dims, Dims, int, bool], LaunchConfig] = {}  # every shape launched, up to 1024
 
 
 class KernelLaunch:
@@ -36,8 +35,8 @@ class KernelLaunch:
             raise ValueError("KernelLaunch: null kernel handle (the kernel was not loaded)")
         self._gpu = gpu
         self._kernel = kernel
-        self._grid: _Dims = (1, 1, 1)
-        self._block: _Dims = (1, 1, 1)
+        self._grid: Dims = (1, 1, 1)
+        self._block: Dims = (1, 1, 1)
         self._shared = 0
         self._kinds = ""
         self._args: list[int | float] = []
@@ -57,7 +56,10 @@ class KernelLaunch:
             plain = type(x) is type(y) is type(z) is int and 0 < x < 2147483648 and 0 < y < 65536 and 0 < z < 65536
         except (TypeError, ValueError):
             plain = False
-        self._grid = (x, y, z) if plain else _dims(dims, GRID_MAX, "grid")
+        if not plain:
+            _three(dims, "grid")
+            x, y, z = check_dims(dims, GRID_MAX, "grid")
+        self._grid = (x, y, z)
         return self
 
     def block(self, dims: Sequence[int]) -> KernelLaunch:
@@ -68,9 +70,8 @@ class KernelLaunch:
         except (TypeError, ValueError):
             plain = False
         if not plain:
-            x, y, z = _dims(dims, BLOCK_MAX, "block")
-            if x * y * z > MAX_THREADS:
-                raise ValueError(f"block {[x, y, z]}: more than {MAX_THREADS} threads")
+            _three(dims, "block")
+            x, y, z = check_block(dims, "block")
         self._block = (x, y, z)
         return self
 
@@ -136,19 +137,10 @@ class KernelLaunch:
         kernel.launch(config, stream, *self._args)
 
 
-def _dims(dims: Sequence[int], limits: _Dims, what: str) -> _Dims:
-    try:
-        x, y, z = dims
-        if type(x) is type(y) is type(z) is int and 0 < x <= limits[0] and 0 < y <= limits[1] and 0 < z <= limits[2]:
-            return x, y, z
-    except (TypeError, ValueError):
-        pass
+def _three(dims: Sequence[int], what: str) -> None:
+    """Refuse anything but three dimensions (``LaunchConfig`` also takes one or two)."""
     if isinstance(dims, (str, bytes)) or not isinstance(dims, Sequence) or len(dims) != 3:
         raise ValueError(f"{what} must have 3 dimensions, got {dims!r}")
-    x, y, z = (validate.integer(d, what) for d in dims)
-    if not all(1 <= d <= limit for d, limit in zip((x, y, z), limits)):
-        raise ValueError(f"{what} {[x, y, z]}: each dimension must be in 1..{list(limits)}")
-    return x, y, z
 
 
 def _int(value: object, low: int, high: int, what: str, index: int) -> int:

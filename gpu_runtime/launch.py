@@ -37,14 +37,23 @@ SHARED_WITHOUT_OPT_IN = 48 * 1024  # a backend opts each kernel in to more where
 Dims = tuple[int, int, int]
 
 
-def _dims(value: int | Sequence[int], limits: Dims, what: str) -> Dims:
-    """``value`` (an int, or 1 to 3 ints) as three dimensions, each in ``1..limit``."""
+def check_dims(value: int | Sequence[int], limits: Dims, what: str) -> Dims:
+    """``value`` (an int, or 1 to 3 ints) as three dimensions, each in ``1..limit``; ``what``
+    names it in the error."""
     dims = list(value) if isinstance(value, Sequence) else [value]
     if not 1 <= len(dims) <= 3:
-        raise ValueError(f"LaunchConfig {what} must have 1 to 3 dimensions, got {dims}")
-    x, y, z = (validate.integer(d, f"LaunchConfig {what}") for d in [*dims, 1, 1][:3])
+        raise ValueError(f"{what} must have 1 to 3 dimensions, got {dims}")
+    x, y, z = (validate.integer(d, what) for d in [*dims, 1, 1][:3])
     if not all(1 <= d <= limit for d, limit in zip((x, y, z), limits)):
-        raise ValueError(f"LaunchConfig {what} {[x, y, z]}: each dimension must be in 1..{list(limits)}")
+        raise ValueError(f"{what} {[x, y, z]}: each dimension must be in 1..{list(limits)}")
+    return x, y, z
+
+
+def check_block(value: int | Sequence[int], what: str) -> Dims:
+    """``check_dims`` of a block, and at most ``MAX_THREADS`` threads in it."""
+    x, y, z = check_dims(value, BLOCK_MAX, what)
+    if x * y * z > MAX_THREADS:
+        raise ValueError(f"{what} {[x, y, z]}: more than {MAX_THREADS} threads")
     return x, y, z
 
 
@@ -74,11 +83,9 @@ class LaunchConfig:
         cluster: int | Sequence[int] | None = None,
         overlap: bool = False,
     ) -> None:
-        block_dims = _dims(block, BLOCK_MAX, "block")
-        if block_dims[0] * block_dims[1] * block_dims[2] > MAX_THREADS:
-            raise ValueError(f"LaunchConfig block {list(block_dims)}: more than {MAX_THREADS} threads")
-        grid_dims = _dims(grid, GRID_MAX, "grid")
-        cluster_dims = None if cluster is None else _dims(cluster, (8, 8, 8), "cluster")
+        block_dims = check_block(block, "LaunchConfig block")
+        grid_dims = check_dims(grid, GRID_MAX, "LaunchConfig grid")
+        cluster_dims = None if cluster is None else check_dims(cluster, (8, 8, 8), "LaunchConfig cluster")
         if cluster_dims is not None and any(g % c for g, c in zip(grid_dims, cluster_dims)):
             raise ValueError(f"LaunchConfig grid {list(grid_dims)} is not whole clusters of {list(cluster_dims)}")
         for name, value in (

@@ -23,7 +23,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -36,10 +35,10 @@ from layers.ngram_embed import NgramCheckpoint, NgramWeights
 from tests.helpers.checkpoint import PROJ, SCALE, TABLE, WORD, layer_bytes, tiny_config
 from tests.helpers.examples import assert_public_imports
 from tests.helpers.logging_backend import LoggingBackend
+from tests.helpers.readme import readme_block
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "cpu_reference.py"
-README = ROOT / "README.md"
 SECTION = "## Quickstart without a GPU"
 # the example's output for its defaults (seed 0, 16 tokens, the tiny model it writes)
 EXPECTED = [
@@ -117,17 +116,9 @@ def _example():
     return module
 
 
-def _readme_section() -> str:
-    text = README.read_text()
-    assert SECTION in text, f"README has no {SECTION!r} section"
-    return text.split(SECTION, 1)[1].split("\n## ", 1)[0]
-
-
 def _readme_block(kind: str) -> list[str]:
     """The lines of the section's first ```kind block."""
-    match = re.search(rf"^```{kind}\n(.*?)^```$", _readme_section(), re.M | re.S)
-    assert match, f"README's {SECTION!r} has no ```{kind} block"
-    return match.group(1).splitlines()
+    return readme_block(SECTION, kind).splitlines()
 
 
 def _readme_commands() -> list[str]:

@@ -19,8 +19,7 @@ from layers.ngram_embed import NO_ADAPTER, PAD_SLOT, DecodeError, FusedNgramEmbe
 from layers.dense_weight import BF16, DenseWeight
 from tests.helpers.fakes import ForeignArray
 from tests.helpers import Guarded, bits
-from tests.helpers.decoder import World, u32
-from tests.helpers.decoder_serving import P, recording
+from tests.helpers.decoder import P, World, recording, u32
 from tests.helpers.overlay import random_overlay
 
 GATHER_ADAPTERS = slice(21, 28)  # ngram_decode_gather's adapters .. word_over

@@ -14,8 +14,8 @@ from layers.ngram_embed import NO_ADAPTER, DecodeError
 from layers.dense_weight import BF16, FP8
 from tests.helpers.fakes import ForeignArray, RecordingBackend
 from tests.helpers import bits
-from tests.helpers.decoder import World
-from tests.helpers.decoder_serving import P, recording
+from tests.helpers.decoder import P, World, recording
+from tests.helpers.dlpack_capsule import capsule
 
 
 # -- CPU ----------------------------------------------------------------------------------------
@@ -73,23 +73,9 @@ class _Producer:
         return self.array.__dlpack_device__()
 
 
-_KEEP: list = []  # the versioned capsules' structures (the test's capsules have no destructor)
-
-
 def _versioned_capsule(array: DeviceArray, flags: int):
     """A ``dltensor_versioned`` capsule over ``array`` as a DLPack 1.x producer makes it."""
-    import ctypes
-
-    managed = dlpack._ManagedVersioned()
-    ndim = len(array.shape)
-    shape = (ctypes.c_int64 * ndim)(*array.shape)
-    managed.version.major, managed.version.minor, managed.flags = 1, 0, flags
-    t = managed.dl_tensor
-    t.data, t.device, t.ndim = int(array.ptr), dlpack._Device(dlpack.KDL_CUDA, 0), ndim
-    t.dtype = dlpack._DataType(*dlpack._DTYPES[array.dtype], 1)
-    t.shape = ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64))
-    _KEEP.append((managed, shape))
-    return dlpack._capsule_new(ctypes.addressof(managed), b"dltensor_versioned", None)
+    return capsule(int(array.ptr), array.shape, array.dtype, flags=flags)
 
 
 def test_dlpack_is_read_without_a_stream_handshake_or_a_copy():

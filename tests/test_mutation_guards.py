@@ -5,7 +5,6 @@ yet reached, and the LM-head overlay's 65535 overrides at its exact limit."""
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import stat
@@ -26,31 +25,12 @@ from layers.ops.token_overlay import MAX_LMHEAD_OVERRIDES, OverlayKernels, lmhea
 from layers.overlay import AdapterOverlay, OverlaySlots, TableOverlay
 from tests.helpers import random_bf16, random_fp8
 from tests.helpers.checkpoint import make_model, tiny_config, write_model
+from tests.helpers.dlpack_capsule import capsule
 from tests.helpers.fakes import ForeignArray, RecordingBackend
 from tests.helpers.ngram import device_weights, random_layer, small_dims
 from tests.helpers.overlay import overlay_backend
 
 # ==== DLPack: byte_offset ============================================================================
-
-_KEEP: list = []  # the test capsules' structures (the capsules have no destructor)
-
-
-def _capsule(ptr: int, byte_offset: int, shape: tuple[int, ...], dtype, versioned: bool):
-    """A capsule as a producer makes it for a sliced view: ``data`` the allocation's start, the
-    view ``byte_offset`` bytes into it (what torch does where ``data`` must stay aligned)."""
-    managed = dlpack._ManagedVersioned() if versioned else dlpack._Managed()
-    if versioned:
-        managed.version.major, managed.version.minor = 1, 0
-    dims = (ctypes.c_int64 * len(shape))(*shape)
-    t = managed.dl_tensor
-    t.data, t.device, t.ndim = ptr, dlpack._Device(dlpack.KDL_CUDA, 0), len(shape)
-    t.dtype = dlpack._DataType(*dlpack._DTYPES[np.dtype(dtype)], 1)
-    t.shape = ctypes.cast(dims, ctypes.POINTER(ctypes.c_int64))
-    t.byte_offset = byte_offset
-    _KEEP.append((managed, dims))
-    name = b"dltensor_versioned" if versioned else b"dltensor"
-    return dlpack._capsule_new(ctypes.addressof(managed), name, None)
-
 
 class _SlicedView:
     """Only DLPack: a view ``byte_offset`` bytes into an allocation at ``ptr``."""
@@ -59,7 +39,8 @@ class _SlicedView:
         self.args = (ptr, byte_offset, shape, dtype, versioned)
 
     def __dlpack__(self, **kwargs):
-        return _capsule(*self.args)
+        ptr, byte_offset, shape, dtype, versioned = self.args
+        return capsule(ptr, shape, dtype, versioned=versioned, byte_offset=byte_offset)
 
     def __dlpack_device__(self):
         return dlpack.KDL_CUDA, 0
@@ -72,7 +53,7 @@ def test_dlpack_byte_offset_is_part_of_the_address(rng, versioned):
     base = 0x7F00_0000_0000 + int(rng.integers(1, 1 << 20)) * 4096
     offset = int(rng.integers(1, 64)) * 256
     shape = (int(rng.integers(1, 9)), int(rng.integers(1, 33)))
-    t = dlpack.read(_capsule(base, offset, shape, BF16, versioned))
+    t = dlpack.read(capsule(base, shape, BF16, versioned=versioned, byte_offset=offset))
     assert (t.ptr, t.shape, t.dtype) == (base + offset, shape, BF16)
     view = _SlicedView(base, offset, shape, BF16, versioned)
     assert device_address(view, "x", dtypes=(BF16,), count=shape[0] * shape[1]) == base + offset

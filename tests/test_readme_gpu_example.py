@@ -16,16 +16,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.readme import readme_block
+
 ROOT = Path(__file__).resolve().parents[1]
 SECTION = "## On a GPU"
 
 
 def _example() -> str:
-    text = (ROOT / "README.md").read_text()
-    assert SECTION in text, f"README has no {SECTION!r} section"
-    match = re.search(r"^```python\n(.*?)^```$", text.split(SECTION, 1)[1].split("\n## ", 1)[0], re.M | re.S)
-    assert match, f"README's {SECTION!r} has no ```python block"
-    return match.group(1)
+    return readme_block(SECTION, "python")
 
 
 def _env(tmp_path: Path) -> dict[str, str]:

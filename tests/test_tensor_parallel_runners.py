@@ -25,7 +25,7 @@ from tests.helpers import decoder_checks
 from tests.helpers.ngram import device_weights, random_layer, small_dims
 from tests.helpers.tensor_parallel import (FakeCollective, FakeGroup, RankWorld, Ranks, fused_reference,
                                            local_outputs, random_batch, rank_weights)
-from tests.helpers.tensor_parallel_dims import tp_dims as _dims
+from tests.helpers.tensor_parallel import tp_dims as _dims
 
 OUT = DevicePtr(0x900000)
 

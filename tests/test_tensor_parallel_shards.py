@@ -21,7 +21,7 @@ from tests.helpers.checkpoint import weight_bytes
 from tests.helpers.logging_backend import LoggingBackend
 from tests.helpers.ngram import device_weights, random_layer, small_dims
 from tests.helpers.tensor_parallel import numpy_tables, rank_weights
-from tests.helpers.tensor_parallel_dims import tp_dims as _dims
+from tests.helpers.tensor_parallel import tp_dims as _dims
 
 
 # -- CPU: the shard arithmetic ------------------------------------------------------------------

@@ -1,16 +1,19 @@
 """``World``: an ``NgramDecoder`` beside the fused path fed each slot's full context on the host
 (every decoder row must equal the fused path's rows for the same tokens, bit for bit), with
-optional adapter slots, and ``u32`` uploads. For the decoder's GPU tests and the engine loop."""
+optional adapter slots, and ``u32`` uploads. For the decoder's GPU tests and the engine loop; and
+for its CPU tests ``recording``, a decoder (optionally with adapter slots) on a recording backend,
+with made-up device pointers ``P``."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from gpu_runtime import DeviceArray
+from gpu_runtime import DeviceArray, DevicePtr
 from layers.ngram_embed import FusedNgramEmbedding, NgramDecoder
 from layers.overlay import OverlaySlots
 from layers.dense_weight import BF16
 from tests.helpers import Guarded
+from tests.helpers.fakes import RecordingBackend
 from tests.helpers.ngram import device_weights, random_layer, small_dims
 from tests.helpers.overlay import random_overlay
 
@@ -128,3 +131,15 @@ class World:
             self.slots.close()
         self.weights.close()
         self.gpu.destroy_stream(self.stream)
+
+
+P = [DevicePtr(0x100000 * (i + 1)) for i in range(8)]
+
+
+def recording(adapters: int = 0, h: int | None = None):
+    """(backend, decoder, adapter slots or None): an ``NgramDecoder`` on a ``RecordingBackend``."""
+    gpu = RecordingBackend()
+    dims = small_dims(max_ngram=3, splits=2, eos_id=7)
+    weights = device_weights(gpu, random_layer(np.random.default_rng(1), dims, "bf"))
+    slots = OverlaySlots(gpu, adapters, dims.vocab_size, h or dims.hidden_size) if adapters else None
+    return gpu, NgramDecoder(weights, max_seqs=4, max_rows=32, max_draft=2, adapter_slots=slots), slots

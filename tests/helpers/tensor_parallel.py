@@ -1,7 +1,8 @@
-"""Tensor-parallel test helpers: recording collectives, a rank's weights from host weights, every
-rank of a group as ``FusedNgramEmbedding`` runners, the single-GPU fused reference, random ragged
-batches, ``embed_all`` over a ``LocalGroup``, ``RankWorld`` (the decoder ``World`` with its decoder
-over a one-rank shard) and the body of a rank process for the NCCL multi-process tests."""
+"""Tensor-parallel test helpers: small dims (``tp_dims``), recording collectives, a rank's weights
+from host weights, every rank of a group as ``FusedNgramEmbedding`` runners, the single-GPU fused
+reference, random ragged batches, ``embed_all`` over a ``LocalGroup``, ``RankWorld`` (the decoder
+``World`` with its decoder over a one-rank shard) and the body of a rank process for the NCCL
+multi-process tests."""
 
 from __future__ import annotations
 
@@ -14,7 +15,12 @@ from layers.tensor_parallel import LocalGroup
 from layers.dense_weight import BF16
 from tests.helpers import Guarded, run_on_poisoned
 from tests.helpers.decoder import World
-from tests.helpers.ngram import HostLayer, device_weights
+from tests.helpers.ngram import HostLayer, device_weights, small_dims
+
+
+def tp_dims(**kw):
+    """The tensor-parallel tests' small dims: T = 4 tables, V = 500, D = 40 (``kw`` overrides)."""
+    return small_dims(max_ngram=3, splits=2, **kw)
 
 
 class FakeCollective:

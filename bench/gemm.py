@@ -197,30 +197,35 @@ def one_shape(spec: str, path: str | None) -> None:
 
 SWEEP_ROWS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
 SWEEP_PATHS = ("gemv", "small", "tiled", "tma_splitk")
+# --sweep-wide: a prefill's rows, on the paths for m > 64
+WIDE_ROWS = (128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 8192)
+WIDE_PATHS = ("tiled", "tma_splitk", "wgmma", "tma", "tma_store")
 
 
-def sweep(spec: str) -> None:
+def sweep(spec: str, wide: bool = False) -> None:
     """``--sweep NxK``: m from SWEEP_ROWS at that n and k, the automatic choice and each skinny
-    path against cuBLAS (microseconds), to place ``use_splitk``'s bounds."""
+    path against cuBLAS (microseconds), to place ``use_splitk``'s bounds. ``--sweep-wide NxK``:
+    m from WIDE_ROWS on the paths for m > 64 (a prefill's projection)."""
     n, k = (int(v) for v in spec.lower().split("x"))
+    rows_m, paths = (WIDE_ROWS, WIDE_PATHS) if wide else (SWEEP_ROWS, SWEEP_PATHS)
     rng = np.random.default_rng(0)
     pool = rng.standard_normal(_POOL_VALUES).astype(np.float32).astype(ml_dtypes.bfloat16)
     rows = []
     with CudaBackend() as gpu:
         wgmma, tma = gemm.wgmma_available(gpu), gemm.tma_available(gpu)
-        for m in SWEEP_ROWS:
+        for m in rows_m:
             sets = _input_sets((m * k + n * k + m * n) * 2, gpu.l2_bytes)
             chosen = gemm.plan(m, n, k, None, wgmma=wgmma, tma=tma, tma_store=tma, gemv=wgmma, sms=gpu.sm_count).path
             auto = _ours_ms(gpu, m, n, k, sets, pool, None) * 1e3
             forced = [
                 _ours_ms(gpu, m, n, k, sets, pool, p) * 1e3 if p != "gemv" or gemm.use_gemv(m, k, True) else None
-                for p in SWEEP_PATHS
+                for p in paths
             ]  # gemv: only where it runs when forced
             t_ms = _torch_ms(m, n, k, sets)
             rows.append((m, chosen, auto, *forced, t_ms * 1e3 if t_ms else None, t_ms * 1e3 / auto if t_ms else None))
     print_table(
         f"m sweep at n = {n}, k = {k} (us)",
-        ["m", "auto path", "auto", *SWEEP_PATHS, "cuBLAS", "cuBLAS/auto"],
+        ["m", "auto path", "auto", *paths, "cuBLAS", "cuBLAS/auto"],
         rows,
         note="Each row is one m at this n and k: the path chosen and its us, each skinny path forced (us), "
         "cuBLAS's us and cuBLAS/auto (> 1: ours is faster).",
@@ -255,13 +260,16 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--sweep", metavar="NxK", help="m from 1 to 256 at this n and k on each skinny path, against cuBLAS"
     )
+    parser.add_argument(
+        "--sweep-wide", metavar="NxK", help="m from 128 to 8192 at this n and k on each path for m > 64, against cuBLAS"
+    )
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
     args = make_parser().parse_args(argv)
-    if args.sweep:
-        sweep(args.sweep)
+    if args.sweep or args.sweep_wide:
+        sweep(args.sweep or args.sweep_wide, wide=not args.sweep)
         return
     if args.shape:
         one_shape(args.shape, args.path)

@@ -164,7 +164,7 @@ def test_large_m_runs_tma_with_register_stores_where_c_cannot_be_a_tensor_map(c_
     (32, 4096, "small"), (33, 4096, "tma_splitk"), (64, 1024, "tma_splitk"), (64, 1016, "tma_splitk"),
     (32, 512, "small"), (33, 512, "tma_splitk"), (16, 256, "small"), (17, 256, "tma_splitk"),
     (200, 8, "tma_splitk"), (128, 4096, "tma_splitk"), (256, 1024, "tma_splitk"),
-    (257, 4096, "tiled_64x64"), (257, 256, "tiled_64x64"),
+    (257, 4096, "tma_store"), (257, 256, "tma_store"),  # past split-K: the persistent kernel, few tiles or not
     (1024, 4096, "tma_store"),  # enough 128x256 tiles: the persistent kernel
 ])
 def test_mid_m_runs_splitk_on_sm90a(m, k, path):

@@ -217,10 +217,11 @@ def plan(
     """The launch for ``c[m,n] = a[m,k] @ w[n,k]^T`` (all sizes >= 1).
 
     ``path=None`` chooses: gemv where ``use_gemv`` holds and ``gemv`` (the device and the operands
-    allow it: ``gemm.gemv_available``); for m > 64 with enough 128x256 tiles, tma_store (when ``tma`` and
-    ``tma_store``: the device has TMA, a and w suit a tensor map, and so does c), tma (c does not)
-    or wgmma (when ``wgmma``: no TMA); else tma_splitk where ``use_splitk`` (and ``tma``); else
-    small for m <= 64 and the tiled config ``pick_tile`` gives above, both run by ``KERNEL``
+    allow it: ``gemm.gemv_available``); for m > 64 with enough 128x256 tiles (``use_wgmma``), tma_store
+    (when ``tma`` and ``tma_store``: the device has TMA, a and w suit a tensor map, and so does c),
+    tma (c does not) or wgmma (when ``wgmma``: no TMA); else tma_splitk where ``use_splitk`` (and
+    ``tma``); else, with ``tma``, tma_store or tma for every m > 64 however few tiles; else small
+    for m <= 64 and the tiled config ``pick_tile`` gives above, both run by ``KERNEL``
     (``dense_gemm_bf16_pipelined``) itself. A forced TMA or gemv path falls back the same way.
     ``sms``: the persistent TMA grid. ``word=True`` (``word_plan``): the same launch, run by the word-epilogue kernels
     (``_word_twin``).
@@ -237,7 +238,10 @@ word_plan = partial(plan, word=True)  # plan() for dense_gemm_bf16_word's kernel
 
 def _path_plan(m: int, n: int, k: int, path: str | None, wgmma: bool, tma: bool, tma_store: bool, sms: int) -> GemmPlan:
     if path is None:
-        if wgmma and m > SMALL_MAX_ROWS and use_wgmma(m, n):
+        # With TMA, every m > 64 that split-K passes over runs the persistent wgmma kernel, however
+        # few tiles it fills: the tiled path was 2-3x slower at every such m measured (NOTES.md,
+        # "Prefill at real scale").
+        if wgmma and m > SMALL_MAX_ROWS and (use_wgmma(m, n) or (tma and not use_splitk(m, k))):
             return _wgmma_plan(m, n, tma, tma_store, sms)
         if tma and use_splitk(m, k):
             return _splitk_plan(m, n, k)

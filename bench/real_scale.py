@@ -2,7 +2,7 @@
 
 Dims: V 131072, D 3072, N 4, K 4, ratio 78 (T = 12 tables of 10.2M rows x 256 bf16: 63 GB, in
 one device allocation filled on the GPU), EOS id 2, about 2 % of the prompt tokens EOS.
-Where the GPU lacks the memory (about 66 GB free), the run says so and skips.
+Where the GPU lacks the memory (about 73 GiB free, the gate included), the run says so and skips.
 
 Prefill (``NgramDecoder.prefill``, one prompt of S tokens, eager, a fresh prompt every call from
 a pool of 16): GPU us back to back behind a gate (bench.common.gated_gpu_us) and wall us

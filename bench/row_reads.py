@@ -55,48 +55,32 @@ def fill_bf16(gpu: CudaBackend, fill: Kernel, ptr: int, count: int, seed: int, s
 
 
 class Probe:
-    """``run(i)`` reads ``reads`` random rows of ``tables`` tables of ``table_rows`` rows at ``data``."""
+    """``run(i)`` reads ``reads`` random rows over ``nbytes`` at ``data``, laid out as ``tables``
+    tables; ``us()`` is the median GPU us of one such call (a fresh row set every call)."""
 
     def __init__(
         self,
         kernel: Kernel,
         data: int,
-        table_rows: int,
+        nbytes: int,
         tables: int,
         reads: int,
-        per_warp: int,
-        in_flight: int,
-        in_order: int,
         sink: int,
         stream: int,
+        shape: tuple[int, int, int] = (1, 1, 0),
     ) -> None:
+        per_warp, in_flight, in_order = shape  # as SHAPES gives them
         warps = -(-reads // per_warp)
         self.config = LaunchConfig(-(-warps * 32 // THREADS), THREADS)
         self.kernel, self.stream = kernel, stream
-        self.args = (data, table_rows, tables, reads, per_warp, in_flight, in_order)
+        self.args = (data, nbytes // ROW // tables, tables, reads, per_warp, in_flight, in_order)
         self.sink = sink
 
     def run(self, i: int) -> None:
         self.kernel.launch(self.config, self.stream, *self.args, i + 1, self.sink)
 
-
-def probe_us(
-    kernel: Kernel,
-    data: int,
-    nbytes: int,
-    tables: int,
-    reads: int,
-    per_warp: int,
-    in_flight: int,
-    in_order: int,
-    sink: int,
-    stream: int,
-) -> float:
-    """Median GPU us of one call reading ``reads`` rows over ``nbytes`` at ``data``."""
-    table_rows = nbytes // ROW // tables
-    probe = Probe(kernel, data, table_rows, tables, reads, per_warp, in_flight, in_order, sink, stream)
-    us, _late = gated_gpu_us(probe.run, stream=stream, batch=8, warmup=2, iters=7)
-    return us
+    def us(self) -> float:
+        return gated_gpu_us(self.run, stream=self.stream, batch=8, warmup=2, iters=7)[0]
 
 
 @contextmanager
@@ -160,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.ncu is not None:
             with device_memory(gpu, args.ncu * GIB, "malloc") as data:
                 for i in range(3):
-                    Probe(probe, data, args.ncu * GIB // ROW, 1, READS[0], 1, 1, 0, int(sink), stream).run(i)
+                    Probe(probe, data, args.ncu * GIB, 1, READS[0], int(sink), stream).run(i)
             gpu.synchronize(stream)
             return
         bw = copy_bandwidth(gpu)
@@ -200,7 +184,7 @@ def footprint_rows(
             for label, per_warp, in_flight, in_order in SHAPES:
                 if (per_warp > 1 and (gib not in (1, 64) or tables > 1)) or (in_order and tables == 1):
                     continue
-                us = probe_us(probe, data, gib * GIB, tables, reads, per_warp, in_flight, in_order, sink, stream)
+                us = Probe(probe, data, gib * GIB, tables, reads, sink, stream, (per_warp, in_flight, in_order)).us()
                 rate = reads * ROW / (us * 1e-6)
                 rows.append((how, gib, tables, reads, label, us, reads / us, rate / 1e9, rate / bw))
     return rows
@@ -209,7 +193,7 @@ def footprint_rows(
 def read_floor_us(kernel: Kernel, data: int, nbytes: int, tables: int, reads: int, sink: int, stream: int) -> float:
     """The cold-read floor: GPU us of ``reads`` random rows, one warp each, over ``nbytes`` at
     ``data`` laid out as ``tables`` tables (the probe's first shape)."""
-    return probe_us(kernel, data, nbytes, tables, reads, 1, 1, 0, sink, stream)
+    return Probe(kernel, data, nbytes, tables, reads, sink, stream).us()
 
 
 if __name__ == "__main__":

@@ -124,6 +124,19 @@ def test_large_m_on_sm90a_runs_wgmma():
     assert gpu.launches[0].kernel == kern
 
 
+@pytest.mark.parametrize("m", [257, 384, 1024, 2048])
+def test_a_prefill_projection_with_few_tiles_runs_the_persistent_kernel(m):
+    """LongCat-Flash-Lite's projection (n = k = 3072) fills fewer than 128 tiles of 128x256 up to
+    m = 1280: with TMA it still runs the persistent kernel (the tiled path measured 2-3x slower,
+    NOTES.md "Prefill at real scale"), as the word GEMM does; without TMA, cp.async wgmma only
+    with a full wave, else the tiled path."""
+    with_tma = gemm.plan(m, 3072, 3072, wgmma=True, tma=True, tma_store=True)
+    assert with_tma.path == "tma_store" and with_tma.grid == min(-(-m // 128) * 12, 132)
+    assert gemm.word_plan(m, 3072, 3072, wgmma=True, tma=True, tma_store=True).kernel == gemm.WORD_TMA_STORE_KERNEL
+    without = gemm.plan(m, 3072, 3072, wgmma=True).path
+    assert without == ("wgmma" if -(-m // 128) * 12 >= gemm.FILL_TILES else "tiled_128x128" if m >= 768 else "tiled_64x64")
+
+
 @pytest.mark.parametrize("path", [None, "tma_store"])
 def test_large_m_with_tensor_maps_runs_tma_store_persistent(path):
     gpu = TmaBackend()

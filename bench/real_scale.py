@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from bench.common import (
+    GATE_BYTES,
     bench_parser,
     copy_bandwidth,
     gated_gpu_us,
@@ -46,7 +47,7 @@ EOS = 2
 DIMS = NgramDims.longcat_flash(131072, 3072, 4, 4, 78, eos_id=EOS)
 PREFILLS = (1024, 8192)
 POOL = 16  # prompts per prefill length, rotated: every call gathers other rows
-MARGIN = 6 * GIB  # besides the weights: decoders, the gate's 8 GiB is counted apart, torch
+MARGIN = 6 * GIB  # besides the weights and the gate's two buffers: decoders, torch
 
 
 def table_bytes(dims: NgramDims) -> int:
@@ -56,7 +57,7 @@ def table_bytes(dims: NgramDims) -> int:
 def need_bytes(dims: NgramDims) -> int:
     """Device memory the run needs: the tables, word and projections, the gate, a margin."""
     t, d, td = dims.num_tables(), dims.hidden_size, dims.table_dim()
-    return table_bytes(dims) + dims.vocab_size * d * 2 + t * d * td * 2 + 8 * GIB + MARGIN
+    return table_bytes(dims) + dims.vocab_size * d * 2 + t * d * td * 2 + 2 * GATE_BYTES + MARGIN
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -71,10 +72,10 @@ def main(argv: list[str] | None = None) -> None:
     args = make_parser().parse_args(argv)
     dims = DIMS
     with CudaBackend() as gpu:
-        free, total = gpu.mem_info()
-        if free < need_bytes(dims):
+        free, need = gpu.mem_info()[0], need_bytes(dims)
+        if free < need:
             print(
-                f"bench.real_scale: skipped: needs {need_bytes(dims) / GIB:.0f} GiB of free device memory "
+                f"bench.real_scale: skipped: needs {need / GIB:.0f} GiB of free device memory "
                 f"for LongCat-Flash-Lite's tables, {free / GIB:.0f} GiB free (run on an H100 or H200)"
             )
             return

@@ -48,12 +48,22 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 
 import numpy as np
 from cuda.bindings import driver as cu
 
-from bench.common import Events, bench_parser, gpu_time_ms, host_time_us, interleaved_times_us, print_table, run
+from bench.common import (
+    Events,
+    bench_parser,
+    gpu_time_ms,
+    host_time_us,
+    interleaved_times_us,
+    nonempty,
+    print_table,
+    run,
+)
 from bench.ngram_embed import CONTEXT, DIMS, device_weight
 from gpu_runtime import CudaBackend, DeviceBuffer
 from gpu_runtime.driver import call
@@ -75,7 +85,8 @@ def say(msg: str) -> None:
 
 
 def ensure_tables(directory: str, rng: np.random.Generator) -> tuple[list[str], int, float]:
-    """(paths, files written, seconds writing): missing or mismatched files are rewritten."""
+    """(paths, files written, seconds writing): missing files are written, table files of other
+    sizes rewritten; a file there that is no table file is refused (``SystemExit``), not replaced."""
     os.makedirs(directory, exist_ok=True)
     td = DIMS.table_dim()
     block = rng.standard_normal((BLOCK_ROWS, td), np.float32).astype(BF16)
@@ -87,8 +98,10 @@ def ensure_tables(directory: str, rng: np.random.Generator) -> tuple[list[str], 
             with TableFile(path) as f:
                 if f.header == TableHeader(BF16, rows, td):
                     continue
-        except (FileNotFoundError, TableFormatError):
+        except FileNotFoundError:
             pass
+        except (TableFormatError, IsADirectoryError) as exc:
+            sys.exit(f"python -m bench.cached: {path}: not a table file, not replaced ({exc}); try another --table-dir")
         tile = np.roll(block, 977 * c, axis=0)  # tables differ, so a mixed-up table shows
         with TableWriter(path, BF16, rows, td) as w:  # fsyncs on close
             while w.written < rows:
@@ -289,7 +302,8 @@ def make_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--table-dir",
-        default=os.environ.get("BENCH_TABLE_DIR", "/tmp/ngram_tables"),
+        type=nonempty,
+        default=os.environ.get("BENCH_TABLE_DIR") or "/tmp/ngram_tables",
         help="where the table files are written and reused (default: $BENCH_TABLE_DIR, else /tmp/ngram_tables)",
     )
     parser.add_argument(
@@ -301,8 +315,7 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = make_parser().parse_args(argv)
+def main(args: argparse.Namespace) -> None:
     rng = np.random.default_rng(0)  # seeded: the same tokens (and cache hits and misses) every run
     t, h, td, vocab = DIMS.num_tables(), DIMS.hidden_size, DIMS.table_dim(), DIMS.vocab_size
     directory = args.table_dir
@@ -463,4 +476,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    run(main)
+    run(main, make_parser())

@@ -3,23 +3,25 @@
 Every benchmark reports against what the chip can do, measured in the same run: the
 device-to-device copy bandwidth (bytes read + written) and, where torch is installed, the
 bf16 matrix rate of cuBLAS on random data. torch and CuPy are only ever imported here, lazily,
-and only for comparison.
+and only for comparison. ``run`` is every benchmark's command line: its arguments, then the GPU
+check, then its ``main``.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
 from functools import cache
-from typing import Any
+from typing import Any, NoReturn
 
 from cuda.bindings import driver as cu
 
 from gpu_runtime import CudaBackend, NoDeviceError, cli
-from gpu_runtime.driver import call
+from gpu_runtime.driver import call, init
 
 
 class Events:
@@ -122,14 +124,90 @@ def gated_gpu_us(
     return statistics.median(times), expired
 
 
-def run(main: Callable[[], Any]) -> None:
-    """A benchmark's ``main``, run as ``python -m bench.<name>``: without a usable GPU, one line
-    on stderr and exit status 1 instead of the traceback."""
+def run(
+    main: Callable[[argparse.Namespace], Any],
+    parser: argparse.ArgumentParser,
+    needs_gpu: Callable[[argparse.Namespace], bool] = lambda args: True,
+) -> None:
+    """``python -m bench.<name>``: the arguments parsed first (a usage error is one line and status
+    2, GPU or not), then, where ``needs_gpu(args)`` and no CUDA device is usable, one line on stderr
+    and status 1, before ``main(args)`` writes or allocates anything."""
+    args = parser.parse_args()
+    if needs_gpu(args):
+        require_gpu(parser.prog)
+    main(args)
+
+
+def require_gpu(prog: str) -> None:
+    """Exit with ``<prog>: needs a CUDA GPU: <why>`` (status 1) unless a CUDA device is usable."""
     try:
-        main()
+        init()
+        count = int(call(cu.cuDeviceGetCount))
     except NoDeviceError as exc:
-        spec = getattr(sys.modules["__main__"], "__spec__", None)  # bench.<name> under python -m
-        sys.exit(f"python -m {spec.name if spec else main.__module__}: needs a CUDA GPU: {exc}")
+        sys.exit(f"{prog}: needs a CUDA GPU: {exc}")
+    if count == 0:
+        sys.exit(f"{prog}: needs a CUDA GPU: the driver sees no device")
+
+
+def not_a_tool(module: str, instead: str) -> NoReturn:
+    """``python -m`` of a library module of the benchmarks: one line saying what to run instead,
+    status 2."""
+    print(f"python -m {module}: error: not a tool: {instead}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+# ``type=`` of the benchmarks' options: a bad value is argparse's one-line usage error
+def positive_int(text: str) -> int:
+    """An integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
+
+
+def shape(form: str) -> Callable[[str], tuple[int, ...]]:
+    """A shape written as ``form`` (``"MxNxK"``, ``"NxK"``): that many integers >= 1 joined by x."""
+
+    def parse(text: str) -> tuple[int, ...]:
+        parts = text.lower().split("x")
+        if len(parts) != form.count("x") + 1 or not all(p.isdigit() and int(p) >= 1 for p in parts):
+            raise argparse.ArgumentTypeError(f"not {form} (integers >= 1): {text!r}")
+        return tuple(int(p) for p in parts)
+
+    return parse
+
+
+def some_of(choices: Sequence[str]) -> Callable[[str], list[str]]:
+    """One or more of ``choices``, comma-separated."""
+
+    def parse(text: str) -> list[str]:
+        chosen = [c for c in text.split(",") if c]
+        if not chosen or not set(chosen) <= set(choices):
+            raise argparse.ArgumentTypeError(f"takes some of {','.join(choices)} (comma-separated), got {text!r}")
+        return chosen
+
+    return parse
+
+
+def nonempty(text: str) -> str:
+    """Any text but the empty string (a path: ``''`` would be the current directory)."""
+    if not text:
+        raise argparse.ArgumentTypeError("empty")
+    return text
 
 
 def torch_stream() -> int:
@@ -230,7 +308,7 @@ NEEDS_GPU = "Needs a CUDA GPU; torch (and CuPy) only for the comparison columns,
 
 def bench_parser(doc: str, module: str, epilog: str = NEEDS_GPU) -> argparse.ArgumentParser:
     """A benchmark's command line: its module docstring, whole, as the description (``--help``
-    needs no GPU: nothing is imported or measured before ``main`` parses its arguments)."""
+    needs no GPU: ``run`` parses the arguments before it looks for one)."""
     return cli.ArgumentParser(
         prog=f"python -m {module}",
         description=doc,
@@ -258,3 +336,7 @@ def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[Any]]
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for r in cells:
         print("| " + " | ".join(c.rjust(w) for c, w in zip(r, widths)) + " |")
+
+
+if __name__ == "__main__":
+    not_a_tool("bench.common", "the benchmarks' shared code; python -m bench.<name> runs one (make bench: all)")

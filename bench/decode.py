@@ -55,6 +55,7 @@ from bench.common import (
     interleaved_times_us,
     print_table,
     run,
+    some_of,
     torch_or_none,
 )
 from bench.decode_serving import serving_rows
@@ -172,10 +173,13 @@ def compare(what: str, ours: np.ndarray, ref: np.ndarray) -> None:
 
 
 class DeviceRows:
-    """A device bf16 matrix for the numpy reference: indexing copies just those rows back."""
+    """A device bf16 weight for the numpy reference, which checks its ``shape`` and ``dtype``:
+    indexing copies just those rows back."""
 
-    def __init__(self, gpu: CudaBackend, ptr: int, cols: int, stream: int) -> None:
-        self.gpu, self.ptr, self.cols, self.stream = gpu, int(ptr), cols, stream
+    def __init__(self, gpu: CudaBackend, weight: Any, stream: int) -> None:
+        self.gpu, self.ptr, self.stream = gpu, int(weight.weight), stream
+        self.shape, self.dtype = tuple(weight.shape), weight.dtype
+        self.cols = self.shape[1]
 
     def __getitem__(self, ids: Any) -> np.ndarray:
         ids = np.asarray(ids, np.int64).reshape(-1)
@@ -191,14 +195,13 @@ def reference_check(ctx: Ctx, weights: NgramWeights, b: int, first: np.ndarray) 
     if not all(isinstance(tb, Bf16Table) for tb in weights.tables):
         return
     gpu, s, dims = ctx.gpu, ctx.stream, ctx.dims
-    h, td = dims.hidden_size, dims.table_dim()
     projs = []
     for p in weights.projs:
         host = np.empty(p.shape, BF16)
         gpu.copy_d2h(host, p.weight, s)
         projs.append(host)
-    word = DeviceRows(gpu, weights.word.weight, h, s)
-    tables = [(DeviceRows(gpu, tb.weight.weight, td, s), None) for tb in weights.tables]
+    word = DeviceRows(gpu, weights.word, s)
+    tables = [(DeviceRows(gpu, tb.weight, s), None) for tb in weights.tables]
     prompts, pool = ctx.inputs(b)
     for i in sorted({0, b - 1}):
         tokens = np.concatenate([prompts[i], pool[0, i : i + 1]]).astype(np.int64)
@@ -533,17 +536,15 @@ def make_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--placements",
+        type=some_of(PLACEMENTS),
         default=",".join(PLACEMENTS),
         help=f"table placements, comma-separated (default {','.join(PLACEMENTS)})",
     )
     return parser
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = make_parser().parse_args(argv)
-    placements = [p for p in args.placements.split(",") if p]
-    if not placements or not set(placements) <= set(PLACEMENTS):
-        raise SystemExit(f"bench.decode: --placements takes some of {', '.join(PLACEMENTS)}, got {args.placements!r}")
+def main(args: argparse.Namespace) -> None:
+    placements = args.placements
     torch = None if args.steps_only else torch_or_none()
     rng = np.random.default_rng(0)
     dims = DIMS
@@ -686,4 +687,4 @@ def report(rows: list[Row]) -> None:
 
 
 if __name__ == "__main__":
-    run(main)
+    run(main, make_parser())

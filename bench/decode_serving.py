@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import gated_gpu_us, print_table
+from bench.common import gated_gpu_us, not_a_tool, print_table
 from gpu_runtime import DeviceArray
 from layers.dense_weight import BF16
 from layers.ngram_embed import NO_ADAPTER, PAD_SLOT, DecodeError, NgramDecoder, NgramWeights
@@ -221,3 +221,7 @@ def ladder_memory(gpu: Any, dec: NgramDecoder, s: int, pool: DeviceArray, out: i
             gpu.destroy_graph(exe)
         slots.free()
         adapters.free()
+
+
+if __name__ == "__main__":
+    not_a_tool("bench.decode_serving", "bench.decode's serving rows; python -m bench.decode prints them")

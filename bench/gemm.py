@@ -25,6 +25,7 @@ from bench.common import (
     matmul_rate,
     print_table,
     run,
+    shape,
     torch_or_none,
     torch_stream,
 )
@@ -172,10 +173,10 @@ def gemm_table(gpu: CudaBackend) -> None:
     )
 
 
-def one_shape(spec: str, path: str | None) -> None:
+def one_shape(spec: tuple[int, ...], path: str | None) -> None:
     """``--shape MxNxK [--path P]``: that GEMM alone, timed as in the table (and a target for a
     profiler: ``ncu --kernel-name regex:dense_gemm python3 -m bench.gemm --shape ...``)."""
-    m, n, k = (int(v) for v in spec.lower().split("x"))
+    m, n, k = spec
     rng = np.random.default_rng(0)
     pool = rng.standard_normal(_POOL_VALUES).astype(np.float32).astype(ml_dtypes.bfloat16)
     with CudaBackend() as gpu:
@@ -202,11 +203,11 @@ WIDE_ROWS = (128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 8192)
 WIDE_PATHS = ("tiled", "tma_splitk", "wgmma", "tma", "tma_store")
 
 
-def sweep(spec: str, wide: bool = False) -> None:
+def sweep(spec: tuple[int, ...], wide: bool = False) -> None:
     """``--sweep NxK``: m from SWEEP_ROWS at that n and k, the automatic choice and each skinny
     path against cuBLAS (microseconds), to place ``use_splitk``'s bounds. ``--sweep-wide NxK``:
     m from WIDE_ROWS on the paths for m > 64 (a prefill's projection)."""
-    n, k = (int(v) for v in spec.lower().split("x"))
+    n, k = spec
     rows_m, paths = (WIDE_ROWS, WIDE_PATHS) if wide else (SWEEP_ROWS, SWEEP_PATHS)
     rng = np.random.default_rng(0)
     pool = rng.standard_normal(_POOL_VALUES).astype(np.float32).astype(ml_dtypes.bfloat16)
@@ -251,23 +252,31 @@ def _max_active_clusters(gpu: CudaBackend, p: gemm.GemmPlan) -> str:
 
 def make_parser() -> argparse.ArgumentParser:
     parser = bench_parser(__doc__, "bench.gemm")
-    parser.add_argument("--shape", metavar="MxNxK", help="one GEMM alone instead of the table (a target for ncu)")
+    parser.add_argument(
+        "--shape", type=shape("MxNxK"), metavar="MxNxK", help="one GEMM alone instead of the table (a target for ncu)"
+    )
     parser.add_argument(
         "--path",
-        default=None,
+        choices=gemm.PATHS,
+        metavar="PATH",
         help=f"with --shape, force a path: {', '.join(gemm.PATHS)} (default: the automatic choice)",
     )
     parser.add_argument(
-        "--sweep", metavar="NxK", help="m from 1 to 256 at this n and k on each skinny path, against cuBLAS"
+        "--sweep",
+        type=shape("NxK"),
+        metavar="NxK",
+        help="m from 1 to 256 at this n and k on each skinny path, against cuBLAS",
     )
     parser.add_argument(
-        "--sweep-wide", metavar="NxK", help="m from 128 to 8192 at this n and k on each path for m > 64, against cuBLAS"
+        "--sweep-wide",
+        type=shape("NxK"),
+        metavar="NxK",
+        help="m from 128 to 8192 at this n and k on each path for m > 64, against cuBLAS",
     )
     return parser
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = make_parser().parse_args(argv)
+def main(args: argparse.Namespace) -> None:
     if args.sweep or args.sweep_wide:
         sweep(args.sweep or args.sweep_wide, wide=not args.sweep)
         return
@@ -279,4 +288,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    run(main)
+    run(main, make_parser())

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import bench_parser, gated_gpu_us, gpu_time_ms, print_table, run
+from bench.common import bench_parser, gated_gpu_us, gpu_time_ms, positive_float, print_table, run
 from gpu_runtime import CudaBackend
 from layers.kernel_files import load_kernel
 from layers.ops.embed import batched_embed
@@ -119,15 +119,15 @@ def make_parser() -> argparse.ArgumentParser:
     parser = bench_parser(__doc__, "bench.host_gather")
     parser.add_argument(
         "--gib",
-        type=float,
-        default=float(os.environ.get("HOST_GATHER_GIB", "1")),
+        type=positive_float,
+        default=os.environ.get("HOST_GATHER_GIB") or "1",
         help="the table's size in GiB (default: $HOST_GATHER_GIB, else 1)",
     )
     return parser
 
 
-def main(argv: list[str] | None = None) -> None:
-    gib = make_parser().parse_args(argv).gib
+def main(args: argparse.Namespace) -> None:
+    gib = args.gib
     rng = np.random.default_rng(0)
     with CudaBackend() as gpu:
         k = load_kernel(gpu, "embed_from_argmax", "batched_embed")
@@ -195,4 +195,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    run(main)
+    run(main, make_parser())

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 from cuda.bindings import driver as cu
 
-from bench.common import bench_parser, print_table, run
+from bench.common import bench_parser, positive_float, print_table, run, some_of
 from bench.host_gather import DIM, ROW_BYTES, fill, gathered, random_block, tile, time_gather
 from gpu_runtime import CudaBackend
 from gpu_runtime.driver import call
@@ -185,17 +185,15 @@ def ways() -> dict[str, Way]:
 
 def make_parser() -> argparse.ArgumentParser:
     parser = bench_parser(__doc__, "bench.host_pages")
-    parser.add_argument("--gib", type=float, default=8.0, help="the table's size in GiB (default 8)")
-    parser.add_argument("--ways", default=",".join(WAYS), help=f"which, comma-separated (default {','.join(WAYS)})")
+    parser.add_argument("--gib", type=positive_float, default=8.0, help="the table's size in GiB (default 8)")
+    parser.add_argument(
+        "--ways", type=some_of(WAYS), default=list(WAYS), help=f"which, comma-separated (default {','.join(WAYS)})"
+    )
     return parser
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = make_parser().parse_args(argv)
-    chosen = [w for w in args.ways.split(",") if w]
-    unknown = sorted(set(chosen) - set(WAYS))
-    if unknown:
-        raise SystemExit(f"bench.host_pages: unknown ways {unknown}; choose from {', '.join(WAYS)}")
+def main(args: argparse.Namespace) -> None:
+    chosen = args.ways
     rng = np.random.default_rng(0)
     print(f"transparent huge pages: {thp_mode()}", flush=True)
     with CudaBackend() as gpu:
@@ -256,4 +254,4 @@ def _cells(times: list[float], device: list[float]) -> tuple[float, float, float
 
 
 if __name__ == "__main__":
-    run(main)
+    run(main, make_parser())

@@ -130,8 +130,7 @@ def make_parser() -> argparse.ArgumentParser:
     return bench_parser(__doc__, "bench.kernels")
 
 
-def main(argv: list[str] | None = None) -> None:
-    make_parser().parse_args(argv)
+def main(args: argparse.Namespace) -> None:
     with CudaBackend() as gpu:
         bw = copy_bandwidth(gpu)
         print(f"device {gpu.name}: measured copy bandwidth {bw / 1e12:.2f} TB/s (read + write)")
@@ -148,4 +147,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    run(main)
+    run(main, make_parser())

@@ -11,7 +11,7 @@ launch of ours makes, ``cuLaunchKernelEx`` with its ``CUlaunchConfig`` built onc
 
 ``python -m bench.launch --stub`` runs the same rows on a ``CudaBackend`` over a stubbed driver,
 without a GPU: every driver call answers at once, so the table is the Python each path costs on
-top of the driver call (NVRTC still compiles the kernels). ``--stub --bindings`` keeps
+top of the driver call (NVRTC still compiles the kernels). ``--bindings`` (a stub too) keeps
 cuda-bindings' own launch functions (their argument conversion) over ``bench/fake_libcuda.c``, a
 driver library whose every call returns at once (built with ``cc``).
 """
@@ -301,7 +301,7 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--bindings",
         action="store_true",
-        help="with --stub: launch through cuda-bindings' launch functions over bench/fake_libcuda.c "
+        help="--stub, launching through cuda-bindings' launch functions over bench/fake_libcuda.c "
         "(needs a C compiler), so the rows include the bindings' argument conversion",
     )
     return parser
@@ -310,11 +310,13 @@ def make_parser() -> argparse.ArgumentParser:
 BARE, CHAIN = "bare cuLaunchKernel, prebuilt args", "chain floor: the builder's 7 calls, empty, then bare"
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = make_parser().parse_args(argv)
-    stub = args.stub
-    if args.bindings and not stub:
-        raise SystemExit("bench.launch: --bindings needs --stub")
+def stubbed(args: argparse.Namespace) -> bool:
+    """Whether the driver is stubbed (no GPU needed): ``--stub``, or ``--bindings`` (a stub too)."""
+    return bool(args.stub or args.bindings)
+
+
+def main(args: argparse.Namespace) -> None:
+    stub = stubbed(args)
     if stub:
         stub_driver(bindings=args.bindings)
     with CudaBackend() as gpu:
@@ -402,4 +404,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    run(main)
+    run(main, make_parser(), needs_gpu=lambda args: not stubbed(args))

@@ -83,8 +83,8 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> None:
-    only_fused = make_parser().parse_args(argv).only_fused
+def main(args: argparse.Namespace) -> None:
+    only_fused = args.only_fused
     rng = np.random.default_rng(0)
     dims = DIMS
     t, h, td = dims.num_tables(), dims.hidden_size, dims.table_dim()
@@ -331,4 +331,4 @@ def fused_table(
 
 
 if __name__ == "__main__":
-    run(main)
+    run(main, make_parser())

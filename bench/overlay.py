@@ -99,8 +99,7 @@ def make_parser() -> argparse.ArgumentParser:
     return bench_parser(__doc__, "bench.overlay")
 
 
-def main(argv: list[str] | None = None) -> None:
-    make_parser().parse_args(argv)
+def main(args: argparse.Namespace) -> None:
     gpu = CudaBackend()
     rng = np.random.default_rng(0)
     kernels = OverlayKernels.new(gpu)
@@ -234,4 +233,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    run(main)
+    run(main, make_parser())

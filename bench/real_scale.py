@@ -68,8 +68,7 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = make_parser().parse_args(argv)
+def main(args: argparse.Namespace) -> None:
     dims = DIMS
     with CudaBackend() as gpu:
         free, need = gpu.mem_info()[0], need_bytes(dims)
@@ -295,4 +294,4 @@ def decode_table(gpu: CudaBackend, dims: NgramDims, weights: NgramWeights, base:
 
 
 if __name__ == "__main__":
-    run(main)
+    run(main, make_parser())

@@ -7,6 +7,10 @@ becomes a section; a table keeps its title, its note line and its rows (each row
 floor and anchor columns and their ratios, as the benchmark printed them); the other lines a
 benchmark printed (measured ceilings, checks, targets met or not) are kept as a list above its
 tables.
+
+It refuses, writing nothing (one line, status 2), a log without a ``== bench.<name>`` line and an
+``--out`` file it did not write itself (one whose first lines are not its title and "Written by"
+line) unless ``--force``.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
+from bench.common import nonempty
 from gpu_runtime import cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def git_commit() -> str | None:
     """HEAD of the checkout this file is in, ``+ uncommitted changes`` when the tree differs;
-    None outside a git checkout (the GPU machine gets a copy of the tree without ``.git``)."""
+    None outside a git checkout (a copy of the tree without ``.git``)."""
     try:
         head = subprocess.run(
             ["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=30
@@ -97,11 +102,22 @@ def sections(log: str) -> list[tuple[str, list[str]]]:
     return out
 
 
+TITLE = "# Benchmark results"
+WRITTEN_BY = "Written by `python -m bench.results`"
+
+
+def is_results_file(path: Path) -> bool:
+    """Whether ``path`` starts as ``render`` writes (what ``--out`` may replace without ``--force``)."""
+    head = f"{TITLE}\n\n{WRITTEN_BY}"
+    with path.open("rb") as f:
+        return f.read(len(head)).decode("utf-8", "replace") == head
+
+
 def render(log: str, *, commit: str | None, device: str, when: datetime, python: str | None = None) -> str:
     lines = [
-        "# Benchmark results",
+        TITLE,
         "",
-        "Written by `python -m bench.results` from the last `make bench` log; do not edit by hand.",
+        f"{WRITTEN_BY} from the last `make bench` log; do not edit by hand.",
         "",
         f"- machine: {device}",
         f"- commit: {commit or 'unknown (not a git checkout; pass --commit)'}",
@@ -117,13 +133,26 @@ def make_parser() -> argparse.ArgumentParser:
     parser = cli.ArgumentParser(
         prog="python -m bench.results", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("log", type=Path, help="the output of `make bench` (gpu-check: $(LOG_DIR)/bench.log)")
     parser.add_argument(
-        "--out", type=Path, default=ROOT / "bench" / "RESULTS.md", help="where to write (default: bench/RESULTS.md)"
+        "log",
+        type=Path,
+        help="the output of `make bench` (gpu-check: $(LOG_DIR)/bench.log); refused without a `== bench.<name>` line",
     )
-    parser.add_argument("--commit", help="the commit the benchmarks ran on (default: this checkout's HEAD)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=ROOT / "bench" / "RESULTS.md",
+        help="where to write (default: bench/RESULTS.md); an existing file is replaced only if this tool wrote it",
+    )
+    parser.add_argument(
+        "--force", action="store_true", help="replace the --out file even if this tool did not write it"
+    )
+    parser.add_argument(
+        "--commit", type=nonempty, help="the commit the benchmarks ran on (default: this checkout's HEAD)"
+    )
     parser.add_argument(
         "--device",
+        type=nonempty,
         help="the machine line, where the log is rendered off the machine that ran it "
         "(default: asked of this machine's driver)",
     )
@@ -133,18 +162,33 @@ def make_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = make_parser()
     args = parser.parse_args(argv)
+    out = args.out
     if not args.log.is_file():
         parser.error(f"no benchmark log at {args.log}")
+    try:
+        log = args.log.read_text(errors="replace")
+        foreign = out.is_file() and not args.force and not is_results_file(out)
+    except OSError as exc:
+        parser.error(f"{exc.filename}: {exc.strerror or exc}")
+    if not any(line.startswith("== bench.") for line in log.splitlines()):
+        parser.error(f"{args.log}: not a benchmark log (no `== bench.<name>` line: the output of `make bench`)")
+    if out.exists() and not out.is_file():
+        parser.error(f"--out {out}: not a file")
+    if foreign:
+        parser.error(f"--out {out}: not a file bench.results wrote; --force replaces it")
     text = render(
-        args.log.read_text(),
+        log,
         commit=args.commit or git_commit(),
         device=args.device or device_line(),
         when=datetime.now(UTC),
         python=None if args.device else platform.python_version(),  # off the machine: not its Python
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    print(f"bench.results: wrote {args.out} ({text.count(chr(10))} lines)", file=sys.stderr)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+    except OSError as exc:
+        parser.error(f"--out {out}: {exc.strerror or exc}")
+    print(f"bench.results: wrote {out} ({text.count(chr(10))} lines)", file=sys.stderr)
     return 0
 
 

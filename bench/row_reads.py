@@ -23,7 +23,7 @@ from pathlib import Path
 
 from cuda.bindings import driver as cu
 
-from bench.common import bench_parser, copy_bandwidth, gated_gpu_us, print_table, run
+from bench.common import bench_parser, copy_bandwidth, gated_gpu_us, positive_int, print_table, run
 from gpu_runtime import CudaBackend, CudaError, LaunchConfig
 from gpu_runtime.driver import call
 from gpu_runtime.launch import Kernel
@@ -131,12 +131,13 @@ def device_memory(gpu: CudaBackend, nbytes: int, how: str) -> Iterator[int]:
 def make_parser() -> argparse.ArgumentParser:
     parser = bench_parser(__doc__, "bench.row_reads")
     parser.add_argument("--quick", action="store_true", help="1 and 64 GiB, cuMemAlloc only")
-    parser.add_argument("--ncu", type=int, metavar="FOOTPRINT_GIB", help="run one case for a profiler, print nothing")
+    parser.add_argument(
+        "--ncu", type=positive_int, metavar="FOOTPRINT_GIB", help="run one case for a profiler, print nothing"
+    )
     return parser
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = make_parser().parse_args(argv)
+def main(args: argparse.Namespace) -> None:
     with CudaBackend() as gpu:
         stream = gpu.create_stream()
         _fill, probe = kernels(gpu)
@@ -197,4 +198,4 @@ def read_floor_us(kernel: Kernel, data: int, nbytes: int, tables: int, reads: in
 
 
 if __name__ == "__main__":
-    run(main)
+    run(main, make_parser())

@@ -7,7 +7,8 @@ Times are host wall time per step with both GPUs synchronised (median), the view
 of one eager call; TP = 1 is ``FusedNgramEmbedding`` over the full ``NgramWeights`` on GPU 0,
 TP = 2 one ``FusedNgramEmbedding`` per GPU over its shard's weights (``shard=``), driven by
 ``embed_all``. Bus bandwidth is NCCL's convention, 2 (P-1)/P x bytes / time, from a 256 MiB
-all-reduce. Needs two GPUs and the ``multi-gpu`` extra; prints why and exits 0 without them.
+all-reduce. Needs two GPUs and the ``multi-gpu`` extra; with one GPU, or without the extra, prints
+why and exits 0 (without any GPU, as every benchmark, one line and status 1).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ BUS_BYTES = 256 << 20
 
 def _unavailable() -> str | None:
     if device_count() < 2:
-        return f"needs 2 GPUs, this machine has {device_count()} (run on nvidia-h200-x2)"
+        return f"needs 2 GPUs, this machine has {device_count()}"
     try:
         from layers.tensor_parallel import nccl
 
@@ -66,13 +67,12 @@ def make_parser() -> argparse.ArgumentParser:
     return bench_parser(
         __doc__,
         "bench.tensor_parallel",
-        "Needs two CUDA GPUs and the multi-gpu extra (pip install '.[multi-gpu]'); without them "
-        "it says why and exits 0.",
+        "Needs two CUDA GPUs and the multi-gpu extra (pip install '.[multi-gpu]'); with one GPU, "
+        "or without the extra, it says why and exits 0.",
     )
 
 
-def main(argv: list[str] | None = None) -> None:
-    make_parser().parse_args(argv)
+def main(args: argparse.Namespace) -> None:
     why = _unavailable()
     if why:
         print(f"bench.tensor_parallel: skipped: {why}")
@@ -158,4 +158,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    run(main)
+    run(main, make_parser())

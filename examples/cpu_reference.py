@@ -29,14 +29,17 @@ import tempfile
 import zlib
 from pathlib import Path
 
-import ml_dtypes
-import numpy as np
+from _requires import installed  # examples/_requires.py: a missing package is one line
 
-from gpu_runtime import cli
-from layers.ngram_embed import CheckpointError, NgramCheckpoint
-from layers.overlay import AdapterOverlay, TableOverlay
-from layers.reference import gather_then_overlay_ref, gemm_bf16, lmhead_overlay_ref, ngram_embed, ngram_embed_fused
-from layers.safetensors_io import save
+with installed("cpu_reference.py"):
+    import ml_dtypes
+    import numpy as np
+
+    from gpu_runtime import cli
+    from layers.ngram_embed import CheckpointError, NgramCheckpoint
+    from layers.overlay import AdapterOverlay, TableOverlay
+    from layers.reference import gather_then_overlay_ref, gemm_bf16, lmhead_overlay_ref, ngram_embed, ngram_embed_fused
+    from layers.safetensors_io import save
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -65,6 +68,8 @@ WORD = "model.embed_tokens.weight"
 TABLE = "model.ngram_embeddings.embedders.{}.weight"
 SCALE = "model.ngram_embeddings.embedders.{}.weight_scale"
 PROJ = "model.ngram_embeddings.post_projs.{}.weight"
+# what a model folder's loader reads: --save-model --force replaces these and keeps other files
+MODEL_FILES = ("config.json", "*.safetensors", "*.safetensors.index.json")
 
 
 def write_tiny_model(path: Path, seed: int = 0) -> Path:
@@ -91,6 +96,21 @@ def write_tiny_model(path: Path, seed: int = 0) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config, indent=1) + "\n")
     save(path / "model.safetensors", tensors)
+    return path
+
+
+def save_model(path: Path, seed: int) -> Path:
+    """Write the tiny model into the folder ``path`` (made if missing), replacing any model there:
+    the new files are written into a temporary folder inside it first, then the folder's model
+    files (``MODEL_FILES``: config, single file or shards and their index) are removed and the
+    new ones moved in. Other files are kept. Returns ``path``."""
+    path.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path, prefix=".tiny-model-") as tmp:
+        new = write_tiny_model(Path(tmp), seed)
+        for old in [f for pattern in MODEL_FILES for f in path.glob(pattern)]:
+            old.unlink()
+        for f in new.iterdir():
+            f.replace(path / f.name)
     return path
 
 
@@ -159,6 +179,13 @@ def run(model_dir: Path, seed: int, tokens: int, origin: str) -> list[str]:
     return lines
 
 
+def folder_path(text: str) -> Path:
+    """A folder option's value; an empty one is refused (``Path('')`` is the current directory)."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path (the current directory is '.')")
+    return Path(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = cli.ArgumentParser(
         prog="cpu_reference.py",
@@ -173,20 +200,24 @@ def main(argv: list[str] | None = None) -> int:
     where = parser.add_mutually_exclusive_group()
     where.add_argument(
         "--model-dir",
-        type=Path,
+        type=folder_path,
         metavar="DIR",
         help="an existing LongCat-Flash(-Lite)-style model folder (config.json and model.safetensors, "
         "or an index and its shards) to read instead of the tiny one written by default",
     )
     where.add_argument(
         "--save-model",
-        type=Path,
+        type=folder_path,
         metavar="DIR",
         help="write the tiny model folder into DIR and keep it (default: a temporary directory, deleted at exit); "
         "DIR must be new or empty, unless --force",
     )
     parser.add_argument(
-        "--force", action="store_true", help="with --save-model: write into DIR even if it holds files (replacing them)"
+        "--force",
+        action="store_true",
+        help="with --save-model: DIR may hold files; the model in it is replaced, not only the files of the "
+        "same names: every config.json, *.safetensors and *.safetensors.index.json there (a sharded model's "
+        "shards and index too) is removed once the new model is written; other files are kept",
     )
     parser.add_argument(
         "--seed", type=int, default=0, help="seed of the tiny model's weights, the context and the adapter (default 0)"
@@ -199,17 +230,21 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--seed must be >= 0")
     if args.force and args.save_model is None:
         parser.error("--force goes with --save-model")
-    save = args.save_model
-    if save is not None and save.exists() and not save.is_dir():
-        parser.error(f"--save-model {save}: a file is there, not a folder")
-    if save is not None and save.is_dir() and any(save.iterdir()) and not args.force:
-        parser.error(f"--save-model {save}: the folder is not empty (--force writes into it, replacing its model files)")
+    folder = args.save_model
+    if folder is not None:
+        if folder.exists() and not folder.is_dir():
+            parser.error(f"--save-model {folder}: a file is there, not a folder")
+        try:
+            if folder.is_dir() and any(folder.iterdir()) and not args.force:
+                parser.error(f"--save-model {folder}: the folder is not empty (--force replaces the model in it)")
+            save_model(folder, args.seed)
+        except OSError as err:  # not writable, no such parent, a file on the way, ...
+            parser.error(f"--save-model {folder}: cannot write the model there ({err.strerror or err})")
     try:
         if args.model_dir is not None:
             lines = run(args.model_dir, args.seed, args.tokens, str(args.model_dir))
-        elif args.save_model is not None:
-            path = write_tiny_model(args.save_model, args.seed)
-            lines = run(path, args.seed, args.tokens, f"{path} (tiny, seed {args.seed})")
+        elif folder is not None:
+            lines = run(folder, args.seed, args.tokens, f"{folder} (tiny, seed {args.seed})")
         else:
             with tempfile.TemporaryDirectory(prefix="tiny-longcat-") as tmp:
                 path = write_tiny_model(Path(tmp), args.seed)

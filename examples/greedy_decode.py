@@ -15,13 +15,16 @@ Needs a CUDA GPU and the package installed (``pip install .``): python examples/
 import argparse
 import sys
 
-import ml_dtypes
-import numpy as np
+from _requires import installed  # examples/_requires.py: a missing package is one line
 
-from gpu_runtime import CudaBackend, DeviceArray, NoDeviceError, cli
-from layers.kernel_files import load_kernel
-from layers.ngram_embed import NgramDecoder, NgramDims, NgramWeights, ngram_ids_tail
-from layers.ops import ArgmaxEmbed, dense_gemm_bf16_pipelined
+with installed("greedy_decode.py"):
+    import ml_dtypes
+    import numpy as np
+
+    from gpu_runtime import CudaBackend, DeviceArray, NoDeviceError, cli
+    from layers.kernel_files import load_kernel
+    from layers.ngram_embed import NgramDecoder, NgramDims, NgramWeights, ngram_ids_tail
+    from layers.ops import ArgmaxEmbed, dense_gemm_bf16_pipelined
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 V, D, B, PROMPT, STEPS, CHECK = 32000, 1024, 4, 16, 32, 4

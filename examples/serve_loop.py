@@ -35,21 +35,24 @@ import sys
 from collections import Counter
 from dataclasses import dataclass, field
 
-import ml_dtypes
-import numpy as np
+from _requires import installed  # examples/_requires.py: a missing package is one line
 
-from gpu_runtime import CudaBackend, DeviceArray, NoDeviceError, cli
-from layers.ngram_embed import (
-    NO_ADAPTER,
-    PAD_SLOT,
-    DecodeError,
-    FusedNgramEmbedding,
-    NgramDecoder,
-    NgramDims,
-    NgramWeights,
-    ngram_ids_tail,
-)
-from layers.overlay import AdapterOverlay, OverlaySlots, TableOverlay
+with installed("serve_loop.py"):
+    import ml_dtypes
+    import numpy as np
+
+    from gpu_runtime import CudaBackend, DeviceArray, NoDeviceError, cli
+    from layers.ngram_embed import (
+        NO_ADAPTER,
+        PAD_SLOT,
+        DecodeError,
+        FusedNgramEmbedding,
+        NgramDecoder,
+        NgramDims,
+        NgramWeights,
+        ngram_ids_tail,
+    )
+    from layers.overlay import AdapterOverlay, OverlaySlots, TableOverlay
 
 BF16, FP8 = np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.float8_e4m3fn)
 DIMS = NgramDims(vocab_size=1000, hidden_size=96, max_ngram=4, splits=2, base_rows=2003,

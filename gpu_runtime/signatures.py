@@ -22,7 +22,9 @@ _KERNEL = re.compile(
     r"(?:\w+\s*\([^)]*\)\s*|[A-Z][A-Z0-9_]*\s+)*(\w+)\s*\(([^)]*)\)",
     re.S,
 )
-_COMMENTS = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
+# Comments as the compiler drops them: a ``//`` or ``/*`` outside a string or character literal
+# (group 1: a literal, kept as it is), once lines ending in a backslash are joined.
+_COMMENTS = re.compile(r"""("(?:\\.|[^"\\\n])*"|'(?:\\.|[^'\\\n])*')|//[^\n]*|/\*.*?\*/""", re.S)
 
 _SCALAR_KINDS = {
     "uint32_t": "U",
@@ -86,8 +88,9 @@ def param_name(decl: str) -> str:
 
 
 def parse_signatures(source: str) -> dict[str, Signature]:
-    """``{kernel name: Signature}`` for every ``extern "C" __global__`` kernel in ``source``."""
-    text = _COMMENTS.sub(" ", source)
+    """``{kernel name: Signature}`` for every ``extern "C" __global__`` kernel in ``source``, as
+    the compiler sees it: none inside a comment, no comment taken for a parameter."""
+    text = _COMMENTS.sub(lambda m: m.group(1) or " ", source.replace("\\\n", ""))
     out: dict[str, Signature] = {}
     for name, params in _KERNEL.findall(text):
         decls = [p.strip() for p in params.split(",") if p.strip() and p.strip() != "void"]

@@ -15,13 +15,18 @@ from __future__ import annotations
 import os
 import sys
 
-from gpu_runtime import precompile
+from .requires import installed
 
-from .kernel_files import KERNEL_DIR_ENV, kernel_dir, kernel_files
+PROG = "python -m layers.precompile"
+
+with installed(PROG):  # a Python without cuda-bindings, numpy, ...: one line, not a traceback
+    from gpu_runtime import precompile
+
+    from .kernel_files import KERNEL_DIR_ENV, kernel_dir, kernel_files
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = precompile.make_parser(__doc__, precompile.epilog("layers.precompile", ""), "python -m layers.precompile")
+    parser = precompile.make_parser(__doc__, precompile.epilog("layers.precompile", ""), PROG)
     try:
         where = f"no .cu files in {kernel_dir()}" + (f" (${KERNEL_DIR_ENV})" if os.environ.get(KERNEL_DIR_ENV) else "")
         files = kernel_files

@@ -12,7 +12,7 @@ import pytest
 from gpu_runtime import device_count
 from tests.helpers import TOO_SLOW_UNDER_SANITIZER
 
-_NO_GPU_REASON = "no CUDA device on this machine (GPU tests run on the GPU machine: make gpu-check)"
+_NO_GPU_REASON = "no CUDA device on this machine (GPU tests run on a machine with a CUDA GPU: make gpu-check)"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -236,6 +236,32 @@ def test_only_the_shards_holding_ngram_tensors_are_opened(tmp_path, rng, monkeyp
     assert tables_only.word is None and not tables_only.projs and len(tables_only.tables) == 4
 
 
+def test_array_methods_refuse_a_bad_index_or_missing_part(tmp_path, rng):
+    """``table_arrays(99)`` was a bare IndexError, ``table_arrays(-1)`` the last table and
+    ``proj_array('a')`` a tuple-index TypeError: each index-taking method refuses a non-int (a
+    bool too) with TypeError and an index outside 0..T-1 with ValueError, both naming ``c``; a
+    part the checkpoint was opened without is a ValueError, not an assert."""
+    path = write_model(tmp_path / "m", make_model(rng)).path
+    ckpt = NgramCheckpoint.open(path)
+    t = ckpt.dims.num_tables()
+    for method in (ckpt.table_arrays, ckpt.proj_array):
+        name = method.__name__
+        for bad in ("a", 1.0, True, None, np.float64(0)):
+            with pytest.raises(TypeError, match=rf"NgramCheckpoint\.{name}: c must be an int"):
+                method(bad)
+        for bad in (-1, -t, t, 99):
+            with pytest.raises(ValueError, match=rf"NgramCheckpoint\.{name}: c = {bad} outside 0\.\.{t - 1}"):
+                method(bad)
+    np.testing.assert_array_equal(bits(ckpt.proj_array(np.int64(t - 1))), bits(ckpt.proj_array(t - 1)))
+    tables_only = NgramCheckpoint.open(path, parts="tables")
+    with pytest.raises(ValueError, match=r"proj_array: opened with parts='tables', without the projections"):
+        tables_only.proj_array(0)
+    with pytest.raises(ValueError, match=r"word_array: opened with parts='tables', without the word table"):
+        tables_only.word_array()
+    with pytest.raises(ValueError, match=r"table_arrays: opened with parts='dense', without the tables"):
+        NgramCheckpoint.open(path, parts="dense").table_arrays(0)
+
+
 def test_word_table_names_and_wide_dense_dtypes(tmp_path, rng):
     model = make_model(rng, kinds="b")
     word32 = rng.standard_normal(model.word.shape).astype(np.float32)

@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import zlib
 
 import ml_dtypes
 import numpy as np
@@ -29,8 +30,8 @@ from layers import reference as ref
 from layers.ngram_embed import (CheckpointError, FusedNgramEmbedding, NgramDecoder, NgramTable, NgramWeights,
                                 TableFile)
 from layers.ngram_embed import convert_progress
-from layers.ngram_embed.convert import convert, main, verify_tables
-from layers.ngram_store import TableWriter, VerifyError
+from layers.ngram_embed.convert import PROG, convert, main, verify_tables
+from layers.ngram_store import TableWriter, VerifyError, write_table
 from layers.ngram_store.row_encoding import NonFiniteRow, quantize_fp8_rows
 from layers.ngram_embed.decoder import NO_ROW_CACHE
 from layers.ngram_store.row_cache import RowCache
@@ -287,6 +288,26 @@ def test_fp8_scale_corruption_is_caught(tmp_path, rng):
         verify_tables(out)
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_a_crc_mismatch_gives_both_sides_in_hex(tmp_path, rng, caplog, fp8):
+    model = write_model(tmp_path / "m", make_model(rng, kinds="b"))
+    out = tmp_path / "out"
+    entry = convert(model.path, out, fp8=fp8, progress=False)["tables"][1]
+    path = out / "table_001.ngt"
+    _flip(path, 4096 + int(rng.integers(0, 400)))
+    with TableFile(path) as f:
+        crc = zlib.crc32(f.rows_bytes.tobytes())
+        scales = None if f.scales is None else f"{zlib.crc32(f.scales.tobytes()):#010x}"
+    listed = None if entry["scales_crc32"] is None else f"{entry['scales_crc32']:#010x}"
+    want = (f"crc32 rows {crc:#010x} / scales {scales}, the manifest says {entry['rows_crc32']:#010x} / {listed} "
+            "(corrupt file)")
+    with pytest.raises(VerifyError, match=f"^{re.escape(f'{path}: {want}')}$"):
+        verify_tables(out)
+    convert(model.path, out, fp8=fp8)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and warnings[0].endswith(f": {want}; writing it again"), warnings
+
+
 def test_a_conversion_with_other_settings_is_not_mixed_in(tmp_path, rng):
     model = write_model(tmp_path / "m", make_model(rng, kinds="b"))
     convert(model.path, tmp_path / "out", progress=False)
@@ -332,12 +353,74 @@ def test_the_converter_needs_no_word_table_nor_eos(tmp_path, rng):
     verify_tables(tmp_path / "out")
 
 
+# ==== what OUT_DIR holds already =====================================================================
+
+def _snapshot(out) -> dict:
+    """Each entry of ``out``: its bytes (a folder: its listing), inode and modification time."""
+    return {p.name: (p.read_bytes() if p.is_file() else sorted(os.listdir(p)), p.stat().st_ino, p.stat().st_mtime_ns)
+            for p in sorted(out.iterdir())}
+
+
+@pytest.mark.parametrize("resuming", [False, True], ids=["fresh", "resuming"])
+@pytest.mark.parametrize("foreign", ["bytes", "table", "folder", "link"])
+def test_a_file_the_converter_did_not_write_is_refused_and_kept(tmp_path, rng, foreign, resuming):
+    """A user's file at a table's name (random bytes, a table file of another width, a folder, a
+    link to a file elsewhere), which the manifest does not list and which is no table file of the
+    dtype and shape written there, is refused before anything is written, in an empty OUT_DIR or
+    in one whose conversion stopped in that very table."""
+    model = write_model(tmp_path / "m", make_model(rng, kinds="bf"))
+    out = tmp_path / "out"
+    if resuming:  # tables 0 and 1 written and listed; stopped in table 2
+        with pytest.raises(Stop):
+            convert(model.path, out, chunk_bytes=10 * 6 * 2, progress=False, on_chunk=_stop_after(2 * 8 + 3))
+    else:
+        out.mkdir()
+    mine, rows, td = out / "table_002.ngt", model.dims.table_rows(2), model.dims.table_dim()
+    what = "not a table file"
+    if foreign == "bytes":
+        mine.write_bytes(rng.bytes(int(rng.integers(1, 3 * 4096))))
+    elif foreign == "table":
+        write_table(mine, random_bf16(rng, (rows, td + 2)))
+        what = rf"a bfloat16 \[{rows}, {td + 2}\] table where this conversion writes bfloat16 \[{rows}, {td}\]"
+    elif foreign == "folder":
+        mine.mkdir()
+        (mine / "notes").write_bytes(rng.bytes(100))
+    else:
+        (tmp_path / "elsewhere").write_bytes(rng.bytes(5000))
+        mine.symlink_to(tmp_path / "elsewhere")
+    before = _snapshot(out)
+    with pytest.raises(CheckpointError, match=rf"^{re.escape(str(mine))}: not written by this conversion \(not "
+                                              rf"listed in {MANIFEST}, and {what}\); .* use another OUT_DIR$"):
+        convert(model.path, out, progress=False)
+    assert _snapshot(out) == before
+    assert not list(out.glob("*.tmp"))
+
+
+@pytest.mark.parametrize("listed", [2, 0], ids=["manifest-lists-2", "no-manifest"])
+def test_a_table_renamed_into_place_but_not_yet_listed_is_the_converters(tmp_path, rng, listed):
+    """A run killed between a table's rename and the manifest's rewrite leaves a table file the
+    manifest does not list (or no manifest yet, for table 0): a table file of the dtype and shape
+    written there, which a rerun takes as its own and finishes to the clean run's files."""
+    model = write_model(tmp_path / "m", make_model(rng, kinds="fb"))
+    convert(model.path, tmp_path / "clean", fp8=True, progress=False)
+    out = tmp_path / "out"
+    convert(model.path, out, fp8=True, progress=False)
+    for c in range(listed + 1, 4):
+        (out / f"table_00{c}.ngt").unlink()
+    if listed:
+        _edit_manifest(out, lambda m: m.update(tables=m["tables"][:listed]))
+    else:
+        (out / MANIFEST).unlink()
+    convert(model.path, out, fp8=True, progress=False)
+    assert files_of(out) == files_of(tmp_path / "clean")
+
+
 def test_command_line(tmp_path, rng, capsys):
     model = write_model(tmp_path / "m", make_model(rng, kinds="b"))
     assert main([str(model.path), str(tmp_path / "out"), "--quiet"]) == 0
     assert capsys.readouterr().err == ""
     (tmp_path / "empty").mkdir()
-    assert main([str(tmp_path / "empty"), str(tmp_path / "out2")]) == 1
+    assert main([str(tmp_path / "empty"), str(tmp_path / "out2")]) == 2  # not a model folder: a bad argument
     assert "no config.json" in capsys.readouterr().err
     rewrite_tensor(model, TABLE.format(1), None)
     assert main([str(model.path), str(tmp_path / "out3"), "--fp8"]) == 1
@@ -551,6 +634,49 @@ def test_help_is_complete():
     assert "130 interrupted" in text and "2 bad arguments" in text and "metrale-gpu[progress]" in text
 
 
+def test_each_exit_status_the_help_lists_is_the_one_given(tmp_path, rng, monkeypatch, capsys):
+    """--help's exit statuses, every one pinned by runs of the kinds it names (ending in one line
+    on stderr unless 0); it lists no other. An empty MODEL_DIR exited 1 and an empty OUT_DIR
+    converted into the current folder (issue 49)."""
+
+    def status(*args) -> int:
+        try:
+            return main([str(a) for a in args])
+        except SystemExit as exit_:  # argparse's own refusals and --help
+            return exit_.code
+
+    assert status("--help") == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert re.findall(r"(?:^|; )(\d+) ", text.split("exit status: ", 1)[1]) == ["0", "1", "2", "130"]
+    model = write_model(tmp_path / "m", make_model(rng, kinds="b"))
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "table_003.ngt").write_bytes(rng.bytes(100))
+    (tmp_path / "m" / "notes").mkdir()
+    (tmp_path / "m" / "notes" / "config.json").write_text("[1, 2]")
+    monkeypatch.chdir(tmp_path / "empty")  # an empty OUT_DIR would have been the current folder
+    runs = {
+        0: [(model.path, tmp_path / "o0")],
+        1: [(model.path, tmp_path / "mine"), (model.path, tmp_path / "o0", "--fp8")],
+        2: [("", tmp_path / "o2"), (model.path, ""), (tmp_path / "empty", tmp_path / "o2"),
+            (tmp_path / "nothing", tmp_path / "o2"), (tmp_path / "m" / "notes", tmp_path / "o2"),
+            (model.path, tmp_path / "o2", "--chunk-mib", "0"), (model.path,)],
+    }
+    for code, cases in runs.items():
+        for args in cases:
+            assert status(*args, "--quiet") == code, args
+            err = capsys.readouterr().err
+            assert err.count("\n") == (code != 0) and ("Traceback" not in err), (args, err)
+            assert err.startswith({0: "", 1: "convert: ", 2: f"{PROG}: error: "}[code]), (args, err)
+    for empty in ((model.path, ""), ("", tmp_path / "o2")):  # convert() itself: a ValueError
+        with pytest.raises(ValueError, match=r"^convert: (out|model)_dir is empty \(name a folder"):
+            convert(*empty, progress=False)
+    assert not (tmp_path / "o2").exists() and os.listdir(tmp_path / "empty") == []
+    monkeypatch.setattr(TableWriter, "append", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    assert status(model.path, tmp_path / "o130") == 130
+    assert capsys.readouterr().err.startswith("convert: interrupted; to resume")
+
+
 # ==== NgramWeights.from_pretrained over table files ===============================================================
 
 @pytest.fixture
@@ -621,6 +747,7 @@ def _edit_manifest(root, edit):
     (lambda d: _edit_manifest(d, lambda m: m.update(base_rows=m["base_rows"] + 1)), "tables for other dims: base_rows"),
     (lambda d: _edit_manifest(d, lambda m: m["tables"].pop(2)), r"no table file for tables \[2\]"),
     (lambda d: _edit_manifest(d, lambda m: m.update(version=9)), "manifest version 9"),
+    (lambda d: _edit_manifest(d, lambda m: m.pop("version")), "manifest version None, this reader knows 1"),
     (lambda d: _edit_manifest(d, lambda m: m.update(format="x")), "not a metrale-ngram-tables manifest"),
     (lambda d: _edit_manifest(d, lambda m: m["tables"][0].update(file="../t.ngt")), "not a file inside"),
     (lambda d: (d / MANIFEST).write_text("{"), "not valid JSON"),
@@ -636,6 +763,23 @@ def test_a_bad_table_dir_is_refused_before_any_upload(converted, damage, match):
     with pytest.raises(CheckpointError, match=match):
         NgramWeights.from_pretrained(model.path, gpu, placement="files", table_dir=root / "bf16")
     assert gpu.log == [] and gpu.empty()
+
+
+@pytest.mark.parametrize("placement", ["files", "host"])
+@pytest.mark.parametrize("wider", [-1, 2])
+def test_a_table_file_of_another_row_width_is_refused(converted, rng, placement, wider):
+    """The rows the config gives, not its table dim: refused before any upload, and by verify_tables."""
+    model, root = converted
+    rows, td = model.dims.table_rows(2), model.dims.table_dim()
+    path = root / "bf16" / "table_002.ngt"
+    write_table(path, random_bf16(rng, (rows, td + wider)))
+    message = rf"^{re.escape(str(path))}: table 2 is \[{rows}, {td + wider}\], the config gives \[{rows}, {td}\]$"
+    gpu = LoggingBackend()
+    with pytest.raises(CheckpointError, match=message):
+        NgramWeights.from_pretrained(model.path, gpu, placement=placement, table_dir=root / "bf16")
+    assert gpu.log == [] and gpu.empty()
+    with pytest.raises(VerifyError, match=re.escape(f"table 2 is [{rows}, {td + wider}]")):
+        verify_tables(root / "bf16")
 
 
 def test_the_decoder_refuses_row_caches_when_it_is_built(converted):

@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 
 from layers.ngram_embed import NgramCheckpoint, NgramWeights
-from tests.helpers.checkpoint import PROJ, SCALE, TABLE, WORD, layer_bytes, tiny_config
+from tests.helpers.checkpoint import PROJ, SCALE, TABLE, WORD, layer_bytes, make_model, tiny_config, write_model
 from tests.helpers.examples import assert_public_imports
 from tests.helpers.logging_backend import LoggingBackend
 from tests.helpers.readme import readme_block
@@ -56,7 +56,7 @@ BEYOND_THE_FACE = {"layers.reference", "layers.safetensors_io"}  # modules witho
 # cuda.bindings is replaced by a recorder before the example imports anything; the run fails if
 # any was called (gpu_runtime turns a failing cuInit into NoDeviceError, so raising is not enough).
 GUARD = """
-import runpy, sys
+import os, runpy, sys
 from cuda.bindings import driver, nvrtc
 calls = []
 def recorder(name):
@@ -70,6 +70,7 @@ for module, prefix in ((driver, "cu"), (nvrtc, "nvrtc")):
             setattr(module, name, recorder(name))
 path = sys.argv[1]
 sys.argv = sys.argv[1:]
+sys.path[0] = os.path.dirname(path)  # as `python path` has it: the example's folder first
 try:
     runpy.run_path(path, run_name="__main__")
 except SystemExit as exc:
@@ -108,8 +109,9 @@ def _run(tmp_path: Path, *args: str, guard: bool = False) -> subprocess.Complete
     )
 
 
-def _example():
-    """``examples/cpu_reference.py`` loaded by path."""
+def _example(monkeypatch: pytest.MonkeyPatch):
+    """``examples/cpu_reference.py`` loaded by path, its folder on the path (as when run)."""
+    monkeypatch.syspath_prepend(str(EXAMPLE.parent))
     spec = importlib.util.spec_from_file_location("cpu_reference", EXAMPLE)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -168,19 +170,61 @@ def test_saved_model_reads_back_with_the_same_numbers(tmp_path):
     assert "shape (5, 24)" in other.stdout and "shape (5, 300)" in other.stdout
 
 
+def test_save_model_accepts_an_existing_empty_folder(tmp_path):
+    folder = tmp_path / "empty"
+    folder.mkdir()
+    done = _run(tmp_path, "--save-model", str(folder))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[1:] == EXPECTED[1:]
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_force_replaces_a_sharded_model_and_keeps_other_files(tmp_path, rng):
+    """``--save-model DIR --force`` over a sharded model (its shards and index, another model's
+    weights): the old model goes whole (left beside the new file, its shards and index could be
+    read by a loader that globs ``*.safetensors`` or reads the index), the new one reads back;
+    a file of the user's stays."""
+    folder = write_model(tmp_path / "model", make_model(rng), layout="sharded").path
+    (folder / "notes.txt").write_text("mine")
+    done = _run(tmp_path, "--save-model", str(folder), "--force")
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors", "notes.txt"]
+    assert (folder / "notes.txt").read_text() == "mine"
+    read = _run(tmp_path, "--model-dir", str(folder))
+    for run in (done, read):
+        assert run.returncode == 0 and run.stdout.splitlines()[1:] == EXPECTED[1:], run.stderr
+
+
+@pytest.mark.parametrize("where", ["under-a-file", "/proc/nope"])
+def test_a_save_model_folder_that_cannot_be_written_is_one_usage_error(tmp_path, where):
+    """The folder's parent a file, or a place nothing can be made (issue 49: a FileNotFoundError
+    traceback): one line naming the folder, status 2, as the tool's other refusals."""
+    (tmp_path / "a-file").write_text("mine")
+    folder = tmp_path / "a-file" / "model" if where == "under-a-file" else Path(where)
+    if where.startswith("/proc") and not Path("/proc").is_dir():
+        pytest.skip("no /proc here")
+    done = _run(tmp_path, "--save-model", str(folder))
+    assert (done.returncode, done.stdout) == (2, ""), done.stderr
+    assert done.stderr.startswith(f"cpu_reference.py: error: --save-model {folder}: cannot write the model there (")
+    assert done.stderr.count("\n") == 1 and (tmp_path / "a-file").read_text() == "mine"
+
+
 def test_bad_arguments_are_usage_errors(tmp_path):
     missing = tmp_path / "no-such-model"
     done = _run(tmp_path, "--model-dir", str(missing))
     assert done.returncode == 2 and str(missing) in done.stderr and not done.stdout
     assert "Traceback" not in done.stderr
-    for args in (["--tokens", "0"], ["--seed", "-1"], ["--model-dir", "a", "--save-model", "b"]):
+    # an empty folder path was Path('.'): --save-model '' wrote the model into the current directory
+    for args in (["--tokens", "0"], ["--seed", "-1"], ["--model-dir", "a", "--save-model", "b"], ["--save-model", ""],
+                 ["--model-dir", ""]):
         done = _run(tmp_path, *args)  # one line: "cpu_reference.py: error: ..." (issue 44)
         assert done.returncode == 2 and done.stderr.startswith("cpu_reference.py: error: "), args
         assert done.stderr.count("\n") == 1, args
+    assert not any((tmp_path / "elsewhere").iterdir()), "written into the current directory"
 
 
-def test_tiny_model_is_the_checkpoint_fixtures_shape_and_loads(tmp_path):
-    example = _example()
+def test_tiny_model_is_the_checkpoint_fixtures_shape_and_loads(tmp_path, monkeypatch):
+    example = _example(monkeypatch)
     assert example.TINY_CONFIG == tiny_config()
     assert (example.WORD, example.TABLE, example.SCALE, example.PROJ) == (WORD, TABLE, SCALE, PROJ)
     folder = example.write_tiny_model(tmp_path / "tiny", seed=0)
@@ -260,14 +304,20 @@ def test_readme_quickstart_runs_as_written_from_a_fresh_copy(tmp_path):
     assert not (tmp_path / "kernel-cache").exists()
 
 
-def test_git_ignores_the_readme_venv_and_top_level_build_outputs_only():
+def test_git_ignores_the_readme_venv_and_top_level_build_outputs_only(tmp_path):
     """The README makes its virtual environment inside the checkout (``.venv``): git must ignore
     it, or the quickstart's fresh copy (what git tracks or would track) takes the venv along,
     and a folder named ``build`` deep inside it (pip's own) is dropped and pip breaks. ``build/``
-    and ``dist/`` are ignored at the top only."""
+    and ``dist/`` are ignored at the top only. The project's ``.gitignore`` is read alone, at the
+    top of a new repository (no global excludes): vendored inside another repository, as an
+    engine embeds it, that repository's rules would apply here too."""
+    if shutil.which("git") is None or not (ROOT / ".gitignore").is_file():
+        pytest.skip("needs git and the project's .gitignore (a git checkout or a copy of one)")
     names = [".venv/bin/python3", ".venv/lib/python3.11/site-packages/pip/_internal/operations/build/x.py",
              "venv/bin/python3", "build/lib/x.py", "dist/x.whl", "layers/build/x.py", "docs/dist/x.md"]
-    done = subprocess.run(["git", "check-ignore", "--no-index", *names], cwd=ROOT, capture_output=True, text=True)
-    if done.returncode not in (0, 1):
-        pytest.skip(f"not a git checkout: {done.stderr.strip()}")
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    shutil.copy(ROOT / ".gitignore", tmp_path / ".gitignore")
+    done = subprocess.run(["git", "-c", "core.excludesFile=", "check-ignore", "--no-index", *names], cwd=tmp_path,
+                          capture_output=True, text=True)
+    assert done.returncode in (0, 1), done.stderr
     assert done.stdout.split() == names[:5]

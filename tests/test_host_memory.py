@@ -1,5 +1,6 @@
 """``CudaBackend``'s mapped and registered host memory on a scripted driver: the flags it asks
-the driver for, what it tracks and releases, and refusals that come before the driver."""
+the driver for, what it tracks and releases, and refusals that come before the driver; and its
+upload staging pool, which refills a pinned buffer only once the copy reading it ran."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from cuda.bindings import driver as cu
 from gpu_runtime import CudaBackend, DevicePtr, GpuError
 from tests.helpers import PAGE, page_aligned
 from tests.helpers.row_cache import table_file
-from tests.helpers.scripted_driver import install_scripted_driver
+from tests.helpers.scripted_driver import ScriptedDriver, install_scripted_driver
 
 
 @pytest.fixture
@@ -146,3 +147,60 @@ def test_host_memory_refusals_come_before_the_driver(scripted, case, fn, exc, ma
     # still usable afterwards
     assert world["gpu"].host_device_ptr(world["registered"]) == world["registered"].ctypes.data + driver.DEV_OFFSET
     world["gpu"].close()
+
+
+class DeferredCopies(ScriptedDriver):
+    """A scripted driver whose ``cuMemcpyHtoDAsync`` reads its pinned buffer only when the event
+    recorded after it is waited for (``wait``, as the GPU getting there); until then
+    ``cuEventQuery`` answers not ready. ``device`` holds what each copy wrote."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pending: list[tuple] = []  # (dst, host, nbytes), in issue order
+        self.copied = 0
+        self.marks: dict[int, int] = {}  # event -> copies issued before it was recorded
+        self.done: set[int] = set()
+        self.device: dict[int, bytes] = {}
+
+    def __call__(self, fn, *args, detail=""):
+        out = super().__call__(fn, *args, detail=detail)
+        if fn.__name__ == "cuMemcpyHtoDAsync":
+            self.pending.append(args[:3])
+        elif fn.__name__ == "cuEventRecord":
+            self.marks[args[0]] = len(self.pending)
+            self.done.discard(args[0])
+        return out
+
+    def wait(self, event: int) -> None:
+        for dst, host, nbytes in self.pending[self.copied:self.marks[event]]:
+            self.device[dst] = ctypes.string_at(host, nbytes)
+        self.copied = max(self.copied, self.marks[event])
+        self.done.add(event)
+
+    def query(self, event: int) -> tuple:
+        return (cu.CUresult.CUDA_SUCCESS if event in self.done else cu.CUresult.CUDA_ERROR_NOT_READY,)
+
+
+def test_a_staging_buffer_is_refilled_only_after_the_copy_reading_it_ran(monkeypatch, rng):
+    """``copy_h2d_async``'s staging pool on a driver whose copies read their buffer only once
+    waited for: an upload while the first copy is pending takes another buffer (refilled, the
+    first copy would carry the second's bytes); once that copy ran, its buffer is reused."""
+    from gpu_runtime import staging
+
+    driver = DeferredCopies()
+    monkeypatch.setattr(staging, "call", driver)
+    monkeypatch.setattr(cu, "cuEventQuery", driver.query)
+    pool = staging.PinnedStaging()
+    data = [rng.integers(0, 256, int(rng.integers(100, 4096)), dtype=np.uint8) for _ in range(3)]
+    dsts = [0x1000, 0x2000, 0x3000]
+    pool.upload(data[0].ctypes.data, data[0].nbytes, dsts[0], 7)
+    pool.upload(data[1].ctypes.data, data[1].nbytes, dsts[1], 7)  # the first copy still pending
+    hosts = [args[1] for args in driver.named("cuMemcpyHtoDAsync")]
+    events = [args[0] for args in driver.named("cuEventRecord")]
+    assert hosts[0] != hosts[1] and events[0] != events[1] and pool.buffers == 2
+    driver.wait(events[0])  # the first copy ran: its buffer may be refilled
+    pool.upload(data[2].ctypes.data, data[2].nbytes, dsts[2], 7)
+    assert driver.named("cuMemcpyHtoDAsync")[2][1] == hosts[0] and pool.buffers == 2
+    driver.wait(driver.named("cuEventRecord")[2][0])
+    assert driver.device == {dst: d.tobytes() for dst, d in zip(dsts, data)}
+    pool.close()

@@ -28,7 +28,7 @@ from layers.ops import (ArgmaxEmbed, DecodeLaunches, NgramGather, RowScatter, Sh
                         token_overlay)
 from layers.ops.ngram_decode import AdapterTables
 from tests.helpers.fakes import RecordingBackend
-from tests.helpers.scripted_driver import scripted_device
+from tests.helpers.scripted_driver import launch_attributes, scripted_device
 
 SEEDS = Path(__file__).parent / "seeds"
 
@@ -234,6 +234,7 @@ class _ScriptedDriver:
         self.kernels_given: list[object] = []  # the kernel object each launch handed the driver
         self.opt_ins: list[int] = []  # cuFuncSetAttribute's values
         self.configs: list[object] = []  # the CUlaunchConfig objects launched with
+        self.attributes: list[dict[str, Any]] = []  # each launch's attributes (launch_attributes)
         self.layout_queries = 0
         self.fail_with: list[Any] = []  # statuses the next launches return, in turn
         self.context_sets = 0
@@ -273,22 +274,29 @@ class _ScriptedDriver:
         raw = [ctypes.string_at(pointers[i], s) for i, s in enumerate(self.sizes)]
         self.kernels_given.append(kernel)
         self.configs.append(config)
+        self.attributes.append(launch_attributes(config))
         grid = (config.gridDimX, config.gridDimY, config.gridDimZ)
         block = (config.blockDimX, config.blockDimY, config.blockDimZ)
         self.launches.append((grid, block, config.sharedMemBytes, int(config.hStream), config.numAttrs, raw))
         return (self.fail_with.pop(0) if self.fail_with else self.cu.CUresult.CUDA_SUCCESS,)
 
 
-@pytest.fixture
-def scripted(monkeypatch, tmp_path):
-    """(backend, driver, kernel handle): a CudaBackend on the scripted driver and the ``add``
-    kernel, compiled for real (NVRTC) from a source given by path."""
+def _scripted_add(monkeypatch, tmp_path, max_shared: int = 227 * 1024):
+    """(backend, driver, kernel handle): a CudaBackend on the scripted driver (a device allowing
+    ``max_shared`` bytes of shared memory per block) and the ``add`` kernel, compiled for real
+    (NVRTC) from a source given by path."""
     monkeypatch.setenv("GPU_RUNTIME_CACHE_DIR", str(tmp_path / "cache"))
-    driver = _ScriptedDriver(monkeypatch, [8, 8, 4, 4])
+    driver = _ScriptedDriver(monkeypatch, [8, 8, 4, 4], max_shared)
     src = tmp_path / "add.cu"
     src.write_text(_ADD_SOURCE)
     gpu = CudaBackend()
     return gpu, driver, gpu.kernel(src, "add")
+
+
+@pytest.fixture
+def scripted(monkeypatch, tmp_path):
+    """``_scripted_add`` on a device allowing 227 KiB of shared memory per block (sm_90's)."""
+    return _scripted_add(monkeypatch, tmp_path)
 
 
 def _packed(dst, src, scale, n):
@@ -379,6 +387,46 @@ def test_a_kernel_is_opted_in_to_the_shared_memory_a_launch_asks_for_only_up(scr
     with ThreadPoolExecutor(2) as pool:
         list(pool.map(lambda s: kernel.launch(LaunchConfig(1, 32, s), 0, 1, 2, 0.5, 3), (100_000, 90_000)))
     assert driver.opt_ins[-1] == 100_000 and sorted(driver.opt_ins) == driver.opt_ins
+
+
+def test_a_launch_may_ask_for_exactly_the_devices_shared_memory_opt_in_maximum(monkeypatch, tmp_path, rng):
+    """The device's opt-in maximum (a random one) is granted, to a launch and to a prepared one;
+    one byte more is refused by both, before the driver is asked to opt in or launch."""
+    most = int(rng.integers(48 * 1024 + 1, 256 * 1024))
+    gpu, driver, k = _scripted_add(monkeypatch, tmp_path, most)
+    kernel = gpu.bind(k)
+    refused = rf"add\.add: {most + 1} bytes of shared memory, device allows {most}$"
+    with pytest.raises(ValueError, match=refused):
+        kernel.launch(LaunchConfig(1, 32, most + 1), 0, 1, 2, 0.5, 3)
+    with pytest.raises(ValueError, match=refused):
+        kernel.prepare(LaunchConfig(1, 32, most + 1), 1, 2, 0.5, 3)
+    assert driver.opt_ins == [] and driver.launches == []
+    kernel.launch(LaunchConfig(1, 32, most), 0, 1, 2, 0.5, 3)
+    kernel.prepare(LaunchConfig(2, 32, most), 1, 2, 0.5, 3).run(0)
+    assert driver.opt_ins == [most] and [launch[2] for launch in driver.launches] == [most, most]
+
+
+def test_a_cluster_launch_with_overlap_hands_the_driver_both_attributes(scripted, monkeypatch):
+    """A config with a cluster and ``overlap=True`` reaches the driver with both attributes
+    (each launch path), not one of them; either alone gives that one."""
+    from gpu_runtime.cuda_backend import launch as cuda_launch
+
+    monkeypatch.setattr(cuda_launch, "OVERLAP", True)  # whatever GPU_RUNTIME_OVERLAP said at import
+    gpu, driver, k = scripted
+    kernel = gpu.bind(k)
+    kernel.launch(LaunchConfig((4, 2), 32, cluster=(2, 1), overlap=True), 0, 1, 2, 0.5, 3)
+    kernel.prepare(LaunchConfig(6, 32, cluster=3, overlap=True), 1, 2, 0.5, 3).run(0)
+    kernel.launch(LaunchConfig(4, 32, cluster=4), 0, 1, 2, 0.5, 3)
+    kernel.launch(LaunchConfig(4, 32, overlap=True), 0, 1, 2, 0.5, 3)
+    kernel.launch(LaunchConfig(4, 32), 0, 1, 2, 0.5, 3)
+    assert driver.attributes == [
+        {"overlap": 1, "cluster": (2, 1, 1)},
+        {"overlap": 1, "cluster": (3, 1, 1)},
+        {"cluster": (4, 1, 1)},
+        {"overlap": 1},
+        {},
+    ]
+    assert [launch[4] for launch in driver.launches] == [2, 2, 1, 1, 0]  # numAttrs
 
 
 def test_a_source_signature_the_driver_disagrees_with_is_refused_at_bind(monkeypatch, tmp_path):

@@ -151,10 +151,24 @@ def test_dims_validation_types_and_limits() -> None:
         NgramDims.longcat_flash(100, 64, 3, 2, 0.0, eos_id=1)
     with pytest.raises(ValueError, match="ratio"):
         NgramDims.longcat_flash(100, 64, 3, 2, float("inf"), eos_id=1)
-    with pytest.raises(ValueError, match="base_rows must be >= 1"):
-        NgramDims.longcat_flash(100, 64, 3, 2, 0.001, eos_id=1)
     with pytest.raises(ValueError, match="eos_id"):
         NgramDims.longcat_flash(100, 64, 3, 2, 1.0, eos_id=100)
+
+
+@pytest.mark.parametrize("args, error, message", [
+    ((-1, 64, 3, 2, 0.5, None), ValueError, "vocab_size V must be an int >= 1, got -1"),
+    ((0, 64, 3, 2, 0.5, None), ValueError, "vocab_size V must be an int >= 1, got 0"),
+    ((100.0, 64, 3, 2, 0.5, None), TypeError, "vocab_size V must be an int, got float 100.0"),
+    ((100, 64, 3, 2, 0.001, 1), ValueError, "ratio 0.001 too small for vocab_size V=100"),
+    ((100, 0, 3, 2, 0.5, None), ValueError, "hidden_size D must be an int >= 1"),
+    ((100, 64, 1, 2, 0.5, None), ValueError, "max_ngram N must be >= 2"),
+    ((100, 64, 3, 0, 0.5, None), ValueError, "splits K must be an int >= 1"),
+], ids=["V-negative", "V-zero", "V-float", "ratio-small", "D", "N", "K"])
+def test_longcat_flash_names_the_argument_the_caller_passed(args, error, message) -> None:
+    """``longcat_flash`` takes V and a ratio, not ``base_rows``: its messages name what the caller gave."""
+    with pytest.raises(error, match=re.escape(message)) as info:
+        NgramDims.longcat_flash(*args)
+    assert "base_rows" not in str(info.value)
 
 
 # ---- hand-computed ids ----------------------------------------------------------------------
@@ -340,8 +354,12 @@ def test_token_validation() -> None:
         ngram_ids(dims, [1, 1 << 70])
     with pytest.raises(ValueError, match="1-D"):
         ngram_ids(dims, np.array([[1, 2], [3, 4]]))
-    with pytest.raises(ValueError, match="1-D"):
-        ngram_ids(dims, 5)
+    for no_sequence in (None, 5, "abc"):  # a wrong type, not a wrong shape: TypeError naming tokens
+        with pytest.raises(TypeError, match=f"ngram ids: tokens must be a 1-D sequence of token ids, got "
+                                            f"{type(no_sequence).__name__}"):
+            ngram_ids(dims, no_sequence)
+        with pytest.raises(TypeError, match="tokens must be a 1-D sequence"):
+            ngram_ids_tail(dims, no_sequence, 0)
     with pytest.raises(ValueError, match="1-D"):
         ngram_ids_tail(dims, np.array([[1, 2], [3, 4]]), 1)
     with pytest.raises(ValueError, match="1-D"):

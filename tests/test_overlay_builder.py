@@ -49,6 +49,57 @@ def test_table_overlay_sorts_and_validates(rng):
     assert TableOverlay.empty(8).n == 0 and TableOverlay.empty(8).h == 8
 
 
+def test_every_field_of_the_overlays_is_checked(rng):
+    """``AdapterOverlay(embed=5)`` was accepted: every field of both classes refuses another type or
+    dtype with TypeError and another shape with ValueError, naming the field; ``empty`` and ``of``
+    check their counts."""
+    ids, rows = np.array([1, 4], np.int32), random_bf16(rng, (2, 5))
+    for field in ("embed", "lm_head"):
+        for bad in (5, "rows", rows, TableOverlay):
+            with pytest.raises(TypeError, match=f"AdapterOverlay.{field} must be a TableOverlay or None, got "
+                                                f"{type(bad).__name__}"):
+                AdapterOverlay(**{field: bad})
+    for bad, got in (([1, 4], "list"), (ids.astype(np.int64), "dtype int64"), (None, "NoneType")):
+        with pytest.raises(TypeError, match=f"TableOverlay.ids must be an array of int32 .* got {got}"):
+            TableOverlay(bad, rows)
+    for bad, got in ((rows.tolist(), "list"), (rows.astype(np.float32), "dtype float32")):
+        with pytest.raises(TypeError, match=f"TableOverlay.rows must be an array of bfloat16 .* got {got}"):
+            TableOverlay(ids, bad)
+    for bad_ids, bad_rows in ((ids.reshape(2, 1), rows), (ids, rows[0]), (ids[:1], rows), (ids, rows[:, :0])):
+        with pytest.raises(ValueError, match=r"TableOverlay: ids \[n\] and rows \[n, h >= 1\] needed"):
+            TableOverlay(bad_ids, bad_rows)
+    with pytest.raises(TypeError, match="TableOverlay.empty: h must be an int"):
+        TableOverlay.empty(4.0)
+    with pytest.raises(ValueError, match="TableOverlay.empty: h must be an int >= 1, got 0"):
+        TableOverlay.empty(0)
+    with pytest.raises(TypeError, match="overlay: vocab must be an int"):
+        TableOverlay.of([1], rows[:1], vocab="10")
+    with pytest.raises(ValueError, match="overlay: vocab must be an int >= 1"):
+        TableOverlay.of([], rows[:0], vocab=0)
+    with pytest.raises(TypeError, match="overlay_from_trainable_tokens: tied must be a bool"):
+        overlay_from_trainable_tokens([1], rows[:1], tied="yes")
+    assert AdapterOverlay(TableOverlay(ids, rows)).embed.n == 2
+
+
+@pytest.mark.parametrize("poison", [np.nan, np.inf, -np.inf, 3.399e38], ids=["nan", "inf", "-inf", "bf16-overflow"])
+def test_a_non_finite_row_is_refused_wherever_an_overlay_is_made(rng, poison):
+    """``TableOverlay.of`` accepted the NaN rows ``read_peft_adapter`` refused: the rule is now
+    ``TableOverlay``'s own, which every overlay passes (``of``, the trainable-tokens form, a direct
+    construction, a PEFT adapter): ValueError naming the rows' token ids."""
+    rows = rng.standard_normal((3, 6)).astype(np.float32)
+    rows[1, rng.integers(0, 6)] = poison  # 3.399e38 is finite in f32 and inf in bf16
+    ids = [7, 2, 5]
+    says = r"non-finite values \(NaN/inf, or too large for bf16\) in the rows of token ids \[2\]"
+    with pytest.raises(ValueError, match=says):
+        TableOverlay.of(ids, rows)
+    with pytest.raises(ValueError, match=says):
+        overlay_from_trainable_tokens(ids, random_bf16(rng, (3, 6)), rows)
+    with pytest.raises(ValueError, match="TableOverlay.rows: " + says):
+        TableOverlay(np.array([2, 5, 7], np.int32), rows[[1, 2, 0]].astype(BF16))
+    rows[1] = 1.0
+    assert TableOverlay.of(ids, rows).n == 3
+
+
 def test_trainable_tokens_forms(rng):
     idx = np.array([5, 1, 3])
     emb = rng.standard_normal((3, 6)).astype(np.float32)  # PEFT may keep fp32: rounded to bf16

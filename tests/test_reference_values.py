@@ -1,4 +1,4 @@
-"""CPU tests that pin the numpy references of ``layers/reference.py`` to values worked out without them.
+"""CPU tests that pin the numpy references of ``layers.reference`` to values worked out without them.
 
 Every GPU test compares a kernel with one of these references, so a bug in a reference would let a
 kernel with the same bug pass. Here each reference is checked against values obtained another way:
@@ -12,16 +12,22 @@ kernel with the same bug pass. Here each reference is checked against values obt
 * a larger random case computed with exact rationals (``fractions.Fraction``) and an explicit
   round-to-nearest-even to 24 bits (fp32) or 8 bits (bf16) at each rounding point a reference's
   docstring names.
+
+And every reference refuses what it cannot compute (the last section): each public function
+against each kind of bad argument, with the exception type and the argument named.
 """
 
 from __future__ import annotations
 
+import re
 from fractions import Fraction
+from types import SimpleNamespace
 
 import ml_dtypes
 import numpy as np
 import pytest
 
+from layers import reference as ref
 from layers.ngram_embed.dims import NgramDims
 from layers.reference import (
     embed_overlay_ref,
@@ -34,6 +40,8 @@ from layers.reference import (
     ngram_embed_ideal,
     rowdiff_ref,
 )
+from tests.helpers import bits, random_bf16, random_fp8
+from tests.helpers.ngram import random_layer
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -455,7 +463,7 @@ def lmhead_slots():
     """Slot 0: 4 rows for ids [4, 0, 9, 2] (9 >= vocab 5), n_tab 4; slot 1: ids [-1, 3]; slot 2: n_tab -1;
     slot 3: no rows."""
     rows = [bf16([[1, 1], [2, 0], [7, 7], [5, 5]]), bf16([[9, 9], [256, 1]]), bf16([[1, 1]]), None]
-    ids = [np.array([4, 0, 9, 2], np.int32), np.array([-1, 3], np.int32), np.array([1], np.int32), np.array([0])]
+    ids = [np.array([4, 0, 9, 2], np.int32), np.array([-1, 3], np.int32), np.array([1], np.int32), np.array([0], np.int32)]
     return rows, ids, [4, 2, -1, 1]
 
 
@@ -485,7 +493,7 @@ def test_lmhead_overlay_default_path_follows_h():
     """``lmhead_overlay_ref`` takes the vector order when h % 8 == 0 unless told otherwise (f32 logits
     keep the difference: 2**24 against 2**24 + 6)."""
     x, w = dot_case(8, list(range(1, 8)))
-    args = (np.zeros((1, 3), np.float32), x.reshape(1, 8), None, 0, [w.reshape(1, 8)], [np.array([1])], [1], 1, 3)
+    args = (np.zeros((1, 3), np.float32), x.reshape(1, 8), None, 0, [w.reshape(1, 8)], [np.array([1], np.int32)], [1], 1, 3)
     assert lmhead_overlay_ref(*args)[0].tolist() == [[0.0, 2.0**24, 0.0]]
     assert lmhead_overlay_ref(*args, vector=False)[0].tolist() == [[0.0, 2.0**24 + 6, 0.0]]
 
@@ -502,3 +510,258 @@ def test_logits_then_overlay(dtype, logit_257):
     assert out.dtype == dtype
     np.testing.assert_array_equal(as_f64(out), [[1, 6, 3, logit_257], [0.5, -1, -0.5, 127.5]])
     np.testing.assert_array_equal(mask, [[False, True, False, False]] * 2)
+
+
+# -- every reference refuses what it cannot compute ------------------------------------------------------
+def good_arguments(rng) -> SimpleNamespace:
+    """Valid arguments of every reference, fresh random values: each refusal case spoils one."""
+    dims = NgramDims(20, 8, 3, 2, 7)  # T = 4 tables of 7, 9, 11, 13 rows; table_dim 2
+    layer = random_layer(rng, dims, "bf")  # tables 0 and 2 bf16, 1 and 3 fp8 with their scales
+    maps = [np.full(10, -1, np.int32), None]
+    maps[0][rng.choice(10, 3, replace=False)] = [0, 1, 2]
+    return SimpleNamespace(
+        dims=dims, word=layer.word, tables=layer.tables, projs=layer.projs,
+        ctx=rng.integers(0, 20, 9), seq_len=4,
+        table=random_bf16(rng, (12, 3)), fp8=random_fp8(rng, (12, 3)),
+        scale=rng.uniform(0.5, 2.0, 12).astype(np.float32), ids=rng.integers(0, 12, 5).astype(np.uint32),
+        logits=random_bf16(rng, (3, 12)), a=random_bf16(rng, (3, 5)), w=random_bf16(rng, (4, 5)),
+        x=random_bf16(rng, 6), y=random_bf16(rng, 6), base=random_bf16(rng, (4, 8)), served=random_bf16(rng, (4, 8)),
+        # overlays: vocab 10, rows of 8, two slots
+        out=random_bf16(rng, (5, 8)), tokens=rng.integers(0, 10, 5).astype(np.uint32),
+        seq=rng.integers(-1, 2, 5).astype(np.int32), maps=maps,
+        rows=[random_bf16(rng, (3, 8)), random_bf16(rng, (2, 8))], n=[3, 2],
+        lm_logits=rng.standard_normal((3, 10)).astype(np.float32), hidden=random_bf16(rng, (3, 8)),
+        lm_rows=[random_bf16(rng, (2, 8))], lm_ids=[rng.choice(10, 2, replace=False).astype(np.int32)], lm_n=[2],
+        lm_head=random_bf16(rng, (10, 8)),
+    )
+
+
+def _swap(items, index: int, value) -> list:
+    """A copy of ``items`` with entry ``index`` replaced."""
+    out = list(items)
+    out[index] = value
+    return out
+
+
+def _layer(g, **change) -> tuple:
+    """An n-gram reference's positional arguments from ``g``, ``change`` replacing some."""
+    args = dict(dims=g.dims, word=g.word, tables=g.tables, projs=g.projs, ctx_tokens=g.ctx, seq_len=g.seq_len)
+    args.update(change)
+    return tuple(args.values())
+
+
+def _embed(g, **change) -> tuple:
+    args = dict(out=g.out, ids=g.tokens, seq_slot=g.seq, active=0, slot_maps=g.maps, slot_rows=g.rows,
+                n_tab=g.n, vocab=10)
+    args.update(change)
+    return tuple(args.values())
+
+
+def _lmhead(g, **change) -> tuple:
+    args = dict(logits=g.lm_logits, hidden=g.hidden, seq_slot=None, active=0, slot_rows=g.lm_rows,
+                slot_ids=g.lm_ids, n_tab=g.lm_n, max_n_override=2, vocab=10)
+    args.update(change)
+    return tuple(args.values())
+
+
+def _case(name: str, kind: str, call, exc: type[Exception], arg: str):
+    """``ref.<name>`` called by ``call(function, good arguments)`` raises ``exc`` naming ``arg``."""
+    return pytest.param(name, call, exc, arg, id=f"{name}-{kind}")
+
+
+NGRAM_REFUSALS = [
+    ("projs-count", lambda g: dict(projs=g.projs[:2]), ValueError, "projs"),
+    ("tables-count", lambda g: dict(tables=g.tables[:3]), ValueError, "tables"),
+    ("tables-pair", lambda g: dict(tables=_swap(g.tables, 0, g.tables[0][0])), TypeError, "tables[0]"),
+    ("float-ids", lambda g: dict(ctx_tokens=g.ctx.astype(np.float64)), TypeError, "tokens"),
+    ("id-range", lambda g: dict(ctx_tokens=np.append(g.ctx, 20)), ValueError, "token"),
+    ("id-negative", lambda g: dict(ctx_tokens=np.append(g.ctx, -1)), ValueError, "token"),
+    ("seq_len-past-context", lambda g: dict(seq_len=len(g.ctx) + 1), ValueError, "seq_len"),
+    ("seq_len-float", lambda g: dict(seq_len=2.0), TypeError, "seq_len"),
+    ("seq_len-negative", lambda g: dict(seq_len=-1), ValueError, "seq_len"),
+    ("dims-None", lambda g: dict(dims=None), TypeError, "dims"),
+    ("word-None", lambda g: dict(word=None), TypeError, "word"),
+    ("ctx-None", lambda g: dict(ctx_tokens=None), TypeError, "ctx_tokens"),
+    ("projs-None", lambda g: dict(projs=None), TypeError, "projs"),
+    ("word-dtype", lambda g: dict(word=g.word.astype(np.float32)), TypeError, "word"),
+    ("table-dtype", lambda g: dict(tables=_swap(g.tables, 0, (g.tables[0][0].astype(np.float32), None))),
+     TypeError, "tables[0]"),
+    ("proj-dtype", lambda g: dict(projs=_swap(g.projs, 0, g.projs[0].astype(np.float32))), TypeError, "projs[0]"),
+    ("word-shape", lambda g: dict(word=g.word[:-1]), ValueError, "word"),
+    ("table-shape", lambda g: dict(tables=_swap(g.tables, 2, (g.tables[2][0][:-1], None))), ValueError, "tables[2]"),
+    ("proj-shape", lambda g: dict(projs=_swap(g.projs, 1, g.projs[1].T)), ValueError, "projs[1]"),
+    ("ctx-shape", lambda g: dict(ctx_tokens=g.ctx.reshape(3, 3)), ValueError, "ctx_tokens"),
+    ("fp8-without-scale", lambda g: dict(tables=_swap(g.tables, 1, (g.tables[1][0], None))), TypeError,
+     "tables[1] scale"),
+    ("scale-shape", lambda g: dict(tables=_swap(g.tables, 1, (g.tables[1][0], g.tables[1][1][:-1]))), ValueError,
+     "tables[1] scale"),
+    ("bf16-with-scale", lambda g: dict(tables=_swap(g.tables, 0, (g.tables[0][0], g.tables[1][1][:7]))), ValueError,
+     "tables[0]"),
+]
+
+REFUSALS = [
+    _case(name, kind, lambda f, g, spoil=spoil: f(*_layer(g, **spoil(g))), exc, arg)
+    for name in ("ngram_embed", "ngram_embed_fused", "ngram_embed_ideal")
+    for kind, spoil, exc, arg in NGRAM_REFUSALS
+] + [
+    _case("batched_embed", "table-None", lambda f, g: f(None, g.ids), TypeError, "table"),
+    _case("batched_embed", "table-dtype", lambda f, g: f(g.table.astype(np.float32), g.ids), TypeError, "table"),
+    _case("batched_embed", "table-shape", lambda f, g: f(g.table[0], g.ids), ValueError, "table"),
+    _case("batched_embed", "ids-None", lambda f, g: f(g.table, None), TypeError, "ids"),
+    _case("batched_embed", "ids-float", lambda f, g: f(g.table, g.ids.astype(np.float32)), TypeError, "ids"),
+    _case("batched_embed", "ids-shape", lambda f, g: f(g.table, g.ids.reshape(5, 1)), ValueError, "ids"),
+    _case("batched_embed", "ids-range", lambda f, g: f(g.table, _swap(g.ids, 2, 12)), ValueError, "ids[2]"),
+    _case("batched_embed", "ids-negative", lambda f, g: f(g.table, _swap(g.ids, 4, -1)), ValueError, "ids[4]"),
+    _case("batched_embed_fp8", "table-dtype", lambda f, g: f(g.table, g.scale, g.ids), TypeError, "table"),
+    _case("batched_embed_fp8", "scale-None", lambda f, g: f(g.fp8, None, g.ids), TypeError, "row_scale"),
+    _case("batched_embed_fp8", "scale-dtype", lambda f, g: f(g.fp8, g.ids, g.ids), TypeError, "row_scale"),
+    _case("batched_embed_fp8", "scale-shape", lambda f, g: f(g.fp8, g.scale[:-1], g.ids), ValueError, "row_scale"),
+    _case("batched_embed_fp8", "ids-range", lambda f, g: f(g.fp8, g.scale, _swap(g.ids, 0, 99)), ValueError,
+          "ids[0]"),
+    _case("dequant_fp8", "rows-dtype", lambda f, g: f(g.table, g.scale), TypeError, "rows"),
+    _case("dequant_fp8", "rows-shape", lambda f, g: f(g.fp8[0], g.scale), ValueError, "rows"),
+    _case("dequant_fp8", "scales-None", lambda f, g: f(g.fp8, None), TypeError, "scales"),
+    _case("dequant_fp8", "scales-shape", lambda f, g: f(g.fp8, g.scale[:3]), ValueError, "scales"),
+    _case("gather_table", "scale-missing", lambda f, g: f(g.fp8, None, g.ids), TypeError, "table scale"),
+    _case("gather_table", "scale-extra", lambda f, g: f(g.table, g.scale, g.ids), ValueError, "table"),
+    _case("gather_table", "ids-float", lambda f, g: f(g.table, None, [1.5]), TypeError, "ids"),
+    _case("gather_table", "ids-range", lambda f, g: f(g.fp8, g.scale, [12]), ValueError, "ids[0]"),
+    _case("argmax_ids", "logits-None", lambda f, g: f(None), TypeError, "logits"),
+    _case("argmax_ids", "logits-dtype", lambda f, g: f(g.logits.astype(np.float32)), TypeError, "logits"),
+    _case("argmax_ids", "logits-shape", lambda f, g: f(g.logits[0]), ValueError, "logits"),
+    _case("argmax_ids", "logits-empty", lambda f, g: f(g.logits[:, :0]), ValueError, "logits"),
+    _case("embed_from_argmax", "table-shape", lambda f, g: f(g.logits, g.table[:-1]), ValueError, "table"),
+    _case("embed_from_argmax", "table-dtype", lambda f, g: f(g.logits, g.fp8), TypeError, "table"),
+    _case("scaled_add", "out-dtype", lambda f, g: f(g.x.astype(np.float32), g.y, 0.5), TypeError, "out"),
+    _case("scaled_add", "x-shape", lambda f, g: f(g.x, g.y[:-1], 0.5), ValueError, "x"),
+    _case("scaled_add", "scale-dtype", lambda f, g: f(g.x, g.y, "0.5"), TypeError, "scale"),
+    _case("scaled_add", "scale-range", lambda f, g: f(g.x, g.y, float("nan")), ValueError, "scale"),
+    _case("residual_add", "out-None", lambda f, g: f(None, g.y), TypeError, "out"),
+    _case("residual_add", "x-shape", lambda f, g: f(g.x, g.y.reshape(2, 3)), ValueError, "x"),
+    *(_case(name, "a-dtype", lambda f, g: f(g.a.astype(np.float32), g.w), TypeError, "a")
+      for name in ("gemm_bf16", "gemm_fp64")),
+    *(_case(name, "a-shape", lambda f, g: f(g.a[0], g.w), ValueError, "a") for name in ("gemm_bf16", "gemm_fp64")),
+    *(_case(name, "w-shape", lambda f, g: f(g.a, g.w[:, :-1]), ValueError, "w") for name in ("gemm_bf16", "gemm_fp64")),
+    *(_case(name, "w-None", lambda f, g: f(g.a, None), TypeError, "w") for name in ("gemm_bf16", "gemm_fp64")),
+    _case("rowdiff_ref", "base-dtype", lambda f, g: f(g.base.astype(np.float32), g.served, 0.0), TypeError, "base"),
+    _case("rowdiff_ref", "served-shape", lambda f, g: f(g.base, g.served[:-1], 0.0), ValueError, "served"),
+    _case("rowdiff_ref", "thresh-dtype", lambda f, g: f(g.base, g.served, True), TypeError, "thresh"),
+    _case("rowdiff_ref", "thresh-range", lambda f, g: f(g.base, g.served, float("nan")), ValueError, "thresh"),
+    _case("embed_overlay_ref", "out-None", lambda f, g: f(*_embed(g, out=None)), TypeError, "out"),
+    _case("embed_overlay_ref", "ids-float", lambda f, g: f(*_embed(g, ids=g.tokens.astype(float))), TypeError, "ids"),
+    _case("embed_overlay_ref", "ids-count", lambda f, g: f(*_embed(g, ids=g.tokens[:-1])), ValueError, "ids"),
+    _case("embed_overlay_ref", "ids-range", lambda f, g: f(*_embed(g, ids=_swap(g.tokens, 1, -3))), ValueError,
+          "ids[1]"),
+    _case("embed_overlay_ref", "seq_slot-float", lambda f, g: f(*_embed(g, seq_slot=g.seq.astype(float))), TypeError,
+          "seq_slot"),
+    _case("embed_overlay_ref", "seq_slot-count", lambda f, g: f(*_embed(g, seq_slot=g.seq[:2])), ValueError,
+          "seq_slot"),
+    _case("embed_overlay_ref", "seq_slot-range", lambda f, g: f(*_embed(g, seq_slot=_swap(g.seq, 0, 2))), ValueError,
+          "seq_slot"),
+    _case("embed_overlay_ref", "active-range", lambda f, g: f(*_embed(g, seq_slot=None, active=2)), ValueError,
+          "active"),
+    _case("embed_overlay_ref", "active-float", lambda f, g: f(*_embed(g, active=0.0)), TypeError, "active"),
+    _case("embed_overlay_ref", "vocab-range", lambda f, g: f(*_embed(g, vocab=0)), ValueError, "vocab"),
+    _case("embed_overlay_ref", "slot_maps-None", lambda f, g: f(*_embed(g, slot_maps=None)), TypeError, "slot_maps"),
+    _case("embed_overlay_ref", "slot_rows-count", lambda f, g: f(*_embed(g, slot_rows=g.rows[:1])), ValueError,
+          "slot_rows"),
+    _case("embed_overlay_ref", "n_tab-count", lambda f, g: f(*_embed(g, n_tab=[3])), ValueError, "n_tab"),
+    _case("embed_overlay_ref", "n_tab-range", lambda f, g: f(*_embed(g, n_tab=[3, 3])), ValueError, "n_tab[1]"),
+    _case("embed_overlay_ref", "n_tab-dtype", lambda f, g: f(*_embed(g, n_tab=[3, 2.0])), TypeError, "n_tab[1]"),
+    _case("embed_overlay_ref", "slot_map-dtype", lambda f, g: f(*_embed(g, slot_maps=_swap(
+        g.maps, 0, g.maps[0].astype(np.float32)))), TypeError, "slot_maps[0]"),
+    _case("embed_overlay_ref", "slot_map-shape", lambda f, g: f(*_embed(g, slot_maps=_swap(g.maps, 0, g.maps[0][:9]))),
+          ValueError, "slot_maps[0]"),
+    _case("embed_overlay_ref", "slot_rows-shape", lambda f, g: f(*_embed(g, slot_rows=_swap(
+        g.rows, 1, g.rows[1][:, :4]))), ValueError, "slot_rows[1]"),
+    _case("lmhead_dot", "x-dtype", lambda f, g: f(g.base.astype(np.float32), g.served, True), TypeError, "x"),
+    _case("lmhead_dot", "w-shape", lambda f, g: f(g.base, g.served[:, :4], True), ValueError, "w"),
+    _case("lmhead_dot", "vector-dtype", lambda f, g: f(g.base, g.served, 1), TypeError, "vector"),
+    _case("lmhead_dot", "vector-range", lambda f, g: f(g.base[:, :7], g.served[:, :7], True), ValueError, "vector"),
+    _case("lmhead_overlay_ref", "logits-dtype", lambda f, g: f(*_lmhead(g, logits=g.lm_logits.astype(np.float16))),
+          TypeError, "logits"),
+    _case("lmhead_overlay_ref", "hidden-shape", lambda f, g: f(*_lmhead(g, hidden=g.hidden[:2])), ValueError,
+          "hidden"),
+    _case("lmhead_overlay_ref", "vocab-range", lambda f, g: f(*_lmhead(g, vocab=11)), ValueError, "vocab"),
+    _case("lmhead_overlay_ref", "max_n_override-range", lambda f, g: f(*_lmhead(g, max_n_override=70000)),
+          ValueError, "max_n_override"),
+    _case("lmhead_overlay_ref", "slot_ids-dtype", lambda f, g: f(*_lmhead(g, slot_ids=[g.lm_ids[0].astype(np.int64)])),
+          TypeError, "slot_ids[0]"),
+    _case("lmhead_overlay_ref", "slot_ids-count", lambda f, g: f(*_lmhead(g, slot_ids=g.lm_ids * 2)), ValueError,
+          "slot_ids"),
+    _case("lmhead_overlay_ref", "n_tab-range", lambda f, g: f(*_lmhead(g, slot_ids=[g.lm_ids[0][:1]])), ValueError,
+          "n_tab[0]"),
+    _case("lmhead_overlay_ref", "vector-range", lambda f, g: f(*_lmhead(g, hidden=g.hidden[:, :7], slot_rows=[
+        g.lm_rows[0][:, :7]]), vector=True), ValueError, "vector"),
+    _case("lmhead_overlay_ref", "seq_slot-range", lambda f, g: f(*_lmhead(g, seq_slot=[0, 1, 0])), ValueError,
+          "seq_slot"),
+    _case("gather_then_overlay_ref", "table-dtype", lambda f, g: f(g.lm_head.astype(np.float32), g.tokens, g.seq, 0,
+                                                                   g.maps, g.rows, g.n), TypeError, "table"),
+    _case("gather_then_overlay_ref", "ids-range", lambda f, g: f(g.lm_head, _swap(g.tokens, 3, 10), g.seq, 0,
+                                                                 g.maps, g.rows, g.n), ValueError, "ids[3]"),
+    _case("gather_then_overlay_ref", "n_tab-count", lambda f, g: f(g.lm_head, g.tokens, g.seq, 0, g.maps, g.rows,
+                                                                   g.n[:1]), ValueError, "n_tab"),
+    _case("logits_then_overlay_ref", "hidden-None", lambda f, g: f(None, g.lm_head, None, 0, g.lm_rows, g.lm_ids,
+                                                                   g.lm_n, 2), TypeError, "hidden"),
+    _case("logits_then_overlay_ref", "lm_head-shape", lambda f, g: f(g.hidden, g.lm_head[:, :4], None, 0, g.lm_rows,
+                                                                     g.lm_ids, g.lm_n, 2), ValueError, "lm_head"),
+    _case("logits_then_overlay_ref", "dtype-dtype", lambda f, g: f(g.hidden, g.lm_head, None, 0, g.lm_rows, g.lm_ids,
+                                                                   g.lm_n, 2, np.float16), TypeError, "dtype"),
+    _case("logits_then_overlay_ref", "active-range", lambda f, g: f(g.hidden, g.lm_head, None, 1, g.lm_rows,
+                                                                    g.lm_ids, g.lm_n, 2), ValueError, "active"),
+]
+
+
+@pytest.mark.parametrize("name, call, exc, arg", REFUSALS)
+def test_each_reference_refuses_a_bad_argument_naming_it(rng, name, call, exc, arg):
+    """What a reference cannot compute is refused at its entry, as the runners refuse it: the exception
+    type (TypeError for a wrong type or dtype, ValueError for a wrong value or shape) and a message that
+    starts with the function's name and names the argument."""
+    with pytest.raises(exc) as info:
+        call(getattr(ref, name), good_arguments(rng))
+    message = str(info.value)
+    assert message.startswith(f"{name}: "), message
+    assert re.search(rf"(?<![\w.]){re.escape(arg)}(?![\w\[])", message), message
+
+
+def test_the_refusals_spoil_good_arguments(rng):
+    """Every reference accepts the arguments the refusal cases spoil (so each case fails for its own reason)."""
+    g = good_arguments(rng)
+    for f in (ngram_embed, ngram_embed_fused, ngram_embed_ideal):
+        assert f(*_layer(g)).shape == (g.seq_len, 8)
+    assert ref.batched_embed(g.table, g.ids).shape == (5, 3)
+    assert ref.batched_embed_fp8(g.fp8, g.scale, g.ids).shape == (5, 3)
+    assert ref.dequant_fp8(g.fp8, g.scale).shape == (12, 3)
+    assert ref.gather_table(g.fp8, g.scale, g.ids).shape == ref.gather_table(g.table, None, list(g.ids)).shape
+    assert ref.argmax_ids(g.logits).shape == (3,) and ref.embed_from_argmax(g.logits, g.table)[1].shape == (3, 3)
+    assert ref.scaled_add(g.x, g.y, 0.5).shape == ref.residual_add(g.x, g.y).shape == (6,)
+    assert ref.gemm_bf16(g.a, g.w).shape == ref.gemm_fp64(g.a, g.w).shape == (3, 4)
+    assert rowdiff_ref(g.base, g.served, 0.0).shape == (4,)
+    assert embed_overlay_ref(*_embed(g)).shape == (5, 8)
+    assert embed_overlay_ref(*_embed(g, seq_slot=None, active=1)).shape == (5, 8)
+    assert lmhead_dot(g.base, g.served, True).shape == (4,)
+    assert lmhead_overlay_ref(*_lmhead(g))[1].any()
+    assert gather_then_overlay_ref(g.lm_head, g.tokens, g.seq, 0, g.maps, g.rows, g.n).shape == (5, 8)
+    assert logits_then_overlay_ref(g.hidden, g.lm_head, None, 0, g.lm_rows, g.lm_ids, g.lm_n, 2)[1].any()
+
+
+class Rows:
+    """A table known by its ``shape`` and ``dtype`` whose rows come on indexing (as a device
+    table's would): the n-gram references read the rows they need and check the rest."""
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array, self.shape, self.dtype = array, array.shape, array.dtype
+
+    def __getitem__(self, ids):
+        return self.array[ids]
+
+
+@pytest.mark.parametrize("reference", [ngram_embed, ngram_embed_fused, ngram_embed_ideal])
+def test_ngram_references_read_rows_of_an_array_like(rng, reference):
+    g = good_arguments(rng)
+    word, tables = Rows(g.word), [(Rows(t), s) for t, s in g.tables]
+    want = reference(*_layer(g))
+    got = reference(*_layer(g, word=word, tables=tables))
+    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+    with pytest.raises(ValueError, match=r"word must be \[20, 8\], got shape \[19, 8\]"):
+        reference(*_layer(g, word=Rows(g.word[:-1])))

@@ -20,7 +20,8 @@ from layers.ops.row_cache import RowScatter
 from layers.dense_weight import BF16, DenseWeight
 from tests.helpers import Guarded, bits
 from tests.helpers.ngram import device_layer, free_layer, random_layer
-from tests.helpers.row_cache import assert_consistent, assert_resident, assign_random_absent, mem_gpu, table_file
+from tests.helpers.row_cache import (DeferredBackend, assert_consistent, assert_resident, assign_random_absent,
+                                     mem_gpu, table_file)
 
 
 def resolve(cache: RowCache, ids) -> np.ndarray:
@@ -122,6 +123,71 @@ def test_pinned_rows_are_never_evicted(tmp_path, rng):
             resolve(cache, [absent] + list(first[:3]))  # one row more than the 40 pinned
         cache.end_batch()
         resolve(cache, rng.choice(500, 40, replace=False))  # whole arena, now allowed
+
+
+def test_validate_refuses_what_a_fully_pinned_arena_cannot_place(tmp_path, rng):
+    """The open batch pins every slot: ``validate`` of a batch holding any row not resident (one
+    id, a decode step's path, or several) raises what ``resolve`` raises, loading nothing and
+    changing nothing; a batch of pinned rows passes; after ``end_batch`` every one passes."""
+    path, _, _ = table_file(tmp_path, rng, 300, 8, False)
+    gpu = mem_gpu()
+    with RowCache(gpu, path, 12) as cache:
+        held = rng.choice(300, 12, replace=False)
+        resolve(cache, held)
+        absent = rng.choice(np.setdiff1d(np.arange(300), held), 3, replace=False)
+        index = cache.index
+
+        def state():
+            return (len(gpu.launches), index.n_pinned, index.slot_of.tobytes(), index.pinned.tobytes(),
+                    index.ref.tobytes(), dataclasses.astuple(cache.stats))
+
+        before = state()
+        assert before[1] == 12
+        for ids, need in ((absent[:1], 13), (np.append(held[:4], absent[0]), 13), (absent, 15)):
+            for call in (cache.validate, lambda ids: resolve(cache, ids)):
+                with pytest.raises(ValueError, match=f"needs {need} rows resident at once, the arena holds 12"):
+                    call(ids)
+                assert state() == before
+        for ids in (held[rng.integers(0, 12, 1)], rng.permutation(held)):
+            cache.validate(ids)
+        cache.end_batch()
+        for ids in (absent[:1], absent, np.append(held[:4], absent[0])):
+            cache.validate(ids)
+
+
+def test_clock_evicts_in_order_and_its_hand_moves_past_its_victim(tmp_path, rng):
+    """Capacity 3, one row per batch, A B C D A C B: A B C fill slots 0 1 2; D finds every row
+    referenced, clears them all and takes slot 0 (A), the hand moving on to slot 1; A takes slot
+    1 (B, unreferenced since); C is a hit (referenced again); B finds C, D and A referenced,
+    clears them and takes slot 2 (C). A hand left on its victim takes D's slot for B instead."""
+    path, table, _ = table_file(tmp_path, rng, 200, 8, False)
+    a, b, c, d = rng.choice(200, 4, replace=False)
+    gpu = mem_gpu()
+    with RowCache(gpu, path, 3) as cache:
+        for row in (a, b, c, d, a, c, b):
+            resolve(cache, [row])
+            cache.end_batch()
+        index = cache.index
+        assert index.slot_of[[d, a, b, c]].tolist() == [0, 1, 2, -1]
+        assert index.hand == 0 and index.evictions == 3
+        assert cache.stats.hits == 1 and cache.stats.misses == 6
+        assert_resident(gpu, cache, np.array([d, a, b]), np.arange(3, dtype=np.uint32), table, None)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_a_pinned_buffer_is_refilled_only_after_the_upload_reading_it_ran(tmp_path, rng, fp8):
+    """Five chunks of 70 rows through the loader's two pinned buffers, on a backend whose uploads
+    read their buffer only once their event is waited for: chunk 3 waits for chunk 1's upload
+    before it refills chunk 1's buffer, so every slot gets its own row (refilled first, chunk 1's
+    slots would get chunk 3's rows)."""
+    path, table, scales = table_file(tmp_path, rng, 1000, 8, fp8)
+    gpu = DeferredBackend()
+    with RowCache(gpu, path, 400, chunk_rows=70, io_threads=1) as cache:
+        ids = rng.choice(1000, 350, replace=False)
+        slots = resolve(cache, ids)
+        assert gpu.ran < len(gpu.queue)  # the last chunks' uploads still wait: nothing waited for them
+        assert_resident(gpu, cache, ids, slots, table, scales)
+    assert not gpu.mem and not gpu.host and not gpu.events
 
 
 def test_refusals_change_nothing(tmp_path, rng):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import operator
 import os
+import re
 import struct
 import traceback
 from pathlib import Path
@@ -431,6 +432,34 @@ def test_parse_signatures_kinds():
     extern "C" __global__ void b() {}
     '''
     assert {k: sig.kinds for k, sig in parse_signatures(src).items()} == {"a": "PUIFLP", "b": ""}
+
+
+# Kernels behind comments as the compiler sees them: one in a /* */ block, one in a // comment
+# a backslash continues; a comment in a parameter list; comment marks inside string literals.
+_COMMENTED = r'''
+/* kept for reference:
+extern "C" __global__ void old_kernel(float* x, int n) {}
+*/
+extern "C" __global__ void scale(float* x /* , float* y: dropped */, float s, // the factor
+                                 unsigned n /* count */) { if (threadIdx.x < n) x[threadIdx.x] *= s; }
+// a comment that a backslash continues \
+extern "C" __global__ void spliced(int x) {}
+extern "C" __global__ void tagged(char* out) { out[1] = '"'; const char* t = "/* not a comment"; out[0] = t[0]; }
+extern "C" __global__ void after(int a, int b) { const char* t = "*/ //"; (void)t; (void)a; (void)b; }
+extern "C" __global__ void also(float* /**/ p) {}
+'''
+
+
+def test_signatures_are_what_the_compiler_sees_through_comments(tmp_path):
+    """A commented-out kernel is not a kernel and a comment in a parameter list is not a
+    parameter: the kernels and parameter counts are the PTX entries NVRTC makes of the source."""
+    (tmp_path / "commented.cu").write_text(_COMMENTED)
+    ptx = compiler.compile_module(tmp_path / "commented.cu", "compute_90", use_cache=False).image.decode()
+    entries = {name: params.count("_param_") for name, params in re.findall(r"\.entry (\w+)\(([^)]*)\)", ptx)}
+    signatures = parse_signatures(_COMMENTED)
+    assert {name: len(sig) for name, sig in signatures.items()} == entries
+    assert {name: sig.names for name, sig in signatures.items()} == {
+        "scale": ("x", "s", "n"), "tagged": ("out",), "after": ("a", "b"), "also": ("p",)}
 
 
 def test_signatures_keep_parameter_names():

@@ -29,6 +29,8 @@ BEYOND_THE_FACE = {"greedy_decode.py": {"layers.ops", "layers.kernel_files"}}
 def _example():
     """``examples/serve_loop.py`` loaded by path, as ``python examples/serve_loop.py`` runs it."""
     path = ROOT / "examples" / "serve_loop.py"
+    if str(path.parent) not in sys.path:  # as when run: its folder on the path (examples/_requires.py)
+        sys.path.insert(0, str(path.parent))
     spec = importlib.util.spec_from_file_location("serve_loop", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
@@ -67,8 +69,10 @@ def test_examples_import_from_any_directory(name, tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     if name == "serve_loop.py":
         command = [sys.executable, path, "--help"]
-    else:  # no command line: import it without running main (run_path's __name__ is not __main__)
-        command = [sys.executable, "-c", "import runpy, sys; runpy.run_path(sys.argv[1])", path]
+    else:  # no command line: import it without running main (run_path's __name__ is not __main__),
+        # its folder first on the path as when run (examples/_requires.py)
+        run = "import os, runpy, sys; sys.path[0] = os.path.dirname(sys.argv[1]); runpy.run_path(sys.argv[1])"
+        command = [sys.executable, "-c", run, path]
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     if name == "serve_loop.py":

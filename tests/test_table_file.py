@@ -13,6 +13,7 @@ import pytest
 
 from gpu_runtime import ClosedError
 from layers import safetensors_io
+from layers.ngram_store import table_check
 from layers.ngram_store.table_file import (TableFile, TableFormatError, TableHeader, TableWriter,
                                            write_table, write_table_from_safetensors)
 from layers.dense_weight import BF16, FP8
@@ -265,8 +266,14 @@ def test_read_checks_and_close(tmp_path, rng):
     ids = rng.integers(0, f.rows, n)
     with pytest.raises(ValueError, match="scales_out"):
         f.read_rows(ids, out)
-    with pytest.raises(ValueError, match="out must be C-contiguous"):
+    with pytest.raises(ValueError, match=r"^out has 2 rows, expected 3 \(one per id\)$"):
         f.read_rows(ids, out[:-1], sc)
+    with pytest.raises(ValueError, match=r"^scales_out has 4 rows, expected 3 \(one per id\)$"):
+        f.read_rows(ids, out, np.empty(n + 1, np.float32))
+    with pytest.raises(ValueError, match=rf"^out must be of shape \(3, {f.row_bytes}\), got \(3, {f.row_bytes - 1}\)$"):
+        f.read_rows(ids, out[:, 1:].copy(), sc)
+    with pytest.raises(ValueError, match="^out must be C-contiguous$"):
+        f.read_rows(ids, np.empty((n, 2 * f.row_bytes), np.uint8)[:, ::2], sc)
     with pytest.raises(TypeError, match="out must be a uint8 array, got int8"):
         f.read_rows(ids, out.view(np.int8), sc)
     with pytest.raises(TypeError, match="ids must be integers, got dtype float64"):
@@ -282,6 +289,30 @@ def test_read_checks_and_close(tmp_path, rng):
     assert f.closed
     with pytest.raises(ClosedError, match="table file is closed"):
         f.read_rows(ids, out, sc)
+
+
+def test_a_folder_is_refused_by_its_path(tmp_path, monkeypatch):
+    folder = tmp_path / "tables"
+    folder.mkdir()
+    monkeypatch.chdir(tmp_path)
+    fds = len(os.listdir("/proc/self/fd"))
+    for path in ("tables", folder):
+        with pytest.raises(IsADirectoryError, match=f"a folder, not a table file: '{folder if path == folder else path}'"):
+            TableFile(path)
+    assert len(os.listdir("/proc/self/fd")) == fds  # its descriptor closed
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP8], ids=["bf16", "fp8"])
+def test_a_crc_over_several_chunks_is_the_crc_of_the_whole(tmp_path, rng, monkeypatch, dtype):
+    """``crc_file`` over three chunks (the last one short) equals one crc32 of all the rows."""
+    rows, dim = int(rng.integers(20, 40)), int(rng.integers(3, 9))
+    table, scales = _table(rng, dtype, rows, dim)
+    write_table(tmp_path / "t.ngt", table, scales)
+    monkeypatch.setattr(table_check, "_CRC_CHUNK", table.nbytes // 3 + 1)
+    with TableFile(tmp_path / "t.ngt") as f:
+        crc, scales_crc = table_check.crc_file(f)
+    assert crc == zlib.crc32(table.tobytes())
+    assert scales_crc == (None if scales is None else zlib.crc32(scales.tobytes()))
 
 
 def test_large_table_is_mapped_not_read(tmp_path, rng):

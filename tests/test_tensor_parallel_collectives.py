@@ -230,7 +230,7 @@ def test_one_rank_nccl_equals_fused_eager_and_in_a_graph(gpu, rng):
 def _two_gpus_or_skip():
     nccl = _nccl_or_skip()
     if device_count() < 2:
-        pytest.skip(f"needs 2 GPUs, this machine has {device_count()} (run on nvidia-h200-x2)")
+        pytest.skip(f"needs 2 GPUs, this machine has {device_count()}")
     return nccl
 
 

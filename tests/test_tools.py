@@ -3,18 +3,23 @@ a complete ``--help`` that needs neither a GPU nor torch."""
 
 from __future__ import annotations
 
+import argparse
 import ast
 import importlib
 import os
+import runpy
 import shutil
 import subprocess
 import sys
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from gpu_runtime import compiler, device_count, precompile
+import gpu_runtime
+from bench import common as bench_common
+from gpu_runtime import cli, compiler, device_count, precompile
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -200,12 +205,33 @@ def test_help_is_complete_and_needs_no_gpu_or_torch(helps, tool):
 
 
 def test_every_runnable_bench_module_is_listed():
-    """A new benchmark gets a --help test (bench.common and bench.decode_serving have no main)."""
-    runnable = {p.stem for p in (ROOT / "bench").glob("*.py") if 'if __name__ == "__main__":' in p.read_text()}
+    """A new benchmark gets a --help test (bench.common and bench.decode_serving are no tools)."""
+    runnable = {p.stem for p in (ROOT / "bench").glob("*.py") if "\ndef make_parser(" in p.read_text()}
     assert {f"bench.{name}" for name in runnable} == {t for t in TOOLS if t.startswith("bench.")}
+    assert set(_makefile_benches()) <= runnable
+
+
+def _makefile_benches() -> list[str]:
     makefile = (ROOT / "Makefile").read_text()
-    benches = next(line for line in makefile.splitlines() if line.startswith("BENCHES ?="))
-    assert set(benches.split("=", 1)[1].split()) <= runnable
+    return next(line for line in makefile.splitlines() if line.startswith("BENCHES ?=")).split("=", 1)[1].split()
+
+
+@pytest.mark.parametrize("doc", ["docs/INSTALL.md", "docs/GPU_CHECKS.md"])
+def test_the_docs_list_the_makefiles_benchmarks(doc):
+    """``make bench BENCHES=<name>  # one of: ...``: the names the Makefile runs, in its order."""
+    (line,) = [line for line in (ROOT / doc).read_text().splitlines() if "make bench BENCHES=" in line]
+    assert line.split("# one of:", 1)[1].split() == _makefile_benches()
+
+
+@pytest.mark.parametrize("module", sorted({p.stem for p in (ROOT / "bench").glob("*.py")} - {"__init__"}
+                                          - {t.removeprefix("bench.") for t in TOOLS}))
+def test_a_bench_library_module_says_it_is_no_tool(module):
+    """``python -m bench.decode_serving --help`` printed nothing, status 0: a module that only
+    serves the benchmarks says so in one line, status 2, and what to run instead."""
+    done = _run(["-m", f"bench.{module}", "--help"])
+    assert (done.returncode, done.stdout) == (2, ""), done.stderr
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith(f"python -m bench.{module}: error: not a tool: ")
+    assert "python -m bench." in done.stderr.split("not a tool: ", 1)[1]
 
 
 def test_every_bench_table_has_a_header_line():
@@ -267,11 +293,165 @@ def _run(argv: list[str], **env: str) -> subprocess.CompletedProcess:
     (["-m", "layers.ngram_embed.convert"],
      "python -m layers.ngram_embed.convert: error: the following arguments are required: MODEL_DIR, OUT_DIR"),
     (["-m", "tests.sanitize", "--tools", "bogus"], "python -m tests.sanitize: error: argument --tools: invalid choice"),
+    # issue 49: ValueError tracebacks (status 1), and the GPU check does not come first
+    (["-m", "bench.gemm", "--shape", "banana"], "python -m bench.gemm: error: argument --shape: not MxNxK"),
+    (["-m", "bench.gemm", "--sweep", "12"], "python -m bench.gemm: error: argument --sweep: not NxK"),
+    (["-m", "bench.decode", "--placements", "cpu"], "python -m bench.decode: error: argument --placements: takes some"),
 ])
 def test_a_usage_error_is_one_line_and_status_2(argv, says):
     done = _run(argv)
     assert done.returncode == 2 and done.stdout == "", done.stderr
     assert done.stderr.count("\n") == 1 and done.stderr.startswith(says), done.stderr
+
+
+# -- every option of every benchmark and example, given a bad value (issue 49) ---------------------
+EXAMPLES = sorted(f"examples/{p.name}" for p in (ROOT / "examples").glob("*.py") if not p.name.startswith("_"))
+BAD_VALUES = ("", "banana", "-1", "0", "nan")  # each option is given each, but those ACCEPTED
+ANY_TEXT = {"banana", "-1", "0", "nan"}  # a path or a name: only '' is wrong
+ACCEPTED = {
+    ("bench.cached", "--table-dir"): ANY_TEXT,
+    ("bench.results", "--out"): ANY_TEXT,
+    ("bench.results", "--commit"): ANY_TEXT,
+    ("bench.results", "--device"): ANY_TEXT,
+    ("examples/cpu_reference.py", "--save-model"): ANY_TEXT,
+    ("examples/cpu_reference.py", "--seed"): {"0"},
+    ("examples/serve_loop.py", "--seed"): {"0"},
+}
+MORE_BAD = {  # values of the form an option takes, wrong all the same
+    ("bench.gemm", "--shape"): ("12", "1x2", "1x0x8", "1x2x3x4", "-1x2x3"),
+    ("bench.gemm", "--sweep"): ("12", "1x2x3", "0x8"),
+    ("bench.gemm", "--sweep-wide"): ("12", "1x2x3"),
+    ("bench.decode", "--placements"): (",", "device,cpu"),
+    ("bench.host_pages", "--ways"): (",", "hostalloc,bogus"),
+    ("bench.host_gather", "--gib"): ("inf", "-inf"),
+    ("bench.row_reads", "--ncu"): ("1.5",),
+    ("bench.results", "log"): ("README.md", "bench/RESULTS.md", "bench"),
+}
+
+
+class _Parser(Exception):
+    """Raised by parse_args with the parser, to read a tool's parser where its main builds it."""
+
+
+def _run_in_process(tool: str, argv: list[str]) -> int | str | None:
+    """``tool argv`` as its ``__main__`` runs it: the exit status (an exception's name where one
+    escaped). Run in this process (its modules are imported once) with the GPU check standing in
+    for a missing GPU, so that nothing a test passes can reach the device."""
+    with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # runpy: the module was imported before
+        mp.setattr(sys, "argv", [tool, *argv])
+        mp.setattr(bench_common, "require_gpu", lambda prog: sys.exit(f"{prog}: needs a CUDA GPU: (the test's)"))
+        mp.setattr(gpu_runtime, "CudaBackend", _no_gpu)  # the examples' GPU: bound when runpy runs them
+        try:
+            if tool.startswith("bench."):
+                runpy.run_module(tool, run_name="__main__")
+            else:
+                mp.syspath_prepend(str(ROOT / "examples"))  # as `python examples/x.py` has it (_requires.py)
+                runpy.run_path(str(ROOT / tool), run_name="__main__")
+        except SystemExit as exit_:
+            return exit_.code
+        except _Parser:
+            raise
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+    return 0
+
+
+def _no_gpu(*args, **kwargs):
+    raise gpu_runtime.NoDeviceError("(the test's)")
+
+
+def _parser_of(tool: str) -> argparse.ArgumentParser:
+    def caught(parser, *args, **kwargs):
+        raise _Parser(parser)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cli.ArgumentParser, "parse_args", caught)
+        try:
+            _run_in_process(tool, [])
+        except _Parser as found:
+            return found.args[0]
+    raise AssertionError(f"{tool} parsed no arguments with gpu_runtime.cli.ArgumentParser")
+
+
+@pytest.mark.parametrize("tool", [t for t in TOOLS if t.startswith("bench.")] + EXAMPLES)
+def test_every_option_given_a_bad_value_is_one_line_and_status_2(tool, tmp_path, capsys):
+    """Each option of the tool's parser (a new one is covered when it is added): each of
+    BAD_VALUES it does not accept, and MORE_BAD, gives ``<prog>: error: ...`` in one line on
+    stderr, nothing on stdout, status 2, before any GPU is looked for (none here); a flag given
+    a value and an unknown option likewise. ``bench.gemm --shape banana`` was a ValueError
+    traceback, status 1."""
+    parser = _parser_of(tool)
+    log = tmp_path / "bench.log"
+    log.write_text("== bench.kernels\nx\n")
+    # bench.results writes only into tmp_path, whatever it accepts
+    base = [str(log), "--out", str(tmp_path / "R.md"), "--device", "d", "--commit", "c"] if tool == "bench.results" else []
+    cases = [base + ["--bogus"]]
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        name = action.option_strings[-1] if action.option_strings else action.dest
+        bad = [v for v in BAD_VALUES if v not in ACCEPTED.get((tool, name), set())] + list(MORE_BAD.get((tool, name), ()))
+        if not action.option_strings:  # a positional: the first of base
+            assert base and action is [a for a in parser._actions if not a.option_strings][0], name
+            cases += [[v, *base[1:]] for v in bad]
+        elif action.nargs == 0:  # a flag
+            cases.append(base + [f"{name}=banana"])
+        else:
+            cases += [base + [f"{name}={v}"] for v in bad]
+    wrong = []
+    for argv in cases:
+        status = _run_in_process(tool, argv)
+        out = capsys.readouterr()
+        if status != 2 or out.out or out.err.count("\n") != 1 or not out.err.startswith(f"{parser.prog}: error: "):
+            wrong.append(f"{tool} {' '.join(map(repr, argv))}: status {status!r}, stderr {out.err[-300:]!r}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_bad_value_tables_name_real_options():
+    """ACCEPTED and MORE_BAD name options that exist (a renamed one would silently go untested)."""
+    for tool, name in [*ACCEPTED, *MORE_BAD]:
+        names = {a.option_strings[-1] if a.option_strings else a.dest for a in _parser_of(tool)._actions}
+        assert name in names, (tool, name)
+
+
+def test_without_a_gpu_every_benchmark_refuses_before_it_writes_anything(tmp_path):
+    """``bench.cached`` wrote 8 GB of tables and only then said it needs a GPU. Every benchmark,
+    run with no device visible and its temporary, table and kernel-cache folders in an empty one,
+    says so in one line (status 1) and leaves the folder empty; writes are capped at 1 MiB
+    (``ulimit -f``), so one that starts its work is stopped rather than left to fill the disk."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT), TMPDIR=str(scratch),
+               BENCH_TABLE_DIR=str(scratch / "tables"), GPU_RUNTIME_CACHE_DIR=str(scratch / "cache"))
+    benches = [t for t in TOOLS if t.startswith("bench.") and t != "bench.results"]
+
+    def run(tool: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", "-c", 'ulimit -f 1024 && exec "$@"', "bash", sys.executable, "-m", tool],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+    with ThreadPoolExecutor(8) as pool:
+        done = dict(zip(benches, pool.map(run, benches)))
+    for tool, run_ in done.items():
+        assert (run_.returncode, run_.stdout) == (1, ""), (tool, run_.returncode, run_.stderr[-2000:])
+        assert run_.stderr.count("\n") == 1 and run_.stderr.startswith(f"python -m {tool}: needs a CUDA GPU: ")
+    assert sorted(p.name for p in scratch.iterdir()) == []
+
+
+@pytest.mark.parametrize("kind", ["file", "folder"])
+def test_bench_cached_refuses_to_replace_what_is_no_table_file(kind, tmp_path, rng):
+    """``--table-dir``'s ``table_00.bin`` that is not a table file (a user's file, a folder) is
+    refused in one line and left as it was (it was rewritten as a table)."""
+    from bench.cached import ensure_tables
+
+    mine = tmp_path / "table_00.bin"
+    data = rng.bytes(int(rng.integers(1, 4096)))
+    mine.mkdir() if kind == "folder" else mine.write_bytes(data)
+    with pytest.raises(SystemExit) as exit_:
+        ensure_tables(str(tmp_path), rng)
+    assert str(mine) in str(exit_.value) and "not a table file, not replaced" in str(exit_.value)
+    assert mine.is_dir() if kind == "folder" else mine.read_bytes() == data
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["table_00.bin"]
 
 
 def test_the_examples_answer_help_with_what_they_do():
@@ -304,3 +484,71 @@ def test_without_a_gpu_the_gpu_tools_say_so_in_one_line(argv):
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     last = done.stderr.splitlines()[-1]
     assert "needs a CUDA GPU" in last and len(done.stderr.splitlines()) == 1, done.stderr
+
+
+# -- make kernels' targets; a package missing from the Python that runs a tool (issue 49) ----------
+@pytest.mark.parametrize("arch", ["sm_100a", "sm_120", "compute_100"])
+def test_make_kernels_takes_three_digit_targets(arch, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("GPU_RUNTIME_CACHE_DIR", str(tmp_path / "cache"))
+    from layers import precompile as layers_precompile
+
+    source = tmp_path / "k.cu"
+    source.write_text('extern "C" __global__ void k(float* x) { x[0] += 1; }\n')
+    assert layers_precompile.main(["--arch", arch, str(source)]) == 0, capsys.readouterr().err
+    assert f"ok   k                    {arch} " in capsys.readouterr().out
+    assert len(list((tmp_path / "cache").glob(f"k-{arch}-*.bin"))) == 1
+
+
+MISSING = "{prog}: needs the Python package {wanted}, not installed for {python}: activate the project's virtual \
+environment (. .venv/bin/activate) or python3 -m pip install .\n"
+
+
+@pytest.mark.parametrize("argv, blocked, prog, wanted", [
+    (["-m", "layers.precompile"], "cuda", "python -m layers.precompile", "cuda-bindings"),
+    (["-m", "layers.precompile", "--arch", "sm_90a"], "numpy", "python -m layers.precompile", "numpy"),
+    (["examples/cpu_reference.py"], "ml_dtypes", "cpu_reference.py", "ml_dtypes"),
+    (["examples/cpu_reference.py", "--tokens", "4"], "layers", "cpu_reference.py", "metrale-gpu (this project)"),
+    (["examples/greedy_decode.py"], "cuda", "greedy_decode.py", "cuda-bindings"),
+    (["examples/serve_loop.py", "--help"], "ml_dtypes", "serve_loop.py", "ml_dtypes"),
+    (["examples/serve_loop.py"], "gpu_runtime", "serve_loop.py", "metrale-gpu (this project)"),
+])
+def test_a_missing_package_is_one_line_naming_what_to_install(argv, blocked, prog, wanted, tmp_path):
+    """Run by a Python that cannot import ``blocked`` (a module of that name first on the path
+    raises ``ModuleNotFoundError`` as a missing one does): one line on stderr naming the
+    distribution to install and how, status 1, no traceback (``layers.requires``,
+    ``examples/_requires.py``). A library import still raises."""
+    (tmp_path / f"{blocked}.py").write_text(f'raise ModuleNotFoundError("No module named {blocked!r}", name={blocked!r})\n')
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]), CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout) == (1, ""), done.stderr
+    assert done.stderr == MISSING.format(prog=prog, wanted=wanted, python=sys.executable)
+    if blocked != "layers":
+        library = subprocess.run([sys.executable, "-c", "import layers.ngram_embed"], cwd=tmp_path, env=env,
+                                 capture_output=True, text=True, timeout=120)
+        assert library.returncode == 1 and "Traceback" in library.stderr
+        assert library.stderr.endswith(f"ModuleNotFoundError: No module named {blocked!r}\n"), library.stderr
+
+
+def test_the_layers_package_imports_with_the_standard_library_only():
+    """What lets ``python -m layers.precompile`` reach its guard: ``import layers`` (run first)
+    and ``layers.requires`` import no third-party package; ``layers.__version__`` is still
+    gpu_runtime's."""
+    probe = "import sys, layers, layers.requires; print(*sorted({m.split('.')[0] for m in sys.modules}))"
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert {"layers", "sys"} <= set(done.stdout.split())
+    assert not {"cuda", "numpy", "ml_dtypes", "gpu_runtime"} & set(done.stdout.split()), done.stdout
+    import layers
+
+    assert layers.__version__ == gpu_runtime.__version__ and "__version__" in layers.__all__
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="no make")
+def test_make_kernels_on_a_python_without_cuda_bindings_says_so_in_one_line(tmp_path):
+    (tmp_path / "cuda.py").write_text("raise ModuleNotFoundError(\"No module named 'cuda'\", name='cuda')\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path), CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run(["make", "--no-print-directory", "kernels", f"PYTHON={sys.executable}"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    python_says = MISSING.format(prog="python -m layers.precompile", wanted="cuda-bindings", python=sys.executable)
+    assert done.stderr.splitlines()[0] == python_says.strip(), done.stderr  # then make's own "Error 1" line

@@ -25,6 +25,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from gpu_runtime import validate
+
 from .. import safetensors_io
 from ..dense_weight import BF16
 from ..ngram_store.errors import CheckpointError
@@ -325,24 +327,41 @@ class NgramCheckpoint:
         return cls(model_dir, config, dims, word, tuple(projs), tuple(tables), tuple(scales), tuple(tensors.headers))
 
     # -- arrays (mapped; converted where the module docstring says) ----------------------------
+    # Each raises ValueError where the checkpoint was opened without those tensors (``parts``); the
+    # index-taking ones TypeError for a ``c`` that is not an int (a bool neither), ValueError for one
+    # outside ``0..T-1`` (negative too).
     def word_array(self) -> np.ndarray:
         """The word table ``[vocab, D]`` as bf16, mapped from its file (an F16/F32 table is converted,
         one rounding to nearest even). Needs the word table, i.e. ``parts`` other than ``"tables"``."""
-        assert self.word is not None, "opened without the word table"
+        if self.word is None:
+            raise ValueError("NgramCheckpoint.word_array: opened with parts='tables', without the word table")
         return _as_bf16(self.word.array())
 
     def proj_array(self, c: int) -> np.ndarray:
         """Projection ``c`` (``[D, table width]``) as bf16, mapped from its file (an F16/F32 one is
-        converted, one rounding to nearest even)."""
-        return _as_bf16(self.projs[c].array())
+        converted, one rounding to nearest even). Needs ``parts`` other than ``"tables"``."""
+        return _as_bf16(self.projs[self._index(c, self.projs, "proj_array", "projections", "tables")].array())
 
     def table_arrays(self, c: int) -> tuple[np.ndarray, np.ndarray | None]:
-        """Table ``c`` as mapped (bf16, fp8, or for the converter F16/F32) and its f32 scales."""
+        """Table ``c`` as mapped (bf16, fp8, or for the converter F16/F32) and its f32 scales.
+        Needs ``parts`` other than ``"dense"``."""
+        c = self._index(c, self.tables, "table_arrays", "tables", "dense")
         scale = self.scales[c]
         if scale is None:
             return self.tables[c].array(), None
         s = scale.array().reshape(-1)
         return self.tables[c].array(), np.ascontiguousarray(s, dtype=np.float32)  # exact upcast
+
+    @staticmethod
+    def _index(c: Any, refs: tuple[TensorRef, ...], method: str, kind: str, parts: str) -> int:
+        """``c`` as an index of ``refs`` (the checkpoint's ``kind``, absent when opened with ``parts``)."""
+        where = f"NgramCheckpoint.{method}"
+        c = validate.integer(c, f"{where}: c")
+        if not refs:
+            raise ValueError(f"{where}: opened with parts={parts!r}, without the {kind}")
+        if not 0 <= c < len(refs):
+            raise ValueError(f"{where}: c = {c} outside 0..{len(refs) - 1} (the checkpoint's {len(refs)} {kind})")
+        return c
 
 
 def _as_bf16(array: np.ndarray) -> np.ndarray:

@@ -30,6 +30,10 @@ docs/table_files.md.
   name and size, offset, dtype, shape); it rewrites any other (a partial ``*.tmp`` is started
   over: ``TableWriter`` writes the header last, so a partial file is never taken for a table).
   A rerun with other settings (``--fp8`` or not, other dims) into the same OUT_DIR raises ``CheckpointError``.
+* Only its own files are replaced: a file at a table's name that the manifest does not list and
+  that is not a table file of the dtype and shape written there (which a run stopped between a
+  table's rename and the manifest's rewrite leaves) raises ``CheckpointError`` before anything
+  is written.
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ from ..dense_weight import BF16, FP8
 from ..ngram_store.errors import CheckpointError
 from ..ngram_store.row_encoding import encode_rows
 from ..ngram_store.table_check import VerifyError, check_table_file
-from ..ngram_store.table_file import SCALE_DTYPE, TableWriter
+from ..ngram_store.table_file import SCALE_DTYPE, TableFile, TableFormatError, TableWriter
 from ..ngram_store.table_manifest import MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, manifest_dims, read_manifest
 from ..safetensors_io import read_header
 from .checkpoint import (
@@ -64,10 +68,11 @@ from .checkpoint import (
     TABLE_NAME,
     WORD_NAMES,
     NgramCheckpoint,
-    model_folder,
+    read_config,
     weight_files,
 )
 from .convert_progress import DEFAULT_INTERVAL, LOG, Progress
+from .dims import NgramDims
 from .table_verify import verify_tables as verify_tables  # its home before
 
 
@@ -150,8 +155,11 @@ def convert(
     the manifest. ``progress``: a bar or log lines (``convert_progress``; ``log_interval`` seconds
     at most between two lines within a table), or nothing. ``on_chunk(table, rows_done, rows)`` is
     called after every chunk written (raising from it abandons the table being written: its
-    ``.tmp`` is removed)."""
+    ``.tmp`` is removed). An empty ``model_dir`` or ``out_dir`` string is a ``ValueError``."""
     chunk_bytes = validate.positive(chunk_bytes, "chunk_bytes")
+    for name, value in (("model_dir", model_dir), ("out_dir", out_dir)):
+        if not os.fspath(value):
+            raise ValueError(f"convert: {name} is empty (name a folder; '.' is the current one)")
     report = Progress(progress, log_interval)
     ckpt = NgramCheckpoint.open(model_dir, parts="tables", wide_tables=True)
     _warn_unused(ckpt)
@@ -179,6 +187,7 @@ def convert(
                 f"there (this one: {ours}); use another OUT_DIR or remove it"
             )
         done = {e["index"]: e for e in old["tables"] if isinstance(e, dict) and "index" in e}
+    _refuse_foreign_files(out_dir, done, dims, dtype)
 
     t, td = dims.num_tables(), dims.table_dim()
     for c in range(t):
@@ -204,6 +213,30 @@ def convert(
         _write_json(out_dir / MANIFEST, {**manifest, "tables": manifest["tables"] + rest})
     _write_json(out_dir / MANIFEST, manifest)
     return manifest
+
+
+def _refuse_foreign_files(out_dir: Path, done: dict[int, dict[str, Any]], dims: NgramDims, dtype: np.dtype) -> None:
+    """Raise ``CheckpointError``, before anything is written, for a file at a table's path that
+    this conversion did not write: one the manifest does not list that is not a table file of the
+    dtype and shape written there either (such a table file is one whose run was stopped between
+    its rename and the manifest's rewrite)."""
+    for c in range(dims.num_tables()):
+        path = out_dir / table_file_name(c)
+        if not os.path.lexists(path) or done.get(c, {}).get("file") == path.name:
+            continue
+        want = f"{dtype.name} [{dims.table_rows(c)}, {dims.table_dim()}]"
+        try:
+            with TableFile(path) as f:
+                got = f"{f.dtype.name} [{f.rows}, {f.dim}]"
+        except (OSError, TableFormatError):
+            got = None
+        if got == want:
+            continue
+        what = "not a table file" if got is None else f"a {got} table where this conversion writes {want}"
+        raise CheckpointError(
+            f"{path}: not written by this conversion (not listed in {MANIFEST}, and {what}); "
+            "the converter replaces only its own files: move it away or use another OUT_DIR"
+        )
 
 
 def _write_table(
@@ -276,8 +309,11 @@ again: tables listed in OUT_DIR/ngram_tables.json whose files still verify (head
 source tensor) are skipped, and the rest are written; the files end as an uninterrupted run's. A
 run with other settings (--fp8 or not, a model of other dims) into the same OUT_DIR is refused.
 
-exit status: 0 done; 1 the conversion failed (the message names the file and tensor); 2 bad
-arguments (MODEL_DIR missing or unreadable, OUT_DIR that cannot be created); 130 interrupted.
+exit status: 0 done; 1 the conversion failed or was refused (the message names the file: a tensor
+missing or malformed, a NaN, OUT_DIR holding a conversion with other settings or a file this
+conversion did not write at a table's name); 2 bad arguments (MODEL_DIR or OUT_DIR empty,
+MODEL_DIR missing, unreadable or without a readable config.json, OUT_DIR that cannot be created);
+130 interrupted.
 """
 
 
@@ -305,6 +341,9 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    for name in ("model_dir", "out_dir"):
+        if not getattr(args, name):
+            parser.error(f"{name.upper()} is empty (name a folder; '.' is the current one)")
     if not 0 < args.chunk_mib < math.inf:
         parser.error("--chunk-mib must be a finite number > 0")
     if not args.log_interval >= 0:
@@ -330,7 +369,7 @@ def _run(args: argparse.Namespace) -> int:
     out_dir = Path(args.out_dir)
     made = not out_dir.exists()  # a refused conversion leaves no empty OUT_DIR behind
     try:
-        model_folder(args.model_dir)
+        read_config(args.model_dir)  # a model folder: one that holds a config.json
         out_dir.mkdir(parents=True, exist_ok=True)
     except CheckpointError as err:
         return _usage_error(f"MODEL_DIR {err}")

@@ -134,11 +134,12 @@ class NgramDims:
             raise TypeError(f"NgramDims.longcat_flash: ratio must be a number, got {ratio!r}")
         if not math.isfinite(ratio) or ratio <= 0:
             raise ValueError(f"NgramDims.longcat_flash: ratio must be finite and > 0, got {ratio}")
-        v = _as_int(vocab_size, "vocab_size V")
+        v = _positive(vocab_size, "vocab_size V")
         base_rows = int(ratio * v)
         if base_rows < 1:
             raise ValueError(
-                f"NgramDims.longcat_flash: int(ratio * V) = int({ratio} * {v}) = {base_rows}, base_rows must be >= 1"
+                f"NgramDims.longcat_flash: ratio {ratio} too small for vocab_size V={v}: int(ratio * V) = "
+                f"{base_rows} table rows; ratio * V must be >= 1"
             )
         return cls(v, hidden_size, max_ngram, splits, base_rows, row_bias=1, table_dim=table_dim, eos_id=eos_id)
 

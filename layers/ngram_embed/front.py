@@ -76,7 +76,8 @@ def check_seq_len(value: Any, what: str, index: int | None = None) -> int:
 def sliceable(ctx: Any, what: str, index: int | None = None, name: str = "ctx_tokens") -> Any:
     """``ctx`` as something sliceable without copying the whole context: an ndarray or a list /
     tuple stays as it is (element types are checked on the tail that is read), anything else is
-    converted; ``ValueError`` for anything that is not 1-D (naming ``name``, or context ``index``)."""
+    converted; ``TypeError`` for what is no sequence (None, a number, a string), ``ValueError``
+    for anything else that is not 1-D (naming ``name``, or context ``index``)."""
     if type(ctx) in _PLAIN_SEQUENCES:
         return ctx
     arr = ctx
@@ -84,8 +85,10 @@ def sliceable(ctx: Any, what: str, index: int | None = None, name: str = "ctx_to
         if isinstance(ctx, Sequence) and not isinstance(ctx, (str, bytes)):
             return ctx
         arr = np.asarray(ctx)
+    name = name if index is None else f"context {index}"
+    if arr.ndim == 0 and arr is not ctx:  # None, a number, a string: no sequence at all
+        raise TypeError(f"{what}: {name} must be a 1-D sequence of token ids, got {type(ctx).__name__}")
     if arr.ndim != 1:
-        name = name if index is None else f"context {index}"
         raise ValueError(f"{what}: {name} must be 1-D, got shape {arr.shape}")
     return arr
 

@@ -43,9 +43,10 @@ _U64_MAX = (1 << 64) - 1
 _WHAT = "ngram ids"
 
 
-def _check_dims(dims: Any) -> NgramDims:
+def check_dims(dims: Any, what: str = _WHAT) -> NgramDims:
+    """``dims`` if it is an ``NgramDims`` (``TypeError`` naming ``what`` otherwise)."""
     if not isinstance(dims, NgramDims):
-        raise TypeError(f"{_WHAT}: dims must be an NgramDims, got {type(dims).__name__}")
+        raise TypeError(f"{what}: dims must be an NgramDims, got {type(dims).__name__}")
     return dims
 
 
@@ -56,8 +57,9 @@ def ngram_ids(dims: NgramDims, tokens: Any) -> list[np.ndarray]:
 
 def ngram_ids_array(dims: NgramDims, tokens: Any) -> np.ndarray:
     """The ids of every position as one ``[T, len(tokens)]`` int64 array."""
-    dims = _check_dims(dims)
-    tok = check_tokens(np.asarray(tokens), dims.vocab_size, _WHAT, 0).astype(np.uint64, copy=False)
+    dims = check_dims(dims)
+    tok = np.asarray(sliceable(tokens, _WHAT, name="tokens"))
+    tok = check_tokens(tok, dims.vocab_size, _WHAT, 0).astype(np.uint64, copy=False)
     return _hash(dims, tok).view(np.int64)  # every id < M_c <= 2**63
 
 
@@ -69,7 +71,7 @@ def ngram_ids_tail(dims: NgramDims, tokens: Any, seq_len: int) -> list[np.ndarra
     A window that reaches the start of the context is zero-padded exactly as the full computation
     pads; one that starts later holds every token the look-back (and its EOS test) can touch.
     """
-    dims, seq_len = _check_dims(dims), check_seq_len(seq_len, _WHAT)
+    dims, seq_len = check_dims(dims), check_seq_len(seq_len, _WHAT)
     window, start = context_tail(sliceable(tokens, _WHAT, name="tokens"), seq_len, dims.max_ngram - 1, _WHAT)
     window = check_tokens(np.asarray(window), dims.vocab_size, _WHAT, start)
     return list(tail_ids(dims, window, seq_len))

@@ -41,7 +41,12 @@ def check_table_file(path: Path, entry: dict[str, Any], dtype: np.dtype, rows: i
         return str(err)
     if crc != entry.get("rows_crc32") or scales_crc != entry.get("scales_crc32"):
         return (
-            f"crc32 rows {crc:#010x} / scales {scales_crc}, the manifest says "
-            f"{entry.get('rows_crc32')} / {entry.get('scales_crc32')} (corrupt file)"
+            f"crc32 rows {_hex(crc)} / scales {_hex(scales_crc)}, the manifest says "
+            f"{_hex(entry.get('rows_crc32'))} / {_hex(entry.get('scales_crc32'))} (corrupt file)"
         )
     return None
+
+
+def _hex(crc: object) -> str:
+    """A crc32 as 0x%08x (a manifest's value that is no int as it is: None for bf16 scales)."""
+    return f"{crc:#010x}" if isinstance(crc, int) and not isinstance(crc, bool) else repr(crc)

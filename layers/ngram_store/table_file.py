@@ -8,8 +8,10 @@ header or size is not what this package writes raises ``TableFormatError``. The 
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
+import stat
 from types import TracebackType
 
 import numpy as np
@@ -29,11 +31,12 @@ def _check_out(what: str, out: np.ndarray, dtype: type, shape: tuple[int, ...]) 
         raise TypeError(
             f"{what} must be a {np.dtype(dtype).name} array, got {getattr(out, 'dtype', type(out).__name__)}"
         )
-    if out.shape != shape or not out.flags.c_contiguous:
-        raise ValueError(
-            f"{what} must be C-contiguous {shape}, got {out.shape}"
-            + ("" if out.flags.c_contiguous else " (not contiguous)")
-        )
+    if out.shape[1:] != shape[1:] or out.ndim != len(shape):
+        raise ValueError(f"{what} must be of shape {shape}, got {out.shape}")
+    if out.shape[0] != shape[0]:
+        raise ValueError(f"{what} has {out.shape[0]} rows, expected {shape[0]} (one per id)")
+    if not out.flags.c_contiguous:
+        raise ValueError(f"{what} must be C-contiguous")
 
 
 class TableFile:
@@ -44,7 +47,10 @@ class TableFile:
         self._fd = os.open(self.path, os.O_RDONLY)
         self._mmap: mmap.mmap | None = None
         try:
-            size = os.fstat(self._fd).st_size
+            st = os.fstat(self._fd)
+            if stat.S_ISDIR(st.st_mode):  # open(2) takes a folder read-only; its reads would name no path
+                raise IsADirectoryError(errno.EISDIR, "a folder, not a table file", self.path)
+            size = st.st_size
             if size < HEADER_BYTES:
                 raise TableFormatError(
                     f"{self.path}: file is {size} bytes, shorter than the {HEADER_BYTES}-byte header"

@@ -109,7 +109,7 @@ def overlay_from_trainable_tokens(
     matrix) the LM head reuses the embedding rows, so ``lm_head_rows`` must not be given.
     ``vocab``, when known, rejects ids >= vocab here (``ValueError``) rather than at
     ``OverlaySlots.load``."""
-    if tied and lm_head_rows is not None:
+    if validate.boolean(tied, "overlay_from_trainable_tokens: tied") and lm_head_rows is not None:
         raise ValueError("tied embeddings: the LM head reuses the embedding rows; lm_head_rows must not be given")
     if tied and embed_rows is None:
         raise ValueError("tied embeddings need embed_rows")

@@ -13,6 +13,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from gpu_runtime import validate
+
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
 _I32_MAX = (1 << 31) - 1
@@ -53,21 +55,30 @@ class TableOverlay:
     """The rows of one vocab table (embedding or LM head) an adapter replaces: ``ids`` int32
     ``[n]`` sorted and unique, ``rows`` bf16 ``[n, h]`` (row k replaces row ``ids[k]``).
     Use ``TableOverlay.of`` to build one from unsorted input. Takes the arrays as they are (no
-    copy: a full retrained table can be large) and makes them read-only."""
+    copy: a full retrained table can be large) and makes them read-only. ``TypeError`` for
+    another type or dtype, ``ValueError`` for other shapes, unsorted ids, or a row holding NaN or
+    inf (every overlay, from ``of``, a PEFT adapter or ``build_overlay``, passes here)."""
 
     ids: np.ndarray
     rows: np.ndarray
 
     def __post_init__(self) -> None:
         ids, rows = self.ids, self.rows
-        if not (isinstance(ids, np.ndarray) and ids.dtype == np.int32 and ids.ndim == 1):
-            raise TypeError("TableOverlay.ids must be a 1-D int32 array (use TableOverlay.of)")
-        if not (isinstance(rows, np.ndarray) and rows.dtype == BF16 and rows.ndim == 2):
-            raise TypeError("TableOverlay.rows must be a 2-D bfloat16 array (use TableOverlay.of)")
-        if rows.shape[0] != ids.shape[0] or rows.shape[1] == 0:
-            raise ValueError(f"TableOverlay: {ids.shape[0]} ids for rows of shape {rows.shape}")
+        for name, arr, dtype in (("ids", ids, np.dtype(np.int32)), ("rows", rows, BF16)):
+            if not (isinstance(arr, np.ndarray) and arr.dtype == dtype):
+                got = f"dtype {arr.dtype}" if isinstance(arr, np.ndarray) else type(arr).__name__
+                raise TypeError(f"TableOverlay.{name} must be an array of {dtype} (use TableOverlay.of), got {got}")
+        if ids.ndim != 1 or rows.ndim != 2 or rows.shape[0] != ids.shape[0] or rows.shape[1] == 0:
+            shapes = f"{list(ids.shape)} and {list(rows.shape)}"
+            raise ValueError(f"TableOverlay: ids [n] and rows [n, h >= 1] needed, got shapes {shapes}")
         if ids.size and (ids[0] < 0 or (np.diff(ids) <= 0).any()):
             raise ValueError("TableOverlay.ids must be sorted, unique and >= 0 (use TableOverlay.of)")
+        bad = ((rows.view(np.uint16) & 0x7F80) == 0x7F80).any(axis=1)  # exponent all ones: inf or NaN
+        if bad.any():
+            raise ValueError(
+                "TableOverlay.rows: non-finite values (NaN/inf, or too large for bf16) in the rows "
+                f"of token ids {ids[bad][:8].tolist()}"
+            )
         for arr in (ids, rows):
             if arr.flags.writeable:
                 arr.flags.writeable = False
@@ -76,6 +87,8 @@ class TableOverlay:
     def of(cls, ids: Any, rows: Any, vocab: int | None = None, what: str = "overlay") -> TableOverlay:
         """Validate, sort by id and copy: raises for duplicate or negative ids, ids >= ``vocab``
         (when given), and a row count that differs from the id count."""
+        if vocab is not None:
+            vocab = validate.positive(vocab, f"{what}: vocab")
         id_arr = as_ids(ids, f"{what} ids")
         row_arr = as_bf16_rows(rows, f"{what} rows")
         if row_arr.shape[0] != id_arr.shape[0]:
@@ -90,7 +103,7 @@ class TableOverlay:
     @classmethod
     def empty(cls, h: int) -> TableOverlay:
         """An overlay that replaces no row of a table ``h`` wide (``n == 0``)."""
-        return cls(np.zeros(0, np.int32), np.zeros((0, h), BF16))
+        return cls(np.zeros(0, np.int32), np.zeros((0, validate.positive(h, "TableOverlay.empty: h")), BF16))
 
     @property
     def n(self) -> int:
@@ -113,10 +126,17 @@ class TableOverlay:
 @dataclass(frozen=True)
 class AdapterOverlay:
     """What one adapter replaces: embedding rows and/or LM-head rows (None: that table is the
-    served one). Host-side; ``OverlaySlots.load`` makes it device-resident in a slot."""
+    served one). Host-side; ``OverlaySlots.load`` makes it device-resident in a slot.
+    ``TypeError`` for a field that is neither."""
 
     embed: TableOverlay | None = None
     lm_head: TableOverlay | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("embed", "lm_head"):
+            table = getattr(self, name)
+            if table is not None and not isinstance(table, TableOverlay):
+                raise TypeError(f"AdapterOverlay.{name} must be a TableOverlay or None, got {type(table).__name__}")
 
     @property
     def is_empty(self) -> bool:

@@ -1,8 +1,11 @@
-"""Row-cache tests' shared pieces: ``scatter_rows`` emulated on the host-memory backend, random
-disk tables, the check that an arena holds the rows its slots claim, and the steps of a random
+"""Row-cache tests' shared pieces: ``scatter_rows`` emulated on the host-memory backend (and on
+one whose stream work waits until it is waited for), random disk tables, the check that an arena holds the rows its slots claim, and the steps of a random
 walk over a slot index."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 
@@ -25,6 +28,67 @@ def emulate_scatter(gpu: MemoryBackend, args: list) -> None:
 def mem_gpu() -> MemoryBackend:
     """A host-memory backend with the row-cache kernel, emulated."""
     return MemoryBackend(module="row_cache", names=["scatter_rows"], emulate={"scatter_rows": emulate_scatter})
+
+
+class DeferredBackend(MemoryBackend):
+    """``mem_gpu``'s backend whose stream work runs only once it is waited for, in queue order:
+    ``event_synchronize(e)`` runs what was queued before ``e`` was recorded, ``synchronize`` and
+    ``copy_d2h`` all of it. An ``upload_pinned_async`` reads its pinned buffer when it runs, as
+    the DMA does, so a buffer refilled before its upload's event was waited for uploads the new
+    rows; ``copy_h2d_async`` takes its bytes when called, as the backend's staging does. What an
+    emulated kernel writes, it writes as it runs."""
+
+    def __init__(self) -> None:
+        super().__init__(module="row_cache", names=["scatter_rows"], emulate={"scatter_rows": emulate_scatter})
+        self.queue: list[Callable[[], None]] = []
+        self.ran = 0  # how much of the queue has run
+        self.running = False
+        self.marks: dict[int, int] = {}  # event -> the queue's length when it was recorded
+
+    def run_until(self, n: int) -> None:
+        while self.ran < n:
+            self.ran += 1
+            self.running = True
+            try:
+                self.queue[self.ran - 1]()
+            finally:
+                self.running = False
+
+    def _queue(self, op: Callable[[], None]) -> None:
+        if self.running:
+            op()
+        else:
+            self.queue.append(op)
+
+    def memset(self, ptr, byte, nbytes, stream=0) -> None:
+        self._queue(partial(MemoryBackend.memset, self, ptr, byte, nbytes))
+
+    def copy_h2d_async(self, host, dst, stream=0) -> None:
+        data = np.array(np.ascontiguousarray(host).view(np.uint8).reshape(-1))  # a copy, taken now
+        self._queue(partial(MemoryBackend.copy_h2d_async, self, data, dst))
+
+    def upload_pinned_async(self, host: np.ndarray, dst: int, stream: int = 0) -> None:
+        assert any(np.shares_memory(host, buf) for buf in self.host.values()), "not a pinned buffer"
+        self._queue(partial(MemoryBackend.copy_h2d_async, self, host, dst))  # reads ``host`` when run
+
+    def launch(self, kernel, grid, block, shared_mem, stream, kinds, args, *, overlap=False) -> None:
+        self._queue(partial(MemoryBackend.launch, self, kernel, grid, block, shared_mem, stream, kinds, args))
+
+    def record_event(self, event: int, stream: int = 0) -> None:
+        super().record_event(event, stream)
+        self.marks[event] = len(self.queue)
+
+    def event_synchronize(self, event: int) -> None:
+        super().event_synchronize(event)
+        self.run_until(self.marks.get(event, 0))
+
+    def synchronize(self, stream=0) -> None:
+        super().synchronize(stream)
+        self.run_until(len(self.queue))
+
+    def copy_d2h(self, host_out, src, stream=0) -> None:
+        self.synchronize(stream)
+        super().copy_d2h(host_out, src, stream)
 
 
 def table_file(tmp_path, rng, rows: int, dim: int, fp8: bool, name: str = "t.ngt"):

@@ -66,6 +66,22 @@ class ScriptedDriver:
         return [args for n, args in self.calls if n == name]
 
 
+def launch_attributes(config: Any) -> dict[str, Any]:
+    """What a ``CUlaunchConfig`` asks of the launch, by attribute: ``"overlap"`` (programmatic
+    stream serialization allowed) and ``"cluster"`` (its dimensions); any other attribute by its
+    id's name, with None."""
+    found: dict[str, Any] = {}
+    for attr in config.attrs[: config.numAttrs]:
+        if attr.id == cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION:
+            found["overlap"] = attr.value.programmaticStreamSerializationAllowed
+        elif attr.id == cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION:
+            dim = attr.value.clusterDim
+            found["cluster"] = (dim.x, dim.y, dim.z)
+        else:
+            found[attr.id.name] = None
+    return found
+
+
 def replace_driver(monkeypatch: pytest.MonkeyPatch, name: str, value: Any) -> None:
     """Set ``name`` (``"call"`` or ``"cu"``) to ``value`` in every ``CudaBackend`` module that
     uses it, until the test ends."""

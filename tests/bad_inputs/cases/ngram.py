@@ -1,4 +1,5 @@
-"""The n-gram runners' cases: ``NgramDims``, ``ngram_ids``, then the three runners over
+"""The n-gram runners' cases: ``NgramDims``, ``ngram_ids``, the n-gram references
+(``layers.reference``; its overlay references are with the overlays), then the three runners over
 ``NgramWeights`` (``cases.weights``), each constructed and called: ``NgramEmbedding``,
 ``FusedNgramEmbedding`` (a tensor-parallel rank's too), ``NgramDecoder``; and ``embed_all``."""
 
@@ -9,12 +10,20 @@ from collections.abc import Callable
 import numpy as np
 
 from gpu_runtime import ClosedError, DeviceArray
+from layers import reference
 from layers.ngram_embed import (FusedNgramEmbedding, NgramDecoder, NgramDims, NgramEmbedding, embed_all, ngram_ids,
                                 ngram_ids_tail)
 from tests.bad_inputs.matrix import GPU_TYPE, NULL, case, expect
 from tests.bad_inputs.world import FakeCollective, World
 from tests.helpers.fakes import ForeignArray
 from tests.helpers.logging_backend import LoggingBackend
+
+
+def _reference(w: World, ctx=(1, 2, 3), seq_len: int = 2, **changes) -> np.ndarray:
+    """``reference.ngram_embed`` of the world's host layer, ``changes`` replacing word, tables or projs."""
+    layer = {"word": w.host_layer.word, "tables": w.host_layer.tables, "projs": w.host_layer.projs} | changes
+    return reference.ngram_embed(w.dims, layer["word"], layer["tables"], layer["projs"], ctx, seq_len)
+
 
 CPU_CASES = [
     # -- NgramDims --
@@ -25,6 +34,8 @@ CPU_CASES = [
          "splits K must be an int >= 1"),
     case("NgramDims", "range", lambda w: NgramDims(500, 40, 3, 2, 61, row_bias=2), ValueError, "row_bias"),
     case("NgramDims", "range", lambda w: w.dims.table_index(4, 0), IndexError, "order n=4", detail="table_index"),
+    case("NgramDims", "range", lambda w: NgramDims.longcat_flash(-1, 40, 3, 2, 0.5, None), ValueError,
+         "vocab_size V must be an int >= 1, got -1", detail="longcat_flash"),
     case("NgramDims", "id", lambda w: NgramDims(500, 40, 3, 2, 61, eos_id=500), ValueError, "eos_id must be in"),
     case("NgramDims", "empty", lambda w: NgramDims(0, 40, 3, 2, 61), ValueError,
          "vocab_size V must be an int >= 1"),
@@ -39,7 +50,25 @@ CPU_CASES = [
     case("ngram_ids", "range", lambda w: ngram_ids(w.dims, [1, -1, 3]), ValueError, "token -1 at position 1"),
     case("ngram_ids", "id", lambda w: ngram_ids_tail(w.dims, [1, 2, 500], 1), ValueError,
          "token 500 at position 2"),
+    case("ngram_ids", "null", lambda w: ngram_ids(w.dims, None), TypeError,
+         "ngram ids: tokens must be a 1-D sequence of token ids, got NoneType"),
     case("ngram_ids", "empty", lambda w: expect(all(a.shape == (0,) for a in ngram_ids(w.dims, [])))),
+    # -- layers.reference: the numpy references check as the runners do (the overlay ones: cases.overlays) --
+    case("layers.reference", "dtype", lambda w: _reference(w, ctx=[1.5, 2.0, 3.0]), TypeError,
+         "ngram_embed: tokens must be integers"),
+    case("layers.reference", "dtype", lambda w: _reference(w, word=w.host_layer.word.astype(np.float32)), TypeError,
+         "ngram_embed: word must be bfloat16, got dtype float32", detail="word"),
+    case("layers.reference", "shape", lambda w: _reference(w, projs=[p.T for p in w.host_layer.projs]), ValueError,
+         r"ngram_embed: projs\[0\] must be \[40, 10\], got shape \[10, 40\]"),
+    case("layers.reference", "length", lambda w: _reference(w, projs=w.host_layer.projs[:2]), ValueError,
+         "ngram_embed: projs: 2 projections"),
+    case("layers.reference", "range", lambda w: _reference(w, seq_len=4), ValueError,
+         "ngram_embed: seq_len 4 exceeds the context's 3 tokens"),
+    case("layers.reference", "null", lambda w: _reference(w, word=None), TypeError,
+         "ngram_embed: word must be a numpy array, got NoneType"),
+    case("layers.reference", "id", lambda w: _reference(w, ctx=[1, 2, 500]), ValueError,
+         "ngram_embed: token 500 at position 2 outside"),
+    case("layers.reference", "empty", lambda w: expect(_reference(w, seq_len=0).shape == (0, 40))),
     # -- NgramEmbedding(...): the seed's runner over NgramWeights --
     case("NgramEmbedding", "dtype", lambda w: NgramEmbedding(w.bare_weights, 2.0), TypeError,
          "max_tokens must be an int"),
@@ -74,6 +103,8 @@ CPU_CASES = [
     case("NgramEmbedding.embed", "null", lambda w: w.layer.embed([1, 2, 3], 2, w.out, None),
          TypeError, "ngram embed: " + GPU_TYPE + " None", detail="backend"),
     case("NgramEmbedding.embed", "null", lambda w: w.layer.embed([1, 2, 3], 2, 0, w.gpu), ValueError, NULL),
+    case("NgramEmbedding.embed", "null", lambda w: w.layer.embed(None, 1, w.out, w.gpu), TypeError,
+         "ngram embed: ctx_tokens must be a 1-D sequence of token ids, got NoneType", detail="tokens"),
     case("NgramEmbedding.embed", "closed", lambda w: w.closed_layer.embed([1, 2, 3], 2, w.out, w.gpu),
          ClosedError, "ngram embed: NgramEmbedding is closed"),
     case("NgramEmbedding.embed", "closed", lambda w: w.layer_on_closed.embed([1, 2, 3], 2, w.out, w.gpu),
@@ -263,6 +294,8 @@ CPU_CASES = [
     case("FusedNgramEmbedding.embed", "range", lambda w: w.ranks[1].embed([1, 2, 3], 1, w.out), ValueError,
          "a tensor-parallel rank without a collective", detail="rank-without-collective", needs=("ranks",)),
     case("FusedNgramEmbedding.embed", "null", lambda w: w.fused.embed([1, 2, 3], 1, 0), ValueError, NULL),
+    case("FusedNgramEmbedding.embed", "null", lambda w: w.fused.embed(None, 1, w.out), TypeError,
+         "fused ngram embed: context 0 must be a 1-D sequence of token ids, got NoneType", detail="tokens"),
     case("FusedNgramEmbedding.embed", "null", lambda w: w.fused.embed([1, 2, 3], 1, w.out, 0, graph=True),
          ValueError, "created stream", detail="stream"),
     case("FusedNgramEmbedding.embed", "closed", lambda w: w.closed_fused.embed([1, 2, 3], 1, w.out),
@@ -331,6 +364,15 @@ def _after_ngram_ids(w: World) -> None:
         np.testing.assert_array_equal(f[-4:], t)
 
 
+def _after_reference(w: World) -> None:
+    """The seed's and the fused path's references are the exact value up to their bf16 roundings."""
+    h, ctx = w.host_layer, w.rng.integers(0, 500, 6)
+    ideal = reference.ngram_embed_ideal(w.dims, h.word, h.tables, h.projs, ctx, 3)
+    for path in (reference.ngram_embed, reference.ngram_embed_fused):
+        got = path(w.dims, h.word, h.tables, h.projs, ctx, 3).astype(np.float64)
+        expect(got.shape == (3, 40) and np.linalg.norm(got - ideal) <= 2.0**-6 * np.linalg.norm(ideal))
+
+
 def _after_layer_embed(w: World) -> None:
     before = len(w.gpu.launches)
     w.layer.embed(w.rng.integers(0, 500, 6), 3, w.out, w.gpu)
@@ -377,6 +419,7 @@ def _after_decoder(w: World) -> None:
 AFTER: dict[str, Callable[[World], None]] = {
     "NgramDims": lambda w: expect(NgramDims(500, 40, 3, 2, 61, row_bias=1) == w.dims),
     "ngram_ids": _after_ngram_ids,
+    "layers.reference": _after_reference,
     "NgramEmbedding": lambda w: NgramEmbedding(w.bare_weights, 8).close(),
     "NgramEmbedding.embed": _after_layer_embed,
     "FusedNgramEmbedding": _after_fused,

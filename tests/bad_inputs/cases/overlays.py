@@ -1,5 +1,6 @@
-"""The overlays' cases: ``build_overlay``, ``overlay_from_trainable_tokens`` and ``OverlaySlots``
-(construction, ``load`` / ``replace`` / ``evict``, the forward hooks)."""
+"""The overlays' cases: the overlay references (``layers.reference``), ``build_overlay``,
+``overlay_from_trainable_tokens`` and ``OverlaySlots`` (construction, ``load`` / ``replace`` /
+``evict``, the forward hooks)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from layers.ops.token_overlay import OverlayKernels
 from layers.overlay import (AdapterOverlay, OverlaySlots, TableOverlay, build_overlay,
                             overlay_from_trainable_tokens)
 from layers.dense_weight import BF16, FP8, DenseWeight
+from layers.reference import embed_overlay_ref, gather_then_overlay_ref, logits_then_overlay_ref
 from tests.bad_inputs.matrix import NULL, case, expect
 from tests.bad_inputs.world import World
 from tests.helpers import bits, random_bf16
@@ -22,7 +24,30 @@ def _overlay(w: World, ids: list[int], h: int = 5) -> AdapterOverlay:
     return AdapterOverlay(TableOverlay.of(ids, random_bf16(w.rng, (len(ids), h))))
 
 
+def _embed_ref(w: World, **changes) -> np.ndarray:
+    """``embed_overlay_ref`` on 3 of the world's served rows (vocab 30, width 4), one slot
+    replacing token 3, ``changes`` replacing any argument."""
+    slot_map = np.full(30, -1, np.int32)
+    slot_map[3] = 0
+    args = dict(out=w.served_host[:3], ids=np.array([3, 1, 29]), seq_slot=None, active=0, slot_maps=[slot_map],
+                slot_rows=[random_bf16(w.rng, (1, 4))], n_tab=[1], vocab=30) | changes
+    return embed_overlay_ref(*args.values())
+
+
 CPU_CASES = [
+    # -- layers.reference: the overlay references (the n-gram ones and the row's good call: cases.ngram) --
+    case("layers.reference", "dtype", lambda w: _embed_ref(w, ids=np.array([3.0, 1.0, 29.0])), TypeError,
+         "embed_overlay_ref: ids must be integers", detail="overlay-ids"),
+    case("layers.reference", "shape", lambda w: _embed_ref(w, slot_rows=[random_bf16(w.rng, (1, 5))]), ValueError,
+         r"embed_overlay_ref: slot_rows\[0\] must be \[rows, 4\], got shape \[1, 5\]", detail="overlay-rows"),
+    case("layers.reference", "length", lambda w: _embed_ref(w, n_tab=[1, 1]), ValueError,
+         r"embed_overlay_ref: n_tab: 2 slots \(slot_maps has 1\)", detail="overlay-n_tab"),
+    case("layers.reference", "range", lambda w: _embed_ref(w, active=1), ValueError,
+         "embed_overlay_ref: active slot 1 outside the 1 slots", detail="overlay-active"),
+    case("layers.reference", "null", lambda w: logits_then_overlay_ref(None, w.served_host, None, 0, [], [], [], 1),
+         TypeError, "logits_then_overlay_ref: hidden must be a numpy array, got NoneType", detail="overlay-hidden"),
+    case("layers.reference", "id", lambda w: gather_then_overlay_ref(w.served_host, [10], None, -1, [], [], []),
+         ValueError, r"gather_then_overlay_ref: ids\[0\] = 10 outside 0\.\.9", detail="overlay-gather"),
     # -- build_overlay --
     case("build_overlay", "dtype", lambda w: build_overlay(
         w.gpu, w.kernels, DenseWeight(w.p[0], (10, 4), FP8, w.p[1]), w.served_host), TypeError, "bfloat16"),
@@ -61,6 +86,11 @@ CPU_CASES = [
         [1, 30], random_bf16(w.rng, (2, 4)), vocab=30), ValueError, ">= vocab 30"),
     case("overlay_from_trainable_tokens", "empty", lambda w: expect(overlay_from_trainable_tokens(
         [], np.zeros((0, 4), BF16)).embed.n == 0)),
+    case("overlay_from_trainable_tokens", "range", lambda w: overlay_from_trainable_tokens(
+        [1, 2], np.array([[1.0, np.nan, 0.0, 2.0], [1.0, 2.0, 3.0, 4.0]])), ValueError,
+         r"non-finite values \(NaN/inf, or too large for bf16\) in the rows of token ids \[1\]", detail="nan"),
+    case("overlay_from_trainable_tokens", "dtype", lambda w: overlay_from_trainable_tokens(
+        [1, 2], random_bf16(w.rng, (2, 4)), tied="yes"), TypeError, "tied must be a bool", detail="tied"),
     # -- OverlaySlots: construction, load / replace / evict --
     case("OverlaySlots", "dtype", lambda w: OverlaySlots(w.gpu, 2, 30, 1.5, kernels=w.kernels), TypeError,
          "must be an int"),
@@ -68,6 +98,8 @@ CPU_CASES = [
          detail="overlay"),
     case("OverlaySlots", "dtype", lambda w: w.slots.load(True, _overlay(w, [1])), TypeError,
          "slot index must be an int", detail="slot"),
+    case("OverlaySlots", "dtype", lambda w: w.slots.load(1, AdapterOverlay(embed=5)), TypeError,
+         "AdapterOverlay.embed must be a TableOverlay or None, got int", detail="overlay-field"),
     case("OverlaySlots", "shape", lambda w: w.slots.load(1, _overlay(w, [1, 2], h=6)), ValueError, "width 6"),
     case("OverlaySlots", "length", lambda w: OverlaySlots(w.gpu, 2, 2**31 + 1, 5, kernels=w.kernels),
          ValueError, "too large"),

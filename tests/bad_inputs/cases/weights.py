@@ -1,5 +1,6 @@
 """The weights' cases: ``NgramWeights(...)`` (and ``own``), ``NgramWeights.from_numpy`` and
-``from_safetensors``; ``from_pretrained``, which reads model folders, is with the loaders."""
+``from_safetensors``, ``NgramCheckpoint``'s arrays; ``from_pretrained``, which reads model
+folders, is with the loaders."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections.abc import Callable
 import numpy as np
 
 from gpu_runtime import ClosedError
-from layers.ngram_embed import NgramEmbedding, NgramShard, NgramTable, NgramWeights
+from layers.ngram_embed import NgramCheckpoint, NgramEmbedding, NgramShard, NgramTable, NgramWeights
 from layers.dense_weight import BF16, FP8, DenseWeight
 from tests.bad_inputs.matrix import GPU_TYPE, case, expect
 from tests.bad_inputs.world import World
@@ -52,6 +53,11 @@ def _from_file(w: World, **changes) -> NgramWeights:
     positional = [args.pop(k) for k in ("path", "dims", "gpu")]
     return NgramWeights.from_safetensors(*positional, **args)
 
+
+
+def _checkpoint(w: World, **options) -> NgramCheckpoint:
+    """``NgramCheckpoint.open`` of a fresh tiny model folder (T = 4 tables)."""
+    return NgramCheckpoint.open(w.model().path, **options)
 
 
 CPU_CASES = [
@@ -164,6 +170,19 @@ CPU_CASES = [
          r"non-empty 2-D array, got shape \(0, 40\)"),
     case("NgramWeights.from_numpy", "empty", lambda w: _from_file(w, path=w.empty_path), ValueError,
          "file is 0 bytes", detail="safetensors"),
+    # -- NgramCheckpoint's arrays: a model folder's weights as numpy arrays (from_pretrained: cases.loaders) --
+    case("NgramCheckpoint", "dtype", lambda w: _checkpoint(w).proj_array("a"), TypeError,
+         "NgramCheckpoint.proj_array: c must be an int, got str 'a'"),
+    case("NgramCheckpoint", "dtype", lambda w: _checkpoint(w).table_arrays(True), TypeError,
+         "NgramCheckpoint.table_arrays: c must be an int, got bool True", detail="bool"),
+    case("NgramCheckpoint", "range", lambda w: _checkpoint(w).table_arrays(99), ValueError,
+         r"NgramCheckpoint.table_arrays: c = 99 outside 0\.\.3"),
+    case("NgramCheckpoint", "range", lambda w: _checkpoint(w).table_arrays(-1), ValueError,
+         r"NgramCheckpoint.table_arrays: c = -1 outside 0\.\.3", detail="negative"),
+    case("NgramCheckpoint", "range", lambda w: _checkpoint(w, parts="tables").proj_array(0), ValueError,
+         "NgramCheckpoint.proj_array: opened with parts='tables', without the projections", detail="parts"),
+    case("NgramCheckpoint", "null", lambda w: _checkpoint(w).proj_array(None), TypeError,
+         "NgramCheckpoint.proj_array: c must be an int, got NoneType None"),
 ]
 
 
@@ -203,7 +222,18 @@ def _after_from_numpy(w: World) -> None:
     expect(set(w.gpu.mem) == mem)
 
 
+def _after_checkpoint(w: World) -> None:
+    """Every table and projection of a fresh model folder, as the folder holds them."""
+    model = w.model()
+    ckpt = NgramCheckpoint.open(model.path)
+    for c, (table, scale) in enumerate(model.tables):
+        got, got_scale = ckpt.table_arrays(c)
+        expect(got.tobytes() == table.tobytes() and (got_scale is None) == (scale is None))
+        expect(ckpt.proj_array(c).tobytes() == model.projs[c].tobytes())
+
+
 AFTER: dict[str, Callable[[World], None]] = {
     "NgramWeights": _after_weights,
     "NgramWeights.from_numpy": _after_from_numpy,
+    "NgramCheckpoint": _after_checkpoint,
 }

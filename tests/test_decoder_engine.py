@@ -37,7 +37,7 @@ def test_seed_and_fork_are_one_launch_each_with_nothing_else():
     gpu.ops.clear()
     dec.seed(P[0], P[1], P[2], 3, 300, stream=5)  # more tokens than max_rows: no gather, no limit
     dec.fork(P[3], P[4], 7, stream=5)
-    assert [gpu.kernel_of(launch)[1] for launch in gpu.launches] == ["ngram_decode_seed", "ngram_decode_fork"]
+    assert [gpu.kernel_of(launch)[1] for launch in gpu.launches] == ["token_history_seed", "token_history_fork"]
     assert gpu.ops == [], "no upload, allocation or memset"
     seed, fork = gpu.launches
     assert seed.args == [P[0], P[1], P[2], dec.hist, dec.state, dec.ctrl, 300, 3, 4, dec.hist_len, 500]

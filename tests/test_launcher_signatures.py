@@ -102,7 +102,8 @@ LAUNCHERS[("token_overlay", "lmhead_overlay_routed_f32")] = LAUNCHERS[("token_ov
 
 
 def _decode(name: str) -> Any:
-    """A ``DecodeLaunches`` call of kernel ``name`` (the plan's four kernels take one plan)."""
+    """A ``DecodeLaunches`` call of kernel ``name`` (its gather and the three history kernels it
+    inherits from ``HistoryLaunches``)."""
     def launch(g: Any, k: Any, v: Values) -> None:
         plan = DecodeLaunches(
             g, v.ptr("hist"), v.ptr("state"), v.ptr("ctrl"), v.ptr("word_ids"), max_seqs=v.u32("max_seqs"),
@@ -116,17 +117,19 @@ def _decode(name: str) -> Any:
                                      v.u32("hidden"), v.ptr("word_over"))
             plan.gather(v.ptr("tokens"), v.ptr("cu_seqlens"), v.ptr("slots"), v.ptr("out"), v.u32("rows"),
                         v.u32("num_seqs"), v.u32("per_seq"), 3, adapters)
-        elif name == "ngram_decode_seed":
+        elif name == "token_history_seed":
             plan.seed(v.ptr("tokens"), v.ptr("cu_seqlens"), v.ptr("slots"), v.u32("rows"), v.u32("num_seqs"), 3)
-        elif name == "ngram_decode_fork":
+            v.update(map=0, text=0, dead=0xFFFFFFFF)  # the n-gram decoder's TokenCode: no map, no mask
+        elif name == "token_history_fork":
             plan.fork(v.ptr("src_slots"), v.ptr("dst_slots"), v.u32("num"), 3)
         else:
             plan.rollback(v.ptr("slots"), v.ptr("counts"), v.u32("num_seqs"), 3)
     return launch
 
 
-for _name in ("ngram_decode_gather", "ngram_decode_seed", "ngram_decode_fork", "ngram_decode_rollback"):
-    LAUNCHERS[("ngram_decode", _name)] = _decode(_name)
+LAUNCHERS[("ngram_decode", "ngram_decode_gather")] = _decode("ngram_decode_gather")
+for _name in ("token_history_seed", "token_history_fork", "token_history_rollback"):
+    LAUNCHERS[("token_history", _name)] = _decode(_name)
 
 # gemm.cu's other kernels run a GEMM launcher's plans: by the path each shape and backend picks
 GEMM_PATH_KERNELS = {name for name in _sources()["gemm"]} - {"dense_gemm_bf16_pipelined", "dense_gemm_bf16_word"}

@@ -42,7 +42,7 @@ def test_calls_are_launches_only():
     dec.step(P[0], P[2], 4, P[3], stream=5, k=3)
     dec.rollback(P[2], P[4], 4, stream=5)
     names = [gpu.kernel_of(launch)[1] for launch in gpu.launches]
-    assert names == ["ngram_decode_gather", "dense_gemm_bf16_word"] * 2 + ["ngram_decode_rollback"]
+    assert names == ["ngram_decode_gather", "dense_gemm_bf16_word"] * 2 + ["token_history_rollback"]
     assert gpu.ops == [], "no upload, allocation or memset in the hot path"
     assert all(launch.stream == 5 for launch in gpu.launches)
     prefill, step = gpu.launches[0], gpu.launches[2]

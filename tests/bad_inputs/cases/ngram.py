@@ -412,8 +412,8 @@ def _after_decoder(w: World) -> None:
     w.decoder.seed(w.p[0], w.p[1], w.p[2], 2, 5)
     w.decoder.fork(w.p[1], w.p[2], 2)
     w.decoder.rollback(w.p[1], w.p[2], 2)
-    assert w.gpu.launched()[before:] == ["ngram_decode_gather", "dense_gemm_bf16_word", "ngram_decode_seed",
-                                         "ngram_decode_fork", "ngram_decode_rollback"]
+    assert w.gpu.launched()[before:] == ["ngram_decode_gather", "dense_gemm_bf16_word", "token_history_seed",
+                                         "token_history_fork", "token_history_rollback"]
 
 
 AFTER: dict[str, Callable[[World], None]] = {

@@ -40,7 +40,9 @@ def test_seed_and_fork_are_one_launch_each_with_nothing_else():
     assert [gpu.kernel_of(launch)[1] for launch in gpu.launches] == ["token_history_seed", "token_history_fork"]
     assert gpu.ops == [], "no upload, allocation or memset"
     seed, fork = gpu.launches
-    assert seed.args == [P[0], P[1], P[2], dec.hist, dec.state, dec.ctrl, 300, 3, 4, dec.hist_len, 500]
+    no_map, no_mask, no_dead = 0, 0, 0xFFFFFFFF  # the n-gram decoder's TokenCode: entries are the tokens
+    assert seed.args == [P[0], P[1], P[2], no_map, no_mask, dec.hist, dec.state, dec.ctrl, 300, 3, 4, dec.hist_len,
+                         500, no_dead]
     assert seed.grid == (1, 1, 1) and seed.stream == 5
     assert fork.args == [P[3], P[4], dec.hist, dec.state, dec.ctrl, 7, 4, dec.hist_len]
     assert fork.grid == (1, 1, 1) and fork.stream == 5

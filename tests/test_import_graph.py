@@ -118,6 +118,17 @@ def test_the_storage_tier_imports_nothing_of_the_model():
     assert [(m, d) for m, deps in store.items() for d in deps if d.startswith("layers.ngram_embed")] == []
 
 
+def test_the_two_model_packages_import_nothing_of_each_other():
+    """``layers.engram`` and ``layers.ngram_embed`` stand side by side: what both need lives below
+    them (``layers.model_folder``, ``layers.ngram_store`` ...), so neither ties to the other."""
+    edges, _ = import_graph()
+    pairs = [("layers.engram", "layers.ngram_embed"), ("layers.ngram_embed", "layers.engram")]
+    for a, b in pairs:
+        mods = {m: deps for m, deps in edges.items() if m == a or m.startswith(a + ".")}
+        assert len(mods) >= 2, a
+        assert [(m, d) for m, deps in mods.items() for d in deps if d == b or d.startswith(b + ".")] == []
+
+
 def test_type_checking_imports_count():
     """An import only the type checker follows ties its modules as any other does."""
     edges, _ = import_graph()

@@ -131,6 +131,34 @@ LAUNCHERS[("ngram_decode", "ngram_decode_gather")] = _decode("ngram_decode_gathe
 for _name in ("token_history_seed", "token_history_fork", "token_history_rollback"):
     LAUNCHERS[("token_history", _name)] = _decode(_name)
 
+def _engram_lookup(g: Any, k: Any, v: Values) -> None:
+    from layers.ops.engram import EngramLaunches
+    from layers.ops.token_history import TokenCode
+
+    plan = EngramLaunches(
+        g, v.ptr("hist"), v.ptr("state"), v.ptr("ctrl"), max_seqs=v.u32("max_seqs"),
+        hist_len=v.setdefault("hist_len", 5), max_draft=v.u32("max_draft"),
+        code=TokenCode(v.ptr("map"), v.u32("vocab"), v.u32("dead")), pad=v.u32("pad"), mult=v.ptr("mult"),
+        primes=v.ptr("primes"), offsets=v.ptr("offsets"), tables=v.ptr("tables"), emb=v.ptr("emb"),
+        text_out=v.ptr("text_out"), max_rows=v.u32("max_rows"), layers=v.u32("layers"),
+        max_ngram=v.setdefault("max_ngram", 4), heads=v.u32("heads"), width=v.setdefault("width", 256),
+        stride=v.setdefault("stride", 264))
+    plan.lookup(v.ptr("tokens"), v.ptr("cu_seqlens"), v.ptr("slots"), v.ptr("text"), v.u32("rows"),
+                v.u32("num_seqs"), v.u32("per_seq"), 3)
+
+
+def _engram_gate(g: Any, k: Any, v: Values) -> None:
+    from layers.ops.engram import EngramGate
+
+    gate = EngramGate(g, v.ptr("q"), v.ptr("k"), hc=v.setdefault("hc", 4), dim=v.setdefault("dim", 5120),
+                      eps=v.f32("eps"))
+    v["kv_stride"] = 5 * 5120
+    gate.run(v.ptr("x"), v.ptr("kv"), v.ptr("text"), v.u32("rows"), 3)
+
+
+LAUNCHERS[("engram", "engram_lookup")] = _engram_lookup
+LAUNCHERS[("engram", "engram_gate")] = _engram_gate
+
 # gemm.cu's other kernels run a GEMM launcher's plans: by the path each shape and backend picks
 GEMM_PATH_KERNELS = {name for name in _sources()["gemm"]} - {"dense_gemm_bf16_pipelined", "dense_gemm_bf16_word"}
 

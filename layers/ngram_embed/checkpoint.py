@@ -14,10 +14,8 @@ Provenance: docs/checkpoints.md
 
 from __future__ import annotations
 
-import json
 import math
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,14 +25,10 @@ import numpy as np
 
 from gpu_runtime import validate
 
-from .. import safetensors_io
 from ..dense_weight import BF16
+from ..model_folder import CONFIG, TensorRef, Tensors, expect, read_config
 from ..ngram_store.errors import CheckpointError
 from .dims import NgramDims
-
-CONFIG = "config.json"
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
 
 WORD_NAMES = ("model.embed_tokens.weight", "model.ngram_embeddings.word_embeddings.weight")
 TABLE_NAME = "model.ngram_embeddings.embedders.{}.weight"
@@ -46,41 +40,7 @@ _WIDE_TABLE_DTYPES = ("F16", "F32")  # the converter reads these; from_pretraine
 _SCALE_DTYPES = ("F32", "BF16", "F16")
 
 
-# ---- config.json ------------------------------------------------------------------------------
-def model_folder(model_dir: str | os.PathLike) -> Path:
-    """``model_dir`` as a Path, or a ``CheckpointError`` naming it: missing, not a folder, or one
-    that cannot be listed."""
-    path = Path(model_dir)
-    try:
-        with os.scandir(path):
-            pass
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: no such model folder") from None
-    except NotADirectoryError:
-        raise CheckpointError(f"{path}: not a folder (a model folder holds {CONFIG} and *.safetensors)") from None
-    except OSError as err:
-        raise CheckpointError(f"{path}: cannot read the model folder ({err.strerror or err})") from None
-    return path
-
-
-def read_config(model_dir: str | os.PathLike) -> dict[str, Any]:
-    path = Path(model_dir) / CONFIG
-    try:
-        text = path.read_text()
-    except OSError as err:
-        model_folder(model_dir)  # the folder itself missing or unreadable: named as such
-        if isinstance(err, FileNotFoundError):
-            raise CheckpointError(f"{path}: no {CONFIG} (not a Hugging Face model folder?)") from None
-        raise CheckpointError(f"{path}: cannot read it ({err.strerror or err})") from None
-    try:
-        config = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"{path}: not valid JSON ({err})") from None
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{path}: a JSON {type(config).__name__}, not an object")
-    return config
-
-
+# ---- config.json (read by layers.model_folder) -------------------------------------------------
 def _config_int(config: dict, key: str, where: str, low: int) -> int:
     if key not in config or config[key] is None:
         raise CheckpointError(f"{where}: missing key {key!r}")
@@ -140,105 +100,7 @@ def dims_from_config(
         raise CheckpointError(f"{where}: {err}") from None
 
 
-# ---- the safetensors files --------------------------------------------------------------------
-@dataclass(frozen=True)
-class TensorRef:
-    """A tensor of the checkpoint: its file and header entry (nothing mapped until ``array``)."""
-
-    path: Path
-    info: safetensors_io.TensorInfo
-
-    @property
-    def name(self) -> str:
-        return self.info.name
-
-    @property
-    def dtype(self) -> str:
-        return self.info.dtype
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.info.shape
-
-    def where(self) -> str:
-        return f"{self.path}: tensor {self.name!r}"
-
-    def array(self) -> np.ndarray:
-        """A read-only memory map of the tensor."""
-        return safetensors_io.map_tensor(self.path, self.info)
-
-
-def weight_files(model_dir: str | os.PathLike) -> tuple[dict[str, Path] | None, Path]:
-    """Where the tensors are: ``(None, model.safetensors)`` for a single file, else the index's
-    ``(weight_map as {tensor: shard path}, index path)``. Shards are only named here, not opened."""
-    model_dir = Path(model_dir)
-    single, index = model_dir / SINGLE, model_dir / INDEX
-    if single.is_file():  # as transformers: the single file wins over an index
-        return None, single
-    if not index.is_file():
-        raise CheckpointError(f"{model_dir}: neither {SINGLE} nor {INDEX}")
-    try:
-        data = json.loads(index.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{index}: not valid JSON ({err})") from None
-    weight_map = data.get("weight_map") if isinstance(data, dict) else None
-    if not isinstance(weight_map, dict):
-        raise CheckpointError(f"{index}: no 'weight_map' object (tensor name -> shard file)")
-    out = {}
-    for name, shard in weight_map.items():
-        if not isinstance(shard, str) or not shard or Path(shard).is_absolute() or ".." in Path(shard).parts:
-            raise CheckpointError(
-                f"{index}: tensor {name!r} maps to {shard!r}, not a file name inside the model folder"
-            )
-        out[name] = model_dir / shard
-    return out, index
-
-
-class _Tensors:
-    """Finds tensors by name, reading each needed shard's header once (and only those)."""
-
-    def __init__(self, model_dir: Path) -> None:
-        self.weight_map, self.source = weight_files(model_dir)
-        self.headers: dict[Path, dict[str, safetensors_io.TensorInfo]] = {}
-
-    def _header(self, path: Path) -> dict[str, safetensors_io.TensorInfo]:
-        if path not in self.headers:
-            if not path.is_file():
-                raise CheckpointError(f"{self.source}: shard {path.name} (listed in the index) does not exist")
-            try:
-                self.headers[path] = safetensors_io.read_header(path)
-            except ValueError as err:
-                text = str(err)
-                text = text[len(path.name) + 2 :] if text.startswith(path.name + ": ") else text
-                raise CheckpointError(f"{path}: {text}") from None
-        return self.headers[path]
-
-    def find(self, name: str) -> TensorRef | None:
-        if self.weight_map is None:
-            header = self._header(self.source)
-            return TensorRef(self.source, header[name]) if name in header else None
-        path = self.weight_map.get(name)
-        if path is None:
-            return None
-        header = self._header(path)
-        if name not in header:
-            raise CheckpointError(f"{path}: no tensor {name!r}, though {self.source.name} maps it there")
-        return TensorRef(path, header[name])
-
-    def get(self, name: str) -> TensorRef:
-        ref = self.find(name)
-        if ref is None:
-            raise CheckpointError(f"{self.source}: no tensor {name!r}")
-        return ref
-
-
-def _expect(ref: TensorRef, shape: tuple[int, ...], dtypes: Sequence[str], why: str) -> None:
-    if ref.shape != shape:
-        raise CheckpointError(f"{ref.where()} has shape {list(ref.shape)}, {CONFIG} gives {list(shape)} ({why})")
-    if ref.dtype not in dtypes:
-        raise CheckpointError(f"{ref.where()} is {ref.dtype}; served: {', '.join(dtypes)}")
-
-
+# ---- the safetensors files (found and mapped by layers.model_folder) --------------------------
 @dataclass(frozen=True)
 class NgramCheckpoint:
     """The n-gram embedding of a model folder, every tensor found and checked against the config
@@ -273,17 +135,17 @@ class NgramCheckpoint:
         config = read_config(model_dir)
         where = str(model_dir / CONFIG)
         dims = dims_from_config(config, eos_id=eos_id, where=where, require_eos=parts != "tables")
-        tensors = _Tensors(model_dir)
+        tensors = Tensors(model_dir)
         t, d, td = dims.num_tables(), dims.hidden_size, dims.table_dim()
         word, projs, tables, scales = None, [], [], []
         if parts in ("all", "dense"):
             word = next((r for r in map(tensors.find, WORD_NAMES) if r is not None), None)
             if word is None:
                 raise CheckpointError(f"{tensors.source}: no word table (tried {', '.join(WORD_NAMES)})")
-            _expect(word, (dims.vocab_size, d), _DENSE_DTYPES, "vocab_size, hidden_size")
+            expect(word, (dims.vocab_size, d), _DENSE_DTYPES, "vocab_size, hidden_size")
             for c in range(t):
                 proj = tensors.get(PROJ_NAME.format(c))
-                _expect(proj, (d, td), _DENSE_DTYPES, f"hidden_size, hidden_size // {t} tables")
+                expect(proj, (d, td), _DENSE_DTYPES, f"hidden_size, hidden_size // {t} tables")
                 projs.append(proj)
         if parts in ("all", "tables"):
             table_dtypes = ("BF16", "F8_E4M3") + (_WIDE_TABLE_DTYPES if wide_tables else ())
@@ -297,7 +159,7 @@ class NgramCheckpoint:
                         "layers.ngram_embed.convert MODEL_DIR OUT_DIR and load with "
                         "table_dir=OUT_DIR"
                     )
-                _expect(
+                expect(
                     table,
                     (rows, td),
                     table_dtypes,

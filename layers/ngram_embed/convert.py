@@ -56,21 +56,14 @@ from gpu_runtime import cli, validate
 
 from ..atomic_write import write_atomically
 from ..dense_weight import BF16, FP8
+from ..model_folder import read_config, weight_files
 from ..ngram_store.errors import CheckpointError
 from ..ngram_store.row_encoding import encode_rows
 from ..ngram_store.table_check import VerifyError, check_table_file
 from ..ngram_store.table_file import SCALE_DTYPE, TableFile, TableFormatError, TableWriter
 from ..ngram_store.table_manifest import MANIFEST, MANIFEST_FORMAT, MANIFEST_VERSION, manifest_dims, read_manifest
 from ..safetensors_io import read_header
-from .checkpoint import (
-    PROJ_NAME,
-    SCALE_NAMES,
-    TABLE_NAME,
-    WORD_NAMES,
-    NgramCheckpoint,
-    read_config,
-    weight_files,
-)
+from .checkpoint import PROJ_NAME, SCALE_NAMES, TABLE_NAME, WORD_NAMES, NgramCheckpoint
 from .convert_progress import DEFAULT_INTERVAL, LOG, Progress
 from .dims import NgramDims
 from .table_verify import verify_tables as verify_tables  # its home before

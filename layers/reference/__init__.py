@@ -28,6 +28,17 @@ from .dense import (
     residual_add,
     scaled_add,
 )
+from .engram import (
+    EngramRef,
+    act_quant,
+    dequant_rows,
+    dequant_weight,
+    emb_from_rows,
+    engram_layer_ref,
+    gate_ref,
+    wkv_fp64,
+    wkv_ref,
+)
 from .ngram import NgramTables, gather_table, ngram_embed, ngram_embed_fused, ngram_embed_ideal
 from .overlay import (
     SlotTables,
@@ -42,14 +53,21 @@ from .overlay import (
 __all__ = [
     "BF16",
     "FP8",
+    "EngramRef",
     "NgramTables",
     "SlotTables",
+    "act_quant",
     "argmax_ids",
     "batched_embed",
     "batched_embed_fp8",
     "dequant_fp8",
+    "dequant_rows",
+    "dequant_weight",
+    "emb_from_rows",
     "embed_from_argmax",
     "embed_overlay_ref",
+    "engram_layer_ref",
+    "gate_ref",
     "gather_table",
     "gather_then_overlay_ref",
     "gemm_bf16",
@@ -63,4 +81,6 @@ __all__ = [
     "residual_add",
     "rowdiff_ref",
     "scaled_add",
+    "wkv_fp64",
+    "wkv_ref",
 ]

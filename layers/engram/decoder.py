@@ -1,0 +1,311 @@
+"""``EngramDecoder``: DeepSeek-V4.1's Engram for a serving loop that captures its step in one CUDA
+graph (``docs/ENGRAM.md``).
+
+Each slot (one live request) keeps its last ``N - 1 + max_draft`` compressed ids on the device
+(``layers.token_history``). The work is split so that an engine can overlap it: ``prefill`` /
+``step`` run every Engram layer's hash, row gather and ``wkv`` projection into this decoder's
+``kv`` buffers (one lookup kernel and a GEMM per layer: an engine runs them on a side stream at the
+start of its step), and ``apply(layer, residual, ...)`` gates layer ``layer``'s residual in place
+when that layer comes. ``seed`` (a prefix-cache hit: history only), ``fork``, ``rollback``,
+``reset`` as ``NgramDecoder``'s. Every call takes device buffers only and does no host
+synchronisation, allocation or upload, so it can be recorded in the caller's capture; bad device
+values set flags that ``check_errors`` reads. A non-text position (``text`` 0 where a call passes
+a u8 text mask; without one, the config's ``image_token_id``) takes no part in any look-back and
+its residual is left as it is. One decoder runs on one stream at a time (one set of buffers);
+``apply`` reads the last ``prefill`` / ``step``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from gpu_runtime import interop, validate
+
+from ..kernel_files import load_kernel
+from ..ops import gemm
+from ..ops.engram import EngramGate, EngramLaunches
+from ..ops.token_history import NO_TOKEN, PAD_SLOT, DecodeError, TokenCode
+from ..resources import Closing, Resources
+from ..token_history import SlotHistories
+from .weights import EngramWeights
+
+__all__ = ["DecodeError", "EngramDecoder", "PAD_SLOT"]
+
+Buffer = Any  # an address, a DeviceArray, or an array with __cuda_array_interface__ / __dlpack__
+
+_WHAT = "EngramDecoder"
+_U8 = (np.dtype(np.uint8), np.dtype(np.bool_))
+
+
+class EngramDecoder(Closing):
+    """Engram for ``max_seqs`` slots and calls of at most ``max_rows`` tokens (module docstring).
+    ``batch_invariant``: every row's bits the same whatever else is in its call (the projection's
+    small GEMM path for every row count: a step's rows equal a prefill's). Borrows the weights."""
+
+    def __init__(
+        self,
+        weights: EngramWeights,
+        *,
+        max_seqs: int,
+        max_rows: int,
+        max_draft: int = 0,
+        stream: int = 0,
+        batch_invariant: bool = False,
+    ) -> None:
+        if not isinstance(weights, EngramWeights):
+            raise TypeError(f"{_WHAT}: weights must be EngramWeights, got {type(weights).__name__}")
+        validate.require_open(weights.closed, f"{_WHAT}: its weights")
+        if weights.shard is not None and weights.shard.size > 1:
+            raise ValueError(f"{_WHAT}: tensor-parallel weights need a collective (not served yet)")
+        max_seqs = validate.positive(max_seqs, f"{_WHAT}: max_seqs", limit=1 << 31)
+        max_rows = validate.positive(max_rows, f"{_WHAT}: max_rows", limit=1 << 31)
+        max_draft = validate.count(max_draft, f"{_WHAT}: max_draft", limit=1 << 31)
+        stream = validate.stream(stream, f"{_WHAT}: stream")
+        self.path = "small" if validate.boolean(batch_invariant, f"{_WHAT}: batch_invariant") else None
+        cfg, gpu = weights.config, weights.gpu
+        self.weights, self.config, self.gpu, self.stream = weights, cfg, gpu, stream
+        self.max_seqs, self.max_rows, self.max_draft = max_seqs, max_rows, max_draft
+        layers = len(cfg.layer_ids)
+        self._resources = own = Resources(gpu)
+        try:
+            self.histories = SlotHistories(
+                gpu, own, max_seqs=max_seqs, back=cfg.max_ngram - 1, max_draft=max_draft, stream=stream, what=_WHAT
+            )
+            self.emb = own.alloc(layers * max_rows * cfg.emb_dim * 2)
+            self.kv = own.alloc(layers * max_rows * cfg.kv_dim * 2)
+            self.text = own.alloc(max_rows)
+            dead = NO_TOKEN if cfg.image_token_id is None else cfg.image_token_id
+            h = self.histories
+            self.launches = EngramLaunches(
+                gpu,
+                h.hist,
+                h.state,
+                h.ctrl,
+                max_seqs=max_seqs,
+                hist_len=h.hist_len,
+                max_draft=max_draft,
+                code=TokenCode(int(weights.token_map), cfg.vocab_size, dead),
+                pad=weights.pad,
+                mult=weights.mult,
+                primes=weights.primes,
+                offsets=weights.offsets,
+                tables=weights.tables,
+                emb=self.emb,
+                text_out=self.text,
+                max_rows=max_rows,
+                layers=layers,
+                max_ngram=cfg.max_ngram,
+                heads=cfg.n_heads,
+                width=cfg.head_dim,
+                stride=weights.stride,
+                host_tables=weights.host_tables,
+            )
+            self.gates = [
+                EngramGate(gpu, layer.q, layer.k, hc=cfg.hc_mult, dim=cfg.hidden_size, eps=cfg.eps)
+                for layer in weights.layers
+            ]
+            self._gemm_kernel = load_kernel(gpu, "gemm", gemm.KERNEL)
+            self._gemms: dict[int, list[Any]] = {}
+        except BaseException:
+            own.close()
+            raise
+
+    # -- calls (capturable) ---------------------------------------------------------------------
+    def prefill(
+        self,
+        tokens: Buffer,
+        cu_seqlens: Buffer,
+        slots: Buffer,
+        num_seqs: int,
+        num_tokens: int,
+        stream: int = 0,
+        *,
+        text: Buffer | None = None,
+    ) -> None:
+        """Look up a ragged batch: sequence ``s`` is ``tokens[cu_seqlens[s]:cu_seqlens[s+1]]`` and
+        continues slot ``slots[s]``'s history (``reset`` first for a new request); every layer's
+        ``kv`` rows of the ``num_tokens`` tokens, in order, for ``apply``. ``tokens``,
+        ``cu_seqlens`` [num_seqs + 1] and ``slots`` are u32 (or int32); ``text``: u8 [num_tokens]."""
+        num_seqs, num_tokens = self._sizes(num_seqs, num_tokens)
+        indices = self._ragged(tokens, cu_seqlens, slots, num_seqs, num_tokens)
+        self._run(indices, self._text(text, num_tokens), num_seqs, num_tokens, 0, stream)
+
+    def step(self, tokens: Buffer, slots: Buffer, num_seqs: int, stream: int = 0, *, k: int = 1) -> None:
+        """``k`` new tokens for each of ``num_seqs`` sequences (``tokens [num_seqs, k]``, ``slots
+        [num_seqs]``; k > 1: drafts, rejected ones dropped with ``rollback``); ``kv`` rows in order.
+        A ``PAD_SLOT`` entry gets zero rows and its residual is left alone."""
+        k = validate.positive(k, f"{_WHAT}.step: k", limit=1 << 32)
+        num_seqs, rows = self._sizes(num_seqs, validate.u32(num_seqs, f"{_WHAT}: num_seqs") * k)
+        indices = (self._index(tokens, rows, "tokens"), 0, self._index(slots, num_seqs, "slots"))
+        self._run(indices, 0, num_seqs, rows, k, stream)
+
+    def apply(self, layer: int, residual: Buffer, num_tokens: int, stream: int = 0) -> None:
+        """Gate decoder layer ``layer``'s residual ``[num_tokens, hc_mult, hidden]`` (bf16, in
+        place) with the last ``prefill`` / ``step``'s rows (``num_tokens`` of them): ``x = bf16(x +
+        gate * value)`` at text positions, nothing elsewhere."""
+        i = self.config.index(layer)
+        stream = self._ready(stream)
+        rows = validate.u32(num_tokens, f"{_WHAT}.apply: num_tokens")
+        if rows > self.max_rows:
+            raise ValueError(f"{_WHAT}.apply: {rows} rows over max_rows {self.max_rows}")
+        cfg = self.config
+        width = cfg.hc_mult * cfg.hidden_size
+        x = interop.device_address(
+            residual,
+            f"{_WHAT}.apply residual",
+            dtypes=(interop.BF16,),
+            count=rows * width,
+            gpu=self.gpu,
+            cols=width,
+            writable=True,
+        )
+        if rows:
+            self.gates[i].run(x, self.kv_of(i), self.text, rows, stream)
+
+    def seed(
+        self,
+        tokens: Buffer,
+        cu_seqlens: Buffer,
+        slots: Buffer,
+        num_seqs: int,
+        num_tokens: int,
+        stream: int = 0,
+        *,
+        text: Buffer | None = None,
+    ) -> None:
+        """A prefix-cache hit: append each sequence's tokens (ragged as in ``prefill``) to its
+        slot's history without looking anything up. One launch; it reads each sequence's last
+        ``N - 1 + max_draft`` tokens only."""
+        num_seqs, num_tokens = self._sizes(num_seqs, num_tokens, limit_rows=False)
+        indices = self._ragged(tokens, cu_seqlens, slots, num_seqs, num_tokens)
+        mask = self._text(text, num_tokens)
+        stream = self._ready(stream)
+        if num_seqs:
+            self.launches.seed(*indices, num_tokens, num_seqs, stream, mask)
+
+    def fork(self, src_slots: Buffer, dst_slots: Buffer, num: int, stream: int = 0) -> None:
+        """Slot ``dst_slots[p]`` becomes a copy of slot ``src_slots[p]``, ``p < num`` (samples,
+        beams): its first tokens keep their predecessors' n-grams. One launch."""
+        num = validate.u32(num, f"{_WHAT}.fork: num")
+        src, dst = self._index(src_slots, num, "src_slots"), self._index(dst_slots, num, "dst_slots")
+        stream = self._ready(stream)
+        if num:
+            self.launches.fork(src, dst, num, stream)
+
+    def rollback(self, slots: Buffer, counts: Buffer, num_seqs: int, stream: int = 0) -> None:
+        """Drop the last ``counts[s]`` tokens (u32, on the device) of slot ``slots[s]``'s history,
+        at most ``max_draft`` below the highest position it held (deeper: ``DecodeError.ROLLBACK``)."""
+        num_seqs, _ = self._sizes(num_seqs, 0)
+        slots, counts = self._index(slots, num_seqs, "slots"), self._index(counts, num_seqs, "counts")
+        stream = self._ready(stream)
+        if num_seqs:
+            self.launches.rollback(slots, counts, num_seqs, stream)
+
+    def reset(self, slot: int, stream: int = 0) -> None:
+        """Empty slot ``slot``'s history (a new request); a memset, so capturable too."""
+        self.histories.reset(slot, self._ready(stream))
+
+    def reset_all(self, stream: int = 0) -> None:
+        """Empty every slot's history."""
+        self.histories.reset_all(self._ready(stream))
+
+    # -- outside the hot path -------------------------------------------------------------------
+    def check_errors(self, stream: int | None = None) -> DecodeError:
+        """The flags raised since the last check, then cleared; waits for ``stream``."""
+        return self.histories.check_errors(self._host_stream(stream))
+
+    def history(self, slot: int, stream: int | None = None) -> np.ndarray:
+        """The compressed ids slot ``slot`` looks back on (oldest first; ``NO_TOKEN`` for a
+        non-text or bad token); waits for ``stream``."""
+        return self.histories.entries(slot, self._host_stream(stream))
+
+    def emb_of(self, i: int) -> int:
+        """The address of Engram layer ``layer_ids[i]``'s gathered rows ``[max_rows, emb_dim]`` bf16."""
+        return int(self.emb) + i * self.max_rows * self.config.emb_dim * 2
+
+    def kv_of(self, i: int) -> int:
+        """The address of Engram layer ``layer_ids[i]``'s projection ``[max_rows, kv_dim]`` bf16."""
+        return int(self.kv) + i * self.max_rows * self.config.kv_dim * 2
+
+    @property
+    def closed(self) -> bool:
+        """True once ``close()`` ran: every call then raises ``ClosedError``."""
+        return self._resources.closed
+
+    def close(self) -> None:
+        """Free the histories and buffers (not the weights); once."""
+        self._resources.close()
+
+    # -- helpers --------------------------------------------------------------------------------
+    def _ready(self, stream: int) -> int:
+        validate.require_open(self.closed, _WHAT)
+        validate.require_open(self.weights.closed, f"{_WHAT}: its weights")
+        return validate.stream(stream, f"{_WHAT}: stream")
+
+    def _host_stream(self, stream: int | None) -> int:
+        return self._ready(self.stream if stream is None else stream)
+
+    def _sizes(self, num_seqs: int, rows: int, *, limit_rows: bool = True) -> tuple[int, int]:
+        num_seqs = validate.u32(num_seqs, f"{_WHAT}: num_seqs")
+        rows = validate.u32(rows, f"{_WHAT}: num_tokens")
+        if num_seqs > self.max_seqs:
+            raise ValueError(f"{_WHAT}: num_seqs {num_seqs} over max_seqs {self.max_seqs}")
+        if limit_rows and rows > self.max_rows:
+            raise ValueError(f"{_WHAT}: {rows} rows over max_rows {self.max_rows}")
+        if rows and not num_seqs:
+            raise ValueError(f"{_WHAT}: {rows} tokens in no sequence")
+        return num_seqs, rows
+
+    def _index(self, buf: Buffer, count: int, what: str) -> int:
+        return interop.device_address(buf, f"{_WHAT} {what}", dtypes=interop.INDEX, count=count, gpu=self.gpu)
+
+    def _text(self, text: Buffer | None, rows: int) -> int:
+        if text is None:
+            return 0
+        return interop.device_address(text, f"{_WHAT} text", dtypes=_U8, count=rows, gpu=self.gpu)
+
+    def _ragged(
+        self, tokens: Buffer, cu_seqlens: Buffer, slots: Buffer, num_seqs: int, num_tokens: int
+    ) -> tuple[int, int, int]:
+        return (
+            self._index(tokens, num_tokens, "tokens"),
+            self._index(cu_seqlens, num_seqs + 1, "cu_seqlens"),
+            self._index(slots, num_seqs, "slots"),
+        )
+
+    def _projections(self, rows: int) -> list[Any]:
+        """Each layer's prepared GEMM ``kv[:rows] = emb[:rows] @ wkv^T`` (made once per row count)."""
+        plans = self._gemms.get(rows)
+        if plans is None:
+            cfg = self.config
+            plans = [
+                gemm.plan_gemm(
+                    self.gpu,
+                    self._gemm_kernel,
+                    self.emb_of(i),
+                    layer.wkv,
+                    self.kv_of(i),
+                    rows,
+                    cfg.kv_dim,
+                    cfg.emb_dim,
+                    path=self.path,
+                )
+                for i, layer in enumerate(self.weights.layers)
+            ]
+            if len(self._gemms) >= 1024:
+                self._gemms.clear()
+            self._gemms[rows] = plans
+        return plans
+
+    def _run(
+        self, indices: tuple[int, int, int], text: int, num_seqs: int, rows: int, per_seq: int, stream: int
+    ) -> None:
+        stream = self._ready(stream)
+        if rows == 0:
+            return
+        plans = self._projections(rows)
+        self.launches.lookup(*indices, text, rows, num_seqs, per_seq, stream)
+        for plan in plans:
+            plan.run(stream)

@@ -1,0 +1,256 @@
+"""``EngramWeights``: what an Engram runner reads, on the device or, for the tables, in host memory.
+
+Per Engram layer: the table (``RowBlock``: each row packed as its ``head_dim`` fp8 bytes, then its
+``head_dim // 32`` e8m0 scale bytes, padded to ``stride``; a tensor-parallel rank holds one range
+of rows), ``wkv`` dequantised once to a bf16 ``DenseWeight`` ``[kv_dim, emb_dim]`` (the correct
+path; the fp8 GEMM comes later), ``q_weight`` and ``k_weight`` (bf16 ``[hc_mult, hidden]``). For
+all layers: the token map, the hash's multipliers, primes and offsets, the tables' descriptors
+(``kernels/engram.cu``). Built from arrays (``from_arrays``) or a model folder
+(``from_checkpoint``: tables copied in pieces, never whole in Python memory).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from gpu_runtime import DevicePtr, GpuBackend, validate
+from gpu_runtime.backend import check_backend
+
+from ..dense_weight import BF16, FP8, DenseWeight
+from ..ngram_store.row_block import PLACES, RowBlock
+from ..resources import Closing, Resources
+from .checkpoint import EngramCheckpoint
+from .config import BLOCK, EngramConfig
+from .token_map import TokenMap
+
+U8 = np.dtype(np.uint8)
+E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)  # ml_dtypes' e8m0 (scales may come as it or as their bytes)
+CHUNK_ROWS = 1 << 18  # rows packed and copied at a time (69 MB of Engram's 264-byte rows)
+
+
+def row_stride(width: int) -> int:
+    """Bytes a packed row takes: ``width`` fp8 bytes and ``width // 32`` scale bytes, rounded up
+    to 8 (the lookup reads 8 bytes at a time)."""
+    return -(-(width + width // BLOCK) // 8) * 8
+
+
+def pack_rows(weight: np.ndarray, scale: np.ndarray, stride: int) -> np.ndarray:
+    """uint8 ``[n, stride]``: each row's ``weight`` bytes (fp8 or uint8 ``[n, W]``), then its
+    ``scale`` bytes (uint8 ``[n, W // 32]``), then zeros."""
+    n, width = weight.shape
+    out = np.zeros((n, stride), U8)
+    out[:, :width] = np.asarray(weight).view(U8)
+    out[:, width : width + width // BLOCK] = np.asarray(scale).view(U8)
+    return out
+
+
+def dequant_blocks(weight: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """bf16 of an fp8 ``[n, k]`` matrix (or its bytes) scaled by e8m0 bytes ``[ceil(n/32), k/32]``,
+    one per 32 x 32 block: ``bf16(f32(e4m3) * 2^(byte - 127))``, exact for normal values."""
+    values = np.asarray(weight).view(FP8).astype(np.float32)
+    exps = np.asarray(scale).view(U8).astype(np.int32) - 127
+    factors = np.ldexp(np.float32(1.0), exps).astype(np.float32)
+    full = np.repeat(np.repeat(factors, BLOCK, axis=0), BLOCK, axis=1)[: values.shape[0], : values.shape[1]]
+    return (values * full).astype(BF16)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Tensor-parallel rank ``rank`` of ``size``: it holds rows ``rank * per .. (rank + 1) * per``
+    of each table (``per = ceil(rows / size)``), as the reference splits them."""
+
+    rank: int
+    size: int
+
+    def __post_init__(self) -> None:
+        size = validate.positive(self.size, "shard size")
+        rank = validate.count(self.rank, "shard rank", limit=size)
+        object.__setattr__(self, "size", size)
+        object.__setattr__(self, "rank", rank)
+
+    def rows(self, total: int) -> tuple[int, int]:
+        """(first row, row count) this rank holds of a table of ``total`` rows."""
+        per = -(-total // self.size)
+        lo = min(total, self.rank * per)
+        return lo, min(total, lo + per) - lo
+
+
+@dataclass(eq=False)
+class EngramLayer:
+    """One Engram layer's weights: its table rows (``lo`` .. ``lo + table.rows`` of the full
+    table), ``wkv`` (bf16 on the device) and ``q`` / ``k`` (device addresses, bf16 ``[hc, D]``)."""
+
+    table: RowBlock
+    lo: int
+    wkv: DenseWeight
+    q: DevicePtr
+    k: DevicePtr
+
+
+class EngramWeights(Closing):
+    """Every Engram layer's weights (``layers``, in ``config.layer_ids``' order) and the hash's
+    device arrays: ``token_map`` (int32 ``[vocab]``), ``mult`` (u64 ``[L, N]``), ``primes`` and
+    ``offsets`` (u64 ``[L, C]``), ``tables`` (u64 ``[L, 4]`` descriptors). ``pad``: the compressed
+    pad id; ``shard``: this rank's share (None: the whole tables). Owns all of it."""
+
+    def __init__(self, gpu: GpuBackend, config: EngramConfig, token_map: TokenMap, shard: Shard | None) -> None:
+        check_backend(gpu, "EngramWeights: gpu")
+        if not isinstance(config, EngramConfig):
+            raise TypeError(f"EngramWeights: config must be an EngramConfig, got {type(config).__name__}")
+        if not isinstance(token_map, TokenMap):
+            raise TypeError(f"EngramWeights: token_map must be a TokenMap, got {type(token_map).__name__}")
+        if shard is not None and not isinstance(shard, Shard):
+            raise TypeError(f"EngramWeights: shard must be a Shard or None, got {type(shard).__name__}")
+        token_map.check(config.vocab_size, config.compressed_vocab_size)
+        self.gpu, self.config, self.shard = gpu, config, shard
+        self.token_map_host = token_map
+        self.pad = token_map.pad(config.pad_token_id)
+        self.stride = row_stride(config.head_dim)
+        self.layers: list[EngramLayer] = []
+        self._resources = Resources(gpu)
+
+    # -- builders --------------------------------------------------------------------------------
+    @classmethod
+    def from_arrays(
+        cls,
+        gpu: GpuBackend,
+        config: EngramConfig,
+        token_map: TokenMap,
+        tables: Sequence[tuple[np.ndarray, np.ndarray]],
+        wkv: Sequence[tuple[np.ndarray, np.ndarray]],
+        q_weight: Sequence[np.ndarray],
+        k_weight: Sequence[np.ndarray],
+        *,
+        placement: str | Sequence[str] = "device",
+        shard: Shard | None = None,
+        stream: int = 0,
+    ) -> EngramWeights:
+        """Weights from arrays, one entry per Engram layer: ``tables`` (fp8 or uint8 ``[rows, W]``,
+        e8m0 bytes ``[rows, W/32]``; memory maps are read a piece at a time), ``wkv`` (fp8 ``[kv_dim,
+        emb_dim]``, e8m0 ``[kv_dim/32, emb_dim/32]``), ``q_weight`` / ``k_weight`` (bf16 ``[hc, D]``);
+        each table on the device or in host memory (``placement``: one for all or one per layer)."""
+        stream = validate.stream(stream, "EngramWeights: stream")
+        self = cls(gpu, config, token_map, shard)
+        try:
+            places = _places(placement, len(config.layer_ids))
+            for i in range(len(config.layer_ids)):
+                self._add_layer(i, tables[i], wkv[i], q_weight[i], k_weight[i], places[i], stream)
+            self._upload_hash(stream)
+            gpu.synchronize(stream)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        checkpoint: EngramCheckpoint,
+        gpu: GpuBackend,
+        token_map: TokenMap,
+        *,
+        placement: str | Sequence[str] = "host",
+        shard: Shard | None = None,
+        stream: int = 0,
+    ) -> EngramWeights:
+        """The weights of an opened model folder (``EngramCheckpoint``; its scales are scanned for
+        e8m0 NaN bytes first), tables in host memory by default (a table is ~101 GB)."""
+        if not isinstance(checkpoint, EngramCheckpoint):
+            raise TypeError(f"checkpoint must be an EngramCheckpoint, got {type(checkpoint).__name__}")
+        cfg = checkpoint.config
+        for layer in cfg.layer_ids:
+            checkpoint.scan_scales(layer)
+        return cls.from_arrays(
+            gpu,
+            cfg,
+            token_map,
+            [checkpoint.table(layer) for layer in cfg.layer_ids],
+            [checkpoint.wkv(layer) for layer in cfg.layer_ids],
+            [checkpoint.q_weight(layer) for layer in cfg.layer_ids],
+            [checkpoint.k_weight(layer) for layer in cfg.layer_ids],
+            placement=placement,
+            shard=shard,
+            stream=stream,
+        )
+
+    def _add_layer(self, i: int, table: Any, wkv: Any, q: Any, k: Any, where: str, stream: int) -> None:
+        cfg, what = self.config, f"Engram layer {self.config.layer_ids[i]}"
+        weight, scale = table
+        rows, width = cfg.num_embeddings[i], cfg.head_dim
+        _shape(weight, (rows, width), (FP8, U8), f"{what} table")
+        _shape(scale, (rows, width // BLOCK), (U8, E8M0), f"{what} table scale")
+        lo, count = (0, rows) if self.shard is None else self.shard.rows(rows)
+        block = self._resources.adopt(RowBlock(self.gpu, max(count, 1), self.stride, where))
+        for a in range(lo, lo + count, CHUNK_ROWS):
+            b = min(lo + count, a + CHUNK_ROWS)
+            block.write(a - lo, pack_rows(np.asarray(weight[a:b]), np.asarray(scale[a:b]), self.stride), stream)
+            self.gpu.synchronize(stream)  # the piece may be freed
+        w, s = wkv
+        _shape(w, (cfg.kv_dim, cfg.emb_dim), (FP8, U8), f"{what} wkv")
+        _shape(s, (-(-cfg.kv_dim // BLOCK), cfg.emb_dim // BLOCK), (U8, E8M0), f"{what} wkv scale")
+        if (np.asarray(s).view(U8) == 255).any():
+            raise ValueError(f"{what} wkv scale holds an e8m0 NaN byte (255)")
+        dense = self._resources.adopt(DenseWeight.from_numpy(self.gpu, dequant_blocks(w, s), stream=stream))
+        qk = []
+        for name, array in (("q_weight", q), ("k_weight", k)):
+            _shape(array, (cfg.hc_mult, cfg.hidden_size), (BF16,), f"{what} {name}")
+            qk.append(self._resources.upload(np.ascontiguousarray(array), stream))
+        self.layers.append(EngramLayer(block, lo, dense, qk[0], qk[1]))
+
+    def _upload_hash(self, stream: int) -> None:
+        cfg, own = self.config, self._resources
+        self.token_map = own.upload(np.ascontiguousarray(self.token_map_host.ids, np.int32), stream)
+        self.mult = own.upload(np.ascontiguousarray(cfg.multipliers.astype(np.uint64)), stream)
+        self.primes = own.upload(np.ascontiguousarray(cfg.primes.astype(np.uint64)), stream)
+        self.offsets = own.upload(np.ascontiguousarray(cfg.offsets.astype(np.uint64)), stream)
+        descriptors = np.array(
+            [
+                [int(layer.table.address), layer.lo, layer.table.rows if self._holds(i) else 0, 0]
+                for i, layer in enumerate(self.layers)
+            ],
+            np.uint64,
+        )
+        self.tables = own.upload(descriptors, stream)
+
+    def _holds(self, i: int) -> bool:
+        """Whether this rank holds any row of layer i's table (a RowBlock has at least one row)."""
+        return self.shard is None or self.shard.rows(self.config.num_embeddings[i])[1] > 0
+
+    # -- what the runners read -------------------------------------------------------------------
+    @property
+    def host_tables(self) -> bool:
+        """True when some table is in host memory (the lookup's launch shape depends on it)."""
+        return any(layer.table.where == "host" for layer in self.layers)
+
+    @property
+    def closed(self) -> bool:
+        """True once ``close()`` ran."""
+        return self._resources.closed
+
+    def close(self) -> None:
+        """Free everything (after every runner on the weights); once."""
+        self._resources.close()
+
+
+def _places(placement: Any, count: int) -> list[str]:
+    if isinstance(placement, str):
+        placement = [placement] * count
+    if not isinstance(placement, (list, tuple)) or len(placement) != count:
+        raise ValueError(f"placement must be one of {PLACES} or one per Engram layer ({count}), got {placement!r}")
+    for where in placement:
+        if where not in PLACES:
+            raise ValueError(f"placement entries must be one of {PLACES}, got {where!r}")
+    return list(placement)
+
+
+def _shape(array: Any, shape: tuple[int, ...], dtypes: tuple[np.dtype, ...], what: str) -> None:
+    got_shape, got_dtype = tuple(getattr(array, "shape", ())), getattr(array, "dtype", None)
+    if got_dtype not in dtypes:
+        raise TypeError(f"{what}: dtype {got_dtype}, expected {' or '.join(str(d) for d in dtypes)}")
+    if got_shape != shape:
+        raise ValueError(f"{what}: shape {list(got_shape)}, expected {list(shape)}")

@@ -27,8 +27,8 @@ from ..kernel_files import load_kernel
 from ..ops import gemm
 from ..ops.engram import EngramGate, EngramLaunches
 from ..ops.token_history import NO_TOKEN, PAD_SLOT, DecodeError, TokenCode
-from ..resources import Closing, Resources
-from ..token_history import SlotHistories
+from ..resources import Resources
+from ..token_history import HistoryCalls, SlotHistories
 from .weights import EngramWeights
 
 __all__ = ["DecodeError", "EngramDecoder", "PAD_SLOT"]
@@ -39,10 +39,13 @@ _WHAT = "EngramDecoder"
 _U8 = (np.dtype(np.uint8), np.dtype(np.bool_))
 
 
-class EngramDecoder(Closing):
+class EngramDecoder(HistoryCalls):
     """Engram for ``max_seqs`` slots and calls of at most ``max_rows`` tokens (module docstring).
     ``batch_invariant``: every row's bits the same whatever else is in its call (the projection's
     small GEMM path for every row count: a step's rows equal a prefill's). Borrows the weights."""
+
+    WHAT = _WHAT
+    launches: EngramLaunches
 
     def __init__(
         self,
@@ -185,42 +188,7 @@ class EngramDecoder(Closing):
         if num_seqs:
             self.launches.seed(*indices, num_tokens, num_seqs, stream, mask)
 
-    def fork(self, src_slots: Buffer, dst_slots: Buffer, num: int, stream: int = 0) -> None:
-        """Slot ``dst_slots[p]`` becomes a copy of slot ``src_slots[p]``, ``p < num`` (samples,
-        beams): its first tokens keep their predecessors' n-grams. One launch."""
-        num = validate.u32(num, f"{_WHAT}.fork: num")
-        src, dst = self._index(src_slots, num, "src_slots"), self._index(dst_slots, num, "dst_slots")
-        stream = self._ready(stream)
-        if num:
-            self.launches.fork(src, dst, num, stream)
-
-    def rollback(self, slots: Buffer, counts: Buffer, num_seqs: int, stream: int = 0) -> None:
-        """Drop the last ``counts[s]`` tokens (u32, on the device) of slot ``slots[s]``'s history,
-        at most ``max_draft`` below the highest position it held (deeper: ``DecodeError.ROLLBACK``)."""
-        num_seqs, _ = self._sizes(num_seqs, 0)
-        slots, counts = self._index(slots, num_seqs, "slots"), self._index(counts, num_seqs, "counts")
-        stream = self._ready(stream)
-        if num_seqs:
-            self.launches.rollback(slots, counts, num_seqs, stream)
-
-    def reset(self, slot: int, stream: int = 0) -> None:
-        """Empty slot ``slot``'s history (a new request); a memset, so capturable too."""
-        self.histories.reset(slot, self._ready(stream))
-
-    def reset_all(self, stream: int = 0) -> None:
-        """Empty every slot's history."""
-        self.histories.reset_all(self._ready(stream))
-
     # -- outside the hot path -------------------------------------------------------------------
-    def check_errors(self, stream: int | None = None) -> DecodeError:
-        """The flags raised since the last check, then cleared; waits for ``stream``."""
-        return self.histories.check_errors(self._host_stream(stream))
-
-    def history(self, slot: int, stream: int | None = None) -> np.ndarray:
-        """The compressed ids slot ``slot`` looks back on (oldest first; ``NO_TOKEN`` for a
-        non-text or bad token); waits for ``stream``."""
-        return self.histories.entries(slot, self._host_stream(stream))
-
     def emb_of(self, i: int) -> int:
         """The address of Engram layer ``layer_ids[i]``'s gathered rows ``[max_rows, emb_dim]`` bf16."""
         return int(self.emb) + i * self.max_rows * self.config.emb_dim * 2
@@ -229,51 +197,15 @@ class EngramDecoder(Closing):
         """The address of Engram layer ``layer_ids[i]``'s projection ``[max_rows, kv_dim]`` bf16."""
         return int(self.kv) + i * self.max_rows * self.config.kv_dim * 2
 
-    @property
-    def closed(self) -> bool:
-        """True once ``close()`` ran: every call then raises ``ClosedError``."""
-        return self._resources.closed
-
-    def close(self) -> None:
-        """Free the histories and buffers (not the weights); once."""
-        self._resources.close()
-
     # -- helpers --------------------------------------------------------------------------------
-    def _ready(self, stream: int) -> int:
+    def _open(self) -> None:
         validate.require_open(self.closed, _WHAT)
         validate.require_open(self.weights.closed, f"{_WHAT}: its weights")
-        return validate.stream(stream, f"{_WHAT}: stream")
-
-    def _host_stream(self, stream: int | None) -> int:
-        return self._ready(self.stream if stream is None else stream)
-
-    def _sizes(self, num_seqs: int, rows: int, *, limit_rows: bool = True) -> tuple[int, int]:
-        num_seqs = validate.u32(num_seqs, f"{_WHAT}: num_seqs")
-        rows = validate.u32(rows, f"{_WHAT}: num_tokens")
-        if num_seqs > self.max_seqs:
-            raise ValueError(f"{_WHAT}: num_seqs {num_seqs} over max_seqs {self.max_seqs}")
-        if limit_rows and rows > self.max_rows:
-            raise ValueError(f"{_WHAT}: {rows} rows over max_rows {self.max_rows}")
-        if rows and not num_seqs:
-            raise ValueError(f"{_WHAT}: {rows} tokens in no sequence")
-        return num_seqs, rows
-
-    def _index(self, buf: Buffer, count: int, what: str) -> int:
-        return interop.device_address(buf, f"{_WHAT} {what}", dtypes=interop.INDEX, count=count, gpu=self.gpu)
 
     def _text(self, text: Buffer | None, rows: int) -> int:
         if text is None:
             return 0
         return interop.device_address(text, f"{_WHAT} text", dtypes=_U8, count=rows, gpu=self.gpu)
-
-    def _ragged(
-        self, tokens: Buffer, cu_seqlens: Buffer, slots: Buffer, num_seqs: int, num_tokens: int
-    ) -> tuple[int, int, int]:
-        return (
-            self._index(tokens, num_tokens, "tokens"),
-            self._index(cu_seqlens, num_seqs + 1, "cu_seqlens"),
-            self._index(slots, num_seqs, "slots"),
-        )
 
     def _projections(self, rows: int) -> list[Any]:
         """Each layer's prepared GEMM ``kv[:rows] = emb[:rows] @ wkv^T`` (made once per row count)."""

@@ -24,13 +24,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
-from gpu_runtime import interop, validate
+from gpu_runtime import validate
 
 from ..ops.ngram_decode import NO_ADAPTER, NO_ADAPTERS, PAD_SLOT, AdapterTables, DecodeError, DecodeLaunches
 from ..overlay.slots import OverlaySlots
-from ..resources import Closing, Resources
+from ..resources import Resources
+from ..token_history import HistoryCalls, SlotHistories
 from .front import require_open
 from .projection import RowProjection, check_collective, gemm_path
 from .runner_checks import (
@@ -55,7 +54,7 @@ _WHAT = "NgramDecoder"
 _STREAM = f"{_WHAT}: stream"
 
 
-class NgramDecoder(Closing):
+class NgramDecoder(HistoryCalls):
     """The n-gram embedding for a serving loop's captured decode step: each of ``max_seqs`` slots
     keeps its token history on the device, and every call (``prefill``, ``step``, ``seed``, ``fork``,
     ``rollback``, ``reset``) takes device buffers only, with no host synchronisation, so it can be
@@ -65,6 +64,9 @@ class NgramDecoder(Closing):
     the model's). ``batch_invariant``: every row's bits the same
     whatever else is in its call (and equal to the fused path's alone, ``projection.gemm_path``).
     ``collective``: a tensor-parallel shard's all-reduce (required for a shard's weights)."""
+
+    WHAT = _WHAT
+    launches: DecodeLaunches
 
     def __init__(
         self,
@@ -95,20 +97,15 @@ class NgramDecoder(Closing):
         self.weights, self.dims, self.gpu, self.stream = weights, dims, gpu, stream
         self.max_seqs, self.max_rows, self.max_draft = max_seqs, max_rows, max_draft
         self.adapter_slots, self.collective = adapter_slots, collective
-        self.hist_len = max(dims.max_ngram - 1 + max_draft, 1)
         self._resources = own = Resources(gpu)  # every buffer: released by close()
         try:
             self.projection = RowProjection(weights, max_rows, own, stream, collective=collective, path=path)
-            self.hist = own.alloc(max_seqs * self.hist_len * 4)
-            self.state = own.alloc(max_seqs * 2 * 4)
-            self.ctrl = own.alloc(2 * 4)
             self.word_ids = own.alloc(max_rows * 4)
             # each row's adapter word row (u64 address, 0: the base table's), for the GEMM
             self.word_over = own.alloc(max_rows * 8) if adapter_slots is not None else None
-            gpu.memset(self.hist, 0xFF, max_seqs * self.hist_len * 4, stream)
-            gpu.memset(self.state, 0, max_seqs * 2 * 4, stream)
-            gpu.memset(self.ctrl, 0, 2 * 4, stream)
-            gpu.synchronize(stream)  # ready for a first call on any stream (a created one does not wait)
+            self.histories = SlotHistories(
+                gpu, own, max_seqs=max_seqs, back=dims.max_ngram - 1, max_draft=max_draft, stream=stream, what=_WHAT
+            )
             proj = self.projection
             self.launches = DecodeLaunches(
                 gpu,
@@ -189,112 +186,11 @@ class NgramDecoder(Closing):
         if num_seqs:
             self.launches.seed(*indices, num_tokens, num_seqs, stream)
 
-    def fork(self, src_slots: Buffer, dst_slots: Buffer, num: int, stream: int = 0) -> None:
-        """Slot ``dst_slots[p]`` becomes a copy of slot ``src_slots[p]`` (its history and
-        position, so drafts roll back alike), ``p < num``: parallel samples, beam search. One
-        launch. A pair with a ``PAD_SLOT`` is skipped; a bad slot is flagged (``SLOT``) and its
-        pair skipped. A destination that is also a source or destination of another pair of the
-        same call races (in bounds, result unspecified)."""
-        num = validate.u32(num, "NgramDecoder.fork: num")
-        src = self._index(src_slots, num, "src_slots")
-        dst = self._index(dst_slots, num, "dst_slots")
-        stream = self._ready(stream)
-        if num:
-            self.launches.fork(src, dst, num, stream)
-
-    def rollback(self, slots: Buffer, counts: Buffer, num_seqs: int, stream: int = 0) -> None:
-        """Drop the last ``counts[s]`` tokens (u32, on the device) of slot ``slots[s]``'s history;
-        down to at most ``max_draft`` below the highest position the slot has held: always the
-        last call's tokens, further only within that bound (deeper: ``DecodeError.ROLLBACK``,
-        the slot untouched). A ``PAD_SLOT`` entry is skipped."""
-        num_seqs, _ = self._sizes(num_seqs, 0)
-        slots = self._index(slots, num_seqs, "slots")
-        counts = self._index(counts, num_seqs, "counts")
-        stream = self._ready(stream)
-        if num_seqs:
-            self.launches.rollback(slots, counts, num_seqs, stream)
-
-    def reset(self, slot: int, stream: int = 0) -> None:
-        """Empty slot ``slot``'s history (a new request); a memset, so capturable too."""
-        stream = self._ready(stream)
-        slot = validate.count(slot, "NgramDecoder.reset: slot", limit=self.max_seqs)
-        self.gpu.memset(self.state.offset(slot * 8), 0, 8, stream)
-
-    def reset_all(self, stream: int = 0) -> None:
-        """Empty every slot's history (a memset on ``stream``, capturable too)."""
-        stream = self._ready(stream)
-        self.gpu.memset(self.state, 0, self.max_seqs * 8, stream)
-
-    # -- outside the hot path ---------------------------------------------------------------------
-    def check_errors(self, stream: int | None = None) -> DecodeError:
-        """The flags raised by every call since the last check, then cleared. Waits for
-        ``stream`` (default: the construction stream), so keep it out of the step loop."""
-        self._open()
-        stream = self.stream if stream is None else validate.stream(stream, _STREAM)
-        word = np.zeros(1, np.uint32)
-        self.gpu.copy_d2h(word, self.ctrl, stream)
-        if word[0]:
-            self.gpu.memset(self.ctrl, 0, 4, stream)
-        return DecodeError(int(word[0]))
-
-    def history(self, slot: int, stream: int | None = None) -> np.ndarray:
-        """The tokens slot ``slot`` looks back on (its last ``min(pos, N - 1)``, oldest first;
-        a bad token is kept as 0xFFFFFFFF); waits for ``stream``. For tests and debugging."""
-        self._open()
-        slot = validate.count(slot, "NgramDecoder.history: slot", limit=self.max_seqs)
-        stream = self.stream if stream is None else validate.stream(stream, _STREAM)
-        state = np.zeros(2, np.uint32)
-        ring = np.zeros(self.hist_len, np.uint32)
-        self.gpu.copy_d2h(state, self.state.offset(slot * 8), stream)
-        self.gpu.copy_d2h(ring, self.hist.offset(slot * self.hist_len * 4), stream)
-        pos = int(state[0])
-        return ring[[q % self.hist_len for q in range(pos - min(pos, self.dims.max_ngram - 1), pos)]]
-
-    def close(self) -> None:
-        """Free the state and the gather buffer (not the weights); once."""
-        self._resources.close()
-
     # -- helpers ----------------------------------------------------------------------------------
-    @property
-    def closed(self) -> bool:
-        """True once ``close()`` ran: every call then raises ``ClosedError``."""
-        return self._resources.closed
-
     def _open(self) -> None:
         require_open(_WHAT, self, self.weights)
         if self.collective is not None:
             validate.require_open(self.collective.closed, f"{_WHAT}: its collective")
-
-    def _ready(self, stream: int) -> int:
-        """``stream``, checked, once the decoder (and its collective) are known to be open."""
-        self._open()
-        return validate.stream(stream, _STREAM)
-
-    def _sizes(self, num_seqs: int, rows: int, *, limit_rows: bool = True) -> tuple[int, int]:
-        num_seqs = validate.u32(num_seqs, "NgramDecoder: num_seqs")
-        rows = validate.u32(rows, "NgramDecoder: num_tokens")
-        if num_seqs > self.max_seqs:
-            raise ValueError(f"NgramDecoder: num_seqs {num_seqs} over max_seqs {self.max_seqs}")
-        if limit_rows and rows > self.max_rows:
-            raise ValueError(f"NgramDecoder: {rows} rows over max_rows {self.max_rows}")
-        if rows and not num_seqs:
-            raise ValueError(f"NgramDecoder: {rows} tokens in no sequence")
-        return num_seqs, rows
-
-    def _index(self, buf: Buffer, count: int, what: str) -> int:
-        """The address of a u32 (or int32) device buffer of at least ``count`` entries
-        (``gpu_runtime.interop``: an address, a ``DeviceArray``, or a foreign array)."""
-        return interop.device_address(buf, f"NgramDecoder {what}", dtypes=interop.INDEX, count=count, gpu=self.gpu)
-
-    def _ragged(
-        self, tokens: Buffer, cu_seqlens: Buffer, slots: Buffer, num_seqs: int, num_tokens: int
-    ) -> tuple[int, int, int]:
-        """The addresses of a ragged batch's ``tokens``, ``cu_seqlens`` and ``slots`` (``prefill``, ``seed``)."""
-        return (
-            self._index(tokens, num_tokens, "tokens"),
-            self._index(cu_seqlens, num_seqs + 1, "cu_seqlens"),
-            self._index(slots, num_seqs, "slots"),
-        )
 
     def _adapter_tables(self, adapters: Buffer | None, num_seqs: int) -> AdapterTables:
         """The gather's adapter arguments for a call's ``adapters`` (None: none)."""

@@ -322,3 +322,76 @@ def test_a_text_mask_decides_over_the_image_id(gpu, rng):
         want = np.where(mask[:, None].astype(bool), m.operand(0, ids), np.zeros((), BF16))
         assert (emb.view(np.uint16) == want.view(np.uint16)).all()
     m.weights.close()
+
+
+# -- tensor parallelism ---------------------------------------------------------------------------
+def rank_weights(gpu, cfg, tmap, a, size, placement="device"):
+    return [EngramWeights.from_arrays(gpu, cfg, tmap, a["tables"], a["wkv"], a["q"], a["k"], placement=placement,
+                                      shard=Shard(r, size)) for r in range(size)]
+
+
+def test_a_shard_without_a_collective_is_refused_at_its_first_call(rng):
+    gpu, cfg = RecordingBackend(), tiny()
+    a = arrays(rng, cfg)
+    (w0, _) = rank_weights(gpu, cfg, token_map(rng, cfg), a, 2)
+    dec = EngramDecoder(w0, max_seqs=2, max_rows=8)
+    gpu.launches.clear()
+    with pytest.raises(ValueError, match="collective= .* or drive the group with lookup_all"):
+        dec.step(0x1000, 0x2000, 1)
+    assert gpu.launches == []
+
+
+class RecordingGroup:
+    """A ``CollectiveGroup`` of ``size`` that records its all-reduces beside the backend's launches."""
+
+    def __init__(self, gpu: RecordingBackend, size: int) -> None:
+        self.gpu, self.size, self.closed, self.calls = gpu, size, False, []
+
+    def allreduce_bf16_all(self, buffers) -> None:
+        self.calls.append((len(self.gpu.launches), list(buffers)))
+
+
+def test_lookup_all_gathers_on_every_rank_sums_then_projects(rng):
+    from layers.engram.rank_group import lookup_all
+
+    gpu, cfg = RecordingBackend(), tiny()
+    a = arrays(rng, cfg)
+    ranks = [EngramDecoder(w, max_seqs=2, max_rows=8) for w in rank_weights(gpu, cfg, token_map(rng, cfg), a, 2)]
+    gpu.launches.clear()
+    group = RecordingGroup(gpu, 2)
+    lookup_all(group, ranks, [0x1000] * 2, [0x2000] * 2, [0x3000] * 2, 2, 5, [7, 8])
+    names = [gpu.kernel_of(launch)[1] for launch in gpu.launches]
+    assert names[:2] == ["engram_lookup"] * 2 and len(names) == 6  # then a GEMM per rank and layer
+    count = 5 * cfg.emb_dim
+    assert group.calls == [(2, [(r.emb_of(i), count, s) for r, s in zip(ranks, (7, 8))]) for i in range(2)]
+    assert [launch.stream for launch in gpu.launches] == [7, 8, 7, 7, 8, 8]
+
+
+@pytest.mark.gpu
+def test_two_ranks_on_one_device_give_the_single_gpu_rows(gpu, rng):
+    from layers.engram.rank_group import lookup_all
+    from layers.tensor_parallel import LocalGroup
+
+    m = Model(gpu, rng)
+    cfg = m.cfg
+    ranks_w = rank_weights(gpu, cfg, m.map, m.a, 2)
+    seqs = sequences(rng, [6, 9])
+    tokens = np.concatenate(seqs)
+    cu, slots = np.cumsum([0, 6, 15]), [0, 1]
+    t = len(tokens)
+    with m.decoder(max_seqs=2, max_rows=16) as one:
+        ranks = [EngramDecoder(w, max_seqs=2, max_rows=16) for w in ranks_w]
+        one.prefill(u32(gpu, tokens), u32(gpu, cu), u32(gpu, slots), 2, t)
+        group = LocalGroup(gpu, 2)
+        args = [[u32(gpu, v) for _ in range(2)] for v in (tokens, cu, slots)]
+        lookup_all(group, ranks, *args, 2, t, [0, 0])
+        gpu.synchronize()
+        for i in range(len(cfg.layer_ids)):
+            want = read(gpu, one.kv_of(i), (t, cfg.kv_dim), BF16)
+            for r, rank in enumerate(ranks):
+                got = read(gpu, rank.kv_of(i), (t, cfg.kv_dim), BF16)
+                assert (got.view(np.uint16) == want.view(np.uint16)).all(), (i, r)
+        for rank, w in zip(ranks, ranks_w):
+            rank.close()
+            w.close()
+    m.weights.close()

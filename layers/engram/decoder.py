@@ -28,6 +28,7 @@ from ..ops import gemm
 from ..ops.engram import EngramGate, EngramLaunches
 from ..ops.token_history import NO_TOKEN, PAD_SLOT, DecodeError, TokenCode
 from ..resources import Resources
+from ..tensor_parallel import Collective
 from ..token_history import HistoryCalls, SlotHistories
 from .weights import EngramWeights
 
@@ -42,7 +43,10 @@ _U8 = (np.dtype(np.uint8), np.dtype(np.bool_))
 class EngramDecoder(HistoryCalls):
     """Engram for ``max_seqs`` slots and calls of at most ``max_rows`` tokens (module docstring).
     ``batch_invariant``: every row's bits the same whatever else is in its call (the projection's
-    small GEMM path for every row count: a step's rows equal a prefill's). Borrows the weights."""
+    small GEMM path for every row count: a step's rows equal a prefill's). ``collective``: a
+    tensor-parallel shard's all-reduce (one process per rank; ``lookup_all`` drives a whole
+    in-process group): each rank gathers the rows it holds, zeros elsewhere, and the sum of the
+    ranks' rows is exact (one rank holds each row). Borrows the weights."""
 
     WHAT = _WHAT
     launches: EngramLaunches
@@ -56,12 +60,24 @@ class EngramDecoder(HistoryCalls):
         max_draft: int = 0,
         stream: int = 0,
         batch_invariant: bool = False,
+        collective: Any = None,
     ) -> None:
         if not isinstance(weights, EngramWeights):
             raise TypeError(f"{_WHAT}: weights must be EngramWeights, got {type(weights).__name__}")
         validate.require_open(weights.closed, f"{_WHAT}: its weights")
-        if weights.shard is not None and weights.shard.size > 1:
-            raise ValueError(f"{_WHAT}: tensor-parallel weights need a collective (not served yet)")
+        shard = weights.shard
+        if collective is not None:
+            if not isinstance(collective, Collective):
+                raise TypeError(
+                    f"{_WHAT}: collective must be a layers.tensor_parallel.Collective, got {type(collective).__name__}"
+                )
+            validate.require_open(collective.closed, f"{_WHAT}: its collective")
+            if shard is None or (collective.rank, collective.size) != (shard.rank, shard.size):
+                where = "not a shard" if shard is None else f"rank {shard.rank} of {shard.size}"
+                raise ValueError(
+                    f"{_WHAT}: the collective is rank {collective.rank} of {collective.size}, the weights {where}"
+                )
+        self.collective = collective
         max_seqs = validate.positive(max_seqs, f"{_WHAT}: max_seqs", limit=1 << 31)
         max_rows = validate.positive(max_rows, f"{_WHAT}: max_rows", limit=1 << 31)
         max_draft = validate.count(max_draft, f"{_WHAT}: max_draft", limit=1 << 31)
@@ -235,9 +251,29 @@ class EngramDecoder(HistoryCalls):
         self, indices: tuple[int, int, int], text: int, num_seqs: int, rows: int, per_seq: int, stream: int
     ) -> None:
         stream = self._ready(stream)
+        shard = self.weights.shard
+        if shard is not None and shard.size > 1 and self.collective is None:
+            raise ValueError(
+                f"{_WHAT}: the weights are rank {shard.rank} of a tensor-parallel group: build the decoder with "
+                "collective= (its end of the communicator), or drive the group with lookup_all"
+            )
         if rows == 0:
             return
-        plans = self._projections(rows)
+        self._projections(rows)  # planned (and cached) before anything is launched
+        self.gather(indices, text, num_seqs, rows, per_seq, stream)
+        if self.collective is not None:
+            for i in range(len(self.config.layer_ids)):
+                self.collective.allreduce_bf16(self.emb_of(i), rows * self.config.emb_dim, stream)
+        self.project(rows, stream)
+
+    def gather(
+        self, indices: tuple[int, int, int], text: int, num_seqs: int, rows: int, per_seq: int, stream: int
+    ) -> None:
+        """The lookup alone (hash, gather into ``emb``, the histories' update), on checked
+        arguments (``prefill`` / ``step`` check them; ``lookup_all`` and benchmarks call it)."""
         self.launches.lookup(*indices, text, rows, num_seqs, per_seq, stream)
-        for plan in plans:
+
+    def project(self, rows: int, stream: int) -> None:
+        """Every layer's ``kv[:rows] = emb[:rows] @ wkv^T`` (the GEMMs alone; ``rows >= 1``)."""
+        for plan in self._projections(rows):
             plan.run(stream)

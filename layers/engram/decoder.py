@@ -28,7 +28,7 @@ from ..ops import gemm
 from ..ops.engram import EngramGate, EngramLaunches
 from ..ops.token_history import NO_TOKEN, PAD_SLOT, DecodeError, TokenCode
 from ..resources import Resources
-from ..tensor_parallel import Collective
+from ..tensor_parallel import check_collective
 from ..token_history import HistoryCalls, SlotHistories
 from .weights import EngramWeights
 
@@ -65,18 +65,8 @@ class EngramDecoder(HistoryCalls):
         if not isinstance(weights, EngramWeights):
             raise TypeError(f"{_WHAT}: weights must be EngramWeights, got {type(weights).__name__}")
         validate.require_open(weights.closed, f"{_WHAT}: its weights")
-        shard = weights.shard
-        if collective is not None:
-            if not isinstance(collective, Collective):
-                raise TypeError(
-                    f"{_WHAT}: collective must be a layers.tensor_parallel.Collective, got {type(collective).__name__}"
-                )
-            validate.require_open(collective.closed, f"{_WHAT}: its collective")
-            if shard is None or (collective.rank, collective.size) != (shard.rank, shard.size):
-                where = "not a shard" if shard is None else f"rank {shard.rank} of {shard.size}"
-                raise ValueError(
-                    f"{_WHAT}: the collective is rank {collective.rank} of {collective.size}, the weights {where}"
-                )
+        how = "EngramWeights.from_arrays / from_checkpoint(..., shard=Shard(rank, size))"
+        check_collective(_WHAT, collective, weights.shard, how)
         self.collective = collective
         max_seqs = validate.positive(max_seqs, f"{_WHAT}: max_seqs", limit=1 << 31)
         max_rows = validate.positive(max_rows, f"{_WHAT}: max_rows", limit=1 << 31)

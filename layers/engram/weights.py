@@ -82,11 +82,13 @@ class Shard:
 
 @dataclass(eq=False)
 class EngramLayer:
-    """One Engram layer's weights: its table rows (``lo`` .. ``lo + table.rows`` of the full
-    table), ``wkv`` (bf16 on the device) and ``q`` / ``k`` (device addresses, bf16 ``[hc, D]``)."""
+    """One Engram layer's weights: its table rows (``lo`` .. ``lo + count`` of the full table; a
+    rank that holds none keeps a one-row block), ``wkv`` (bf16 on the device) and ``q`` / ``k``
+    (device addresses, bf16 ``[hc, D]``)."""
 
     table: RowBlock
     lo: int
+    count: int
     wkv: DenseWeight
     q: DevicePtr
     k: DevicePtr
@@ -200,7 +202,7 @@ class EngramWeights(Closing):
         for name, array in (("q_weight", q), ("k_weight", k)):
             _shape(array, (cfg.hc_mult, cfg.hidden_size), (BF16,), f"{what} {name}")
             qk.append(self._resources.upload(np.ascontiguousarray(array), stream))
-        self.layers.append(EngramLayer(block, lo, dense, qk[0], qk[1]))
+        self.layers.append(EngramLayer(block, lo, count, dense, qk[0], qk[1]))
 
     def _upload_hash(self, stream: int) -> None:
         cfg, own = self.config, self._resources
@@ -208,18 +210,9 @@ class EngramWeights(Closing):
         self.mult = own.upload(np.ascontiguousarray(cfg.multipliers.astype(np.uint64)), stream)
         self.primes = own.upload(np.ascontiguousarray(cfg.primes.astype(np.uint64)), stream)
         self.offsets = own.upload(np.ascontiguousarray(cfg.offsets.astype(np.uint64)), stream)
-        descriptors = np.array(
-            [
-                [int(layer.table.address), layer.lo, layer.table.rows if self._holds(i) else 0, 0]
-                for i, layer in enumerate(self.layers)
-            ],
-            np.uint64,
-        )
+        rows = [[int(layer.table.address), layer.lo, layer.count, 0] for layer in self.layers]
+        descriptors = np.array(rows, np.uint64)
         self.tables = own.upload(descriptors, stream)
-
-    def _holds(self, i: int) -> bool:
-        """Whether this rank holds any row of layer i's table (a RowBlock has at least one row)."""
-        return self.shard is None or self.shard.rows(self.config.num_embeddings[i])[1] > 0
 
     # -- what the runners read -------------------------------------------------------------------
     @property

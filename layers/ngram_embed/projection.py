@@ -22,7 +22,7 @@ from ..kernel_files import load_kernel
 from ..ops import gemm as gemm_ops
 from ..ops.embed import ShardGather
 from ..resources import Resources
-from ..tensor_parallel import Collective
+from ..tensor_parallel import check_collective as check_shard_collective
 from .tables import HostTable
 from .weights import NgramWeights
 
@@ -37,25 +37,7 @@ def gemm_path(batch_invariant: bool) -> str | None:
 def check_collective(what: str, collective: Any, weights: NgramWeights) -> None:
     """``collective`` (None: no all-reduce of its own) suits ``weights``: an open ``Collective``
     of the shard's rank and size, and only for a shard's weights."""
-    if collective is None:
-        return
-    shard = weights.shard
-    if shard is None:
-        raise ValueError(
-            f"{what}: collective given, but the weights are not a tensor-parallel shard "
-            f"(NgramWeights.from_pretrained(..., shard=(rank, size)))"
-        )
-    if not isinstance(collective, Collective):
-        raise TypeError(
-            f"{what}: collective must be a layers.tensor_parallel.Collective "
-            f"(allreduce_bf16, rank, size, closed), got {type(collective).__name__}"
-        )
-    validate.require_open(collective.closed, f"{what}: its collective")
-    if (collective.rank, collective.size) != (shard.rank, shard.size):
-        raise ValueError(
-            f"{what}: the collective is rank {collective.rank} of {collective.size}, "
-            f"the weights rank {shard.rank} of {shard.size}"
-        )
+    check_shard_collective(what, collective, weights.shard, "NgramWeights.from_pretrained(..., shard=(rank, size))")
 
 
 class RowProjection:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
-from gpu_runtime import DeviceBuffer, DevicePtr, GpuBackend, MappedHostMemory, PinnedHostMemory, validate
+from gpu_runtime import ClosedError, DeviceBuffer, DevicePtr, GpuBackend, MappedHostMemory, PinnedHostMemory, validate
 from gpu_runtime.backend import check_backend
 
 if TYPE_CHECKING:
@@ -61,8 +61,6 @@ class RowBlock:
         if first + rows.shape[0] > self.rows:
             raise ValueError(f"RowBlock.write: rows {first}..{first + rows.shape[0]} past the block's {self.rows}")
         if self.closed:
-            from gpu_runtime import ClosedError
-
             raise ClosedError("RowBlock is closed")
         if rows.shape[0] == 0:
             return

@@ -15,7 +15,7 @@ order gives the same bits.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from gpu_runtime import DeviceCopies, GpuBackend, validate
 from gpu_runtime.backend import check_backend
@@ -51,6 +51,27 @@ class CollectiveGroup(Protocol):
 
     def allreduce_bf16_all(self, buffers: Sequence[tuple[int, int, int]]) -> None:
         """Rank r's ``(ptr, count, stream)`` is ``buffers[r]``: each summed over the ranks, in place."""
+
+
+def check_collective(what: str, collective: Any, shard: Any, how: str) -> None:
+    """``collective`` (None: no all-reduce of its own) suits weights whose ``shard`` (its ``rank``
+    and ``size``; None: not a shard, which ``how`` says how to make): an open ``Collective`` of
+    the shard's rank and size, and only for a shard's weights."""
+    if collective is None:
+        return
+    if shard is None:
+        raise ValueError(f"{what}: collective given, but the weights are not a tensor-parallel shard ({how})")
+    if not isinstance(collective, Collective):
+        raise TypeError(
+            f"{what}: collective must be a layers.tensor_parallel.Collective "
+            f"(allreduce_bf16, rank, size, closed), got {type(collective).__name__}"
+        )
+    validate.require_open(collective.closed, f"{what}: its collective")
+    if (collective.rank, collective.size) != (shard.rank, shard.size):
+        raise ValueError(
+            f"{what}: the collective is rank {collective.rank} of {collective.size}, "
+            f"the weights rank {shard.rank} of {shard.size}"
+        )
 
 
 class LocalGroup:

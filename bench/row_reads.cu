@@ -1,5 +1,5 @@
-// Benchmark-only kernels (bench/row_reads.py, bench/real_scale.py): random 512-byte row reads
-// spread over a footprint of device memory, and a fill of bf16 tables on the device.
+// Benchmark-only kernels (bench/row_reads.py, bench/real_scale.py, bench/engram.py): random row reads
+// spread over a footprint of device (or mapped host) memory, and a fill of bf16 tables on the device.
 #include "../kernels/common.cuh"
 
 namespace {
@@ -60,4 +60,30 @@ extern "C" __global__ void read_random_rows(const uint4* data, uint64_t table_ro
         for (uint32_t k = 0; k < kMaxInFlight; ++k) acc ^= v[k].x ^ v[k].y ^ v[k].z ^ v[k].w;
     }
     if (acc == 0x9e3779b9u) sink[warp] = acc;
+}
+
+// Rows of `row_words` 8-byte words (at most 4 * 32: 1 KiB) at 8-byte alignment, such as Engram's packed
+// 264-byte rows: warp i reads read i, table c = i * tables / reads, row mix64(seed, i) % table_rows
+// of it at data + (c * table_rows + row) * row_words, lane l loading words l, l + 32, ... (all
+// issued before any is used: one round trip a row, as a gather's loads are). sink as above.
+extern "C" __global__ void read_random_rows_8(const uint2* data, uint64_t table_rows, uint32_t tables,
+                                              uint32_t reads, uint32_t row_words, uint64_t seed,
+                                              uint32_t* sink) {
+    constexpr uint32_t kWords = 4;  // loads per lane
+    const uint32_t lane = threadIdx.x % 32;
+    const uint32_t i = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    if (i >= reads) return;  // warp-uniform
+    const uint64_t c = static_cast<uint64_t>(i) * tables / reads;
+    const uint64_t row = mix64(seed * 0x100000001b3ull + i) % table_rows;
+    const uint2* src = data + (c * table_rows + row) * row_words;
+    uint2 v[kWords];
+#pragma unroll
+    for (uint32_t k = 0; k < kWords; ++k) {
+        const uint32_t w = lane + 32 * k;
+        v[k] = w < row_words ? __ldcg(src + w) : make_uint2(0, 0);
+    }
+    uint32_t acc = 0;
+#pragma unroll
+    for (uint32_t k = 0; k < kWords; ++k) acc ^= v[k].x ^ v[k].y;
+    if (acc == 0x9e3779b9u) sink[i] = acc;
 }

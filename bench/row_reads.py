@@ -48,6 +48,12 @@ def kernels(gpu: CudaBackend) -> tuple[Kernel, Kernel]:
     return gpu.bind(gpu.kernel(SOURCE, "fill_random_bf16")), gpu.bind(gpu.kernel(SOURCE, "read_random_rows"))
 
 
+def narrow_kernel(gpu: CudaBackend) -> Kernel:
+    """The probe of rows of any multiple of 8 bytes up to 1 KiB (``read_random_rows_8``), bound on
+    ``gpu``: what ``Probe`` and ``read_floor_us`` take with ``row`` other than 512."""
+    return gpu.bind(gpu.kernel(SOURCE, "read_random_rows_8"))
+
+
 def fill_bf16(gpu: CudaBackend, fill: Kernel, ptr: int, count: int, seed: int, scale: float, stream: int) -> None:
     """``count`` bf16 at ``ptr`` set to ``scale`` * uniform [-1, 1) values, on the device."""
     blocks = min(-(-count // THREADS), int(gpu.sm_count) * 64)
@@ -55,8 +61,10 @@ def fill_bf16(gpu: CudaBackend, fill: Kernel, ptr: int, count: int, seed: int, s
 
 
 class Probe:
-    """``run(i)`` reads ``reads`` random rows over ``nbytes`` at ``data``, laid out as ``tables``
-    tables; ``us()`` is the median GPU us of one such call (a fresh row set every call)."""
+    """``run(i)`` reads ``reads`` random rows of ``row`` bytes over ``nbytes`` at ``data``, laid out
+    as ``tables`` tables; ``us()`` is the median GPU us of one such call (a fresh row set every
+    call). ``kernel``: ``kernels``' probe for 512-byte rows, ``narrow_kernel`` (one read a warp,
+    ``shape`` unused) for any other ``row``, a multiple of 8 up to 1024."""
 
     def __init__(
         self,
@@ -68,12 +76,19 @@ class Probe:
         sink: int,
         stream: int,
         shape: tuple[int, int, int] = (1, 1, 0),
+        row: int = ROW,
     ) -> None:
-        per_warp, in_flight, in_order = shape  # as SHAPES gives them
+        per_warp, in_flight, in_order = shape if row == ROW else (1, 1, 0)  # as SHAPES gives them
+        if row != ROW and not (row % 8 == 0 and 8 <= row <= 1024):
+            raise ValueError(f"Probe: rows of a multiple of 8 bytes up to 1024, got {row}")
         warps = -(-reads // per_warp)
         self.config = LaunchConfig(-(-warps * 32 // THREADS), THREADS)
         self.kernel, self.stream = kernel, stream
-        self.args = (data, nbytes // ROW // tables, tables, reads, per_warp, in_flight, in_order)
+        table_rows = nbytes // row // tables
+        if row == ROW:
+            self.args: tuple[int, ...] = (data, table_rows, tables, reads, per_warp, in_flight, in_order)
+        else:
+            self.args = (data, table_rows, tables, reads, row // 8)
         self.sink = sink
 
     def run(self, i: int) -> None:
@@ -191,10 +206,13 @@ def footprint_rows(
     return rows
 
 
-def read_floor_us(kernel: Kernel, data: int, nbytes: int, tables: int, reads: int, sink: int, stream: int) -> float:
-    """The cold-read floor: GPU us of ``reads`` random rows, one warp each, over ``nbytes`` at
-    ``data`` laid out as ``tables`` tables (the probe's first shape)."""
-    return Probe(kernel, data, nbytes, tables, reads, sink, stream).us()
+def read_floor_us(
+    kernel: Kernel, data: int, nbytes: int, tables: int, reads: int, sink: int, stream: int, row: int = ROW
+) -> float:
+    """The cold-read floor: GPU us of ``reads`` random ``row``-byte rows, one warp each, over
+    ``nbytes`` at ``data`` laid out as ``tables`` tables (the probe's first shape; ``Probe`` says
+    which kernel a ``row`` takes)."""
+    return Probe(kernel, data, nbytes, tables, reads, sink, stream, row=row).us()
 
 
 if __name__ == "__main__":

@@ -140,3 +140,84 @@ def test_make_bench_writes_the_record_only_after_every_benchmark():
 
     assert "-m bench.results .logs/bench.log --out bench/RESULTS.md" in dry()
     assert "bench.results" not in dry("BENCHES=kernels")
+
+
+# -- bench.engram's tables (issue 50) --------------------------------------------------------------
+def _table(markdown: str, title: str) -> list[list[str]]:
+    """The cells of the rows of the table under ``### title``."""
+    lines = markdown.splitlines()
+    at = lines.index(f"### {title}")
+    rows = []
+    for line in lines[at + 1:]:
+        if line.startswith("#"):
+            break
+        if line.startswith("| "):
+            rows.append([c.strip() for c in line.strip("|").split("|")])
+    return rows[1:]  # not the header
+
+
+def test_bench_engram_tables_and_targets_come_through_results(rng, capsys):
+    """bench.engram's report (rows of made-up times, each target met or missed by a margin) prints
+    tables that bench.results keeps, and each issue 50 target is met or missed as its numbers say:
+    host lookups at B = 1, 64 against 3x the torch form's, at 1024, 8192 against 1.1x the read
+    floor, every whole step against the torch form's (none: not measured); device lookups have none."""
+    from bench.engram import Check, Results, Row, report
+
+    def row(where, call, n, part, torch_x, floor_x):
+        ours = float(rng.uniform(5, 5000))  # torch_x: torch / ours, floor_x: ours / floor
+        return Row(where, call, n, part, ours, None if torch_x is None else ours * torch_x, ours / floor_x, 0, 1.5)
+
+    host = Results("host", 384006168, 384006168 * 264, [
+        row("host", "decode", 1, "lookup", 3.2, 2.0), row("host", "decode", 1, "whole", 1.1, 2.0),
+        row("host", "decode", 64, "lookup", 2.8, 2.0), row("host", "decode", 64, "whole", 0.9, 2.0),
+        row("host", "prefill", 1024, "lookup", 0.5, 1.05), row("host", "prefill", 1024, "whole", 1.3, 3.0),
+        row("host", "prefill", 8192, "lookup", 9.0, 1.15), row("host", "prefill", 8192, "whole", None, 3.0),
+    ], [Check("host", "decode", 1, 0, 6144, 0.0, 1e-3, 5e-3)])
+    device = Results("device", 384006168, 384006168 * 264, [
+        row("device", "decode", 1, "lookup", 0.5, 9.0), row("device", "decode", 1, "whole", 0.95, 2.0),
+    ], [Check("device", "decode", 1, 0, 6144, 0.0, 1e-3, 0.1)])
+    report([host, device])
+    text = results.render("== bench.engram\n" + capsys.readouterr().out, commit="c", device="d",
+                          when=datetime.now(timezone.utc))
+    got = [(t, where, call, int(n), met) for t, where, call, n, _, met in _table(text, "issue 50's targets")]
+    assert got == [
+        ("lookup >= 3x the torch form's", "host", "decode", 1, "met"),
+        ("whole step never slower than the torch form", "host", "decode", 1, "met"),
+        ("lookup >= 3x the torch form's", "host", "decode", 64, "missed"),
+        ("whole step never slower than the torch form", "host", "decode", 64, "missed"),
+        ("lookup <= 1.1x its rows' read floor", "host", "prefill", 1024, "met"),
+        ("whole step never slower than the torch form", "host", "prefill", 1024, "met"),
+        ("lookup <= 1.1x its rows' read floor", "host", "prefill", 8192, "missed"),
+        ("whole step never slower than the torch form", "host", "prefill", 8192, "-"),
+        ("whole step never slower than the torch form", "device", "decode", 1, "missed"),
+    ]
+    assert "- targets: 4 met, 4 missed, 1 not measured" in text.splitlines()
+    title = "Engram layer 1 at DeepSeek-V4.1-Flash's dims, table in {} memory (384006168 rows, 101.4 GB)"
+    host_rows, device_rows = _table(text, title.format("host")), _table(text, title.format("device"))
+    assert [r[:3] for r in host_rows] == [[r.call, str(r.tokens), r.part] for r in host.rows]
+    assert len(device_rows) == 2 and device_rows[0][4] == f"{device.rows[0].torch:.3g}"
+    notes = [line for line in text.splitlines() if line.startswith("Each row is one call")]
+    assert len(notes) == 2 and notes[0].endswith(": ok") and notes[1].endswith(": MISMATCH")
+
+
+def test_bench_engram_table_slices_are_views_of_its_pool(rng):
+    """bench.engram's synthetic table: row r is row r % period of its random base; a slice as
+    from_arrays reads one (at most CHUNK_ROWS rows) is a view of its pool, any other a copy of the
+    same rows. Its config: the real primes at the real row count, else 24 primes near rows / 24."""
+    from bench.engram import REAL_ROWS, Repeating, engram_config
+    from layers.engram.weights import CHUNK_ROWS
+
+    period = int(rng.integers(3, 50))
+    base = rng.integers(0, 256, (period, 3), dtype=np.uint8)
+    table = Repeating(base, 10 * CHUNK_ROWS)
+    for a, b, step in [(0, CHUNK_ROWS, 1), (int(rng.integers(0, 9 * CHUNK_ROWS)), None, 1),
+                       (int(rng.integers(0, CHUNK_ROWS)), 3 * CHUNK_ROWS, 1), (5, 900, int(rng.integers(2, 9)))]:
+        b = a + int(rng.integers(0, CHUNK_ROWS)) if b is None else b
+        got = table[a:b:step]
+        assert (got == base[np.arange(a, b, step) % period]).all()
+        assert np.shares_memory(got, table.pool) == (step == 1 and b - a <= CHUNK_ROWS)
+    real = engram_config(REAL_ROWS)
+    assert (real.primes[0, 0], real.primes[0, -1], real.num_embeddings) == (16000057, 16000463, (REAL_ROWS,))
+    rows = int(rng.integers(10**5, 10**7))
+    small = engram_config(rows)
+    assert small.num_embeddings[0] == small.primes.sum() and abs(small.num_embeddings[0] - rows) < rows // 100

@@ -16,32 +16,14 @@ from layers.engram.decoder import PAD_SLOT, DecodeError, EngramDecoder
 from layers.engram.hashing import compress, row_ids
 from layers.engram.token_map import TokenMap
 from layers.engram.weights import EngramWeights, Shard, pack_rows, row_stride
+from layers.ngram_store.placement import DeviceBudget
 from layers.reference.engram import act_quant, emb_from_rows, gate_ref, wkv_fp64
 from tests.helpers import random_bf16
-from tests.helpers.engram import make_tensors, tiny
+from tests.helpers.engram import arrays, tiny, token_map
 from tests.helpers.fakes import RecordingBackend
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 IMAGE = 49  # tiny()'s image_token_id
-
-
-def token_map(rng: np.random.Generator, cfg: EngramConfig) -> TokenMap:
-    """A map of ``cfg.vocab_size`` ids onto ``compressed_vocab_size``: the first ids in order, the
-    rest random (several ids share a compressed id, as normalised tokens do)."""
-    c = cfg.compressed_vocab_size
-    ids = np.concatenate([np.arange(c), rng.integers(0, c, cfg.vocab_size - c)]).astype(np.int32)
-    return TokenMap(ids)
-
-
-def arrays(rng: np.random.Generator, cfg: EngramConfig) -> dict:
-    t = make_tensors(rng, cfg)
-    layers = cfg.layer_ids
-    return {
-        "tables": [(t[f"layers.{L}.engram.embed.weight"], t[f"layers.{L}.engram.embed.scale"]) for L in layers],
-        "wkv": [(t[f"layers.{L}.engram.wkv.weight"], t[f"layers.{L}.engram.wkv.scale"]) for L in layers],
-        "q": [t[f"layers.{L}.engram.q_weight"] for L in layers],
-        "k": [t[f"layers.{L}.engram.k_weight"] for L in layers],
-    }
 
 
 # -- CPU ----------------------------------------------------------------------------------------
@@ -52,6 +34,26 @@ def test_pack_rows_puts_the_scales_after_the_row_and_pads_to_8():
     packed = pack_rows(w, s, 72)
     assert packed.shape == (2, 72)
     assert (packed[:, :64] == w).all() and (packed[:, 64:66] == s).all() and (packed[:, 66:] == 0).all()
+
+
+@pytest.mark.parametrize("placement", ["host", "device"])
+def test_tables_are_packed_piece_by_piece_into_their_rows(rng, monkeypatch, placement):
+    """Pieces of 7 rows (the last one short), a rank's range of rows: host rows packed in
+    place, device rows uploaded from one reused piece; every byte as ``pack_rows`` packs it."""
+    monkeypatch.setattr("layers.engram.weights.CHUNK_ROWS", 7)
+    gpu, cfg, a = RecordingBackend(), tiny(), arrays(rng, tiny())
+    w = EngramWeights.from_arrays(gpu, cfg, token_map(rng, cfg), a["tables"], a["wkv"], a["q"], a["k"],
+                                  placement=placement, shard=Shard(1, 3))
+    stride = row_stride(cfg.head_dim)
+    for layer, (table, scale) in zip(w.layers, a["tables"]):
+        want = pack_rows(table[layer.lo:layer.lo + layer.count], scale[layer.lo:layer.lo + layer.count], stride)
+        if placement == "host":
+            got = layer.table.host.reshape(-1, stride)
+        else:
+            at = int(layer.table.address)
+            got = np.frombuffer(b"".join(op[1] for op in gpu.ops if op[0] == "h2d" and
+                                         at <= op[2] < at + layer.count * stride), np.uint8).reshape(-1, stride)
+        assert np.array_equal(got, want)
 
 
 def test_shard_rows_split_as_the_reference_does():
@@ -112,6 +114,38 @@ def test_a_token_map_of_the_wrong_size_is_refused(rng):
     small = TokenMap(np.arange(cfg.vocab_size, dtype=np.int32) % (cfg.compressed_vocab_size - 1))
     with pytest.raises(ValueError, match="every hash multiplier derives"):
         EngramWeights.from_arrays(RecordingBackend(), cfg, small, a["tables"], a["wkv"], a["q"], a["k"])
+
+
+def fixed_device_bytes(cfg: EngramConfig) -> int:
+    """What ``DeviceBudget`` counts before any table (worked out here, apart from the code):
+    each layer's bf16 wkv and q / k, the int32 token map, and the hash's u64 multipliers, primes,
+    offsets and 4-word table descriptors."""
+    layers = len(cfg.layer_ids)
+    wkv = cfg.kv_dim * cfg.emb_dim * 2
+    qk = 2 * cfg.hc_mult * cfg.hidden_size * 2
+    hash_arrays = layers * (cfg.max_ngram + 2 * cfg.n_hash_cols + 4) * 8
+    return layers * (wkv + qk) + cfg.vocab_size * 4 + hash_arrays
+
+
+@pytest.mark.parametrize("room, places", [(0, ["host", "host"]), (1, ["device", "host"]), (2, ["device", "device"])])
+def test_a_device_budget_puts_tables_on_the_device_in_order(rng, room, places):
+    cfg, a = tiny(), arrays(rng, tiny())
+    sizes = [rows * row_stride(cfg.head_dim) for rows in cfg.num_embeddings]
+    budget = fixed_device_bytes(cfg) + sum(sizes[:room]) + (sizes[room] - 1 if room < 2 else 0)
+    for placement in (DeviceBudget(budget), budget):
+        w = EngramWeights.from_arrays(RecordingBackend(), cfg, token_map(rng, cfg), a["tables"], a["wkv"], a["q"],
+                                      a["k"], placement=placement)
+        assert [layer.table.where for layer in w.layers] == places
+
+
+def test_a_device_budget_too_small_for_the_fixed_part_is_refused_before_any_upload(rng):
+    cfg, a = tiny(), arrays(rng, tiny())
+    gpu, fixed = RecordingBackend(), fixed_device_bytes(cfg)
+    with pytest.raises(ValueError, match=rf"DeviceBudget\({fixed - 1}\): wkv \(bf16\), q, k and the hash's arrays "
+                                         rf"alone take {fixed} bytes"):
+        EngramWeights.from_arrays(gpu, cfg, token_map(rng, cfg), a["tables"], a["wkv"], a["q"], a["k"],
+                                  placement=DeviceBudget(fixed - 1))
+    assert gpu.ops == [] and gpu.launches == []
 
 
 # -- GPU ----------------------------------------------------------------------------------------

@@ -51,6 +51,7 @@ from gpu_runtime import (
 from gpu_runtime.backend import check_backend
 from layers import safetensors_io
 from layers.dense_weight import BF16, DenseWeight
+from layers.engram import EngramCheckpoint, EngramDecoder, EngramWeights, Shard, lookup_all
 from layers.ngram_embed import (FusedNgramEmbedding, HostWeight, NgramDecoder, NgramEmbedding, NgramWeights, RowCache,
                                  embed_all, write_table)
 from tests.helpers.tensor_parallel import FakeGroup, Ranks
@@ -59,6 +60,7 @@ from layers.overlay import OverlaySlots, build_overlay
 from layers.peft_adapter import overlay_from_peft, read_peft_adapter
 from layers.tensor_parallel import LocalGroup, nccl
 from tests.helpers import random_bf16
+from tests.helpers import engram
 from tests.helpers.checkpoint import make_model, write_model
 from tests.helpers.logging_backend import LoggingBackend
 from tests.helpers.ngram import device_weights, random_layer, small_dims
@@ -237,6 +239,30 @@ class Env:
     def collective(self) -> nccl.NcclCollective:
         return nccl.NcclCollective.init(2, 1, b"x" * 128, self.gpu)
 
+    @cached_property
+    def engram(self) -> tuple[Any, Any, dict]:
+        """A tiny Engram config, its token map and its arrays."""
+        cfg = engram.tiny()
+        return cfg, engram.token_map(self.rng, cfg), engram.arrays(self.rng, cfg)
+
+    def engram_weights(self, **kw: Any) -> EngramWeights:
+        cfg, token_map, a = self.engram
+        return EngramWeights.from_arrays(self.gpu, cfg, token_map, a["tables"], a["wkv"], a["q"], a["k"], **kw)
+
+    @cached_property
+    def engram_decoder(self) -> EngramDecoder:
+        return EngramDecoder(self.engram_weights(), max_seqs=4, max_rows=8, max_draft=2)
+
+    def engram_ranks(self) -> tuple:
+        """``lookup_all``'s arguments for a group of two ranks (one prompt of two tokens)."""
+        ranks = [EngramDecoder(self.engram_weights(shard=Shard(r, 2)), max_seqs=4, max_rows=8) for r in range(2)]
+        return FakeGroup(2), ranks, [self.u32(4, 5)] * 2, [self.u32(0, 2)] * 2, [self.u32(0)] * 2, 1, 2, [0, 0]
+
+    @cached_property
+    def engram_residual(self) -> DevicePtr:
+        cfg = self.engram[0]
+        return self.gpu.alloc(8 * cfg.hc_mult * cfg.hidden_size * 2)
+
     def bound(self) -> Any:
         return self.gpu.bind(self.gpu.kernel("residual_add", "bf16_residual_add"))
 
@@ -246,6 +272,7 @@ def call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Callable[..
 
 
 G, NG, OV, TP = "gpu_runtime.", "layers.ngram_embed.", "layers.overlay.", "layers.tensor_parallel."
+EG, ED = "layers.engram.", "layers.engram.EngramDecoder"
 DW = "layers.dense_weight.DenseWeight"
 CASES: dict[str, Callable[[Env], tuple[Callable[..., Any], tuple, dict]]] = {
     # gpu_runtime
@@ -262,6 +289,27 @@ CASES: dict[str, Callable[[Env], tuple[Callable[..., Any], tuple, dict]]] = {
         .launch),
     G + "Kernel.launch": lambda e: call(e.bound().launch, LaunchConfig(1, 32), 0, e.out, e.out, 8),
     G + "PreparedLaunch.run": lambda e: call(e.bound().prepare(LaunchConfig(1, 32), e.out, e.out, 8).run, 0),
+    # layers.engram
+    EG + "EngramWeights": lambda e: call(EngramWeights, e.gpu, e.engram[0], e.engram[1], None),
+    EG + "EngramWeights.from_arrays": lambda e: call(EngramWeights.from_arrays, e.gpu, *e.engram[:2],
+                                                     *(e.engram[2][k] for k in ("tables", "wkv", "q", "k"))),
+    EG + "EngramWeights.from_checkpoint": lambda e: call(
+        EngramWeights.from_checkpoint, EngramCheckpoint.open(engram.write_model(e.tmp / "engram", e.rng).path),
+        e.gpu, e.engram[1]),
+    ED: lambda e: call(EngramDecoder, e.engram_weights(), max_seqs=4, max_rows=8),
+    ED + ".apply": lambda e: call(e.engram_decoder.apply, 1, e.engram_residual, 2),
+    ED + ".check_errors": lambda e: call(e.engram_decoder.check_errors),
+    ED + ".fork": lambda e: call(e.engram_decoder.fork, e.u32(0), e.u32(1), 1),
+    ED + ".gather": lambda e: call(e.engram_decoder.gather, (e.u32(4, 5), e.u32(0, 2), e.u32(0)), 0, 1, 2, 0, 0),
+    ED + ".history": lambda e: call(e.engram_decoder.history, 0),
+    ED + ".prefill": lambda e: call(e.engram_decoder.prefill, e.u32(4, 5), e.u32(0, 2), e.u32(0), 1, 2),
+    ED + ".project": lambda e: call(e.engram_decoder.project, 2, 0),
+    ED + ".reset": lambda e: call(e.engram_decoder.reset, 0),
+    ED + ".reset_all": lambda e: call(e.engram_decoder.reset_all),
+    ED + ".rollback": lambda e: call(e.engram_decoder.rollback, e.u32(0), e.u32(1), 1),
+    ED + ".seed": lambda e: call(e.engram_decoder.seed, e.u32(4, 5), e.u32(0, 2), e.u32(0), 1, 2),
+    ED + ".step": lambda e: call(e.engram_decoder.step, e.u32(4), e.u32(0), 1),
+    EG + "lookup_all": lambda e: call(lookup_all, *e.engram_ranks()),
     # layers.ngram_embed
     NG + "FusedNgramEmbedding": lambda e: call(FusedNgramEmbedding, e.weights, 8),
     NG + "FusedNgramEmbedding.captured_graph": lambda e: call(FusedNgramEmbedding(e.weights, 8).captured_graph,

@@ -157,7 +157,7 @@ TOOLS = [
     "gpu_runtime.precompile",
     *(f"bench.{name}" for name in
       ("launch", "kernels", "overlay", "ngram_embed", "cached", "decode", "host_gather", "host_pages",
-       "tensor_parallel", "gemm", "results", "row_reads", "real_scale")),
+       "tensor_parallel", "gemm", "results", "row_reads", "real_scale", "engram")),
     "tests.sanitize",
     "tests.bad_inputs",
 ]
@@ -316,12 +316,15 @@ ACCEPTED = {
     ("examples/cpu_reference.py", "--save-model"): ANY_TEXT,
     ("examples/cpu_reference.py", "--seed"): {"0"},
     ("examples/serve_loop.py", "--seed"): {"0"},
+    ("examples/engram_serve_loop.py", "--seed"): {"0"},
 }
 MORE_BAD = {  # values of the form an option takes, wrong all the same
     ("bench.gemm", "--shape"): ("12", "1x2", "1x0x8", "1x2x3x4", "-1x2x3"),
     ("bench.gemm", "--sweep"): ("12", "1x2x3", "0x8"),
     ("bench.gemm", "--sweep-wide"): ("12", "1x2x3"),
     ("bench.decode", "--placements"): (",", "device,cpu"),
+    ("bench.engram", "--placements"): (",", "host,cpu"),
+    ("bench.engram", "--rows"): ("1.5", "1e9"),
     ("bench.host_pages", "--ways"): (",", "hostalloc,bogus"),
     ("bench.host_gather", "--gib"): ("inf", "-inf"),
     ("bench.row_reads", "--ncu"): ("1.5",),

@@ -152,8 +152,9 @@ class EngramDecoder(HistoryCalls):
 
     def apply(self, layer: int, residual: Buffer, num_tokens: int, stream: int = 0) -> None:
         """Gate decoder layer ``layer``'s residual ``[num_tokens, hc_mult, hidden]`` (bf16, in
-        place) with the last ``prefill`` / ``step``'s rows (``num_tokens`` of them): ``x = bf16(x +
-        gate * value)`` at text positions, nothing elsewhere."""
+        place; an array's last extent must be ``hidden``) with the last ``prefill`` / ``step``'s
+        rows (``num_tokens`` of them): ``x = bf16(x + gate * value)`` at text positions, nothing
+        elsewhere."""
         i = self.config.index(layer)
         stream = self._ready(stream)
         rows = validate.u32(num_tokens, f"{_WHAT}.apply: num_tokens")
@@ -167,7 +168,7 @@ class EngramDecoder(HistoryCalls):
             dtypes=(interop.BF16,),
             count=rows * width,
             gpu=self.gpu,
-            cols=width,
+            cols=cfg.hidden_size,
             writable=True,
         )
         if rows:
@@ -261,9 +262,10 @@ class EngramDecoder(HistoryCalls):
     ) -> None:
         """The lookup alone (hash, gather into ``emb``, the histories' update), on checked
         arguments (``prefill`` / ``step`` check them; ``lookup_all`` and benchmarks call it)."""
-        self.launches.lookup(*indices, text, rows, num_seqs, per_seq, stream)
+        self.launches.lookup(*indices, text, rows, num_seqs, per_seq, self._ready(stream))
 
     def project(self, rows: int, stream: int) -> None:
         """Every layer's ``kv[:rows] = emb[:rows] @ wkv^T`` (the GEMMs alone; ``rows >= 1``)."""
+        stream = self._ready(stream)
         for plan in self._projections(rows):
             plan.run(stream)

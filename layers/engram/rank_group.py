@@ -31,6 +31,10 @@ def lookup_all(
     if not isinstance(group, CollectiveGroup):
         raise TypeError(f"lookup_all: group must be a CollectiveGroup, got {type(group).__name__}")
     validate.require_open(group.closed, "lookup_all: the group")
+    per_rank = {"ranks": ranks, "tokens": tokens, "cu_seqlens": cu_seqlens, "slots": slots, "streams": streams}
+    for name, given in per_rank.items():
+        if not isinstance(given, Sequence):
+            raise TypeError(f"lookup_all: {name} must be a sequence, one entry per rank, got {type(given).__name__}")
     if not (len(ranks) == len(tokens) == len(cu_seqlens) == len(slots) == len(streams) == group.size):
         raise ValueError(f"lookup_all: every per-rank sequence needs {group.size} entries, one a rank")
     streams = [validate.stream(s, f"lookup_all: streams[{r}]") for r, s in enumerate(streams)]

@@ -96,7 +96,7 @@ class TokenMap:
         """Write the map to ``path`` atomically. ``ValueError`` if ``path`` holds a file that is not
         a token map (another's data), unless ``force``."""
         path = Path(path)
-        if not force and os.path.lexists(path) and not _is_token_map(path):
+        if not validate.boolean(force, "TokenMap.save: force") and os.path.lexists(path) and not _is_token_map(path):
             raise ValueError(f"{path}: exists and is not an Engram token map; not replaced (force=True replaces it)")
         data = self.ids.astype(_IDS).tobytes()
         header = _HEADER.pack(MAGIC, VERSION, self.vocab, self.size, zlib.crc32(data))

@@ -22,9 +22,10 @@ from gpu_runtime import DevicePtr, GpuBackend, validate
 from gpu_runtime.backend import check_backend
 
 from ..dense_weight import BF16, FP8, DenseWeight
+from ..ngram_store.placement import DeviceBudget, as_budget, fit_budget, placements
 from ..ngram_store.row_block import PLACES, RowBlock
 from ..resources import Closing, Resources
-from .checkpoint import EngramCheckpoint
+from .checkpoint import E8M0_NAN, EngramCheckpoint
 from .config import BLOCK, EngramConfig
 from .token_map import TokenMap
 
@@ -39,13 +40,17 @@ def row_stride(width: int) -> int:
     return -(-(width + width // BLOCK) // 8) * 8
 
 
-def pack_rows(weight: np.ndarray, scale: np.ndarray, stride: int) -> np.ndarray:
+def pack_rows(weight: np.ndarray, scale: np.ndarray, stride: int, out: np.ndarray | None = None) -> np.ndarray:
     """uint8 ``[n, stride]``: each row's ``weight`` bytes (fp8 or uint8 ``[n, W]``), then its
-    ``scale`` bytes (uint8 ``[n, W // 32]``), then zeros."""
+    ``scale`` bytes (uint8 ``[n, W // 32]``), then zeros; written into ``out`` (uint8 ``[n,
+    stride]``, e.g. a view of host rows) when given, else into a new array."""
     n, width = weight.shape
-    out = np.zeros((n, stride), U8)
+    if out is None:
+        out = np.empty((n, stride), U8)
+    end = width + width // BLOCK
     out[:, :width] = np.asarray(weight).view(U8)
-    out[:, width : width + width // BLOCK] = np.asarray(scale).view(U8)
+    out[:, width:end] = np.asarray(scale).view(U8)
+    out[:, end:] = 0
     return out
 
 
@@ -128,20 +133,23 @@ class EngramWeights(Closing):
         q_weight: Sequence[np.ndarray],
         k_weight: Sequence[np.ndarray],
         *,
-        placement: str | Sequence[str] = "device",
+        placement: str | Sequence[str] | DeviceBudget | int = "device",
         shard: Shard | None = None,
         stream: int = 0,
     ) -> EngramWeights:
         """Weights from arrays, one entry per Engram layer: ``tables`` (fp8 or uint8 ``[rows, W]``,
         e8m0 bytes ``[rows, W/32]``; memory maps are read a piece at a time), ``wkv`` (fp8 ``[kv_dim,
         emb_dim]``, e8m0 ``[kv_dim/32, emb_dim/32]``), ``q_weight`` / ``k_weight`` (bf16 ``[hc, D]``);
-        each table on the device or in host memory (``placement``: one for all or one per layer)."""
+        each table on the device or in host memory (``placement``: one for all, one per layer, or
+        a ``DeviceBudget`` in bytes: tables on the device in order while they fit). Every array is
+        checked before anything is allocated (``_checked``): ``TypeError`` / ``ValueError``."""
         stream = validate.stream(stream, "EngramWeights: stream")
         self = cls(gpu, config, token_map, shard)
         try:
-            places = _places(placement, len(config.layer_ids))
-            for i in range(len(config.layer_ids)):
-                self._add_layer(i, tables[i], wkv[i], q_weight[i], k_weight[i], places[i], stream)
+            layers = self._checked(tables, wkv, q_weight, k_weight)
+            places = self._placements(placement)
+            for i, (table, w, q, k) in enumerate(layers):
+                self._add_layer(i, table, w, q, k, places[i], stream)
             self._upload_hash(stream)
             gpu.synchronize(stream)
         except BaseException:
@@ -156,7 +164,7 @@ class EngramWeights(Closing):
         gpu: GpuBackend,
         token_map: TokenMap,
         *,
-        placement: str | Sequence[str] = "host",
+        placement: str | Sequence[str] | DeviceBudget | int = "host",
         shard: Shard | None = None,
         stream: int = 0,
     ) -> EngramWeights:
@@ -180,28 +188,70 @@ class EngramWeights(Closing):
             stream=stream,
         )
 
+    def _placements(self, placement: Any) -> list[str]:
+        """One of ``PLACES`` per layer's table, from names or a ``DeviceBudget``, which counts
+        what every layer puts on the device (``wkv`` in bf16, ``q`` / ``k``) and the hash's
+        arrays first, then the tables (this rank's rows) in order."""
+        cfg = self.config
+        budget = as_budget(placement)
+        if budget is None:
+            return placements(placement, len(cfg.layer_ids), PLACES)
+        layers, cols = len(cfg.layer_ids), cfg.n_hash_cols
+        fixed = layers * (cfg.kv_dim * cfg.emb_dim * 2 + 2 * cfg.hc_mult * cfg.hidden_size * 2)
+        fixed += cfg.vocab_size * 4 + layers * (cfg.max_ngram * 8 + 2 * cols * 8 + 32)
+        counts = [rows if self.shard is None else self.shard.rows(rows)[1] for rows in cfg.num_embeddings]
+        return fit_budget(budget, fixed, "wkv (bf16), q, k and the hash's arrays", [n * self.stride for n in counts])
+
+    def _checked(self, tables: Any, wkv: Any, q_weight: Any, k_weight: Any) -> list[tuple[Any, Any, Any, Any]]:
+        """Each layer's ``(table, wkv, q, k)``, checked: one entry per Engram layer in each
+        sequence, a ``(weight, scale)`` pair for a table and ``wkv``, every dtype and shape as the
+        config gives it, no e8m0 NaN byte (255) in ``wkv``'s scales or in the table rows this rank
+        holds (read ``CHUNK_ROWS`` rows at a time)."""
+        cfg, n = self.config, len(self.config.layer_ids)
+        for name, given in (("tables", tables), ("wkv", wkv), ("q_weight", q_weight), ("k_weight", k_weight)):
+            if not isinstance(given, (Sequence, np.ndarray)):
+                raise TypeError(
+                    f"EngramWeights: {name} must be a sequence, one entry per Engram layer, got {type(given).__name__}"
+                )
+            if len(given) != n:
+                raise ValueError(
+                    f"EngramWeights: {name} has {len(given)} entries for the {n} Engram layers {list(cfg.layer_ids)}"
+                )
+        out = []
+        for i, layer in enumerate(cfg.layer_ids):
+            what, rows, width = f"Engram layer {layer}", cfg.num_embeddings[i], cfg.head_dim
+            weight, scale = _pair(tables[i], f"{what} table")
+            _shape(weight, (rows, width), (FP8, U8), f"{what} table")
+            _shape(scale, (rows, width // BLOCK), (U8, E8M0), f"{what} table scale")
+            lo, count = (0, rows) if self.shard is None else self.shard.rows(rows)
+            _no_nan(scale, lo, count, f"{what} table scale")
+            w, s = _pair(wkv[i], f"{what} wkv")
+            _shape(w, (cfg.kv_dim, cfg.emb_dim), (FP8, U8), f"{what} wkv")
+            _shape(s, (-(-cfg.kv_dim // BLOCK), cfg.emb_dim // BLOCK), (U8, E8M0), f"{what} wkv scale")
+            _no_nan(s, 0, s.shape[0], f"{what} wkv scale")
+            for name, array in (("q_weight", q_weight[i]), ("k_weight", k_weight[i])):
+                _shape(array, (cfg.hc_mult, cfg.hidden_size), (BF16,), f"{what} {name}")
+            out.append(((weight, scale), (w, s), q_weight[i], k_weight[i]))
+        return out
+
     def _add_layer(self, i: int, table: Any, wkv: Any, q: Any, k: Any, where: str, stream: int) -> None:
-        cfg, what = self.config, f"Engram layer {self.config.layer_ids[i]}"
+        """Upload one layer's arrays, checked by ``_checked``."""
         weight, scale = table
-        rows, width = cfg.num_embeddings[i], cfg.head_dim
-        _shape(weight, (rows, width), (FP8, U8), f"{what} table")
-        _shape(scale, (rows, width // BLOCK), (U8, E8M0), f"{what} table scale")
+        rows = self.config.num_embeddings[i]
         lo, count = (0, rows) if self.shard is None else self.shard.rows(rows)
         block = self._resources.adopt(RowBlock(self.gpu, max(count, 1), self.stride, where))
+        piece = None if block.host is not None else np.empty((min(count, CHUNK_ROWS), self.stride), U8)
         for a in range(lo, lo + count, CHUNK_ROWS):
             b = min(lo + count, a + CHUNK_ROWS)
-            block.write(a - lo, pack_rows(np.asarray(weight[a:b]), np.asarray(scale[a:b]), self.stride), stream)
-            self.gpu.synchronize(stream)  # the piece may be freed
-        w, s = wkv
-        _shape(w, (cfg.kv_dim, cfg.emb_dim), (FP8, U8), f"{what} wkv")
-        _shape(s, (-(-cfg.kv_dim // BLOCK), cfg.emb_dim // BLOCK), (U8, E8M0), f"{what} wkv scale")
-        if (np.asarray(s).view(U8) == 255).any():
-            raise ValueError(f"{what} wkv scale holds an e8m0 NaN byte (255)")
-        dense = self._resources.adopt(DenseWeight.from_numpy(self.gpu, dequant_blocks(w, s), stream=stream))
-        qk = []
-        for name, array in (("q_weight", q), ("k_weight", k)):
-            _shape(array, (cfg.hc_mult, cfg.hidden_size), (BF16,), f"{what} {name}")
-            qk.append(self._resources.upload(np.ascontiguousarray(array), stream))
+            w_rows, s_rows = np.asarray(weight[a:b]), np.asarray(scale[a:b])
+            if block.host is not None:  # packed in place: the pinned rows are the destination
+                pack_rows(w_rows, s_rows, self.stride, block.host_rows(a - lo, b - a))
+                continue
+            assert piece is not None
+            block.write(a - lo, pack_rows(w_rows, s_rows, self.stride, piece[: b - a]), stream)
+            self.gpu.synchronize(stream)  # the piece is reused
+        dense = self._resources.adopt(DenseWeight.from_numpy(self.gpu, dequant_blocks(*wkv), stream=stream))
+        qk = [self._resources.upload(np.ascontiguousarray(array), stream) for array in (q, k)]
         self.layers.append(EngramLayer(block, lo, count, dense, qk[0], qk[1]))
 
     def _upload_hash(self, stream: int) -> None:
@@ -230,15 +280,22 @@ class EngramWeights(Closing):
         self._resources.close()
 
 
-def _places(placement: Any, count: int) -> list[str]:
-    if isinstance(placement, str):
-        placement = [placement] * count
-    if not isinstance(placement, (list, tuple)) or len(placement) != count:
-        raise ValueError(f"placement must be one of {PLACES} or one per Engram layer ({count}), got {placement!r}")
-    for where in placement:
-        if where not in PLACES:
-            raise ValueError(f"placement entries must be one of {PLACES}, got {where!r}")
-    return list(placement)
+def _pair(entry: Any, what: str) -> tuple[Any, Any]:
+    if not isinstance(entry, (tuple, list)) or len(entry) != 2:
+        raise TypeError(f"{what}: expected a (weight, scale) pair, got {type(entry).__name__}")
+    return entry[0], entry[1]
+
+
+def _no_nan(scale: Any, lo: int, count: int, what: str) -> None:
+    """``ValueError`` naming the first of rows ``lo .. lo + count`` of the e8m0 bytes ``scale``
+    that holds 255 (NaN), read ``CHUNK_ROWS`` rows at a time."""
+    for a in range(lo, lo + count, CHUNK_ROWS):
+        bad = np.asarray(scale[a : min(lo + count, a + CHUNK_ROWS)]).view(U8) == E8M0_NAN
+        if bad.any():
+            r = int(np.argmax(bad.any(axis=1)))
+            raise ValueError(
+                f"{what}: row {a + r} holds the e8m0 byte {E8M0_NAN} (NaN) in column {int(np.argmax(bad[r]))}"
+            )
 
 
 def _shape(array: Any, shape: tuple[int, ...], dtypes: tuple[np.dtype, ...], what: str) -> None:

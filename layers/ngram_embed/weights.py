@@ -25,7 +25,7 @@ from ..dense_weight import BF16, DenseWeight
 from ..ngram_store.host_weight import HostWeight
 from ..resources import Closing, Resources, closed_on_failure
 from .dims import NgramDims
-from .placement import placements
+from .placement import PLACEMENTS, placements
 from .shard import NgramShard, resolve_shard
 from .tables import AbsentTable, AnyTable, Bf16Table, Fp8Table, HostTable, check_table, gather_entry
 
@@ -107,7 +107,7 @@ class NgramWeights(Closing):
         shard = resolve_shard(shard, dims)
         if len(tables) != dims.num_tables():
             raise ValueError(f"table count: {len(tables)} tables, dims need {dims.num_tables()}")
-        places = placements(placement, len(tables))
+        places = placements(placement, len(tables), PLACEMENTS)
         word_shape = (dims.vocab_size, dims.hidden_size)
         if shard is not None and np.shape(word) != word_shape:
             raise ValueError(f"word: a shard slices its rows from the full {word_shape} table, got {np.shape(word)}")
@@ -160,7 +160,7 @@ class NgramWeights(Closing):
         from ..safetensors_io import load
 
         _check_loader_args("NgramWeights.from_safetensors", dims, gpu, stream)
-        placements(placement, dims.num_tables())  # refused before the file is opened
+        placements(placement, dims.num_tables(), PLACEMENTS)  # refused before the file is opened
         tensors = load(path)
 
         def get(name: str) -> np.ndarray:

@@ -69,6 +69,19 @@ class RowBlock:
         else:
             self.gpu.copy_h2d_async(rows, DevicePtr(int(self.address) + first * self.stride), stream)
 
+    def host_rows(self, first: int, count: int) -> np.ndarray:
+        """Host rows ``first .. first + count`` as a writable uint8 ``[count, stride]`` view (the
+        kernels read them in place: write them before the work that reads them is queued)."""
+        if self.host is None:
+            raise ValueError("RowBlock.host_rows: the rows are in device memory")
+        first, count = (
+            validate.count(first, "RowBlock.host_rows: first"),
+            validate.count(count, "RowBlock.host_rows: count"),
+        )
+        if first + count > self.rows:
+            raise ValueError(f"RowBlock.host_rows: rows {first}..{first + count} past the block's {self.rows}")
+        return self.host[first * self.stride : (first + count) * self.stride].reshape(count, self.stride)
+
     @property
     def closed(self) -> bool:
         """True once ``close()`` ran."""

@@ -20,7 +20,8 @@ The page docs/BAD_INPUT.md is generated from the case tables:
 Layout: ``matrix`` (rows, columns, the case constructors), ``world`` (the CPU subjects on a
 logging host-memory backend), ``offline`` (the offline ``CudaBackend``), ``launcher_rows`` (each
 launcher row's function and kernel), ``device`` (the GPU rigs), ``cases/`` (the tables by area:
-runtime, launchers, n-gram weights, n-gram runners, loaders, row cache and table files, overlays),
+runtime, launchers, n-gram weights, n-gram runners, loaders, row cache and table files, overlays,
+Engram),
 ``readme`` (the generated page, docs/BAD_INPUT.md; the name is from when it was a README section);
 the tests are ``test_cpu``, ``test_offline_cuda``, ``test_gpu_backend``, ``test_gpu_launchers`` and
 ``test_readme`` (the page against the cases).

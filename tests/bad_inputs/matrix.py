@@ -61,6 +61,15 @@ ROWS = [
     ("overlay_from_trainable_tokens", "`overlay_from_trainable_tokens`"),
     ("OverlaySlots", "`OverlaySlots(...)` / `load` / `replace` / `evict`"),
     ("OverlaySlots.hooks", "`OverlaySlots.embed_overlay` / `lmhead_overlay`"),
+    ("EngramConfig", "`EngramConfig.from_dict` / `from_pretrained`"),
+    ("TokenMap", "`TokenMap(...)` / `load` / `save` / `check` / `pad`"),
+    ("EngramCheckpoint", "`EngramCheckpoint.open` and its arrays"),
+    ("EngramWeights", "`EngramWeights.from_arrays` / `from_checkpoint`"),
+    ("EngramDecoder", "`EngramDecoder(...)`"),
+    ("EngramDecoder.calls",
+     "`EngramDecoder.prefill` / `step` / `seed` / `apply` / `fork` / `rollback` / `reset`"),
+    ("lookup_all", "`lookup_all`"),
+    ("layers.reference.engram", "`layers.reference.engram` (the Engram references)"),
 ]
 COLUMNS = [
     ("dtype", "wrong dtype"),

@@ -63,8 +63,9 @@ LEGEND = """\
 A cell names the exception (several: the cell's cases differ); "no-op": returns without writing or
 launching; "–": does not apply (the kernels cannot see table sizes, so the launchers take ids on
 trust and the layers that build them check them; the overlay kernels skip ids >= vocab by design;
-`NgramDecoder`'s tokens, slots, counts and adapter indices live on the device: its kernels flag bad
-ones in the error word that `check_errors` reads, and never read or write outside their buffers);
+`NgramDecoder`'s and `EngramDecoder`'s tokens, slots, counts and adapter indices live on the device:
+their kernels flag bad ones in the error word that `check_errors` reads, and never read or write
+outside their buffers);
 "(GPU)": checked on a machine with a CUDA GPU only; †: uploads to temporaries, freed before it raises
 (`from_numpy` checks each array as it uploads it, `build_overlay` its threshold after uploading
 the adapter), nothing that existed before is written."""

@@ -14,12 +14,14 @@ import pytest
 
 from gpu_runtime import DevicePtr
 from layers import safetensors_io
+from layers.engram import EngramCheckpoint, EngramDecoder, EngramWeights, Shard
 from layers.ngram_embed import (FusedNgramEmbedding, NgramDecoder, NgramDims, NgramEmbedding, NgramTable, NgramWeights,
                                 RowCache, TableFile, TableWriter, write_table)
 from layers.ops.token_overlay import OverlayKernels
 from layers.overlay import OverlaySlots
 from layers.dense_weight import BF16, DenseWeight
 from tests.bad_inputs.offline import offline_backends
+from tests.helpers import engram as engram_helpers
 from tests.helpers import random_bf16, random_fp8
 from tests.helpers.checkpoint import make_model, tiny_config, write_model
 from tests.helpers.logging_backend import LoggingBackend
@@ -52,6 +54,46 @@ class FakeGroup:
         self.calls.append([(int(p), c, s) for p, c, s in buffers])
 
 
+class EngramSubjects:
+    """The Engram cases' subjects on a backend, from ``tests.helpers.engram``'s tiny config, a
+    token map and random arrays: weights and a decoder over them (a closed one too, and one over
+    weights closed under it), both ranks' shares of a group of 2 with a decoder each (a closed rank
+    1, a rank 1 with a collective of its own), a model folder (``tmp/engram``) and its checkpoint,
+    and in ``tmp`` the map saved, a truncated copy of it and a file that is not a map."""
+
+    def __init__(self, gpu: LoggingBackend, rng: np.random.Generator, tmp: Path) -> None:
+        self.cfg = engram_helpers.tiny()
+        self.map = engram_helpers.token_map(rng, self.cfg)
+        self.arrays = engram_helpers.arrays(rng, self.cfg)
+        self.weights = self.build(gpu)
+        self.decoder = EngramDecoder(self.weights, max_seqs=4, max_rows=8, max_draft=2)
+        self.closed_decoder = EngramDecoder(self.weights, max_seqs=4, max_rows=8)
+        self.closed_decoder.close()
+        self.closed_weights = self.build(gpu)
+        self.decoder_on_closed = EngramDecoder(self.closed_weights, max_seqs=4, max_rows=8)
+        self.closed_weights.close()
+        self.shard_weights = [self.build(gpu, shard=Shard(r, 2)) for r in range(2)]
+        self.ranks = [EngramDecoder(weights, max_seqs=4, max_rows=8) for weights in self.shard_weights]
+        self.closed_rank = EngramDecoder(self.shard_weights[1], max_seqs=4, max_rows=8)
+        self.closed_rank.close()
+        self.rank_with_collective = EngramDecoder(self.shard_weights[1], max_seqs=4, max_rows=8,
+                                                  collective=FakeCollective(1, 2))
+        self.model = engram_helpers.write_model(tmp / "engram", rng)
+        self.checkpoint = EngramCheckpoint.open(self.model.path)
+        self.map_path, self.short_path, self.foreign_path = tmp / "map.etm", tmp / "short.etm", tmp / "notes.txt"
+        self.map.save(self.map_path)
+        self.short_path.write_bytes(self.map_path.read_bytes()[:-4])
+        self.foreign_path.write_bytes(b"someone's notes")
+
+    def build(self, gpu: Any, **keywords: Any) -> EngramWeights:
+        """``EngramWeights.from_arrays`` of the subjects' arrays on ``gpu``."""
+        a = self.arrays
+        return EngramWeights.from_arrays(gpu, self.cfg, self.map, a["tables"], a["wkv"], a["q"], a["k"], **keywords)
+
+    def state(self) -> list[bool]:
+        return [x.closed for x in (self.weights, self.closed_weights, self.decoder, *self.shard_weights, *self.ranks)]
+
+
 def numpy_tables(host: HostLayer) -> list:
     """``host``'s tables as ``NgramWeights.from_numpy`` takes them: bf16, or (fp8, scales)."""
     return [t if s is None else (t, s) for t, s in host.tables]
@@ -62,8 +104,8 @@ class World:
     ``NgramWeights`` and the three runners over them (each also closed, and each over closed
     weights), weights no runner has touched, the weights' safetensors file, a disk table, its
     ``RowCache``, ``TableFile`` and a ``TableWriter``, overlay slots (closed ones too). Rarer
-    subjects (cached tables, tensor-parallel shares and their runners) are built on demand
-    (``needs``)."""
+    subjects (cached tables, tensor-parallel shares and their runners, ``EngramSubjects``) are
+    built on demand (``needs``)."""
 
     def __init__(self, rng: np.random.Generator, tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         self.rng, self.tmp = rng, tmp
@@ -267,6 +309,10 @@ class World:
     def slots_without_kernels(self) -> OverlaySlots:
         return OverlaySlots(self.gpu, 2, vocab=30, h=5, kernels=OverlayKernels.default())
 
+    @functools.cached_property
+    def engram(self) -> EngramSubjects:
+        return EngramSubjects(self.gpu, self.rng, self.tmp)
+
     # -- what "nothing written" compares -----------------------------------------------------
     def model(self, damage: Callable[[Any], Any] | None = None) -> Any:
         """A fresh tiny LongCat-Flash-Lite folder (sharded; ``.path``) in a subfolder (the state
@@ -304,6 +350,7 @@ class World:
             target=(self.target.pinned.tobytes(), self.target.host.tobytes()),
             weights=[w.closed for w in (self.weights, self.closed_weights)],
             reduces=[len(self.__dict__[name].calls) for name in ("group", "collective") if name in self.__dict__],
+            engram=self.engram.state() if "engram" in self.__dict__ else None,
         )
 
     def close(self) -> None:

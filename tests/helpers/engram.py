@@ -15,6 +15,7 @@ import numpy as np
 
 from layers.engram.checkpoint import EMBED, EMBED_SCALE, K_WEIGHT, Q_WEIGHT, WKV, WKV_SCALE
 from layers.engram.config import BLOCK, EngramConfig, next_primes
+from layers.engram.token_map import TokenMap
 from tests.helpers import random_bf16, random_fp8
 
 # DeepSeek-V4.1-Flash: the Engram keys of config.json's text_config (docs/ENGRAM.md)
@@ -139,3 +140,24 @@ def write_model(path: Path, rng: np.random.Generator, config: dict | None = None
     weight_map["head.weight"] = garbage
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
     return EngramModel(path, config, tensors)
+
+
+def token_map(rng: np.random.Generator, cfg: EngramConfig) -> TokenMap:
+    """A map of ``cfg.vocab_size`` ids onto ``compressed_vocab_size``: the first ids in order, the
+    rest random (several ids share a compressed id, as normalised tokens do)."""
+    c = cfg.compressed_vocab_size
+    ids = np.concatenate([np.arange(c), rng.integers(0, c, cfg.vocab_size - c)]).astype(np.int32)
+    return TokenMap(ids)
+
+
+def arrays(rng: np.random.Generator, cfg: EngramConfig) -> dict:
+    """Every Engram tensor of ``cfg`` (``make_tensors``) grouped as ``EngramWeights.from_arrays``
+    takes them: tables, wkv, q, k, one entry per layer."""
+    t = make_tensors(rng, cfg)
+    layers = cfg.layer_ids
+    return {
+        "tables": [(t[f"layers.{L}.engram.embed.weight"], t[f"layers.{L}.engram.embed.scale"]) for L in layers],
+        "wkv": [(t[f"layers.{L}.engram.wkv.weight"], t[f"layers.{L}.engram.wkv.scale"]) for L in layers],
+        "q": [t[f"layers.{L}.engram.q_weight"] for L in layers],
+        "k": [t[f"layers.{L}.engram.k_weight"] for L in layers],
+    }

@@ -9,7 +9,7 @@ import importlib
 import sys
 from pathlib import Path
 
-PUBLIC = {"gpu_runtime", "layers.ngram_embed", "layers.overlay", "layers.tensor_parallel"}
+PUBLIC = {"gpu_runtime", "layers.engram", "layers.ngram_embed", "layers.overlay", "layers.tensor_parallel"}
 THIRD_PARTY = {"numpy", "ml_dtypes"}
 
 

@@ -7,7 +7,7 @@ import importlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-MODULES = ["gpu_runtime", "layers.ngram_embed", "layers.overlay", "layers.peft_adapter", "layers.tensor_parallel",
+MODULES = ["gpu_runtime", "layers.engram", "layers.ngram_embed", "layers.overlay", "layers.peft_adapter", "layers.tensor_parallel",
            "layers.tensor_parallel.nccl"]
 MORE = {"layers.dense_weight": ["DenseWeight"], "layers.ops.token_overlay": ["OverlayKernels"]}
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tests.bad_inputs.cases import launchers, loaders, ngram, overlays, runtime, tables, weights
+from tests.bad_inputs.cases import engram, launchers, loaders, ngram, overlays, runtime, tables, weights
 from tests.bad_inputs.world import World
 
-AREAS = (runtime, launchers, weights, ngram, loaders, tables, overlays)
+AREAS = (runtime, launchers, weights, ngram, loaders, tables, overlays, engram)
 CPU_CASES = [entry for area in AREAS for entry in area.CPU_CASES]
 AFTER: dict[str, Callable[[World], None]] = {row: call for area in AREAS for row, call in area.AFTER.items()}
 CUDA_CASES = runtime.CUDA_CASES

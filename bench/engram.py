@@ -66,28 +66,14 @@ from bench.ngram_embed import torch_view
 from bench.row_reads import GIB, narrow_kernel, read_floor_us
 from gpu_runtime import CudaBackend, CudaError, DeviceArray, DevicePtr
 from layers.dense_weight import BF16
-from layers.engram.config import EngramConfig, next_primes
+from layers.engram.config import V41_FLASH_QUANT, V41_FLASH_TEXT, EngramConfig, next_primes
 from layers.engram.decoder import EngramDecoder
 from layers.engram.token_map import TokenMap
 from layers.engram.weights import CHUNK_ROWS, EngramWeights, row_stride
 
-# DeepSeek-V4.1-Flash's config.json (Engram keys, docs/ENGRAM.md) with layer 1's table only
-TEXT_CONFIG = {
-    "engram_layer_ids": [1],
-    "engram_num_embeddings": [384006168],
-    "engram_max_ngram_size": 4,
-    "engram_n_heads": 8,
-    "engram_head_dim": 256,
-    "engram_vocab_size": 16000000,
-    "engram_pad_token_id": 2,
-    "engram_compressed_vocab_size": 99092,
-    "hidden_size": 5120,
-    "hc_mult": 4,
-    "rms_norm_eps": 1e-20,
-    "vocab_size": 129280,
-    "image_token_id": 129264,
-}
-QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": [32, 32]}
+# DeepSeek-V4.1-Flash's config (Engram keys) with layer 1's table only
+TEXT_CONFIG = {**V41_FLASH_TEXT, "engram_layer_ids": [1], "engram_num_embeddings": [384006168]}
+QUANTIZATION = V41_FLASH_QUANT
 LAYER = 1
 REAL_ROWS = 384006168
 REAL_PRIMES = (16000057, 16000463)  # layer 1's first and last bucket

@@ -46,6 +46,31 @@ _KEYS = {
 }
 _SPELLINGS = {"pad_token_id": ("engram_pad_token_id", "engram_pad_id"), "eps": ("rms_norm_eps", "norm_eps")}
 
+# DeepSeek-V4.1-Flash's config.json: the Engram keys of its text_config, and its quantization_config
+# (copy before changing: ``{**V41_FLASH_TEXT, ...}``)
+V41_FLASH_TEXT: dict[str, Any] = {
+    "model_type": "deepseek_v41_text",
+    "engram_layer_ids": [1, 14],
+    "engram_num_embeddings": [384006168, 384016682],
+    "engram_max_ngram_size": 4,
+    "engram_n_heads": 8,
+    "engram_head_dim": 256,
+    "engram_vocab_size": 16000000,
+    "engram_pad_token_id": 2,
+    "engram_compressed_vocab_size": 99092,
+    "hidden_size": 5120,
+    "hc_mult": 4,
+    "rms_norm_eps": 1e-20,
+    "vocab_size": 129280,
+    "image_token_id": 129264,
+}
+V41_FLASH_QUANT: dict[str, Any] = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "scale_fmt": "ue8m0",
+    "weight_block_size": [32, 32],
+}
+
 
 def is_prime(n: int) -> bool:
     """Whether ``n`` is prime: Miller-Rabin over the first twelve primes, exact below 3.3e24."""

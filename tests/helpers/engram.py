@@ -14,28 +14,12 @@ import ml_dtypes
 import numpy as np
 
 from layers.engram.checkpoint import EMBED, EMBED_SCALE, K_WEIGHT, Q_WEIGHT, WKV, WKV_SCALE
-from layers.engram.config import BLOCK, EngramConfig, next_primes
+from layers.engram.config import BLOCK, V41_FLASH_QUANT, V41_FLASH_TEXT, EngramConfig, next_primes
 from layers.engram.token_map import TokenMap
 from tests.helpers import random_bf16, random_fp8
 
-# DeepSeek-V4.1-Flash: the Engram keys of config.json's text_config (docs/ENGRAM.md)
-REAL_TEXT_CONFIG = {
-    "model_type": "deepseek_v41_text",
-    "engram_layer_ids": [1, 14],
-    "engram_num_embeddings": [384006168, 384016682],
-    "engram_max_ngram_size": 4,
-    "engram_n_heads": 8,
-    "engram_head_dim": 256,
-    "engram_vocab_size": 16000000,
-    "engram_pad_token_id": 2,
-    "engram_compressed_vocab_size": 99092,
-    "hidden_size": 5120,
-    "hc_mult": 4,
-    "rms_norm_eps": 1e-20,
-    "vocab_size": 129280,
-    "image_token_id": 129264,
-}
-QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": [32, 32]}
+REAL_TEXT_CONFIG = V41_FLASH_TEXT  # DeepSeek-V4.1-Flash's (docs/ENGRAM.md); copied before use
+QUANTIZATION = V41_FLASH_QUANT
 _INFERENCE_SPELLING = {"engram_pad_token_id": "engram_pad_id", "rms_norm_eps": "norm_eps"}
 
 

@@ -305,7 +305,7 @@ def test_steps_seeds_forks_rollbacks_and_graphs_equal_one_prefill(gpu, rng):
             for pos in range(2, len(more)):
                 # slots 0 and 1 at position 9 + pos, slot 2 one ahead
                 nxt = more[pos + 1] if pos + 1 < len(more) else 0
-                tokens.upload(np.array([more[pos], more[pos], nxt, 3], np.uint32), stream)
+                gpu.copy_h2d_async(np.array([more[pos], more[pos], nxt, 3], np.uint32), tokens.ptr, stream)
                 gpu.launch_graph(graph, stream)
                 got = kv_rows(4)
                 same([g[:1] for g in got], slice(9 + pos, 10 + pos))

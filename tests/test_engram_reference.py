@@ -287,17 +287,23 @@ def test_wkv_ref_rounds_the_float64_sum_once():
     assert wkv_ref(bf16(emb), fp8(weight), weight_scales).astype(np.float64)[0, 0] == 1 + 2.0**-7
 
 
-def test_ml_dtypes_rounds_float64_to_bf16_once(rng):
-    """``wkv_ref`` and ``gate_ref`` rely on it: float64 -> bf16 is one rounding, not two via float32.
-    Near-midpoints of random bf16 pairs (normal and subnormal), each checked by ``round_bf16``."""
-    base = random_bf16(rng, 4000, scale=100.0).astype(np.float64)
-    base[:1000] *= 2.0**-130  # the subnormal range
+@pytest.mark.parametrize("scale", [1.0, 2.0**-130, 2.0**120])  # normal, subnormal, near the overflow
+def test_float64_to_bf16_rounds_once(rng, scale):
+    """``bf16_of_f64`` (which ``wkv_ref`` and ``gate_ref`` round with) is one rounding, not two via
+    float32, whatever ml_dtypes' version: near-midpoints of random bf16 pairs, each checked by
+    ``round_bf16``, with exact values, ties, zeros, infinities and NaN among them."""
+    base = random_bf16(rng, 4000, scale=100.0).astype(np.float64) * scale
     spacing = np.where(np.abs(base) < 2.0**-126, 2.0**-133, 2.0 ** (np.floor(np.log2(np.abs(base) + 1e-300)) - 7))
     nudge = rng.choice([-1.0, 0.0, 1.0], base.size) * 2.0 ** -rng.integers(17, 40, base.size)
     x = base + spacing * (0.5 + nudge)
-    got = x.astype(BF16).astype(np.float64)
+    x[:40] = base[:40]  # exact
+    x[40:50] = [0.0, -0.0, np.inf, -np.inf, 2.0**128, -(2.0**128 - 2.0**119), 2.0**128 - 2.0**120, 1e-300, -1e-300, 3.0]
+    got = ref.bf16_of_f64(x).astype(np.float64)
     np.testing.assert_array_equal(got, [round_bf16(v) for v in x.tolist()])
-    assert (got != x.astype(np.float32).astype(BF16).astype(np.float64)).any()  # the case the test is for
+    assert np.isnan(ref.bf16_of_f64(np.array([np.nan])).astype(np.float64)).all()
+    if scale != 2.0**120:
+        twice = x.astype(np.float32).astype(BF16).astype(np.float64)  # through float32: two roundings
+        assert (got != twice).any()  # the case the test is for
 
 
 # -- gate_ref --------------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from .dense import (
 from .engram import (
     EngramRef,
     act_quant,
+    bf16_of_f64,
     dequant_rows,
     dequant_weight,
     emb_from_rows,
@@ -60,6 +61,7 @@ __all__ = [
     "argmax_ids",
     "batched_embed",
     "batched_embed_fp8",
+    "bf16_of_f64",
     "dequant_fp8",
     "dequant_rows",
     "dequant_weight",

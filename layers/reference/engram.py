@@ -184,10 +184,22 @@ def _gate(
         signed = np.copysign(np.sqrt(np.maximum(np.abs(dot), GATE_CLAMP)), dot)
         gate = np.where(mask[:, None], 1.0 / (1.0 + np.exp(-signed)), 0.0)
         exact = np.where(mask[:, None, None], xf + gate[:, :, None] * value, xf)
-    return np.where(mask[:, None, None], exact.astype(BF16), x), exact, gate
+    return np.where(mask[:, None, None], bf16_of_f64(exact), x), exact, gate
 
 
 # -- the references ------------------------------------------------------------------------
+def bf16_of_f64(x: np.ndarray) -> np.ndarray:
+    """float64 to bf16 rounded once, to nearest even (subnormals and overflow as the format
+    says): rounded to odd at float32 first (24 bits, exact or sticky in the last), then to bf16,
+    which cannot round twice. Not ``astype``: ml_dtypes before 0.7 rounds through float32."""
+    x = np.asarray(x, np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        f = x.astype(F32)
+        inexact = np.isfinite(x) & (f.astype(np.float64) != x)
+        f = np.where(inexact & (np.abs(f.astype(np.float64)) > np.abs(x)), np.nextafter(f, F32.type(0)), f).astype(F32)
+    return (f.view(np.uint32) | inexact.astype(np.uint32)).view(F32).astype(BF16)
+
+
 def dequant_rows(weight: np.ndarray, scale: np.ndarray, block: int = 32) -> np.ndarray:
     """bf16 ``[n, d]`` of e4m3 rows ``weight`` ``[n, d]`` (or their uint8 bytes) and their e8m0
     scale bytes ``scale`` ``[n, d // block]``: ``bf16(f32(e4m3) * 2**(byte - 127))`` per ``block``
@@ -267,12 +279,11 @@ def wkv_fp64(
 
 def wkv_ref(emb: np.ndarray, weight: np.ndarray, weight_scales: np.ndarray, block: int = 32) -> np.ndarray:
     """``kv`` bf16 ``[m, n]``: ``wkv_fp64`` over ``act_quant(emb)`` (bf16 ``[m, k]``), rounded once
-    from float64 to bf16, to nearest even (``ml_dtypes`` rounds float64 directly, not via float32:
-    a test pins it)."""
+    from float64 to bf16, to nearest even (``bf16_of_f64``)."""
     block = _block(block, "wkv_ref")
     _activations(emb, block, "wkv_ref: emb")
     raw = _blocks(weight, weight_scales, block, "wkv_ref", ("weight", "weight_scales"), ("n", emb.shape[1]))
-    return _wkv_fp64(*_act_quant(emb, block), weight, raw, block).astype(BF16)
+    return bf16_of_f64(_wkv_fp64(*_act_quant(emb, block), weight, raw, block))
 
 
 def gate_ref(
@@ -337,5 +348,5 @@ def engram_layer_ref(
     if at is not None:
         r, c = at[0], at[1] // table.shape[1]
         raise ValueError(f"{what}: table row {ids[r, c]} (row_ids[{r}, {c}]) dequantises to {emb[at]}: not quantisable")
-    kv = _wkv_fp64(*_act_quant(emb, block), wkv_weight, raw, block).astype(BF16)
+    kv = bf16_of_f64(_wkv_fp64(*_act_quant(emb, block), wkv_weight, raw, block))
     return EngramRef(emb, kv, *_gate(x, kv, q_weight, k_weight, text_mask, eps))

@@ -36,17 +36,17 @@ Run it on a CUDA GPU with the package installed (``pip install .``):
 from __future__ import annotations
 
 import os
-import sys
 from collections import Counter
 from dataclasses import dataclass, field
 
 from _requires import installed  # examples/_requires.py: a missing package is one line
 
 with installed("engram_serve_loop.py"):
+    import _serving as serving  # examples/_serving.py: what the two serving loops share
     import ml_dtypes
     import numpy as np
 
-    from gpu_runtime import CudaBackend, DeviceArray, NoDeviceError, cli
+    from gpu_runtime import CudaBackend, DeviceArray
     from layers.engram import PAD_SLOT, DecodeError, EngramConfig, EngramDecoder, EngramWeights, TokenMap
     from layers.engram.hashing import compress, row_ids
     from layers.reference.engram import act_quant, emb_from_rows, gate_ref, wkv_fp64
@@ -149,17 +149,6 @@ class Report:
             f"drawn by their captures (cuMemGetInfo), {self.graph_bytes / graphs / 1024:.0f} KiB a graph",
             f"device memory drawn in the second half of the loop: {self.drawn} bytes; nothing held after close",
         ]
-
-
-def _diff(got: np.ndarray, want: np.ndarray) -> str:
-    """Where two bf16 arrays of rows differ, for an assertion message."""
-    g, w = got.astype(np.float64), want.astype(np.float64)
-    bad = got.view(np.uint16) != want.view(np.uint16)
-    rows = sorted(set(np.nonzero(bad)[0].tolist()))
-    return (
-        f"{int(bad.sum())} of {bad.size} values in rows {rows[:8]}, max |diff| "
-        f"{float(np.nanmax(np.abs(g - w))):.3g}, max |want| {float(np.nanmax(np.abs(w))):.3g}"
-    )
 
 
 def _same(a: np.ndarray, b: np.ndarray) -> bool:
@@ -293,7 +282,9 @@ class Engine:
         keep = np.ones(MAX_ROWS, bool)
         keep[: checked.size] = ~checked
         for layer, x, g in zip(LAYERS, xs, got):
-            assert _same(g[keep], x[keep]), f"{what}: layer {layer} wrote rows it must leave alone: {_diff(g, x)}"
+            assert _same(g[keep], x[keep]), (
+                f"{what}: layer {layer} wrote rows it must leave alone: {serving.diff(g, x)}"
+            )
 
     # -- what every row is checked against --------------------------------------------------------
     def check(self, batch: list[Rows]) -> None:
@@ -331,7 +322,7 @@ class Engine:
                     rows = owner == j
                     raise AssertionError(
                         f"layer {layer} {name} of {batch[j].what} != a one-shot prefill of its context alone: "
-                        f"{_diff(got[rows], want[rows])}"
+                        f"{serving.diff(got[rows], want[rows])}"
                     )
                 if name == "residual":
                     assert _same(got[dead], x[last][dead]), f"layer {layer}: a non-text row's residual changed"
@@ -610,14 +601,7 @@ class Loop:
                 self.report.flagged[kind] += 1
 
     def retire(self) -> None:
-        keep = []
-        for req in self.live:
-            req.left -= 1
-            if req.left <= 0 or self.rng.random() < FINISH:
-                self.free.append(req.slot)
-            else:
-                keep.append(req)
-        self.live = keep
+        self.live = serving.retire(self.live, self.free, self.rng, FINISH)
 
 
 def run(gpu: CudaBackend, steps: int = 2000, seed: int = 0) -> Report:
@@ -655,22 +639,5 @@ def run(gpu: CudaBackend, steps: int = 2000, seed: int = 0) -> Report:
     return report
 
 
-def main() -> None:
-    parser = cli.ArgumentParser(prog="engram_serve_loop.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=2000, help="engine steps to run (default 2000)")
-    parser.add_argument(
-        "--seed", type=int, default=0, help="seed of the weights, the requests and the faults injected (default 0)"
-    )
-    args = parser.parse_args()
-    if args.steps < 1 or args.seed < 0:
-        parser.error("--steps must be >= 1 and --seed >= 0")
-    with CudaBackend() as gpu:
-        report = run(gpu, args.steps, args.seed)
-    print("\n".join(report.lines()))
-
-
 if __name__ == "__main__":
-    try:
-        main()
-    except NoDeviceError as exc:  # one line, not a traceback
-        sys.exit(f"engram_serve_loop.py needs a CUDA GPU: {exc}")
+    serving.main("engram_serve_loop.py", __doc__, run)

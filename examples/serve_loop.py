@@ -31,17 +31,17 @@ Run it on a CUDA GPU with the package installed (``pip install .``):
 from __future__ import annotations
 
 import os
-import sys
 from collections import Counter
 from dataclasses import dataclass, field
 
 from _requires import installed  # examples/_requires.py: a missing package is one line
 
 with installed("serve_loop.py"):
+    import _serving as serving  # examples/_serving.py: what the two serving loops share
     import ml_dtypes
     import numpy as np
 
-    from gpu_runtime import CudaBackend, DeviceArray, NoDeviceError, cli
+    from gpu_runtime import CudaBackend, DeviceArray
     from layers.ngram_embed import (
         NO_ADAPTER,
         PAD_SLOT,
@@ -109,15 +109,6 @@ class Report:
                 f"captures (cuMemGetInfo), {self.graph_bytes / graphs / 1024:.0f} KiB a graph",
                 f"device memory drawn in the second half of the loop: {self.drawn} bytes; "
                 f"nothing held after close"]
-
-
-def _diff(got: np.ndarray, want: np.ndarray) -> str:
-    """Where two bf16 arrays of rows differ, for an assertion message."""
-    g, w = got.astype(np.float64), want.astype(np.float64)
-    bad = got.view(np.uint16) != want.view(np.uint16)
-    rows = sorted(set(np.nonzero(bad)[0].tolist()))
-    return (f"{int(bad.sum())} of {bad.size} values in rows {rows[:8]}, max |diff| "
-            f"{float(np.max(np.abs(g - w))):.3g}, max |want| {float(np.max(np.abs(w))):.3g}")
 
 
 def fused_reference(word: np.ndarray, tables: list[tuple[np.ndarray, np.ndarray | None]],
@@ -253,11 +244,11 @@ class Engine:
         for req, n in calls:
             g, f = got[at:at + n], want[at:at + n]
             assert np.array_equal(g.view(np.uint16), f.view(np.uint16)), \
-                f"decoder != fused path for {req} rows {n}: {_diff(g, f)}"
+                f"decoder != fused path for {req} rows {n}: {serving.diff(g, f)}"
             x = self.reference(req, n)
             assert (np.abs(g.astype(np.float64) - x.astype(np.float64))
                     <= np.abs(x.astype(np.float64)) * 2.0**-7 + 1e-6).all(), \
-                f"decoder != numpy reference for {req} rows {n}: {_diff(g, x)}"
+                f"decoder != numpy reference for {req} rows {n}: {serving.diff(g, x)}"
             at += n
         self.report.rows_checked += at
         self.report.rows_reference += at
@@ -478,14 +469,7 @@ class Loop:
                 self.report.flagged[kind] += 1
 
     def retire(self) -> None:
-        keep = []
-        for req in self.live:
-            req.left -= 1
-            if req.left <= 0 or self.rng.random() < FINISH:
-                self.free.append(req.slot)
-            else:
-                keep.append(req)
-        self.live = keep
+        self.live = serving.retire(self.live, self.free, self.rng, FINISH)
 
 
 def books(gpu: CudaBackend) -> dict[str, int]:
@@ -525,22 +509,5 @@ def run(gpu: CudaBackend, steps: int = 2000, seed: int = 0) -> Report:
     return report
 
 
-def main() -> None:
-    parser = cli.ArgumentParser(prog="serve_loop.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=2000, help="engine steps to run (default 2000)")
-    parser.add_argument(
-        "--seed", type=int, default=0, help="seed of the weights, the requests and the faults injected (default 0)"
-    )
-    args = parser.parse_args()
-    if args.steps < 1 or args.seed < 0:
-        parser.error("--steps must be >= 1 and --seed >= 0")
-    with CudaBackend() as gpu:
-        report = run(gpu, args.steps, args.seed)
-    print("\n".join(report.lines()))
-
-
 if __name__ == "__main__":
-    try:
-        main()
-    except NoDeviceError as exc:  # one line, not a traceback
-        sys.exit(f"serve_loop.py needs a CUDA GPU (examples/cpu_reference.py runs without one): {exc}")
+    serving.main("serve_loop.py", __doc__, run, " (examples/cpu_reference.py runs without one)")

@@ -7,7 +7,6 @@ line each."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -16,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from gpu_runtime import device_count, dlpack
-from tests.helpers.examples import assert_public_imports
+from tests.helpers.examples import assert_public_imports, load_example
 
 STEPS = 60 if os.environ.get("GPU_SANITIZER") else 2000
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,14 +25,7 @@ BEYOND_THE_FACE = {"layers.engram.hashing", "layers.reference.engram"}
 
 
 def _example():
-    """``examples/engram_serve_loop.py`` loaded by path, as ``python examples/engram_serve_loop.py`` runs it."""
-    if str(EXAMPLE.parent) not in sys.path:  # as when run: its folder on the path (examples/_requires.py)
-        sys.path.insert(0, str(EXAMPLE.parent))
-    spec = importlib.util.spec_from_file_location("engram_serve_loop", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_example(EXAMPLE)
 
 
 @pytest.mark.gpu

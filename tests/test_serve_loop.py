@@ -6,8 +6,6 @@ On the CPU: the examples are user code, importing the installed package's public
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import os
 import subprocess
 import sys
@@ -16,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from gpu_runtime import dlpack
-from tests.helpers.examples import assert_public_imports
+from tests.helpers.examples import assert_public_imports, load_example
 
 STEPS = 60 if os.environ.get("GPU_SANITIZER") else 2000
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,15 +25,7 @@ BEYOND_THE_FACE = {"greedy_decode.py": {"layers.ops", "layers.kernel_files"}}
 
 
 def _example():
-    """``examples/serve_loop.py`` loaded by path, as ``python examples/serve_loop.py`` runs it."""
-    path = ROOT / "examples" / "serve_loop.py"
-    if str(path.parent) not in sys.path:  # as when run: its folder on the path (examples/_requires.py)
-        sys.path.insert(0, str(path.parent))
-    spec = importlib.util.spec_from_file_location("serve_loop", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_example(ROOT / "examples" / "serve_loop.py")
 
 
 @pytest.mark.gpu

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import sys
 from pathlib import Path
+from typing import Any
 
 PUBLIC = {"gpu_runtime", "layers.engram", "layers.ngram_embed", "layers.overlay", "layers.tensor_parallel"}
 THIRD_PARTY = {"numpy", "ml_dtypes"}
+LOCAL = {"_requires", "_serving"}  # examples/_requires.py, examples/_serving.py: the examples' own helpers
 
 
 def assert_public_imports(path: Path, beyond: set[str] | frozenset[str] = frozenset()) -> None:
@@ -22,11 +25,11 @@ def assert_public_imports(path: Path, beyond: set[str] | frozenset[str] = frozen
         if isinstance(node, ast.Import):
             for alias in node.names:
                 root = alias.name.split(".")[0]
-                assert root in sys.stdlib_module_names or root in THIRD_PARTY, f"{name}: import {alias.name}"
+                assert root in sys.stdlib_module_names or root in THIRD_PARTY | LOCAL, f"{name}: import {alias.name}"
         elif isinstance(node, ast.ImportFrom):
             module = node.module or ""
             assert node.level == 0, f"{name}: a relative import"
-            if module.split(".")[0] in sys.stdlib_module_names or module == "_requires":  # examples/_requires.py
+            if module.split(".")[0] in sys.stdlib_module_names or module in LOCAL:
                 continue
             assert module in PUBLIC | beyond, f"{name}: from {module} import ..."
             exported = importlib.import_module(module)
@@ -35,3 +38,16 @@ def assert_public_imports(path: Path, beyond: set[str] | frozenset[str] = frozen
                     assert alias.name in exported.__all__, f"{name}: {module}.{alias.name} is not exported"
                 else:
                     assert not alias.name.startswith("_") and hasattr(exported, alias.name), (module, alias.name)
+
+
+def load_example(path: Path) -> Any:
+    """The example at ``path`` loaded as a module, as ``python examples/x.py`` runs it: its folder
+    on the path (``_requires``, ``_serving``), its ``__name__`` not ``"__main__"`` (no command line)."""
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module

@@ -94,7 +94,7 @@ class TokenMap:
 
     def save(self, path: str | os.PathLike, *, force: bool = False) -> None:
         """Write the map to ``path`` atomically. ``ValueError`` if ``path`` holds a file that is not
-        a token map (another's data), unless ``force``."""
+        a token map (another's data), unless ``force`` (a bool: anything else is a ``TypeError``)."""
         path = Path(path)
         if not validate.boolean(force, "TokenMap.save: force") and os.path.lexists(path) and not _is_token_map(path):
             raise ValueError(f"{path}: exists and is not an Engram token map; not replaced (force=True replaces it)")

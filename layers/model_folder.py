@@ -23,10 +23,17 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
 
+def as_path(value: str | os.PathLike, what: str) -> Path:
+    """``value`` as a Path; ``TypeError`` naming ``what`` for anything but a str or os.PathLike."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{what} must be a path (str or os.PathLike), got {type(value).__name__}")
+    return Path(value)
+
+
 def model_folder(model_dir: str | os.PathLike) -> Path:
     """``model_dir`` as a Path, or a ``CheckpointError`` naming it: missing, not a folder, or one
-    that cannot be listed."""
-    path = Path(model_dir)
+    that cannot be listed (``TypeError`` for what is no path)."""
+    path = as_path(model_dir, "model_dir")
     try:
         with os.scandir(path):
             pass
@@ -41,8 +48,8 @@ def model_folder(model_dir: str | os.PathLike) -> Path:
 
 def read_config(model_dir: str | os.PathLike) -> dict[str, Any]:
     """The folder's ``config.json`` as a dict; ``CheckpointError`` for a missing or unreadable
-    folder or file, invalid JSON, or JSON that is not an object."""
-    path = Path(model_dir) / CONFIG
+    folder or file, invalid JSON, or JSON that is not an object (``TypeError`` for what is no path)."""
+    path = as_path(model_dir, "model_dir") / CONFIG
     try:
         text = path.read_text()
     except OSError as err:

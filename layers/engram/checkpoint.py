@@ -19,7 +19,7 @@ import numpy as np
 
 from gpu_runtime import validate
 
-from ..model_folder import TensorRef, Tensors, expect
+from ..model_folder import TensorRef, Tensors, as_path, expect
 from ..ngram_store.errors import CheckpointError
 from .config import BLOCK, EngramConfig
 
@@ -48,7 +48,7 @@ class EngramCheckpoint:
     def open(cls, model_dir: str | os.PathLike) -> EngramCheckpoint:
         """Read ``config.json``, the index or single file and the headers of the shards holding
         Engram tensors; ``CheckpointError`` for anything missing or not as the config gives it."""
-        model_dir = Path(model_dir)
+        model_dir = as_path(model_dir, "model_dir")
         cfg = EngramConfig.from_pretrained(model_dir)
         found = Tensors(model_dir)
         k, e = cfg.kv_dim, cfg.emb_dim

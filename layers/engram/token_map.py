@@ -30,6 +30,7 @@ import numpy as np
 from gpu_runtime import cli, validate
 
 from ..atomic_write import write_atomically
+from ..model_folder import as_path
 
 MAGIC = b"ENGRAMTM"
 VERSION = 1
@@ -95,7 +96,7 @@ class TokenMap:
     def save(self, path: str | os.PathLike, *, force: bool = False) -> None:
         """Write the map to ``path`` atomically. ``ValueError`` if ``path`` holds a file that is not
         a token map (another's data), unless ``force`` (a bool: anything else is a ``TypeError``)."""
-        path = Path(path)
+        path = as_path(path, "TokenMap.save: path")
         if not validate.boolean(force, "TokenMap.save: force") and os.path.lexists(path) and not _is_token_map(path):
             raise ValueError(f"{path}: exists and is not an Engram token map; not replaced (force=True replaces it)")
         data = self.ids.astype(_IDS).tobytes()
@@ -106,7 +107,7 @@ class TokenMap:
     def load(cls, path: str | os.PathLike) -> TokenMap:
         """Read a map ``save`` wrote. ``ValueError`` (naming the file) for a foreign, truncated or
         damaged file."""
-        path = Path(path)
+        path = as_path(path, "TokenMap.load: path")
         with path.open("rb") as f:  # the header first: a large foreign file is refused unread
             head = f.read(_HEADER.size)
             if len(head) < _HEADER.size or head[: len(MAGIC)] != MAGIC:

@@ -11,7 +11,7 @@ from typing import Any
 
 from gpu_runtime import validate
 
-from ..tensor_parallel import CollectiveGroup
+from ..tensor_parallel import check_group, check_rank_shard
 from .decoder import EngramDecoder
 
 
@@ -28,9 +28,7 @@ def lookup_all(
     """``prefill`` on every rank: rank r reads its own ``tokens[r]``, ``cu_seqlens[r]`` and
     ``slots[r]`` (device buffers on its device, the same values on every rank) on ``streams[r]``.
     Everything is checked before the first launch."""
-    if not isinstance(group, CollectiveGroup):
-        raise TypeError(f"lookup_all: group must be a CollectiveGroup, got {type(group).__name__}")
-    validate.require_open(group.closed, "lookup_all: the group")
+    check_group("lookup_all", group)
     per_rank = {"ranks": ranks, "tokens": tokens, "cu_seqlens": cu_seqlens, "slots": slots, "streams": streams}
     for name, given in per_rank.items():
         if not isinstance(given, Sequence):
@@ -42,15 +40,13 @@ def lookup_all(
     for r, rank in enumerate(ranks):
         if not isinstance(rank, EngramDecoder):
             raise TypeError(f"lookup_all: ranks[{r}] is a {type(rank).__name__}, not an EngramDecoder")
-        shard = rank.weights.shard
-        if shard is None or (shard.rank, shard.size) != (r, group.size):
-            got = "not a shard" if shard is None else f"rank {shard.rank} of {shard.size}"
-            raise ValueError(f"lookup_all: ranks[{r}]'s weights are {got}")
+        check_rank_shard("lookup_all", r, rank.weights.shard, group.size)
         if rank.collective is not None:
             raise ValueError(f"lookup_all: ranks[{r}] has a collective of its own; the group sums here")
         n_seqs, rows = rank._sizes(num_seqs, num_tokens)
         calls.append((rank._ragged(tokens[r], cu_seqlens[r], slots[r], n_seqs, rows), rank._ready(streams[r])))
-        rank._projections(rows)
+        if rows:
+            rank._projections(rows)  # planned before the first launch
     if num_tokens == 0:
         return
     for rank, (indices, s) in zip(ranks, calls):

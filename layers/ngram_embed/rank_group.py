@@ -10,7 +10,7 @@ from typing import Any
 
 from gpu_runtime import validate
 
-from ..tensor_parallel import CollectiveGroup
+from ..tensor_parallel import check_group, check_rank_shard
 from .fused import FusedNgramEmbedding
 from .runner_checks import out_address
 
@@ -25,9 +25,7 @@ def embed_all(
 ) -> int:
     """Rank r embeds the batch into ``outs[r]`` on ``streams[r]`` (every rank's output is the
     same, the single-GPU fused path's). Returns the rows. Everything is checked before any upload."""
-    if not isinstance(group, CollectiveGroup):
-        raise TypeError(f"embed_all: group must be a CollectiveGroup, got {type(group).__name__}")
-    validate.require_open(group.closed, "embed_all: the group")
+    check_group("embed_all", group)
     if not (len(ranks) == len(outs) == len(streams) == group.size):
         raise ValueError(
             f"embed_all: {len(ranks)} ranks, {len(outs)} outs and {len(streams)} streams for a group of {group.size}"
@@ -36,10 +34,7 @@ def embed_all(
     for r, rank in enumerate(ranks):
         if not isinstance(rank, FusedNgramEmbedding):
             raise TypeError(f"embed_all: ranks[{r}] is a {type(rank).__name__}, not a FusedNgramEmbedding")
-        shard = rank.weights.shard
-        if shard is None or (shard.rank, shard.size) != (r, group.size):
-            got = "not a shard" if shard is None else f"rank {shard.rank} of {shard.size}"
-            raise ValueError(f"embed_all: ranks[{r}]'s weights are {got}")
+        check_rank_shard("embed_all", r, rank.weights.shard, group.size)
         if rank.dims != ranks[0].dims:
             raise ValueError(f"embed_all: ranks[{r}] has other dims than rank 0")
         validate.require_open(rank.closed, f"embed_all: ranks[{r}]")

@@ -4,6 +4,6 @@ every rank on one device, and ``layers.tensor_parallel.nccl`` provides both over
 ``multi-gpu`` extra, imported only when used). A shard's ``NgramWeights`` (``shard=``) and
 ``collective=`` on ``FusedNgramEmbedding`` / ``NgramDecoder`` use them."""
 
-from .collective import Collective, CollectiveGroup, LocalGroup, check_collective
+from .collective import Collective, CollectiveGroup, LocalGroup, check_collective, check_group, check_rank_shard
 
-__all__ = ["Collective", "CollectiveGroup", "LocalGroup", "check_collective"]
+__all__ = ["Collective", "CollectiveGroup", "LocalGroup", "check_collective", "check_group", "check_rank_shard"]

@@ -74,6 +74,21 @@ def check_collective(what: str, collective: Any, shard: Any, how: str) -> None:
         )
 
 
+def check_group(what: str, group: Any) -> None:
+    """``group`` an open ``CollectiveGroup`` (``what`` names the driver of the whole group)."""
+    if not isinstance(group, CollectiveGroup):
+        raise TypeError(f"{what}: group must be a CollectiveGroup, got {type(group).__name__}")
+    validate.require_open(group.closed, f"{what}: the group")
+
+
+def check_rank_shard(what: str, r: int, shard: Any, size: int) -> None:
+    """``shard`` (rank ``r``'s weights' shard: its ``rank`` and ``size``, or None) is rank ``r``
+    of a group of ``size``."""
+    if shard is None or (shard.rank, shard.size) != (r, size):
+        got = "not a shard" if shard is None else f"rank {shard.rank} of {shard.size}"
+        raise ValueError(f"{what}: ranks[{r}]'s weights are {got}")
+
+
 class LocalGroup:
     """``size`` ranks on one device: the sum runs here (bf16 adds into rank 0's buffer in rank
     order, then copied back to the others), all on the stream the ranks share."""

@@ -143,10 +143,26 @@ class EngramWeights(Closing):
         each table on the device or in host memory (``placement``: one for all, one per layer, or
         a ``DeviceBudget`` in bytes: tables on the device in order while they fit). Every array is
         checked before anything is allocated (``_checked``): ``TypeError`` / ``ValueError``."""
+        return cls._build(gpu, config, token_map, (tables, wkv, q_weight, k_weight), placement, shard, stream, True)
+
+    @classmethod
+    def _build(
+        cls,
+        gpu: GpuBackend,
+        config: EngramConfig,
+        token_map: TokenMap,
+        arrays: tuple[Any, Any, Any, Any],
+        placement: Any,
+        shard: Shard | None,
+        stream: int,
+        scan_nan: bool,
+    ) -> EngramWeights:
+        """``from_arrays`` of ``arrays`` (tables, wkv, q, k); ``scan_nan``: look for e8m0 NaN bytes
+        in the scales (``from_checkpoint`` has scanned its files already, naming them)."""
         stream = validate.stream(stream, "EngramWeights: stream")
         self = cls(gpu, config, token_map, shard)
         try:
-            layers = self._checked(tables, wkv, q_weight, k_weight)
+            layers = self._checked(*arrays, scan_nan)
             places = self._placements(placement)
             for i, (table, w, q, k) in enumerate(layers):
                 self._add_layer(i, table, w, q, k, places[i], stream)
@@ -174,19 +190,14 @@ class EngramWeights(Closing):
             raise TypeError(f"checkpoint must be an EngramCheckpoint, got {type(checkpoint).__name__}")
         cfg = checkpoint.config
         for layer in cfg.layer_ids:
-            checkpoint.scan_scales(layer)
-        return cls.from_arrays(
-            gpu,
-            cfg,
-            token_map,
+            checkpoint.scan_scales(layer)  # once, here: its messages name the file
+        arrays = (
             [checkpoint.table(layer) for layer in cfg.layer_ids],
             [checkpoint.wkv(layer) for layer in cfg.layer_ids],
             [checkpoint.q_weight(layer) for layer in cfg.layer_ids],
             [checkpoint.k_weight(layer) for layer in cfg.layer_ids],
-            placement=placement,
-            shard=shard,
-            stream=stream,
         )
+        return cls._build(gpu, cfg, token_map, arrays, placement, shard, stream, False)
 
     def _placements(self, placement: Any) -> list[str]:
         """One of ``PLACES`` per layer's table, from names or a ``DeviceBudget``, which counts
@@ -202,11 +213,13 @@ class EngramWeights(Closing):
         counts = [rows if self.shard is None else self.shard.rows(rows)[1] for rows in cfg.num_embeddings]
         return fit_budget(budget, fixed, "wkv (bf16), q, k and the hash's arrays", [n * self.stride for n in counts])
 
-    def _checked(self, tables: Any, wkv: Any, q_weight: Any, k_weight: Any) -> list[tuple[Any, Any, Any, Any]]:
+    def _checked(
+        self, tables: Any, wkv: Any, q_weight: Any, k_weight: Any, scan_nan: bool
+    ) -> list[tuple[Any, Any, Any, Any]]:
         """Each layer's ``(table, wkv, q, k)``, checked: one entry per Engram layer in each
         sequence, a ``(weight, scale)`` pair for a table and ``wkv``, every dtype and shape as the
-        config gives it, no e8m0 NaN byte (255) in ``wkv``'s scales or in the table rows this rank
-        holds (read ``CHUNK_ROWS`` rows at a time)."""
+        config gives it; with ``scan_nan``, no e8m0 NaN byte (255) in ``wkv``'s scales or in the
+        table rows this rank holds (read ``CHUNK_ROWS`` rows at a time)."""
         cfg, n = self.config, len(self.config.layer_ids)
         for name, given in (("tables", tables), ("wkv", wkv), ("q_weight", q_weight), ("k_weight", k_weight)):
             if not isinstance(given, (Sequence, np.ndarray)):
@@ -224,11 +237,13 @@ class EngramWeights(Closing):
             _shape(weight, (rows, width), (FP8, U8), f"{what} table")
             _shape(scale, (rows, width // BLOCK), (U8, E8M0), f"{what} table scale")
             lo, count = (0, rows) if self.shard is None else self.shard.rows(rows)
-            _no_nan(scale, lo, count, f"{what} table scale")
+            if scan_nan:
+                _no_nan(scale, lo, count, f"{what} table scale")
             w, s = _pair(wkv[i], f"{what} wkv")
             _shape(w, (cfg.kv_dim, cfg.emb_dim), (FP8, U8), f"{what} wkv")
             _shape(s, (-(-cfg.kv_dim // BLOCK), cfg.emb_dim // BLOCK), (U8, E8M0), f"{what} wkv scale")
-            _no_nan(s, 0, s.shape[0], f"{what} wkv scale")
+            if scan_nan:
+                _no_nan(s, 0, s.shape[0], f"{what} wkv scale")
             for name, array in (("q_weight", q_weight[i]), ("k_weight", k_weight[i])):
                 _shape(array, (cfg.hc_mult, cfg.hidden_size), (BF16,), f"{what} {name}")
             out.append(((weight, scale), (w, s), q_weight[i], k_weight[i]))

@@ -52,12 +52,6 @@ __device__ __forceinline__ Table load_table(const uint64_t* tables, uint32_t l) 
     return Table{__ldg(t), __ldg(t + 1), __ldg(t + 2), __ldg(t + 3)};
 }
 
-// 2^(byte - 127) as an f32 (byte 0: 2^-127, a subnormal; 255, e8m0's NaN: NaN).
-__device__ __forceinline__ float e8m0(uint32_t byte) {
-    const uint32_t bits = byte == 0 ? 0x00400000u : byte == 255 ? 0x7fc00000u : byte << 23;
-    return __uint_as_float(bits);
-}
-
 __device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
 // x' of one value (module comment): requantised only in a block whose amax < 1e-4.

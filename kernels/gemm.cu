@@ -24,6 +24,8 @@
 //           butterfly sum per warp; 224 KB of shared memory (launched with less: small).
 //   small   gemm_small.cuh: m <= 64 (decode), mma.sync with the K loop split across the warps
 //           and a fixed-order reduction; 120 to 192 KB of shared memory.
+//   fp8w    gemm_fp8w.cuh: the small path over an e4m3 w with 32 x 32 e8m0 block scales, each
+//           weight dequantised to bf16 in registers (its own entry points, 192 KB).
 //   tiled   gemm_tiled.cuh: mma.sync, CTA tiles L = 128x256, M = 128x128, S = 64x64 (96, 64,
 //           32 KB).
 //   wgmma   gemm_wgmma.cuh: sm_90a only, CTA tile 128x256 on two warpgroups (193 KB). Without
@@ -45,6 +47,7 @@
 //                              (>= 96 KB: L, >= 64 KB: M, >= 32 KB: S);
 //   dense_gemm_bf16_wgmma      wgmma path (needs >= 197632 bytes of dynamic shared memory);
 //   dense_gemm_bf16_simt       the scalar path.
+//   dense_gemm_fp8w_small / _simt  the fp8-weight path (its own signature: w e4m3, ws its scales).
 // Word-row entry points (the plain signature + const uint32_t* word_ids, const bf16* word [vocab,
 // n] row-major, const bf16* const* word_over [m] (null, or per row an adapter's replacement word
 // row, null where none), float scale; same launch plans as their plain twins):
@@ -79,6 +82,12 @@ constexpr uint32_t kSmallChunk = 32;    // k per stage: 8 per lane in each of th
 constexpr uint32_t kSmallWPieces = 4;   // 16-byte w pieces per lane per stage (2 tiles x 2 rows)
 constexpr uint32_t kPieceBytes = 32 * 16;  // one 16-byte piece for each lane of a warp
 constexpr uint32_t kRedStride = kSmallCols + 4;  // floats per reduction row: conflict-free stores
+
+// fp8-weight small path (the small path's warps, pieces and reduction)
+constexpr uint32_t kFp8Block = 32;     // e8m0 scale block: 32 x 32 of w
+constexpr uint32_t kFp8MaxRows = 32;   // rows of a per work item (4 n8 tiles)
+constexpr uint32_t kFp8Chunk = 64;     // k per stage: 16 per lane in each of the 4 lanes of a row
+constexpr uint32_t kFp8Smem = 196608;  // every NT's ring: 8 warps x stages x (4 + 2 NT) pieces
 
 // tiled path
 constexpr uint32_t kTileK = 32;
@@ -137,6 +146,19 @@ __device__ __forceinline__ uint32_t small_smem_bytes(uint32_t m) {
     return kWarps * small_stages(nt) * (kSmallWPieces + nt) * kPieceBytes;
 }
 
+// The fp8-weight small path's n8 tiles of a rows per work item and its ring depth.
+__device__ __forceinline__ uint32_t fp8w_nt(uint32_t m) {
+    return m <= 8 ? 1 : m <= 16 ? 2 : 4;
+}
+
+__host__ __device__ constexpr uint32_t fp8w_stages(uint32_t nt) {
+    return nt == 1 ? 8 : nt == 2 ? 6 : 4;
+}
+static_assert(kWarps * fp8w_stages(1) * (kSmallWPieces + 2) * kPieceBytes == kFp8Smem &&
+                  kWarps * fp8w_stages(2) * (kSmallWPieces + 4) * kPieceBytes == kFp8Smem &&
+                  kWarps * fp8w_stages(4) * (kSmallWPieces + 8) * kPieceBytes == kFp8Smem,
+              "fp8-weight ring");
+
 // The shared memory of the tiled path's config BM x BN.
 template <uint32_t BM, uint32_t BN>
 __host__ __device__ constexpr uint32_t tile_smem_bytes() {
@@ -150,6 +172,7 @@ __host__ __device__ constexpr uint32_t tile_smem_bytes() {
 #include "gemm_simt.cuh"
 #include "gemm_gemv.cuh"
 #include "gemm_small.cuh"
+#include "gemm_fp8w.cuh"
 #include "gemm_tiled.cuh"
 #include "gemm_wgmma.cuh"
 #include "gemm_tma.cuh"
@@ -182,6 +205,18 @@ __device__ __forceinline__ bool run_small(const bf16* a, const bf16* w, bf16* c,
         case 2: small_m_gemm<2>(a, w, c, m, n, k, ep); break;
         case 4: small_m_gemm<4>(a, w, c, m, n, k, ep); break;
         default: small_m_gemm<8>(a, w, c, m, n, k, ep); break;
+    }
+    return true;
+}
+
+template <class Ep>
+__device__ __forceinline__ bool run_fp8w(const bf16* a, const uint8_t* w, const uint8_t* ws, bf16* c,
+                                         uint32_t m, uint32_t n, uint32_t k, const Ep& ep) {
+    if (!block_is_256() || dynamic_smem_bytes() < kFp8Smem) return false;
+    switch (fp8w_nt(m)) {
+        case 1: fp8w_small_gemm<1>(a, w, ws, c, m, n, k, ep); break;
+        case 2: fp8w_small_gemm<2>(a, w, ws, c, m, n, k, ep); break;
+        default: fp8w_small_gemm<4>(a, w, ws, c, m, n, k, ep); break;
     }
     return true;
 }
@@ -330,6 +365,24 @@ dense_gemm_bf16_tma_splitk(const __grid_constant__ TensorMap a_map,
                            const __grid_constant__ TensorMap w_map, const bf16* a, const bf16* w,
                            bf16* c, uint32_t m, uint32_t n, uint32_t k) {
     gemm::tma_or_simt_gemm<gemm::kTmaSplitK>(a_map, w_map, a_map, a, w, c, m, n, k, gemm::PlainEpilogue{});
+}
+
+// c = a @ W^T for an e4m3 w [n, k] with e8m0 32 x 32 block scales ws [ceil(n / 32), k / 32]
+// (k % 32 == 0, w 16-byte aligned), W = bf16(f32(w) * 2^(ws - 127)): the fp8-weight small path for
+// any m (work items of 32 columns x 32 rows: batch invariant), kFp8Smem bytes of shared memory;
+// the scalar path if the launch does not fit it. May be a programmatic dependent launch.
+extern "C" __global__ void __launch_bounds__(256, 1)
+dense_gemm_fp8w_small(const bf16* a, const uint8_t* w, const uint8_t* ws, bf16* c, uint32_t m,
+                      uint32_t n, uint32_t k) {
+    using namespace gemm;
+    if (!run_fp8w(a, w, ws, c, m, n, k, PlainEpilogue{})) fp8w_simt(a, w, ws, c, m, n, k, PlainEpilogue{});
+}
+
+// dense_gemm_fp8w_small's scalar path, one output per thread, any launch shape.
+extern "C" __global__ void
+dense_gemm_fp8w_simt(const bf16* a, const uint8_t* w, const uint8_t* ws, bf16* c, uint32_t m,
+                     uint32_t n, uint32_t k) {
+    gemm::fp8w_simt(a, w, ws, c, m, n, k, gemm::PlainEpilogue{});
 }
 
 // One output per thread, any launch shape.

@@ -24,7 +24,7 @@ import numpy as np
 from gpu_runtime import interop, validate
 
 from ..kernel_files import load_kernel
-from ..ops import gemm
+from ..ops import gemm, gemm_fp8
 from ..ops.engram import EngramGate, EngramLaunches
 from ..ops.token_history import NO_TOKEN, PAD_SLOT, DecodeError, TokenCode
 from ..resources import Resources
@@ -37,13 +37,15 @@ __all__ = ["DecodeError", "EngramDecoder", "PAD_SLOT"]
 Buffer = Any  # an address, a DeviceArray, or an array with __cuda_array_interface__ / __dlpack__
 
 _WHAT = "EngramDecoder"
+FP8_ROWS = 64  # up to this many rows the projection reads wkv in fp8, above it the bf16 copy
 _U8 = (np.dtype(np.uint8), np.dtype(np.bool_))
 
 
 class EngramDecoder(HistoryCalls):
     """Engram for ``max_seqs`` slots and calls of at most ``max_rows`` tokens (module docstring).
     ``batch_invariant``: every row's bits the same whatever else is in its call (the projection's
-    small GEMM path for every row count: a step's rows equal a prefill's). ``collective``: a
+    fp8-weight path for every row count: a step's rows equal a prefill's; without it, calls of up
+    to ``FP8_ROWS`` rows take that path and longer ones the bf16 GEMM). ``collective``: a
     tensor-parallel shard's all-reduce (one process per rank; ``lookup_all`` drives a whole
     in-process group): each rank gathers the rows it holds, zeros elsewhere, and the sum of the
     ranks' rows is exact (one rank holds each row). Borrows the weights."""
@@ -72,7 +74,7 @@ class EngramDecoder(HistoryCalls):
         max_rows = validate.positive(max_rows, f"{_WHAT}: max_rows", limit=1 << 31)
         max_draft = validate.count(max_draft, f"{_WHAT}: max_draft", limit=1 << 31)
         stream = validate.stream(stream, f"{_WHAT}: stream")
-        self.path = "small" if validate.boolean(batch_invariant, f"{_WHAT}: batch_invariant") else None
+        self.batch_invariant = validate.boolean(batch_invariant, f"{_WHAT}: batch_invariant")
         cfg, gpu = weights.config, weights.gpu
         self.weights, self.config, self.gpu, self.stream = weights, cfg, gpu, stream
         self.max_seqs, self.max_rows, self.max_draft = max_seqs, max_rows, max_draft
@@ -116,6 +118,7 @@ class EngramDecoder(HistoryCalls):
                 for layer in weights.layers
             ]
             self._gemm_kernel = load_kernel(gpu, "gemm", gemm.KERNEL)
+            self._fp8_kernel = load_kernel(gpu, "gemm", gemm_fp8.KERNEL)
             self._gemms: dict[int, list[Any]] = {}
         except BaseException:
             own.close()
@@ -215,21 +218,19 @@ class EngramDecoder(HistoryCalls):
         return interop.device_address(text, f"{_WHAT} text", dtypes=_U8, count=rows, gpu=self.gpu)
 
     def _projections(self, rows: int) -> list[Any]:
-        """Each layer's prepared GEMM ``kv[:rows] = emb[:rows] @ wkv^T`` (made once per row count)."""
+        """Each layer's prepared GEMM ``kv[:rows] = emb[:rows] @ wkv^T`` (made once per row count):
+        over the fp8 ``wkv`` up to ``FP8_ROWS`` rows or when batch invariant, else the bf16 copy."""
         plans = self._gemms.get(rows)
         if plans is None:
-            cfg = self.config
+            cfg, gpu = self.config, self.gpu
+            fp8 = self.batch_invariant or rows <= FP8_ROWS
             plans = [
-                gemm.plan_gemm(
-                    self.gpu,
-                    self._gemm_kernel,
-                    self.emb_of(i),
-                    layer.wkv,
-                    self.kv_of(i),
-                    rows,
-                    cfg.kv_dim,
-                    cfg.emb_dim,
-                    path=self.path,
+                gemm_fp8.plan_fp8w_gemm(
+                    gpu, self._fp8_kernel, self.emb_of(i), layer.wkv_fp8, self.kv_of(i), rows, cfg.kv_dim, cfg.emb_dim
+                )
+                if fp8
+                else gemm.plan_gemm(
+                    gpu, self._gemm_kernel, self.emb_of(i), layer.wkv, self.kv_of(i), rows, cfg.kv_dim, cfg.emb_dim
                 )
                 for i, layer in enumerate(self.weights.layers)
             ]

@@ -13,13 +13,22 @@ from __future__ import annotations
 
 import argparse
 
-import ml_dtypes
 import numpy as np
 
-from bench.common import bench_parser, copy_bandwidth, gated_gpu_us, matmul_rate, print_table, run, torch_or_none, torch_stream
+from bench.common import (
+    bench_parser,
+    copy_bandwidth,
+    gated_gpu_us,
+    matmul_rate,
+    print_table,
+    run,
+    torch_or_none,
+    torch_stream,
+)
 from gpu_runtime import CudaBackend
 from layers.block_fp8_weight import BlockFp8Weight
-from layers.dense_weight import BF16, DenseWeight
+from layers.dense_weight import DenseWeight
+from layers.engram.weights import dequant_blocks
 from layers.kernel_files import load_kernel
 from layers.ops import gemm, gemm_fp8
 
@@ -39,11 +48,14 @@ def _weights(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
 def _ours(gpu: CudaBackend, weights: list, m: int, fp8: bool) -> float:
     """Median us of our projection at m rows, rotating the weight sets."""
     a, c = gpu.alloc(m * K * 2), gpu.alloc(m * N * 2)
+    need = gemm_fp8.workspace_bytes(N, K, gpu.max_shared_optin)
+    work = gpu.alloc(need)
     try:
+        gpu.memset(work, 0, need)
         gpu.memset(a, 0x3C, m * K * 2)
         if fp8:
             kern = load_kernel(gpu, "gemm", gemm_fp8.KERNEL)
-            plans = [gemm_fp8.plan_fp8w_gemm(gpu, kern, a, w8, c, m, N, K) for w8, _ in weights]
+            plans = [gemm_fp8.plan_fp8w_gemm(gpu, kern, a, w8, c, m, N, K, workspace=work) for w8, _ in weights]
         else:
             kern = load_kernel(gpu, "gemm", gemm.KERNEL)
             plans = [gemm.plan_gemm(gpu, kern, a, wb, c, m, N, K) for _, wb in weights]
@@ -51,6 +63,7 @@ def _ours(gpu: CudaBackend, weights: list, m: int, fp8: bool) -> float:
     finally:
         gpu.free(a)
         gpu.free(c)
+        gpu.free(work)
 
 
 def _torch(m: int) -> tuple[float | None, float | None]:
@@ -84,17 +97,26 @@ def main(args: argparse.Namespace) -> None:
         try:
             for _ in range(SETS):
                 w, s = _weights(rng)
-                from layers.engram.weights import dequant_blocks
-
-                weights.append((BlockFp8Weight.from_numpy(gpu, w, s), DenseWeight.from_numpy(gpu, dequant_blocks(w, s))))
+                weights.append(
+                    (BlockFp8Weight.from_numpy(gpu, w, s), DenseWeight.from_numpy(gpu, dequant_blocks(w, s)))
+                )
             rows = []
             for m in ROWS:
                 fp8, bf16 = _ours(gpu, weights, m, True), _ours(gpu, weights, m, False)
                 t_bf16, t_fp8 = _torch(m)
                 floor = max(N * K / bw, 2 * m * N * K / rate if rate else 0.0) * 1e6
                 rows.append(
-                    (m, fp8, bf16, t_bf16, t_fp8, floor, fp8 / floor, t_bf16 / fp8 if t_bf16 else None,
-                     t_fp8 / fp8 if t_fp8 else None)
+                    (
+                        m,
+                        fp8,
+                        bf16,
+                        t_bf16,
+                        t_fp8,
+                        floor,
+                        fp8 / floor,
+                        t_bf16 / fp8 if t_bf16 else None,
+                        t_fp8 / fp8 if t_fp8 else None,
+                    )
                 )
         finally:
             for w8, wb in weights:
@@ -102,8 +124,17 @@ def main(args: argparse.Namespace) -> None:
                 wb.close()
     print_table(
         f"Engram wkv projection, n {N} x k {K} (us)",
-        ["m", "fp8w", "bf16 (ours)", "cuBLAS bf16", "_scaled_mm fp8", "floor", "fp8w/floor", "cuBLAS/fp8w",
-         "scaled_mm/fp8w"],
+        [
+            "m",
+            "fp8w",
+            "bf16 (ours)",
+            "cuBLAS bf16",
+            "_scaled_mm fp8",
+            "floor",
+            "fp8w/floor",
+            "cuBLAS/fp8w",
+            "scaled_mm/fp8w",
+        ],
         rows,
         note="Each row is one m: our fp8-weight path, our bf16 GEMM over dequantised weights, cuBLAS bf16 and "
         "torch's row-wise fp8 _scaled_mm (us), the floor (fp8 weight bytes over the copy bandwidth, or the FLOPs "

@@ -1,20 +1,12 @@
-// Part of gemm.cu (included after its sizes): the fp8-weight small path, for m <= 32 rows a work
-// item (decode: bound by reading w once, half the bytes of a bf16 w).
+// Part of gemm.cu (included after its sizes): the fp8-weight path, for up to 64 rows of a (decode:
+// bound by reading w once, half the bytes of a bf16 w).
 //
 // c[m, n] = a[m, k] @ W^T, a bf16, W the e4m3 w [n, k] with e8m0 block scales ws [ceil(n/32),
 // k/32] (2^(byte - 127) per 32 x 32 block; k % 32 == 0, w 16-byte aligned: the launcher checks).
 // Each weight is used as bf16(f32(e4m3) * 2^(byte - 127)): the value the bf16 path's dequantised
 // weight holds, rounded once, so the products and the fp32 sums are those of the bf16 path over
-// dequant_weight(w, ws, bfloat16) (the order of the sums differs).
-//
-// The small path's structure (gemm_small.cuh): a work item is 32 columns of c (one 32-row scale
-// block of w, two m16 tiles) for up to 32 rows of a (NT = 1, 2 or 4 n8 tiles); the K loop is split
-// across the 8 warps in 64-wide k-chunks; each lane copies 16 bytes of each w row it needs (16 k)
-// and 32 bytes of each a row (the same 16 k), reads back only what it copied, and feeds them to
-// four mma m16n8k16 (lane elements 4q .. 4q+3 in the q-th; a and w agree on this order of k); a
-// fixed-order reduction across warps; one rounding. A lane's 16 k lie in one 32-wide scale block:
-// one scale byte per lane per chunk. Items go slice by slice (the row blocks of one slice are
-// neighbours, so a slice of w is read from memory once and from L2 after).
+// dequant_weight(w, ws, bfloat16) (the order of the sums differs; a row's order depends on k and
+// the slab ks only, never on m or the other rows: batch invariant for a fixed ks).
 // Conversion: the bytes of an e4m3 placed in a bf16 (sign, then exponent and mantissa four bits
 // lower) are its value times 2^-120, exactly (subnormals too); one bf16x2 fma by 2^(byte - 7)
 // (two past byte 134, where that power leaves bf16's range) then rounds once. e4m3 NaN bytes
@@ -86,149 +78,197 @@ __device__ void fp8w_simt(const bf16* a, const uint8_t* w, const uint8_t* ws, bf
     }
 }
 
-template <uint32_t NT, class Ep>
-__device__ __forceinline__ void fp8w_small_gemm(const bf16* a, const uint8_t* w, const uint8_t* ws,
-                                                bf16* c, uint32_t m, uint32_t n, uint32_t k,
-                                                const Ep& ep) {
-    constexpr uint32_t kStages = fp8w_stages(NT);
-    constexpr uint32_t kAPieces = 2 * NT;  // 32 bytes of each a row a lane
-    constexpr uint32_t kStageBytes = (kSmallWPieces + kAPieces) * kPieceBytes;
-    constexpr uint32_t kRedRows = NT * 8;
-    const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const uint32_t g = lane >> 2, t = lane & 3;
-    const bool fast = (k % 8 == 0) && aligned16(a, a);
-    const bool vec = vector_stores(c, n);
-    const uint32_t chunks = ceil_div(k, kFp8Chunk), kblocks = k / kFp8Block;
-    const uint32_t mine = warp < chunks ? (chunks - warp + kWarps - 1) / kWarps : 0;
-    const uint32_t ring = smem_u32(smem_raw) + warp * kStages * kStageBytes + lane * 16;
-    float* red = reinterpret_cast<float*>(smem_raw);
-    const uint64_t blocks_m = ceil_div(m, kFp8MaxRows);
-    const uint64_t items = ceil_div(n, kSmallCols) * blocks_m;
-    const CpAsyncRing<kStages, kStages - 1> pipe{mine};
-
-    for (uint64_t item = block_rank(); item < items; item += grid_blocks()) {
-        const uint32_t col0 = static_cast<uint32_t>(item / blocks_m) * kSmallCols;
-        const uint32_t row0 = static_cast<uint32_t>(item % blocks_m) * kFp8MaxRows;
-        const uint8_t* wsrc[kSmallWPieces];
-        bool wok[kSmallWPieces];
+// The scale bytes of one work item (ks / 32 blocks from block kb0 of row `row` of ws, none past
+// kblocks), lane l holding blocks l + 32u in byte u % 4 of word u / 4 (127 where there is none).
+struct Fp8ItemScales {
+    uint32_t lo, hi;
+    __device__ __forceinline__ void load(const uint8_t* ws, uint64_t row, uint32_t kb0, uint32_t count,
+                                         uint32_t kblocks, uint32_t lane) {
+        lo = hi = 0x7f7f7f7fu;
 #pragma unroll
-        for (uint32_t p = 0; p < kSmallWPieces; ++p) {
-            const uint32_t r = col0 + g + 8 * p;
-            wok[p] = r < n;
-            wsrc[p] = w + static_cast<uint64_t>(wok[p] ? r : 0) * k + 16 * t;
-        }
-        const bf16* asrc[NT];
-        bool aok[NT];
-        row_sources(a, row0 + g, 8, m, k, asrc, aok);
-        const uint8_t* scales = ws + static_cast<uint64_t>(col0 / kFp8Block) * kblocks;
-        // This lane's first k of chunk i (its 16 k: kk .. kk + 15, in block kk / 32).
-        auto first_k = [&](uint32_t i) { return (warp + i * kWarps) * kFp8Chunk + 16 * t; };
-        // parts: 1 = the w pieces of a stage, 2 = its a pieces, 3 = both.
-        auto load = [&](uint32_t stage, uint32_t i, uint32_t parts = 3) {
-            const uint32_t kk = first_k(i);
-            const bool kin = kk < k;
-            const uint32_t dst = ring + stage * kStageBytes;
-            if (parts & 1) {
-#pragma unroll
-                for (uint32_t p = 0; p < kSmallWPieces; ++p) {
-                    const bool ok = wok[p] && kin;
-                    cp_async16(dst + p * kPieceBytes, ok ? wsrc[p] + (kk - 16 * t) : w, ok ? 16u : 0u);
-                }
-            }
-            if (parts & 2) {
-                with_load_kind(fast, [&](auto kind) {
-                    const uint32_t sa = dst + kSmallWPieces * kPieceBytes;  // pieces 2j, 2j + 1: row 8j + g
-                    load_rows(kind, asrc, aok, sa, 2 * kPieceBytes, kk, kin, k);
-                    load_rows(kind, asrc, aok, sa + kPieceBytes, 2 * kPieceBytes, kk + 8, kin, k);
-                });
-            }
-        };
-        auto scale_of = [&](uint32_t i) {
-            const uint32_t kk = first_k(i);
-            return kk < k ? static_cast<uint32_t>(__ldg(scales + kk / kFp8Block)) : 127u;
-        };
-
-        float acc[2][NT][4];
-#pragma unroll
-        for (uint32_t i = 0; i < 2; ++i)
-#pragma unroll
-            for (uint32_t j = 0; j < NT; ++j)
-#pragma unroll
-                for (uint32_t e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
-
-        // As the small path: the first item's w stages are requested before pdl_wait.
-        const bool first = item == block_rank();
-        if (first) {
-#pragma unroll 1
-            for (uint32_t s = 0; s < kStages - 1; ++s)
-                if (s < mine) load(s, s, 1);
-            pdl_wait();
-        }
-        pipe.start([&](uint32_t stage, uint32_t i) { load(stage, i, first ? 2 : 3); });
-        uint32_t next_scale = mine > 0 ? scale_of(0) : 127u;
-        for (uint32_t i = 0; i < mine; ++i) {
-            pipe.wait();  // this lane's copies of chunk i have landed
-            pipe.refill(i, load);
-            const Fp8Scale scale(next_scale);
-            if (i + 1 < mine) next_scale = scale_of(i + 1);
-            const uint32_t src = ring + pipe.stage(i) * kStageBytes;
-            uint4 wv[kSmallWPieces], av[kAPieces];
-#pragma unroll
-            for (uint32_t p = 0; p < kSmallWPieces; ++p) wv[p] = ld_shared16(src + p * kPieceBytes);
-#pragma unroll
-            for (uint32_t j = 0; j < kAPieces; ++j) av[j] = ld_shared16(src + (kSmallWPieces + j) * kPieceBytes);
-#pragma unroll
-            for (uint32_t q = 0; q < 4; ++q) {  // lane elements 4q .. 4q+3: word q of a w piece
-                uint32_t lo[kSmallWPieces], hi[kSmallWPieces];
-#pragma unroll
-                for (uint32_t p = 0; p < kSmallWPieces; ++p) {
-                    const uint32_t x = q == 0 ? wv[p].x : q == 1 ? wv[p].y : q == 2 ? wv[p].z : wv[p].w;
-                    e4m3x4_as_bf16x4(x, lo[p], hi[p]);
-                    lo[p] = scale.apply(lo[p]);
-                    hi[p] = scale.apply(hi[p]);
-                }
-#pragma unroll
-                for (uint32_t j = 0; j < NT; ++j) {
-                    const uint4 v = av[2 * j + q / 2];  // a elements 4q .. 4q+3: words 2(q%2), +1
-                    const uint32_t b0 = q % 2 == 0 ? v.x : v.z, b1 = q % 2 == 0 ? v.y : v.w;
-#pragma unroll
-                    for (uint32_t ti = 0; ti < 2; ++ti)  // w rows 16ti + g (piece 2ti) and + 8
-                        mma_bf16(acc[ti][j], lo[2 * ti], lo[2 * ti + 1], hi[2 * ti], hi[2 * ti + 1], b0, b1);
-                }
+        for (uint32_t u = 0; u < 8; ++u) {
+            const uint32_t kb = lane + 32 * u;
+            if (kb < count && kb0 + kb < kblocks) {
+                const uint32_t byte = __ldg(ws + row * kblocks + kb0 + kb);
+                const uint32_t shift = 8 * (u % 4);
+                uint32_t& word = u < 4 ? lo : hi;
+                word = (word & ~(0xffu << shift)) | (byte << shift);
             }
         }
-        cp_async_wait<0>();
-        __syncthreads();  // every warp is done with its ring: reuse the memory for the reduction
-
-        // acc[ti][j]: e0 (w row 16ti+g, a row 8j+2t), e1 (same w row, a row +1), e2/e3 (w row +8).
-        float* mine_red = red + warp * (kRedRows * kRedStride);
-#pragma unroll
-        for (uint32_t ti = 0; ti < 2; ++ti)
-#pragma unroll
-            for (uint32_t j = 0; j < NT; ++j) {
-                const uint32_t r = 8 * j + 2 * t, col = 16 * ti + g;
-                mine_red[r * kRedStride + col] = acc[ti][j][0];
-                mine_red[(r + 1) * kRedStride + col] = acc[ti][j][1];
-                mine_red[r * kRedStride + col + 8] = acc[ti][j][2];
-                mine_red[(r + 1) * kRedStride + col + 8] = acc[ti][j][3];
-            }
-        __syncthreads();
-
-        const uint32_t rows = (m - row0) < kRedRows ? (m - row0) : kRedRows;
-        for (uint32_t idx = threadIdx.x; idx < rows * (kSmallCols / 2); idx += kThreads) {
-            const uint32_t r = idx / (kSmallCols / 2), col = 2 * (idx % (kSmallCols / 2));
-            float s0 = 0.0f, s1 = 0.0f;
-#pragma unroll
-            for (uint32_t wp = 0; wp < kWarps; ++wp) {  // fixed order: deterministic
-                const float* src = red + wp * (kRedRows * kRedStride) + r * kRedStride + col;
-                s0 += src[0];
-                s1 += src[1];
-            }
-            const uint64_t row = static_cast<uint64_t>(row0) + r;
-            store_pair(c, row, col0 + col, n, s0, s1, vec, ep.row(row, m));
-        }
-        __syncthreads();  // the next item's copies overwrite the reduction buffer
     }
+    // The byte of block kb (< 256) of the item, for this lane (every lane of the warp calls it;
+    // kb / 32 must be the same across the warp).
+    __device__ __forceinline__ uint32_t byte(uint32_t kb) const {
+        const uint32_t u = kb / 32;
+        return (__shfl_sync(0xffffffffu, u < 4 ? lo : hi, kb % 32) >> (8 * (u % 4))) & 0xffu;
+    }
+};
+
+// Rows 0 .. 8 NT - 1 of a's k-slab [kk0, kk0 + ks) into shared memory (row r at slab + r * pitch,
+// zeros past m and k), by every thread of the CTA, with plain loads.
+template <uint32_t NT>
+__device__ __forceinline__ void fp8w_load_slab(const bf16* a, uint32_t m, uint32_t k, uint32_t kk0, uint32_t ks,
+                                               uint32_t slab, uint32_t pitch) {
+    const bool fast = aligned16(a, a);  // k % 8 == 0 (k % 32 == 0)
+    const uint32_t per_row = ks / 8, total = NT * 8 * per_row;
+#pragma unroll 4
+    for (uint32_t v = threadIdx.x; v < total; v += kThreads) {
+        const uint32_t r = v / per_row, e = (v % per_row) * 8, kk = kk0 + e;
+        uint4 val = make_uint4(0u, 0u, 0u, 0u);
+        if (r < m && kk < k) {
+            const bf16* row = a + static_cast<uint64_t>(r) * k;
+            val = fast ? __ldg(reinterpret_cast<const uint4*>(row + kk)) : load8_scalar(row, kk, k);
+        }
+        st_shared16(slab + r * pitch + e * 2, val);
+    }
+}
+
+// The fp8-weight path (m <= 64): work items are (k-slab s, 32-row block b of w), slab-major; CTA i
+// of G takes items [i T / G, (i + 1) T / G) and its warp w those of them = w (mod 8), in order.
+// Per slab the CTA holds a's rows for that slab in shared memory (loaded after a barrier each time
+// the slab changes); each warp streams its items' w through its own cp.async ring of 2 KB stages
+// (32 rows x 64 k, 16 bytes a lane: the lane reads back what it copied), which runs on across
+// items and slabs. A chunk: the lane's 16 k of each of its 4 w rows, dequantised (one scale byte
+// for all four: one 32 x 32 block), against a's same 16 k of rows 8j + g from the slab, in four mma
+// m16n8k16. With one slab the item's sums are rounded to c at once; with several each item writes
+// its fp32 partial to work[s][row][col] ([slabs][64][n]) and bumps counters[b]; the warp that
+// bumps it last sums the slabs' partials in slab order (deterministic whatever the timing), rounds
+// to c and sets counters[b] back to 0 for the next launch.
+template <uint32_t NT>
+__device__ __forceinline__ void fp8w_gemm(const bf16* a, const uint8_t* w, const uint8_t* ws, bf16* c,
+                                          uint32_t m, uint32_t n, uint32_t k, uint32_t ks, float* work,
+                                          uint32_t* counters) {
+    constexpr uint32_t kStageBytes = kSmallWPieces * kPieceBytes;
+    const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const uint32_t kblocks = k / kFp8Block, nblocks = ceil_div(n, kFp8Block);
+    const uint32_t slabs = ceil_div(k, ks), cpi = ks / kFp8Chunk, pitch = fp8w_pitch(ks);
+    const uint32_t ring = smem_u32(smem_raw) + warp * kFp8Stages * kStageBytes + lane * 16;
+    const uint32_t slab = smem_u32(smem_raw) + kFp8RingBytes;
+    const uint64_t items = static_cast<uint64_t>(slabs) * nblocks, blocks = grid_blocks();
+    const uint64_t start = block_rank() * items / blocks, end = (block_rank() + 1) * items / blocks;
+    const uint64_t first = start + (warp + kWarps - start % kWarps) % kWarps;
+    const uint32_t mine = first < end ? static_cast<uint32_t>((end - first + kWarps - 1) / kWarps) : 0;
+    auto item = [&](uint32_t j) { return first + static_cast<uint64_t>(j) * kWarps; };
+    auto load = [&](uint32_t stage, uint32_t p) {  // w of position p: chunk p % cpi of item p / cpi
+        const uint64_t x = item(p / cpi);
+        const uint32_t s = static_cast<uint32_t>(x / nblocks), b = static_cast<uint32_t>(x % nblocks);
+        const uint32_t kk = s * ks + (p % cpi) * kFp8Chunk + 16 * t;
+        const uint32_t dst = ring + stage * kStageBytes;
+#pragma unroll
+        for (uint32_t q = 0; q < kSmallWPieces; ++q) {
+            const uint32_t r = b * kFp8Block + g + 8 * q;
+            const bool ok = r < n && kk < k;
+            cp_async16(dst + q * kPieceBytes, ok ? w + static_cast<uint64_t>(r) * k + kk : w, ok ? 16u : 0u);
+        }
+    };
+    auto scales_of = [&](Fp8ItemScales& sc, uint32_t j) {
+        if (j >= mine) return;
+        const uint64_t x = item(j);
+        sc.load(ws, x % nblocks, static_cast<uint32_t>(x / nblocks) * (ks / kFp8Block), ks / kFp8Block, kblocks, lane);
+    };
+    const CpAsyncRing<kFp8Stages, kFp8Stages - 1> pipe{mine * cpi};
+
+    pipe.start(load);  // w does not depend on the kernel before; a, work and counters may
+    pdl_wait();
+    Fp8ItemScales cur, next;
+    scales_of(next, 0);
+    uint32_t p = 0;
+    const uint32_t s_first = static_cast<uint32_t>(start / nblocks);
+    const uint32_t s_end = end > start ? static_cast<uint32_t>((end - 1) / nblocks) + 1 : s_first;
+    for (uint32_t s = s_first; s < s_end; ++s) {  // CTA-uniform
+        __syncthreads();  // every warp is done with the slab before
+        fp8w_load_slab<NT>(a, m, k, s * ks, ks, slab, pitch);
+        __syncthreads();
+        while (p < mine * cpi) {
+            const uint32_t j = p / cpi;
+            const uint64_t x = item(j);
+            if (x / nblocks != s) break;
+            const uint32_t b = static_cast<uint32_t>(x % nblocks);
+            cur = next;
+            scales_of(next, j + 1);
+            float acc[2][NT][4];
+#pragma unroll
+            for (uint32_t i = 0; i < 2; ++i)
+#pragma unroll
+                for (uint32_t jj = 0; jj < NT; ++jj)
+#pragma unroll
+                    for (uint32_t e = 0; e < 4; ++e) acc[i][jj][e] = 0.0f;
+            for (uint32_t i = 0; i < cpi; ++i, ++p) {
+                pipe.wait();  // this lane's copies of position p have landed
+                pipe.refill(p, load);
+                const Fp8Scale scale(cur.byte(2 * i + (t >> 1)));
+                const uint32_t src = ring + pipe.stage(p) * kStageBytes;
+                uint4 wv[kSmallWPieces], av[NT][2];
+#pragma unroll
+                for (uint32_t q = 0; q < kSmallWPieces; ++q) wv[q] = ld_shared16(src + q * kPieceBytes);
+                const uint32_t arow = slab + g * pitch + (i * kFp8Chunk + 16 * t) * 2;
+#pragma unroll
+                for (uint32_t jj = 0; jj < NT; ++jj) {
+                    av[jj][0] = ld_shared16(arow + 8 * jj * pitch);
+                    av[jj][1] = ld_shared16(arow + 8 * jj * pitch + 16);
+                }
+#pragma unroll
+                for (uint32_t q = 0; q < 4; ++q) {  // lane elements 4q .. 4q+3: word q of a w piece
+                    uint32_t lo[kSmallWPieces], hi[kSmallWPieces];
+#pragma unroll
+                    for (uint32_t r = 0; r < kSmallWPieces; ++r) {
+                        const uint32_t x4 = q == 0 ? wv[r].x : q == 1 ? wv[r].y : q == 2 ? wv[r].z : wv[r].w;
+                        e4m3x4_as_bf16x4(x4, lo[r], hi[r]);
+                        lo[r] = scale.apply(lo[r]);
+                        hi[r] = scale.apply(hi[r]);
+                    }
+#pragma unroll
+                    for (uint32_t jj = 0; jj < NT; ++jj) {
+                        const uint4 v = av[jj][q / 2];  // a elements 4q .. 4q+3: words 2(q%2), +1
+                        const uint32_t b0 = q % 2 == 0 ? v.x : v.z, b1 = q % 2 == 0 ? v.y : v.w;
+#pragma unroll
+                        for (uint32_t ti = 0; ti < 2; ++ti)  // w rows 16ti + g (piece 2ti) and + 8
+                            mma_bf16(acc[ti][jj], lo[2 * ti], lo[2 * ti + 1], hi[2 * ti], hi[2 * ti + 1], b0, b1);
+                    }
+                }
+            }
+            // acc[ti][jj]: e0 (w row 16ti+g, a row 8jj+2t), e1 (a row +1), e2/e3 (w row +8).
+            if (slabs == 1) {
+#pragma unroll
+                for (uint32_t ti = 0; ti < 2; ++ti)
+#pragma unroll
+                    for (uint32_t jj = 0; jj < NT; ++jj)
+#pragma unroll
+                        for (uint32_t e = 0; e < 4; ++e) {
+                            const uint32_t row = 8 * jj + 2 * t + (e & 1), col = b * kFp8Block + 16 * ti + g + 8 * (e >> 1);
+                            if (row < m && col < n) c[static_cast<uint64_t>(row) * n + col] = __float2bfloat16_rn(acc[ti][jj][e]);
+                        }
+                continue;
+            }
+            float* part = work + static_cast<uint64_t>(s) * kFp8MaxRows * n;
+#pragma unroll
+            for (uint32_t ti = 0; ti < 2; ++ti)
+#pragma unroll
+                for (uint32_t jj = 0; jj < NT; ++jj)
+#pragma unroll
+                    for (uint32_t e = 0; e < 4; ++e) {
+                        const uint32_t row = 8 * jj + 2 * t + (e & 1), col = b * kFp8Block + 16 * ti + g + 8 * (e >> 1);
+                        if (row < m && col < n) __stcg(part + static_cast<uint64_t>(row) * n + col, acc[ti][jj][e]);
+                    }
+            __threadfence();  // the partial is visible before the count says so
+            __syncwarp();
+            uint32_t before = 0;
+            if (lane == 0) before = atomicAdd(counters + b, 1u);
+            if (__shfl_sync(0xffffffffu, before, 0) != slabs - 1) continue;
+            __threadfence();  // every other slab's partial, counted, is visible now
+            const uint32_t col = b * kFp8Block + lane;
+            if (col < n) {
+                for (uint32_t row = 0; row < m; ++row) {
+                    const float* src = work + static_cast<uint64_t>(row) * n + col;
+                    float sum = __ldcg(src);
+                    for (uint32_t s2 = 1; s2 < slabs; ++s2) sum += __ldcg(src + static_cast<uint64_t>(s2) * kFp8MaxRows * n);
+                    c[static_cast<uint64_t>(row) * n + col] = __float2bfloat16_rn(sum);
+                }
+            }
+            if (lane == 0) counters[b] = 0;
+        }
+    }
+    cp_async_wait<0>();
 }
 
 }  // namespace gemm

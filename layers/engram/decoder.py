@@ -119,6 +119,11 @@ class EngramDecoder(HistoryCalls):
             ]
             self._gemm_kernel = load_kernel(gpu, "gemm", gemm.KERNEL)
             self._fp8_kernel = load_kernel(gpu, "gemm", gemm_fp8.KERNEL)
+            optin = int(getattr(gpu, "max_shared_optin", 0)) or gemm_fp8.SMEM_OPTIN
+            need = gemm_fp8.workspace_bytes(cfg.kv_dim, cfg.emb_dim, optin)
+            self.workspace = own.alloc(need) if need else 0  # the projections' partial sums, one layer at a time
+            if need:
+                gpu.memset(self.workspace, 0, need, stream)
             self._gemms: dict[int, list[Any]] = {}
         except BaseException:
             own.close()
@@ -226,7 +231,16 @@ class EngramDecoder(HistoryCalls):
             fp8 = self.batch_invariant or rows <= FP8_ROWS
             plans = [
                 gemm_fp8.plan_fp8w_gemm(
-                    gpu, self._fp8_kernel, self.emb_of(i), layer.wkv_fp8, self.kv_of(i), rows, cfg.kv_dim, cfg.emb_dim
+                    gpu,
+                    self._fp8_kernel,
+                    self.emb_of(i),
+                    layer.wkv_fp8,
+                    self.kv_of(i),
+                    rows,
+                    cfg.kv_dim,
+                    cfg.emb_dim,
+                    workspace=self.workspace,
+                    batch_invariant=self.batch_invariant,
                 )
                 if fp8
                 else gemm.plan_gemm(

@@ -215,7 +215,8 @@ class EngramWeights(Closing):
         fixed = layers * (wkv + 2 * cfg.hc_mult * cfg.hidden_size * 2)
         fixed += cfg.vocab_size * 4 + layers * (cfg.max_ngram * 8 + 2 * cols * 8 + 32)
         counts = [rows if self.shard is None else self.shard.rows(rows)[1] for rows in cfg.num_embeddings]
-        return fit_budget(budget, fixed, "wkv (bf16 and fp8), q, k and the hash's arrays", [n * self.stride for n in counts])
+        what = "wkv (bf16 and fp8), q, k and the hash's arrays"
+        return fit_budget(budget, fixed, what, [n * self.stride for n in counts])
 
     def _checked(
         self, tables: Any, wkv: Any, q_weight: Any, k_weight: Any, scan_nan: bool

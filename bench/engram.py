@@ -21,7 +21,8 @@ Rows (every time GPU us, the median of calls run back to back behind a gate, ben
                 a fresh prompt every call from a pool of 8
   lookup        the hash, the gather and the dequantisation into ``emb`` (and the requantisation
                 as the fp8 linear quantises its input)
-  whole         the lookup, the wkv projection (bf16) and the gate applied to the residual
+  whole         the lookup, the wkv projection (decode: over the fp8 weights, ``FP8_ROWS`` rows at
+                most; prefill: over their bf16 copy) and the gate applied to the residual
 Columns: ours us; the torch form's us: the engines' design in torch on the same table memory:
 compressed ids and the hash in torch from a device token history as SGLang hashes (int64), a gather
 ``index_select`` over a view of the table (the host table through its device-visible UVA address),
@@ -30,7 +31,7 @@ to bf16 (the DenseWeight ours reads), the gate in torch (fp32), at decode captur
 torch.cuda.CUDAGraphs as ours; torch/ours (> 1: ours faster); the floor: for the lookup, tokens x 24
 random 264-byte rows read by bench/row_reads.cu's ``read_random_rows_8`` over the same table's
 memory (host or device; its read rate in GB/s beside it), for the whole step that plus the
-projection (decode: the wkv bytes over the copy bandwidth measured in this run; prefill: cuBLAS's
+projection (decode: the fp8 wkv bytes over the copy bandwidth measured in this run; prefill: cuBLAS's
 time for the same GEMM, torch ``matmul``) plus the residual read and written over the copy
 bandwidth; ours/floor. Checks (printed, and summed up in each table's note): the first call of each
 row, ours against the torch form from the same history: emb bit for bit, kv and the residual within
@@ -430,7 +431,7 @@ class Placement:
         rows_us = read_floor_us(
             ctx.probe, int(t.address), t.rows * stride, cols, n * cols, int(ctx.sink), ctx.stream, row=stride
         )
-        proj_us = gemm_us if gemm_us is not None else self.cfg.kv_dim * self.cfg.emb_dim * 2 / ctx.bw * 1e6
+        proj_us = gemm_us if gemm_us is not None else self.cfg.kv_dim * self.cfg.emb_dim / ctx.bw * 1e6
         residual_us = 2 * n * self.width * 2 / ctx.bw * 1e6
         return rows_us, rows_us + proj_us + residual_us, n * cols * stride / (rows_us * 1e-6) / 1e9
 

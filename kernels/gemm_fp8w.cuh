@@ -79,22 +79,22 @@ __device__ void fp8w_simt(const bf16* a, const uint8_t* w, const uint8_t* ws, bf
 }
 
 // The scale bytes of one work item (ks / 32 blocks from block kb0 of row `row` of ws, none past
-// kblocks), lane l holding blocks l + 32u in byte u % 4 of word u / 4 (127 where there is none).
+// kblocks): `load` issues the loads (lane l: blocks l + 32u, u < 8; 127 where there is none) into
+// `raw`, `pack` (an item later, when they have landed) packs them, byte u % 4 of word u / 4.
 struct Fp8ItemScales {
+    uint32_t raw[8];
     uint32_t lo, hi;
     __device__ __forceinline__ void load(const uint8_t* ws, uint64_t row, uint32_t kb0, uint32_t count,
                                          uint32_t kblocks, uint32_t lane) {
-        lo = hi = 0x7f7f7f7fu;
 #pragma unroll
         for (uint32_t u = 0; u < 8; ++u) {
             const uint32_t kb = lane + 32 * u;
-            if (kb < count && kb0 + kb < kblocks) {
-                const uint32_t byte = __ldg(ws + row * kblocks + kb0 + kb);
-                const uint32_t shift = 8 * (u % 4);
-                uint32_t& word = u < 4 ? lo : hi;
-                word = (word & ~(0xffu << shift)) | (byte << shift);
-            }
+            raw[u] = kb < count && kb0 + kb < kblocks ? __ldg(ws + row * kblocks + kb0 + kb) : 127u;
         }
+    }
+    __device__ __forceinline__ void pack() {
+        lo = raw[0] | (raw[1] << 8) | (raw[2] << 16) | (raw[3] << 24);
+        hi = raw[4] | (raw[5] << 8) | (raw[6] << 16) | (raw[7] << 24);
     }
     // The byte of block kb (< 256) of the item, for this lane (every lane of the warp calls it;
     // kb / 32 must be the same across the warp).
@@ -185,6 +185,7 @@ __device__ __forceinline__ void fp8w_gemm(const bf16* a, const uint8_t* w, const
             if (x / nblocks != s) break;
             const uint32_t b = static_cast<uint32_t>(x % nblocks);
             cur = next;
+            cur.pack();
             scales_of(next, j + 1);
             float acc[2][NT][4];
 #pragma unroll

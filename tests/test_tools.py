@@ -157,7 +157,7 @@ TOOLS = [
     "gpu_runtime.precompile",
     *(f"bench.{name}" for name in
       ("launch", "kernels", "overlay", "ngram_embed", "cached", "decode", "host_gather", "host_pages",
-       "tensor_parallel", "gemm", "results", "row_reads", "real_scale", "engram")),
+       "tensor_parallel", "gemm", "results", "row_reads", "real_scale", "engram", "engram_gemm")),
     "tests.sanitize",
     "tests.bad_inputs",
 ]

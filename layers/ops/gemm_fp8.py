@@ -157,6 +157,8 @@ def _prepare(
     """The launches on checked sizes: the fp8w kernel (``kernel``), a CTA per SM at most, per 64
     rows of a; or the simt kernel with a thread per output."""
     validate.pointers(KERNEL, "a w.weight w.scale c", a, w.weight, w.scale, c)
+    a, c = validate.pointer(a, f"{KERNEL} a"), validate.pointer(c, f"{KERNEL} c")  # (added to below: ints)
+    workspace = validate.pointer(workspace, f"{KERNEL} workspace", nullable=True)
     if path == "simt":
         bound = gpu.bind(load_kernel(gpu, MODULE, SIMT))  # (a closed backend refuses here)
         config = LaunchConfig(min(_cdiv(m * n, THREADS), SIMT_BLOCKS_MAX), THREADS, 0, overlap=overlap)

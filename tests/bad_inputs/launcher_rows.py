@@ -15,7 +15,7 @@ LAUNCH_KERNEL = {
     "batched_embed": "batched_embed", "batched_embed_fp8": "batched_embed_fp8",
     "embed_from_argmax": "embed_from_argmax_bf16", "scaled_add": "bf16_scaled_add",
     "residual_add": "bf16_residual_add", "dense_gemm_bf16_pipelined": "dense_gemm_bf16_pipelined",
-    "dense_gemm_bf16_word": "dense_gemm_bf16_word", "dense_gemm_fp8w": "dense_gemm_fp8w_small",
+    "dense_gemm_bf16_word": "dense_gemm_bf16_word", "dense_gemm_fp8w": "dense_gemm_fp8w",
     "embed_rowdiff": "embed_rowdiff_bf16",
     "embed_overlay_routed": "embed_overlay_routed_bf16",
     "lmhead_overlay_routed": "lmhead_overlay_routed_bf16", "scatter_rows": "scatter_rows",

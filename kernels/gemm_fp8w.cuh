@@ -228,19 +228,8 @@ __device__ __forceinline__ void fp8w_gemm(const bf16* a, const uint8_t* w, const
                     }
                 }
             }
-            // acc[ti][jj]: e0 (w row 16ti+g, a row 8jj+2t), e1 (a row +1), e2/e3 (w row +8).
-            if (slabs == 1) {
-#pragma unroll
-                for (uint32_t ti = 0; ti < 2; ++ti)
-#pragma unroll
-                    for (uint32_t jj = 0; jj < NT; ++jj)
-#pragma unroll
-                        for (uint32_t e = 0; e < 4; ++e) {
-                            const uint32_t row = 8 * jj + 2 * t + (e & 1), col = b * kFp8Block + 16 * ti + g + 8 * (e >> 1);
-                            if (row < m && col < n) c[static_cast<uint64_t>(row) * n + col] = __float2bfloat16_rn(acc[ti][jj][e]);
-                        }
-                continue;
-            }
+            // acc[ti][jj]: e0 (w row 16ti+g, a row 8jj+2t), e1 (a row +1), e2/e3 (w row +8): to c
+            // at once (one slab), else to this slab's partials.
             float* part = work + static_cast<uint64_t>(s) * kFp8MaxRows * n;
 #pragma unroll
             for (uint32_t ti = 0; ti < 2; ++ti)
@@ -249,8 +238,12 @@ __device__ __forceinline__ void fp8w_gemm(const bf16* a, const uint8_t* w, const
 #pragma unroll
                     for (uint32_t e = 0; e < 4; ++e) {
                         const uint32_t row = 8 * jj + 2 * t + (e & 1), col = b * kFp8Block + 16 * ti + g + 8 * (e >> 1);
-                        if (row < m && col < n) __stcg(part + static_cast<uint64_t>(row) * n + col, acc[ti][jj][e]);
+                        if (row >= m || col >= n) continue;
+                        const uint64_t at = static_cast<uint64_t>(row) * n + col;
+                        if (slabs == 1) c[at] = __float2bfloat16_rn(acc[ti][jj][e]);
+                        else __stcg(part + at, acc[ti][jj][e]);
                     }
+            if (slabs == 1) continue;
             __threadfence();  // the partial is visible before the count says so
             __syncwarp();
             uint32_t before = 0;

@@ -87,13 +87,10 @@ def gemv_available(gpu: GpuBackend, a: int, w: int, k: int) -> bool:
     return wgmma_available(gpu) and tma_operands(a, w, k)
 
 
-def _check_gemm(
-    name: str, gpu: GpuBackend, kernel: KernelHandle, w: DenseWeight, m: int, n: int, k: int, path: str | None
-) -> tuple[int, int, int]:
-    """The checks of every GEMM's operands but its pointers; returns (m, n, k) as ints."""
-    if not kernel:
-        raise ValueError(f"{name}: kernel not loaded (KernelHandle(0))")
-    if not (
+def checked_sizes(name: str, m: int, n: int, k: int) -> tuple[int, int, int]:
+    """A GEMM's (m, n, k) as ints in ``0 .. MAX_DIM``, else ``TypeError`` / ``ValueError`` naming
+    launcher ``name`` and the size."""
+    if (
         type(m) is int
         and type(n) is int
         and type(k) is int
@@ -101,7 +98,18 @@ def _check_gemm(
         and 0 <= n <= MAX_DIM
         and 0 <= k <= MAX_DIM
     ):  # the plain case first: the launchers run this on every call
-        m, n, k = (validate.count(v, f"{name} {what}", limit=MAX_DIM + 1) for v, what in ((m, "m"), (n, "n"), (k, "k")))
+        return m, n, k
+    m, n, k = (validate.count(v, f"{name} {what}", limit=MAX_DIM + 1) for v, what in ((m, "m"), (n, "n"), (k, "k")))
+    return m, n, k
+
+
+def _check_gemm(
+    name: str, gpu: GpuBackend, kernel: KernelHandle, w: DenseWeight, m: int, n: int, k: int, path: str | None
+) -> tuple[int, int, int]:
+    """The checks of every GEMM's operands but its pointers; returns (m, n, k) as ints."""
+    if not kernel:
+        raise ValueError(f"{name}: kernel not loaded (KernelHandle(0))")
+    m, n, k = checked_sizes(name, m, n, k)
     if not isinstance(w, DenseWeight):
         raise TypeError(f"{name}: w must be a DenseWeight, got {type(w).__name__}")
     if w.gpu is not gpu:  # (the plain case passes on this one test)

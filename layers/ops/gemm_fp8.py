@@ -21,8 +21,9 @@ from typing import Any
 
 from gpu_runtime import GpuBackend, KernelHandle, LaunchConfig, PreparedLaunch, validate
 
-from ..block_fp8_weight import BLOCK, MAX_DIM, BlockFp8Weight
+from ..block_fp8_weight import BLOCK, BlockFp8Weight
 from ..kernel_files import load_kernel
+from .gemm import checked_sizes
 from .gemm_plan import SMS, THREADS
 
 MODULE = "gemm"
@@ -93,15 +94,7 @@ def _check(
     """Every check but the pointers'; returns (m, n, k) as ints."""
     if not kernel:
         raise ValueError(f"{KERNEL}: kernel not loaded (KernelHandle(0))")
-    if not (
-        type(m) is int
-        and type(n) is int
-        and type(k) is int
-        and 0 <= m <= MAX_DIM
-        and 0 <= n <= MAX_DIM
-        and 0 <= k <= MAX_DIM
-    ):
-        m, n, k = (validate.count(v, f"{KERNEL} {x}", limit=MAX_DIM + 1) for v, x in ((m, "m"), (n, "n"), (k, "k")))
+    m, n, k = checked_sizes(KERNEL, m, n, k)
     if not isinstance(w, BlockFp8Weight):
         raise TypeError(f"{KERNEL}: w must be a BlockFp8Weight, got {type(w).__name__}")
     if w.gpu is not gpu:

@@ -168,10 +168,10 @@ __device__ __forceinline__ void fp8w_gemm(const bf16* a, const uint8_t* w, const
     };
     const CpAsyncRing<kFp8Stages, kFp8Stages - 1> pipe{mine * cpi};
 
-    pipe.start(load);  // w does not depend on the kernel before; a, work and counters may
-    pdl_wait();
     Fp8ItemScales cur, next;
+    pipe.start(load);  // w and its scales do not depend on the kernel before; a, work and counters may
     scales_of(next, 0);
+    pdl_wait();
     uint32_t p = 0;
     const uint32_t s_first = static_cast<uint32_t>(start / nblocks);
     const uint32_t s_end = end > start ? static_cast<uint32_t>((end - 1) / nblocks) + 1 : s_first;

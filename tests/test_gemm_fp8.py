@@ -198,6 +198,15 @@ def test_the_workspace_holds_the_counters_then_the_partials_of_64_rows(n, k, nby
     assert gemm_fp8.workspace_bytes(n, k) == gemm_fp8.workspace_bytes(n, k, MAX_SHARED_OPTIN) == nbytes
 
 
+@pytest.mark.parametrize("offset", [1, 2, 3, 6])
+def test_a_workspace_off_4_byte_alignment_is_refused(offset):
+    """The counters and sums are 32-bit: a workspace address off 4-byte alignment is refused before
+    any launch, by both launchers."""
+    for launcher in (dense_gemm_fp8w, _plan):
+        assert_refused(launcher, gemm_fp8.KERNEL, ValueError, "the workspace must be 4-byte aligned", _p(0),
+                       _weight(100, 6144), _p(2), 9, 100, 6144, 0, workspace=int(_p(5)) + offset)
+
+
 @pytest.mark.parametrize("m, k, batch_invariant, slabs, need", [
     (9, 6144, False, 2, 153856), (64, 4096, False, 4, 102656), (65, 6144, False, 6, 153856),
     (1000, 6144, False, 6, 153856), (1, 6144, True, 6, 153856), (1, 1056, True, 2, 51456),

@@ -152,6 +152,8 @@ def _prepare(
     validate.pointers(KERNEL, "a w.weight w.scale c", a, w.weight, w.scale, c)
     a, c = validate.pointer(a, f"{KERNEL} a"), validate.pointer(c, f"{KERNEL} c")  # (added to below: ints)
     workspace = validate.pointer(workspace, f"{KERNEL} workspace", nullable=True)
+    if workspace % 4:
+        raise ValueError(f"{KERNEL}: the workspace must be 4-byte aligned, got {workspace:#x}")
     if path == "simt":
         bound = gpu.bind(load_kernel(gpu, MODULE, SIMT))  # (a closed backend refuses here)
         config = LaunchConfig(min(_cdiv(m * n, THREADS), SIMT_BLOCKS_MAX), THREADS, 0, overlap=overlap)

@@ -42,7 +42,7 @@ from typing import Any, cast
 
 from gpu_runtime import GpuBackend, KernelHandle, LaunchConfig, PreparedLaunch, TensorMaps, validate
 
-from ..dense_weight import BF16, DenseWeight
+from ..dense_weight import BF16, DenseWeight, DeviceOwned
 from ..kernel_files import load_kernel
 
 # The plans, their kernels and gemm.cu's constants live in gemm_plan; every public name of it
@@ -103,17 +103,26 @@ def checked_sizes(name: str, m: int, n: int, k: int) -> tuple[int, int, int]:
     return m, n, k
 
 
+def checked_operands(
+    name: str, gpu: GpuBackend, kernel: KernelHandle, w: object, kind: type[DeviceOwned], m: int, n: int, k: int
+) -> tuple[int, int, int]:
+    """What every GEMM launcher checks first: ``kernel`` loaded, (m, n, k) as ``checked_sizes``
+    takes them, ``w`` a ``kind`` usable on ``gpu``; returns (m, n, k) as ints."""
+    if not kernel:
+        raise ValueError(f"{name}: kernel not loaded (KernelHandle(0))")
+    m, n, k = checked_sizes(name, m, n, k)
+    if not isinstance(w, kind):
+        raise TypeError(f"{name}: w must be a {kind.__name__}, got {type(w).__name__}")
+    if w.gpu is not gpu:  # (the plain case passes on this one test)
+        w.check_on(gpu, name)
+    return m, n, k
+
+
 def _check_gemm(
     name: str, gpu: GpuBackend, kernel: KernelHandle, w: DenseWeight, m: int, n: int, k: int, path: str | None
 ) -> tuple[int, int, int]:
     """The checks of every GEMM's operands but its pointers; returns (m, n, k) as ints."""
-    if not kernel:
-        raise ValueError(f"{name}: kernel not loaded (KernelHandle(0))")
-    m, n, k = checked_sizes(name, m, n, k)
-    if not isinstance(w, DenseWeight):
-        raise TypeError(f"{name}: w must be a DenseWeight, got {type(w).__name__}")
-    if w.gpu is not gpu:  # (the plain case passes on this one test)
-        w.check_on(gpu, name)
+    m, n, k = checked_operands(name, gpu, kernel, w, DenseWeight, m, n, k)
     if w.dtype is not BF16 and w.dtype != BF16:
         raise TypeError(f"{name}: w dtype {w.dtype}, expected {BF16} (bfloat16)")
     if w.shape != (n, k) and tuple(w.shape) != (n, k):

@@ -23,7 +23,7 @@ from gpu_runtime import GpuBackend, KernelHandle, LaunchConfig, PreparedLaunch, 
 
 from ..block_fp8_weight import BLOCK, BlockFp8Weight
 from ..kernel_files import load_kernel
-from .gemm import checked_sizes
+from .gemm import checked_operands
 from .gemm_plan import SMS, THREADS
 
 MODULE = "gemm"
@@ -92,13 +92,7 @@ def _check(
     gpu: GpuBackend, kernel: KernelHandle, w: BlockFp8Weight, m: int, n: int, k: int, path: str | None
 ) -> tuple[int, int, int]:
     """Every check but the pointers'; returns (m, n, k) as ints."""
-    if not kernel:
-        raise ValueError(f"{KERNEL}: kernel not loaded (KernelHandle(0))")
-    m, n, k = checked_sizes(KERNEL, m, n, k)
-    if not isinstance(w, BlockFp8Weight):
-        raise TypeError(f"{KERNEL}: w must be a BlockFp8Weight, got {type(w).__name__}")
-    if w.gpu is not gpu:
-        w.check_on(gpu, KERNEL)
+    m, n, k = checked_operands(KERNEL, gpu, kernel, w, BlockFp8Weight, m, n, k)
     if w.shape != (n, k):  # the weight's own check: k % 32 == 0
         raise ValueError(f"{KERNEL}: w shape {w.shape}, expected (n, k) = {(n, k)}")
     if path is not None and path not in PATHS:

@@ -123,6 +123,37 @@ __device__ __forceinline__ void fp8w_load_slab(const bf16* a, uint32_t m, uint32
     }
 }
 
+// c[row][col] = bf16(work[0][row][col] + work[1][row][col] + ...) for rows 0 .. m - 1, the slabs
+// added in order. Eight rows' loads of four slabs are issued before any is added (a load after a
+// store to c would wait for it: the compiler cannot tell c and work apart), so the sums wait on
+// ceil(m / 8) * ceil(slabs / 4) rounds of L2 latency, not m * slabs.
+__device__ __forceinline__ void fp8w_sum_slabs(const float* work, bf16* c, uint32_t m, uint32_t n, uint32_t col,
+                                               uint32_t slabs) {
+    constexpr uint32_t kRows = 8, kSlabs = 4;
+    const uint64_t slab_stride = static_cast<uint64_t>(kFp8MaxRows) * n;
+    for (uint32_t r0 = 0; r0 < m; r0 += kRows) {
+        float sum[kRows];
+        for (uint32_t s0 = 0; s0 < slabs; s0 += kSlabs) {
+            float v[kSlabs][kRows];
+#pragma unroll
+            for (uint32_t i = 0; i < kSlabs; ++i)
+#pragma unroll
+                for (uint32_t r = 0; r < kRows; ++r)
+                    v[i][r] = s0 + i < slabs && r0 + r < m
+                                  ? __ldcg(work + (s0 + i) * slab_stride + static_cast<uint64_t>(r0 + r) * n + col)
+                                  : 0.0f;
+#pragma unroll
+            for (uint32_t i = 0; i < kSlabs; ++i)
+#pragma unroll
+                for (uint32_t r = 0; r < kRows; ++r)
+                    if (s0 + i < slabs) sum[r] = s0 + i == 0 ? v[i][r] : sum[r] + v[i][r];
+        }
+#pragma unroll
+        for (uint32_t r = 0; r < kRows; ++r)
+            if (r0 + r < m) c[static_cast<uint64_t>(r0 + r) * n + col] = __float2bfloat16_rn(sum[r]);
+    }
+}
+
 // The fp8-weight path (m <= 64): work items are (k-slab s, 32-row block b of w), slab-major; CTA i
 // of G takes items [i T / G, (i + 1) T / G) and its warp w those of them = w (mod 8), in order.
 // Per slab the CTA holds a's rows for that slab in shared memory (loaded after a barrier each time
@@ -158,7 +189,7 @@ __device__ __forceinline__ void fp8w_gemm(const bf16* a, const uint8_t* w, const
         for (uint32_t q = 0; q < kSmallWPieces; ++q) {
             const uint32_t r = b * kFp8Block + g + 8 * q;
             const bool ok = r < n && kk < k;
-            cp_async16(dst + q * kPieceBytes, ok ? w + static_cast<uint64_t>(r) * k + kk : w, ok ? 16u : 0u);
+            cp_async16_l2_256(dst + q * kPieceBytes, ok ? w + static_cast<uint64_t>(r) * k + kk : w, ok ? 16u : 0u);
         }
     };
     auto scales_of = [&](Fp8ItemScales& sc, uint32_t j) {
@@ -251,14 +282,7 @@ __device__ __forceinline__ void fp8w_gemm(const bf16* a, const uint8_t* w, const
             if (__shfl_sync(0xffffffffu, before, 0) != slabs - 1) continue;
             __threadfence();  // every other slab's partial, counted, is visible now
             const uint32_t col = b * kFp8Block + lane;
-            if (col < n) {
-                for (uint32_t row = 0; row < m; ++row) {
-                    const float* src = work + static_cast<uint64_t>(row) * n + col;
-                    float sum = __ldcg(src);
-                    for (uint32_t s2 = 1; s2 < slabs; ++s2) sum += __ldcg(src + static_cast<uint64_t>(s2) * kFp8MaxRows * n);
-                    c[static_cast<uint64_t>(row) * n + col] = __float2bfloat16_rn(sum);
-                }
-            }
+            if (col < n) fp8w_sum_slabs(work, c, m, n, col, slabs);
             if (lane == 0) counters[b] = 0;
         }
     }

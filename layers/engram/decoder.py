@@ -119,8 +119,7 @@ class EngramDecoder(HistoryCalls):
             ]
             self._gemm_kernel = load_kernel(gpu, "gemm", gemm.KERNEL)
             self._fp8_kernel = load_kernel(gpu, "gemm", gemm_fp8.KERNEL)
-            optin = int(getattr(gpu, "max_shared_optin", 0)) or gemm_fp8.SMEM_OPTIN
-            need = gemm_fp8.workspace_bytes(cfg.kv_dim, cfg.emb_dim, optin)
+            need = gemm_fp8.workspace_bytes(cfg.kv_dim, cfg.emb_dim, gemm_fp8.shared_optin(gpu))
             self.workspace = own.alloc(need) if need else 0  # the projections' partial sums, one layer at a time
             if need:
                 gpu.memset(self.workspace, 0, need, stream)

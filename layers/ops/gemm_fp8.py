@@ -67,6 +67,17 @@ def slab_k(k: int, rows: int, optin: int = SMEM_OPTIN) -> int:
     return _cdiv(_cdiv(k, slabs), CHUNK) * CHUNK
 
 
+def shared_optin(gpu: GpuBackend) -> int:
+    """The shared memory a block may opt in to on ``gpu`` (``SMEM_OPTIN`` where the backend does
+    not say): what ``slab_k`` and ``workspace_bytes`` take as ``optin``."""
+    return int(getattr(gpu, "max_shared_optin", 0)) or SMEM_OPTIN
+
+
+def _counter_bytes(n: int) -> int:
+    """The workspace's counters, one u32 per 32 columns, padded to 256 bytes: the partials follow."""
+    return _cdiv(_cdiv(n, BLOCK) * 4, 256) * 256
+
+
 def workspace_bytes(n: int, k: int, optin: int = SMEM_OPTIN) -> int:
     """The bytes of the workspace every launch over ``n x k`` needs where k takes several slabs
     (0 where it never does): ``ceil(n / 32)`` u32 counters (zero before the first launch; each
@@ -74,7 +85,7 @@ def workspace_bytes(n: int, k: int, optin: int = SMEM_OPTIN) -> int:
     slabs = _cdiv(k, slab_k(k, MAX_ROWS, optin))
     if slabs <= 1:
         return 0
-    return _cdiv(_cdiv(n, BLOCK) * 4, 256) * 256 + slabs * MAX_ROWS * n * 4
+    return _counter_bytes(n) + slabs * MAX_ROWS * n * 4
 
 
 @dataclass(frozen=True)
@@ -153,10 +164,10 @@ def _prepare(
         config = LaunchConfig(min(_cdiv(m * n, THREADS), SIMT_BLOCKS_MAX), THREADS, 0, overlap=overlap)
         return Fp8wLaunch((bound.prepare(config, a, w.weight, w.scale, c, m, n, k),))
     bound = gpu.bind(kernel)
-    optin = int(getattr(gpu, "max_shared_optin", 0)) or SMEM_OPTIN
+    optin = shared_optin(gpu)
     sms = int(getattr(gpu, "sm_count", SMS))
     need = workspace_bytes(n, k, optin)
-    counters, work = int(workspace), int(workspace) + _cdiv(_cdiv(n, BLOCK) * 4, 256) * 256
+    counters, work = int(workspace), int(workspace) + _counter_bytes(n)
     launches = []
     for row0 in range(0, m, MAX_ROWS):
         rows = min(MAX_ROWS, m - row0)

@@ -31,6 +31,7 @@ import numpy as np
 
 from bench.common import bench_parser, gpu_time_ms, positive_float, positive_int, print_table, run
 from bench.host_gather import random_block, tile
+from bench.host_pages import advised_memory
 from bench.row_reads import narrow_kernel, read_floor_us
 from gpu_runtime import CudaBackend
 
@@ -44,34 +45,22 @@ REPEATS = 7
 
 @contextlib.contextmanager
 def host_table(gpu: CudaBackend, nbytes: int, threads: int) -> Iterator[tuple[np.ndarray, int]]:
-    """(``[rows, ROW]`` uint8 view, its device pointer): an anonymous mapping advised
+    """(``[rows, ROW]`` uint8 view, its device pointer): anonymous memory advised
     ``MADV_HUGEPAGE``, filled with random bytes by ``threads`` threads, registered for the device."""
-    mm = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    views: list[np.ndarray] = []  # the arrays over mm: gone before it closes
+    flat = advised_memory(nbytes, mmap.MADV_HUGEPAGE)
+    block = random_block(np.random.default_rng(1), nbytes)
+
+    def fill_span(span: tuple[int, int]) -> None:
+        off, n = span
+        flat[off : off + n] = block[:n]
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(fill_span, tile(block, nbytes)))
+    ptr = int(gpu.register_host(flat))
     try:
-        views.append(np.frombuffer(mm, dtype=np.uint8))
-        start = -views[0].ctypes.data % HUGE
-        mm.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
-        flat = views[0][start : start + nbytes]
-        views.append(flat)
-        block = random_block(np.random.default_rng(1), nbytes)
-        with ThreadPoolExecutor(threads) as pool:
-            list(
-                pool.map(
-                    lambda span: flat.__setitem__(slice(span[0], span[0] + span[1]), block[: span[1]]),
-                    tile(block, nbytes),
-                )
-            )
-        ptr = int(gpu.register_host(flat))
-        try:
-            views.append(flat[: nbytes // ROW * ROW].reshape(-1, ROW))
-            yield views[-1], ptr
-        finally:
-            gpu.unregister_host(flat)
+        yield flat.reshape(-1, ROW), ptr
     finally:
-        views.clear()
-        with contextlib.suppress(BufferError):
-            mm.close()
+        gpu.unregister_host(flat)
 
 
 def split(n: int, parts: int) -> list[slice]:

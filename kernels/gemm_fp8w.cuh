@@ -42,11 +42,25 @@ struct Fp8Scale {
         s1 = (e1 << 7) * 0x10001u;
         s2 = (e2 << 7) * 0x10001u;
     }
+    // kTwice: whether any lane of the warp has twice (the second product, by s2 = 1 where this
+    // lane's is not, is exact): a warp-uniform choice, so the common case runs one product.
+    template <bool kTwice>
     __device__ __forceinline__ uint32_t apply(uint32_t x) const {
         const uint32_t y = mul_bf16x2(x, s1);
-        return twice ? mul_bf16x2(y, s2) : y;
+        return kTwice ? mul_bf16x2(y, s2) : y;
     }
 };
+
+// Whether a warp's scales take two products, as a type (the chunk loop is compiled for each).
+template <bool kTwice>
+struct Fp8Twice {
+    static constexpr bool value = kTwice;
+};
+
+// Whether any of the scale bytes packed in lo and hi takes two products (byte > 134).
+__device__ __forceinline__ bool fp8_any_twice(uint32_t lo, uint32_t hi) {
+    return (__vcmpgtu4(lo, 0x86868686u) | __vcmpgtu4(hi, 0x86868686u)) != 0u;
+}
 
 // One weight as the bf16 path holds it: bf16(f32(e4m3) * 2^(byte - 127)), as an f32.
 __device__ __forceinline__ float fp8w_value(uint8_t q, uint8_t byte) {
@@ -180,16 +194,34 @@ __device__ __forceinline__ void fp8w_gemm(const bf16* a, const uint8_t* w, const
     const uint64_t first = start + (warp + kWarps - start % kWarps) % kWarps;
     const uint32_t mine = first < end ? static_cast<uint32_t>((end - first + kWarps - 1) / kWarps) : 0;
     auto item = [&](uint32_t j) { return first + static_cast<uint64_t>(j) * kWarps; };
-    auto load = [&](uint32_t stage, uint32_t p) {  // w of position p: chunk p % cpi of item p / cpi
-        const uint64_t x = item(p / cpi);
-        const uint32_t s = static_cast<uint32_t>(x / nblocks), b = static_cast<uint32_t>(x % nblocks);
-        const uint32_t kk = s * ks + (p % cpi) * kFp8Chunk + 16 * t;
+    // The loader's cursor: positions are loaded in order (the ring's start, then one refill per
+    // position), so it steps through its items' chunks: item lj, chunk lc, this lane's k lkk and
+    // first w row's address lsrc there, bit q of lrows: w row g + 8q of the item's block exists.
+    uint32_t lj = 0, lc = 0, lkk = 0, lrows = 0;
+    const uint8_t* lsrc = w;
+    const uint64_t row8 = 8ull * k;
+    auto seek = [&](uint32_t j) {
+        const uint64_t x = item(j);
+        const uint32_t r0 = static_cast<uint32_t>(x % nblocks) * kFp8Block + g;
+        lkk = static_cast<uint32_t>(x / nblocks) * ks + 16 * t;
+        lrows = 0;
+#pragma unroll
+        for (uint32_t q = 0; q < kSmallWPieces; ++q) lrows |= (r0 + 8 * q < n ? 1u : 0u) << q;
+        lsrc = lrows ? w + r0 * static_cast<uint64_t>(k) + lkk : w;
+    };
+    auto load = [&](uint32_t stage, uint32_t) {  // w of the next position into `stage`
         const uint32_t dst = ring + stage * kStageBytes;
+        const bool kin = lkk < k;
 #pragma unroll
         for (uint32_t q = 0; q < kSmallWPieces; ++q) {
-            const uint32_t r = b * kFp8Block + g + 8 * q;
-            const bool ok = r < n && kk < k;
-            cp_async16_l2_256(dst + q * kPieceBytes, ok ? w + static_cast<uint64_t>(r) * k + kk : w, ok ? 16u : 0u);
+            const bool ok = kin && (lrows >> q & 1u);
+            cp_async16_l2_256(dst + q * kPieceBytes, ok ? lsrc + q * row8 : w, ok ? 16u : 0u);
+        }
+        lsrc += kFp8Chunk;
+        lkk += kFp8Chunk;
+        if (++lc == cpi) {
+            lc = 0;
+            if (++lj < mine) seek(lj);
         }
     };
     auto scales_of = [&](Fp8ItemScales& sc, uint32_t j) {
@@ -200,6 +232,7 @@ __device__ __forceinline__ void fp8w_gemm(const bf16* a, const uint8_t* w, const
     const CpAsyncRing<kFp8Stages, kFp8Stages - 1> pipe{mine * cpi};
 
     Fp8ItemScales cur, next;
+    if (mine > 0) seek(0);
     pipe.start(load);  // w and its scales do not depend on the kernel before; a, work and counters may
     scales_of(next, 0);
     pdl_wait();
@@ -225,40 +258,44 @@ __device__ __forceinline__ void fp8w_gemm(const bf16* a, const uint8_t* w, const
                 for (uint32_t jj = 0; jj < NT; ++jj)
 #pragma unroll
                     for (uint32_t e = 0; e < 4; ++e) acc[i][jj][e] = 0.0f;
-            for (uint32_t i = 0; i < cpi; ++i, ++p) {
-                pipe.wait();  // this lane's copies of position p have landed
-                pipe.refill(p, load);
-                const Fp8Scale scale(cur.byte(2 * i + (t >> 1)));
-                const uint32_t src = ring + pipe.stage(p) * kStageBytes;
-                uint4 wv[kSmallWPieces], av[NT][2];
+            const auto chunks = [&](auto twice) {  // the item's chunks, twice an Fp8Twice
+                for (uint32_t i = 0; i < cpi; ++i, ++p) {
+                    pipe.wait();  // this lane's copies of position p have landed
+                    pipe.refill(p, load);
+                    const Fp8Scale scale(cur.byte(2 * i + (t >> 1)));
+                    const uint32_t src = ring + pipe.stage(p) * kStageBytes;
+                    uint4 wv[kSmallWPieces], av[NT][2];
 #pragma unroll
-                for (uint32_t q = 0; q < kSmallWPieces; ++q) wv[q] = ld_shared16(src + q * kPieceBytes);
-                const uint32_t arow = slab + g * pitch + (i * kFp8Chunk + 16 * t) * 2;
-#pragma unroll
-                for (uint32_t jj = 0; jj < NT; ++jj) {
-                    av[jj][0] = ld_shared16(arow + 8 * jj * pitch);
-                    av[jj][1] = ld_shared16(arow + 8 * jj * pitch + 16);
-                }
-#pragma unroll
-                for (uint32_t q = 0; q < 4; ++q) {  // lane elements 4q .. 4q+3: word q of a w piece
-                    uint32_t lo[kSmallWPieces], hi[kSmallWPieces];
-#pragma unroll
-                    for (uint32_t r = 0; r < kSmallWPieces; ++r) {
-                        const uint32_t x4 = q == 0 ? wv[r].x : q == 1 ? wv[r].y : q == 2 ? wv[r].z : wv[r].w;
-                        e4m3x4_as_bf16x4(x4, lo[r], hi[r]);
-                        lo[r] = scale.apply(lo[r]);
-                        hi[r] = scale.apply(hi[r]);
-                    }
+                    for (uint32_t q = 0; q < kSmallWPieces; ++q) wv[q] = ld_shared16(src + q * kPieceBytes);
+                    const uint32_t arow = slab + g * pitch + (i * kFp8Chunk + 16 * t) * 2;
 #pragma unroll
                     for (uint32_t jj = 0; jj < NT; ++jj) {
-                        const uint4 v = av[jj][q / 2];  // a elements 4q .. 4q+3: words 2(q%2), +1
-                        const uint32_t b0 = q % 2 == 0 ? v.x : v.z, b1 = q % 2 == 0 ? v.y : v.w;
+                        av[jj][0] = ld_shared16(arow + 8 * jj * pitch);
+                        av[jj][1] = ld_shared16(arow + 8 * jj * pitch + 16);
+                    }
 #pragma unroll
-                        for (uint32_t ti = 0; ti < 2; ++ti)  // w rows 16ti + g (piece 2ti) and + 8
-                            mma_bf16(acc[ti][jj], lo[2 * ti], lo[2 * ti + 1], hi[2 * ti], hi[2 * ti + 1], b0, b1);
+                    for (uint32_t q = 0; q < 4; ++q) {  // lane elements 4q .. 4q+3: word q of a w piece
+                        uint32_t lo[kSmallWPieces], hi[kSmallWPieces];
+#pragma unroll
+                        for (uint32_t r = 0; r < kSmallWPieces; ++r) {
+                            const uint32_t x4 = q == 0 ? wv[r].x : q == 1 ? wv[r].y : q == 2 ? wv[r].z : wv[r].w;
+                            e4m3x4_as_bf16x4(x4, lo[r], hi[r]);
+                            lo[r] = scale.apply<decltype(twice)::value>(lo[r]);
+                            hi[r] = scale.apply<decltype(twice)::value>(hi[r]);
+                        }
+#pragma unroll
+                        for (uint32_t jj = 0; jj < NT; ++jj) {
+                            const uint4 v = av[jj][q / 2];  // a elements 4q .. 4q+3: words 2(q%2), +1
+                            const uint32_t b0 = q % 2 == 0 ? v.x : v.z, b1 = q % 2 == 0 ? v.y : v.w;
+#pragma unroll
+                            for (uint32_t ti = 0; ti < 2; ++ti)  // w rows 16ti + g (piece 2ti) and + 8
+                                mma_bf16(acc[ti][jj], lo[2 * ti], lo[2 * ti + 1], hi[2 * ti], hi[2 * ti + 1], b0, b1);
+                        }
                     }
                 }
-            }
+            };
+            if (__any_sync(0xffffffffu, fp8_any_twice(cur.lo, cur.hi))) chunks(Fp8Twice<true>{});
+            else chunks(Fp8Twice<false>{});
             // acc[ti][jj]: e0 (w row 16ti+g, a row 8jj+2t), e1 (a row +1), e2/e3 (w row +8): to c
             // at once (one slab), else to this slab's partials.
             float* part = work + static_cast<uint64_t>(s) * kFp8MaxRows * n;

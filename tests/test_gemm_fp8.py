@@ -55,7 +55,9 @@ def weight_bytes(rng: np.random.Generator, shape: Any) -> np.ndarray:
 
 
 def scale_bytes(rng: np.random.Generator, n: int, k: int, lo: int = 100, hi: int = 140) -> np.ndarray:
-    """e8m0 bytes ``[ceil(n / 32), k / 32]`` in ``lo..hi``."""
+    """e8m0 bytes ``[ceil(n / 32), k / 32]`` in ``lo..hi``. The default range holds bytes past 134,
+    which the kernel scales in two products (a warp whose item has one takes that loop), and
+    items without one: both of its chunk loops run (``exact_operands`` takes the one-product loop)."""
     return rng.integers(lo, hi + 1, (-(-n // 32), k // 32), dtype=np.uint8)
 
 

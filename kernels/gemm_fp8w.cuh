@@ -17,11 +17,13 @@
 
 namespace gemm {
 
-// The bf16 pairs (bytes 0, 1) and (2, 3) of four e4m3 bytes, each value times 2^-120 (exact).
+// The bf16 pairs (bytes 0, 1) and (2, 3) of four e4m3 bytes, each value times 2^-120 (exact):
+// bf16 bits (byte & 0x80) << 8 | (byte & 0x7f) << 4, built for the four bytes at once as their
+// low bytes (the byte's low nibble, high) and high bytes (sign, then bits 6..4), then paired.
 __device__ __forceinline__ void e4m3x4_as_bf16x4(uint32_t x, uint32_t& lo, uint32_t& hi) {
-    const uint32_t a = __byte_perm(x, 0u, 0x1404u), b = __byte_perm(x, 0u, 0x3424u);  // byte << 8 a half
-    lo = (a & 0x80008000u) | ((a >> 4) & 0x07F007F0u);
-    hi = (b & 0x80008000u) | ((b >> 4) & 0x07F007F0u);
+    const uint32_t low = (x << 4) & 0xF0F0F0F0u, high = ((x >> 4) & 0x07070707u) | (x & 0x80808080u);
+    lo = __byte_perm(low, high, 0x5140u);
+    hi = __byte_perm(low, high, 0x7362u);
 }
 
 // bf16x2 round(x * s), one rounding (an fma with -0.0: the sign of a zero product is kept).

@@ -128,11 +128,16 @@ def run(
     main: Callable[[argparse.Namespace], Any],
     parser: argparse.ArgumentParser,
     needs_gpu: Callable[[argparse.Namespace], bool] = lambda args: True,
+    misuse: Callable[[argparse.Namespace], str | None] = lambda args: None,
 ) -> None:
-    """``python -m bench.<name>``: the arguments parsed first (a usage error is one line and status
-    2, GPU or not), then, where ``needs_gpu(args)`` and no CUDA device is usable, one line on stderr
-    and status 1, before ``main(args)`` writes or allocates anything."""
+    """``python -m bench.<name>``: the arguments parsed first (a usage error, or what ``misuse(args)``
+    says of options that do not go together, is one line and status 2, GPU or not), then, where
+    ``needs_gpu(args)`` and no CUDA device is usable, one line on stderr and status 1, before
+    ``main(args)`` writes or allocates anything."""
     args = parser.parse_args()
+    wrong = misuse(args)
+    if wrong:
+        parser.error(wrong)
     if needs_gpu(args):
         require_gpu(parser.prog)
     main(args)

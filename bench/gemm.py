@@ -252,7 +252,8 @@ def _max_active_clusters(gpu: CudaBackend, p: gemm.GemmPlan) -> str:
 
 def make_parser() -> argparse.ArgumentParser:
     parser = bench_parser(__doc__, "bench.gemm")
-    parser.add_argument(
+    what = parser.add_mutually_exclusive_group()
+    what.add_argument(
         "--shape", type=shape("MxNxK"), metavar="MxNxK", help="one GEMM alone instead of the table (a target for ncu)"
     )
     parser.add_argument(
@@ -261,19 +262,24 @@ def make_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help=f"with --shape, force a path: {', '.join(gemm.PATHS)} (default: the automatic choice)",
     )
-    parser.add_argument(
+    what.add_argument(
         "--sweep",
         type=shape("NxK"),
         metavar="NxK",
         help="m from 1 to 256 at this n and k on each skinny path, against cuBLAS",
     )
-    parser.add_argument(
+    what.add_argument(
         "--sweep-wide",
         type=shape("NxK"),
         metavar="NxK",
         help="m from 128 to 8192 at this n and k on each path for m > 64, against cuBLAS",
     )
     return parser
+
+
+def misuse(args: argparse.Namespace) -> str | None:
+    """What is wrong with options that parse but do not go together."""
+    return "--path goes with --shape (it forces that one GEMM's path)" if args.path and not args.shape else None
 
 
 def main(args: argparse.Namespace) -> None:
@@ -288,4 +294,4 @@ def main(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    run(main, make_parser())
+    run(main, make_parser(), misuse=misuse)

@@ -91,7 +91,7 @@ def make_parser(
         "--arch",
         default="",
         metavar="TARGET",
-        help="sm_XX[a] for a cubin or compute_XX for PTX (default: this GPU's cubin, compute_90 without a GPU)",
+        help="sm_XX[a|f] for a cubin or compute_XX[a|f] for PTX (default: this GPU's cubin, compute_90 without a GPU)",
     )
     parser.add_argument("--force", action="store_true", help="compile every module, up to date or not")
     parser.add_argument("-v", "--verbose", action="store_true", help="also list each module that is up to date")
@@ -115,8 +115,9 @@ def main(
     usage error (one line: ``no_default_files`` where there is nothing to compile)."""
     parser = parser or make_parser()
     args = parser.parse_args(argv)
-    if args.arch and not re.fullmatch(r"(sm_\d{2,3}a?|compute_\d{2,3}a?)", args.arch):
-        return refuse(parser, f"--arch {args.arch}: not sm_XX[a] or compute_XX (e.g. sm_90a, sm_80, compute_90)")
+    if args.arch and not re.fullmatch(r"(sm|compute)_\d{2,3}[af]?", args.arch):
+        wanted = "sm_XX[a|f] or compute_XX[a|f] (e.g. sm_90a, sm_100f, compute_90)"
+        return refuse(parser, f"--arch {args.arch}: not {wanted}")
     for path in args.files:
         if not path.is_file():
             return refuse(parser, f"{path}: {'a folder' if path.is_dir() else 'no such file'}, not a .cu file")

@@ -761,3 +761,14 @@ def test_ngram_references_read_rows_of_an_array_like(rng, reference):
     np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
     with pytest.raises(ValueError, match=r"word must be \[20, 8\], got shape \[19, 8\]"):
         reference(*_layer(g, word=Rows(g.word[:-1])))
+
+
+@pytest.mark.parametrize("below", [False, True])
+def test_gemm_bf16_rounds_the_exact_sum_once(below):
+    """1 + 2^-8 +- 2^-30 lies just off the midpoint of bf16's 1 and 1 + 2^-7: rounded once it goes to
+    the nearer, where rounding to fp32 first would land on the midpoint and go to the even 1."""
+    a = np.array([[1.0, 2.0**-8, 2.0**-30]], dtype=np.float32).astype(BF16)
+    w = np.array([[1.0, 1.0, -1.0 if below else 1.0]], dtype=np.float32).astype(BF16)
+    got = ref.gemm_bf16(a, w)
+    assert got.dtype == BF16 and got.shape == (1, 1)
+    assert float(got[0, 0]) == (1.0 if below else 1.0 + 2.0**-7)

@@ -247,11 +247,11 @@ def test_every_bench_table_has_a_header_line():
     assert calls >= 19
 
 
-@pytest.mark.parametrize("arch", ["bogus", "sm90", "sm_9x", "compute_"])
+@pytest.mark.parametrize("arch", ["bogus", "sm90", "sm_9x", "compute_", "sm_90b", "sm_100af"])
 def test_a_bad_target_is_one_usage_error(arch, capsys):
     assert precompile.main(["--arch", arch, str(ROOT / "kernels" / "residual_add.cu")]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and f"--arch {arch}: not sm_XX[a] or compute_XX" in err
+    assert err.count("\n") == 1 and f"--arch {arch}: not sm_XX[a|f] or compute_XX[a|f]" in err
 
 
 @pytest.mark.parametrize("args, env, says", [
@@ -296,6 +296,9 @@ def _run(argv: list[str], **env: str) -> subprocess.CompletedProcess:
     # issue 49: ValueError tracebacks (status 1), and the GPU check does not come first
     (["-m", "bench.gemm", "--shape", "banana"], "python -m bench.gemm: error: argument --shape: not MxNxK"),
     (["-m", "bench.gemm", "--sweep", "12"], "python -m bench.gemm: error: argument --sweep: not NxK"),
+    (["-m", "bench.gemm", "--path", "simt"], "python -m bench.gemm: error: --path goes with --shape"),
+    (["-m", "bench.gemm", "--shape", "1x2x3", "--sweep", "4x8"],
+     "python -m bench.gemm: error: argument --sweep: not allowed with argument --shape"),
     (["-m", "bench.decode", "--placements", "cpu"], "python -m bench.decode: error: argument --placements: takes some"),
 ])
 def test_a_usage_error_is_one_line_and_status_2(argv, says):
@@ -491,7 +494,7 @@ def test_without_a_gpu_the_gpu_tools_say_so_in_one_line(argv):
 
 
 # -- make kernels' targets; a package missing from the Python that runs a tool (issue 49) ----------
-@pytest.mark.parametrize("arch", ["sm_100a", "sm_120", "compute_100"])
+@pytest.mark.parametrize("arch", ["sm_100a", "sm_120", "compute_100", "sm_100f", "compute_120f"])
 def test_make_kernels_takes_three_digit_targets(arch, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("GPU_RUNTIME_CACHE_DIR", str(tmp_path / "cache"))
     from layers import precompile as layers_precompile

@@ -100,7 +100,7 @@ def _check_gemm(a: Any, w: Any, what: str) -> None:
 
 
 def gemm_bf16_unchecked(a: np.ndarray, w: np.ndarray) -> np.ndarray:
-    return (a.astype(np.float64) @ w.astype(np.float64).T).astype(np.float32).astype(BF16)
+    return (a.astype(np.float64) @ w.astype(np.float64).T).astype(BF16)  # one rounding: fp64 to bf16
 
 
 def gemm_bf16(a: np.ndarray, w: np.ndarray) -> np.ndarray:

@@ -37,15 +37,14 @@ __device__ __forceinline__ uint32_t mul_bf16x2(uint32_t x, uint32_t s) {
 // factor (s2 = 1) up to byte 134, else 2^127 then 2^(byte - 134) (the first product is exact).
 struct Fp8Scale {
     uint32_t s1, s2;
-    bool twice;
     __device__ __forceinline__ explicit Fp8Scale(uint32_t byte) {
-        twice = byte > 134;
+        const bool twice = byte > 134;
         const uint32_t e1 = twice ? 254u : byte + 120u, e2 = twice ? byte - 7u : 127u;
         s1 = (e1 << 7) * 0x10001u;
         s2 = (e2 << 7) * 0x10001u;
     }
-    // kTwice: whether any lane of the warp has twice (the second product, by s2 = 1 where this
-    // lane's is not, is exact): a warp-uniform choice, so the common case runs one product.
+    // kTwice: whether any lane of the warp has a byte past 134 (the second product, by s2 = 1
+    // where this lane's is not, is exact): a warp-uniform choice, so the common case runs one.
     template <bool kTwice>
     __device__ __forceinline__ uint32_t apply(uint32_t x) const {
         const uint32_t y = mul_bf16x2(x, s1);

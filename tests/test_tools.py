@@ -15,6 +15,7 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import gpu_runtime
@@ -157,7 +158,7 @@ TOOLS = [
     "gpu_runtime.precompile",
     *(f"bench.{name}" for name in
       ("launch", "kernels", "overlay", "ngram_embed", "cached", "decode", "host_gather", "host_pages", "host_staging",
-       "tensor_parallel", "gemm", "results", "row_reads", "real_scale", "engram", "engram_gemm")),
+       "tensor_parallel", "gemm", "results", "row_reads", "real_scale", "engram", "engram_gemm", "engram_cache")),
     "tests.sanitize",
     "tests.bad_inputs",
 ]
@@ -431,7 +432,7 @@ def test_without_a_gpu_every_benchmark_refuses_before_it_writes_anything(tmp_pat
     scratch.mkdir()
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT), TMPDIR=str(scratch),
                BENCH_TABLE_DIR=str(scratch / "tables"), GPU_RUNTIME_CACHE_DIR=str(scratch / "cache"))
-    benches = [t for t in TOOLS if t.startswith("bench.") and t != "bench.results"]
+    benches = [t for t in TOOLS if t.startswith("bench.") and t not in ("bench.results", *CPU_BENCHES)]
 
     def run(tool: str) -> subprocess.CompletedProcess:
         return subprocess.run(["bash", "-c", 'ulimit -f 1024 && exec "$@"', "bash", sys.executable, "-m", tool],
@@ -443,6 +444,29 @@ def test_without_a_gpu_every_benchmark_refuses_before_it_writes_anything(tmp_pat
         assert (run_.returncode, run_.stdout) == (1, ""), (tool, run_.returncode, run_.stderr[-2000:])
         assert run_.stderr.count("\n") == 1 and run_.stderr.startswith(f"python -m {tool}: needs a CUDA GPU: ")
     assert sorted(p.name for p in scratch.iterdir()) == []
+
+
+CPU_BENCHES = ("bench.engram_cache",)  # need no GPU: run here, on a small table
+
+
+def test_the_cpu_benchmarks_run_without_a_gpu():
+    done = _run(["-m", "bench.engram_cache", "--rows", "100000", "--tokens", "64", "--batch", "4",
+                 "--zipf", "1.1", "--capacity", "5", "50"])
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith("|   ")]
+    assert len(lines) == 2, done.stdout  # a row per (zipf, capacity)
+    assert all(0 <= float(line.split("|")[4]) <= 100 for line in lines), done.stdout
+
+
+@pytest.mark.parametrize("capacity, rate, read", [(100, 0.5, 1.0), (2, 0.25, 1.5)])
+def test_engram_cache_counts_as_row_cache_does(capacity, rate, read):
+    """Four steps of two rows; the last two counted. A cache that never evicts: step 3 finds row 2
+    and reads 4, step 4 reads 5 once and hits its repeat. Two slots: step 2 evicts 2 (1 is pinned),
+    step 3 evicts 1 and 3 and hits nothing."""
+    from bench.engram_cache import hit_rate
+
+    rows = np.array([[1, 2], [1, 3], [2, 4], [5, 5]])
+    assert hit_rate(rows, capacity, 10) == (rate, read)
 
 
 @pytest.mark.parametrize("kind", ["file", "folder"])

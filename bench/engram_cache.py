@@ -32,7 +32,7 @@ def zipf_stream(rng: np.random.Generator, vocab: int, s: float, shape: tuple[int
     ``vocab`` ids, ranks mapped to ids by a random permutation."""
     weights = np.arange(1, vocab + 1, dtype=np.float64) ** -s
     ranks = rng.choice(vocab, size=shape, p=weights / weights.sum())
-    return rng.permutation(vocab)[ranks].astype(np.int64)
+    return rng.permutation(vocab)[ranks]
 
 
 def hit_rate(rows: np.ndarray, capacity: int, table_rows: int) -> tuple[float, float]:

@@ -162,6 +162,7 @@ TOOLS = [
     "tests.sanitize",
     "tests.bad_inputs",
 ]
+CPU_BENCHES = ("bench.engram_cache",)  # need no GPU: run here, on a small table
 
 
 def _module(tool: str):
@@ -444,9 +445,6 @@ def test_without_a_gpu_every_benchmark_refuses_before_it_writes_anything(tmp_pat
         assert (run_.returncode, run_.stdout) == (1, ""), (tool, run_.returncode, run_.stderr[-2000:])
         assert run_.stderr.count("\n") == 1 and run_.stderr.startswith(f"python -m {tool}: needs a CUDA GPU: ")
     assert sorted(p.name for p in scratch.iterdir()) == []
-
-
-CPU_BENCHES = ("bench.engram_cache",)  # need no GPU: run here, on a small table
 
 
 def test_the_cpu_benchmarks_run_without_a_gpu():

@@ -15,7 +15,8 @@ written, nothing outside it.
 from __future__ import annotations
 
 import re
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import ml_dtypes
@@ -532,6 +533,21 @@ def written_by(*plans: gemm_fp8.Fp8wLaunch | None) -> list[tuple[int, int]]:
             for launch in plan.launches if len(launch.args) == 10 and launch.args[8]]
 
 
+@contextmanager
+def uploaded(gpu, rng, a: np.ndarray, w: np.ndarray, s: np.ndarray,
+             misalign: int = 0) -> Iterator[tuple[Guarded, Guarded, Guarded, Guarded]]:
+    """Guarded buffers (ga, gw, gs, gc) holding a (``misalign`` bytes past a 16-byte boundary), w
+    and s, and a poisoned c of (m, n) bf16."""
+    (m, k), n = a.shape, w.shape[0]
+    with Guarded(gpu, (m, k), BF16, rng, misalign) as ga, Guarded(gpu, (n, k), U8, rng) as gw, \
+         Guarded(gpu, s.shape, U8, rng) as gs, Guarded(gpu, (m, n), BF16, rng) as gc:
+        ga.upload(a)
+        gw.upload(w)
+        gs.upload(s)
+        gc.poison()
+        yield ga, gw, gs, gc
+
+
 def run_fp8w(gpu, rng, a: np.ndarray, w: np.ndarray, s: np.ndarray, *, path: str | None = None,
              batch_invariant: bool = False, misalign: int = 0) -> np.ndarray:
     """c = a @ W^T through the launcher with guarded, poisoned buffers (a ``misalign`` bytes past
@@ -539,13 +555,7 @@ def run_fp8w(gpu, rng, a: np.ndarray, w: np.ndarray, s: np.ndarray, *, path: str
     are untouched."""
     (m, k), n = a.shape, w.shape[0]
     kern = load_kernel(gpu, "gemm", gemm_fp8.KERNEL)
-    with Workspace(gpu, rng, n, k) as ws, Guarded(gpu, (m, k), BF16, rng, misalign) as ga, \
-         Guarded(gpu, (n, k), U8, rng) as gw, Guarded(gpu, s.shape, U8, rng) as gs, \
-         Guarded(gpu, (m, n), BF16, rng) as gc:
-        ga.upload(a)
-        gw.upload(w)
-        gs.upload(s)
-        gc.poison()
+    with Workspace(gpu, rng, n, k) as ws, uploaded(gpu, rng, a, w, s, misalign) as (ga, gw, gs, gc):
         weight, kwargs = BlockFp8Weight(gw.ptr, gs.ptr, (n, k)), dict(workspace=ws.ptr, path=path,
                                                                        batch_invariant=batch_invariant)
         ws.arm()
@@ -710,13 +720,7 @@ def test_the_kernel_is_correct_for_any_launch(gpu, rng, m, n, k, uneven, variant
     fp8w = variant in RUNS_FP8W or (variant == "no-workspace" and slabs == 1)
     a, w, s = exact_operands(rng, m, n, k)
     kern = load_kernel(gpu, "gemm", gemm_fp8.KERNEL)
-    with Workspace(gpu, rng, n, k, slabs) as ws, Guarded(gpu, (m, k), BF16, rng) as ga, \
-         Guarded(gpu, (n, k), U8, rng) as gw, Guarded(gpu, s.shape, U8, rng) as gs, \
-         Guarded(gpu, (m, n), BF16, rng) as gc:
-        ga.upload(a)
-        gw.upload(w)
-        gs.upload(s)
-        gc.poison()
+    with Workspace(gpu, rng, n, k, slabs) as ws, uploaded(gpu, rng, a, w, s) as (ga, gw, gs, gc):
         ws.arm()
         work, counters = (ws.ptr + ws.pad, ws.ptr) if given else (0, 0)
         gpu.bind(kern).launch(LaunchConfig(grid, block, smem), 0, ga.ptr, gw.ptr, gs.ptr, gc.ptr, m, n, k, ks, work,

@@ -17,6 +17,7 @@ its residual is left as it is. One decoder runs on one stream at a time (one set
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -30,6 +31,7 @@ from ..ops.token_history import NO_TOKEN, PAD_SLOT, DecodeError, TokenCode
 from ..resources import Resources
 from ..tensor_parallel import check_collective
 from ..token_history import HistoryCalls, SlotHistories
+from .host_staging import HostStaging
 from .weights import EngramWeights
 
 __all__ = ["DecodeError", "EngramDecoder", "PAD_SLOT"]
@@ -38,6 +40,7 @@ Buffer = Any  # an address, a DeviceArray, or an array with __cuda_array_interfa
 
 _WHAT = "EngramDecoder"
 FP8_ROWS = 64  # up to this many rows the projection reads wkv in fp8, above it the bf16 copy
+STAGED_ROWS = 256  # calls of this many rows or more read host tables through HostStaging
 _U8 = (np.dtype(np.uint8), np.dtype(np.bool_))
 
 
@@ -48,7 +51,10 @@ class EngramDecoder(HistoryCalls):
     to ``FP8_ROWS`` rows take that path and longer ones the bf16 GEMM). ``collective``: a
     tensor-parallel shard's all-reduce (one process per rank; ``lookup_all`` drives a whole
     in-process group): each rank gathers the rows it holds, zeros elsewhere, and the sum of the
-    ranks' rows is exact (one rank holds each row). Borrows the weights."""
+    ranks' rows is exact (one rank holds each row). ``host_threads``: with tables in host memory,
+    calls of ``STAGED_ROWS`` rows or more have the host gather their rows on this many threads
+    (``layers.engram.host_staging``; None: up to 16, one a CPU; 0: the GPU reads every row in
+    place). Borrows the weights."""
 
     WHAT = _WHAT
     launches: EngramLaunches
@@ -63,6 +69,7 @@ class EngramDecoder(HistoryCalls):
         stream: int = 0,
         batch_invariant: bool = False,
         collective: Any = None,
+        host_threads: int | None = None,
     ) -> None:
         if not isinstance(weights, EngramWeights):
             raise TypeError(f"{_WHAT}: weights must be EngramWeights, got {type(weights).__name__}")
@@ -75,6 +82,8 @@ class EngramDecoder(HistoryCalls):
         max_draft = validate.count(max_draft, f"{_WHAT}: max_draft", limit=1 << 31)
         stream = validate.stream(stream, f"{_WHAT}: stream")
         self.batch_invariant = validate.boolean(batch_invariant, f"{_WHAT}: batch_invariant")
+        threads = min(16, os.cpu_count() or 1) if host_threads is None else host_threads
+        threads = validate.count(threads, f"{_WHAT}: host_threads", limit=1025)
         cfg, gpu = weights.config, weights.gpu
         self.weights, self.config, self.gpu, self.stream = weights, cfg, gpu, stream
         self.max_seqs, self.max_rows, self.max_draft = max_seqs, max_rows, max_draft
@@ -113,6 +122,10 @@ class EngramDecoder(HistoryCalls):
                 stride=weights.stride,
                 host_tables=weights.host_tables,
             )
+            self.staging: HostStaging | None = None
+            if weights.host_tables and threads and max_rows >= STAGED_ROWS:
+                blocks = [layer.table for layer in weights.layers]
+                self.staging = HostStaging(gpu, own, self.launches, blocks, max_rows=max_rows, threads=threads)
             self.gates = [
                 EngramGate(gpu, layer.q, layer.k, hc=cfg.hc_mult, dim=cfg.hidden_size, eps=cfg.eps)
                 for layer in weights.layers
@@ -275,8 +288,21 @@ class EngramDecoder(HistoryCalls):
         self, indices: tuple[int, int, int], text: int, num_seqs: int, rows: int, per_seq: int, stream: int
     ) -> None:
         """The lookup alone (hash, gather into ``emb``, the histories' update), on checked
-        arguments (``prefill`` / ``step`` check them; ``lookup_all`` and benchmarks call it)."""
-        self.launches.lookup(*indices, text, rows, num_seqs, per_seq, self._ready(stream))
+        arguments (``prefill`` / ``step`` check them; ``lookup_all`` and benchmarks call it);
+        staged where the decoder stages host tables and the call has ``STAGED_ROWS`` rows."""
+        stream = self._ready(stream)
+        if self.staging is not None and rows >= STAGED_ROWS:
+            self.staging.lookup(*indices, text, rows, num_seqs, per_seq, stream)
+        else:
+            self.launches.lookup(*indices, text, rows, num_seqs, per_seq, stream)
+
+    def check_errors(self, stream: int | None = None) -> DecodeError:
+        """``HistoryCalls.check_errors``; first, ``RuntimeError`` if the host staging's worker
+        failed (the rows of its calls since are not to be trusted)."""
+        failed = None if self.staging is None else self.staging.error
+        if failed is not None:
+            raise RuntimeError(f"{_WHAT}: the host's gather of table rows failed: {failed!r}") from failed
+        return super().check_errors(stream)
 
     def project(self, rows: int, stream: int) -> None:
         """Every layer's ``kv[:rows] = emb[:rows] @ wkv^T`` (the GEMMs alone; ``rows >= 1``)."""

@@ -100,6 +100,10 @@ LOOKUP_X_TORCH = 3.0  # issue 50's targets
 OVERLAP_X_DEVICE = 1.1  # issue 51's: the overlapped step with host tables over that with device tables
 STANDIN_BYTES = 128 << 20  # the overlapped step's stand-in for the layers before the Engram layer
 LOOKUP_X_FLOOR = 1.1
+HOST_ROWS_GBS = 13.0  # issue 51's host reads at the real footprint: GB/s of rows, prefill lookups ...
+HOST_X_SMALL = 0.7  # ... and that over the GPU's read rate of a small table (SMALL_BYTES of the same memory)
+SMALL_BYTES = 1 << 30
+ROWS_PER_TOKEN, ROW_BYTES = 24, 264  # a layer's rows a token ((N - 1) x heads) and their packed bytes
 
 
 # -- the config and the synthetic weights ----------------------------------------------------------
@@ -246,6 +250,7 @@ class Results:
     table_bytes: int
     rows: list[Row] = field(default_factory=list)
     checks: list[Check] = field(default_factory=list)
+    small_gbs: dict[int, float] = field(default_factory=dict)  # prefill S -> the GPU's rate over a small table
 
 
 @dataclass
@@ -541,7 +546,9 @@ class Placement:
         return out
 
     # -- prefill ---------------------------------------------------------------------------------
-    def prefill(self, dec: EngramDecoder, n: int) -> None:
+    def prefill(self, dec: EngramDecoder, n: int, direct: EngramDecoder | None = None) -> None:
+        """Prefill rows of ``n`` tokens; with ``direct`` (host tables: a decoder that reads them in
+        place), its lookup too, and the GPU's read rate over a small table for the targets."""
         ctx, gpu, s, cfg = self.ctx, self.ctx.gpu, self.ctx.stream, self.cfg
         text_ids = cfg.image_token_id or cfg.vocab_size
         pool = [ctx.rng.integers(0, text_ids, n, dtype=np.uint32) for _ in range(POOL)]
@@ -562,11 +569,27 @@ class Placement:
             whole(0)
             theirs = self.torch_prefill(dec, pool) if self.tf is not None else None
             ours = [eager_us(fn, s) for fn in (lookup, whole)]
+            if direct is not None:
+                direct.reset(0, s)
+                in_place = eager_us(
+                    lambda i: direct.gather((int(toks[i % POOL].ptr), int(cu_d.ptr), int(slot_d.ptr)), 0, 1, n, 0, s),
+                    s,
+                )
         finally:
             gpu.synchronize(s)
             for a in (*toks, cu_d, slot_d):
                 a.free()
         self.add("prefill", n, ours, theirs, ctx.gemm_us.get(n))
+        if direct is not None:
+            floor, _, gbs = self.floors(n)
+            us, late = in_place
+            self.out.rows.append(Row(self.where, "prefill", n, "lookup in place", us, None, floor, late, gbs))
+            cols, stride = self.cfg.n_hash_cols, self.weights.stride
+            small = min(SMALL_BYTES, self.table.nbytes)
+            small_us = read_floor_us(
+                ctx.probe, int(self.table.address), small, cols, n * cols, int(ctx.sink), s, row=stride
+            )
+            self.out.small_gbs[n] = n * cols * stride / small_us / 1e3
 
     def torch_prefill(self, dec: EngramDecoder, pool: list[np.ndarray]) -> list[tuple[float, int]]:
         """The torch form's first prompt checked against ours, the cuBLAS GEMM at this shape timed
@@ -624,11 +647,14 @@ def run_placement(ctx: Ctx, data: Synthetic, cfg: EngramConfig, where: str) -> R
     )
     place = Placement(ctx, weights, where)
     dec = EngramDecoder(weights, max_seqs=max(BATCHES), max_rows=MAX_ROWS, stream=s)
+    direct = (
+        EngramDecoder(weights, max_seqs=1, max_rows=MAX_ROWS, stream=s, host_threads=0) if where == "host" else None
+    )
     try:
         for b in BATCHES:
             place.decode(dec, b)
         for n in PREFILLS:
-            place.prefill(dec, n)
+            place.prefill(dec, n, direct)
         print(f"{where} table: decoder errors after all calls: {dec.check_errors()!r}", flush=True)
     finally:
         gpu.synchronize(s)
@@ -637,6 +663,8 @@ def run_placement(ctx: Ctx, data: Synthetic, cfg: EngramConfig, where: str) -> R
             ctx.torch.cuda.synchronize()
             ctx.torch.cuda.empty_cache()
         dec.close()
+        if direct is not None:
+            direct.close()
         t0 = time.perf_counter()
         weights.close()
         print(f"{where} table freed in {time.perf_counter() - t0:.1f} s", flush=True)
@@ -654,8 +682,8 @@ def targets(rows: Sequence[Row]) -> list[tuple[str, str, str, int, float | None,
     out = []
     for r in rows:
         faster = ratio(r.torch, r.ours)
-        if r.part == "overlapped":
-            continue  # issue 51's (overlap_targets)
+        if r.part in ("overlapped", "lookup in place"):
+            continue  # issue 51's (overlap_targets, host_read_targets)
         if r.part == "whole":
             what, value, met = "whole step never slower than the torch form", faster, (faster or 0) >= 1
         elif r.placement != "host":
@@ -683,6 +711,35 @@ def overlap_targets(rows: Sequence[Row]) -> list[tuple[str, str, str, int, float
         value = ratio(step.get(("host", b)), step.get(("device", b)))
         met = "-" if value is None else "met" if value <= OVERLAP_X_DEVICE else "missed"
         out.append((f"overlapped step, host <= {OVERLAP_X_DEVICE:g}x device", "both", "decode", b, value, met))
+    return out
+
+
+def host_read_targets(places: Sequence[Results]) -> list[tuple[str, str, str, int, float | None, str]]:
+    """Issue 51's host reads: each prefill lookup with the host table (staged: the host's threads
+    gather the rows) at least ``HOST_ROWS_GBS`` GB/s of rows, and at least ``HOST_X_SMALL`` x the
+    GPU's read rate over a small table of the same memory."""
+    out: list[tuple[str, str, str, int, float | None, str]] = []
+    for p in places:
+        for r in p.rows:
+            if p.where != "host" or r.call != "prefill" or r.part != "lookup":
+                continue
+            gbs = r.tokens * ROWS_PER_TOKEN * ROW_BYTES / r.ours / 1e3
+            small = p.small_gbs.get(r.tokens)
+            out.append(
+                (
+                    f"host lookup >= {HOST_ROWS_GBS:g} GB/s of rows",
+                    "host",
+                    "prefill",
+                    r.tokens,
+                    gbs,
+                    "met" if gbs >= HOST_ROWS_GBS else "missed",
+                )
+            )
+            value = ratio(gbs, small)
+            met = "-" if value is None else "met" if value >= HOST_X_SMALL else "missed"
+            out.append(
+                (f"host lookup >= {HOST_X_SMALL:g}x the small-table rate", "host", "prefill", r.tokens, value, met)
+            )
     return out
 
 
@@ -757,6 +814,19 @@ def report(places: Sequence[Results]) -> None:
         f"{OVERLAP_X_DEVICE:g}x; '-': one of the tables did not run (the device table needs an H200 at the real "
         "dims; --rows makes a table both hold).",
     )
+    reads = host_read_targets(places)
+    small = {n: gbs for p in places for n, gbs in p.small_gbs.items()}
+    print_table(
+        "issue 51's host-read targets",
+        ["target", "table", "call", "tokens", "value", "met"],
+        reads,
+        note=f"Each row is one prefill lookup with the host table, staged (the host's threads gather the rows, "
+        f"engram.HostStaging): its GB/s of rows (tokens x {ROWS_PER_TOKEN} x {ROW_BYTES} bytes over its us) at least "
+        f"{HOST_ROWS_GBS:g}, and that over the GPU's random-read rate of a {SMALL_BYTES >> 30} GiB table of the same "
+        f"memory ({', '.join(f'{n} tokens: {g:.1f} GB/s' for n, g in small.items()) or 'not measured'}) at least "
+        f"{HOST_X_SMALL:g}. The row 'lookup in place' above is the GPU reading the rows in place.",
+    )
+    found = found + reads
     counts = {v: sum(t[-1] == v for t in found) for v in ("met", "missed", "-")}
     print(f"targets: {counts['met']} met, {counts['missed']} missed, {counts['-']} not measured", flush=True)
     if not any(r.placement == "host" for r in rows):

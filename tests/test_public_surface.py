@@ -40,6 +40,7 @@ from gpu_runtime import (
     Events,
     GpuBackend,
     Graphs,
+    HostFunctions,
     KernelLaunch,
     LaunchConfig,
     MappedHostMemory,
@@ -69,7 +70,8 @@ from tests.helpers.overlay import adapter_copy, random_overlay
 from tests.helpers.peft import EMBED, save_adapter, token_rows, tt_config
 from tests.helpers.public_names import exported
 
-INTERFACES = (GpuBackend, PinnedHostMemory, MappedHostMemory, Events, Graphs, PitchedCopies, DeviceCopies, TensorMaps)
+INTERFACES = (GpuBackend, PinnedHostMemory, MappedHostMemory, Events, Graphs, PitchedCopies, DeviceCopies, HostFunctions,
+              TensorMaps)
 BACKENDS, STREAMS = ("gpu", "gpus"), ("stream", "streams")
 PENDING: dict[str, str] = {}
 

@@ -202,7 +202,8 @@ class DeviceCopies(_Capability):
 
     @abstractmethod
     def copy_d2d_async(self, dst: int, src: int, nbytes: int, stream: int = 0) -> None:
-        """Device to device, ``nbytes`` from ``src`` to ``dst``, in stream order."""
+        """Device to device (a mapped host buffer's device address counts), ``nbytes`` from
+        ``src`` to ``dst``, in stream order."""
 
 
 class HostFunctions(_Capability):

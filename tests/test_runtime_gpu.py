@@ -443,49 +443,46 @@ def test_pinned_upload_events_and_cross_stream_wait(gpu, rng):
 
 
 def test_host_functions_run_in_stream_order_and_from_graphs(gpu):
-    """libc's ``sem_post`` queued behind a copy runs once the copy is done (a thread waiting on
-    the semaphore then sees the copied bytes), in a captured graph at each replay; a host
-    ``sem_wait`` holds the stream's later work until the host posts; bad arguments raise first."""
+    """libc's ``sem_wait`` queued on a stream holds the work after it until the host posts; a
+    ``sem_post`` queued after a memset runs once the memset is done; a captured one runs at each
+    replay; bad arguments raise before anything is queued."""
     import ctypes
+    import time
 
     libc = ctypes.CDLL(None)
     fn = {name: ctypes.cast(getattr(libc, name), ctypes.c_void_p).value for name in ("sem_post", "sem_wait")}
     sems = [ctypes.create_string_buffer(64) for _ in range(2)]
     for sem in sems:
         assert libc.sem_init(sem, 0, 0) == 0
-    posted, release = (ctypes.addressof(sem) for sem in sems)
+    posted, release = (ctypes.c_void_p(ctypes.addressof(sem)) for sem in sems)
     n, s = 1 << 22, gpu.create_stream()
-    host, dev = gpu.alloc_host(n), gpu.alloc(n)
+    dev = gpu.alloc(n)
     try:
         for value in (7, 9):
+            gpu.launch_host_func(s, fn["sem_wait"], release.value)
             gpu.memset(dev, value, n, s)
+            gpu.launch_host_func(s, fn["sem_post"], posted.value)
+            time.sleep(0.05)
+            assert libc.sem_trywait(posted) != 0, "the work after the wait ran before the host released it"
+            libc.sem_post(release)
+            assert libc.sem_wait(posted) == 0
             back = np.zeros(n, np.uint8)
-            gpu.copy_d2h(back, dev, s)  # (synchronous: the stream is idle after it)
-            host[:] = 0
-            gpu.upload_pinned_async(host, dev, s)
-            gpu.launch_host_func(s, fn["sem_wait"], release)  # holds the memset below until released
-            gpu.memset(dev, value + 1, n, s)
-            gpu.launch_host_func(s, fn["sem_post"], posted)
-            assert libc.sem_trywait(ctypes.c_void_p(posted)) != 0, "ran before the host released it"
-            libc.sem_post(ctypes.c_void_p(release))
-            libc.sem_wait(ctypes.c_void_p(posted))
             gpu.copy_d2h(back, dev, s)
-            assert (back == value + 1).all()
+            assert (back == value).all()
         gpu.begin_capture(s)
-        gpu.launch_host_func(s, fn["sem_post"], posted)
+        gpu.launch_host_func(s, fn["sem_post"], posted.value)
         graph = gpu.end_capture(s)
         for _ in range(3):
             gpu.launch_graph(graph, s)
-            libc.sem_wait(ctypes.c_void_p(posted))
+            assert libc.sem_wait(posted) == 0
         gpu.synchronize(s)
         gpu.destroy_graph(graph)
         with pytest.raises(ValueError, match="launch_host_func fn: null"):
-            gpu.launch_host_func(s, 0, posted)
+            gpu.launch_host_func(s, 0, posted.value)
         with pytest.raises(TypeError):
-            gpu.launch_host_func("s", fn["sem_post"], posted)
+            gpu.launch_host_func("s", fn["sem_post"], posted.value)
     finally:
         gpu.synchronize(s)
-        gpu.free_host(host)
         gpu.free(dev)
         gpu.destroy_stream(s)
         for sem in sems:

@@ -482,6 +482,7 @@ def test_host_functions_run_in_stream_order_and_from_graphs(gpu):
         with pytest.raises(TypeError):
             gpu.launch_host_func("s", fn["sem_post"], posted.value)
     finally:
+        libc.sem_post(release)  # a failure above may have left the stream held
         gpu.synchronize(s)
         gpu.free(dev)
         gpu.destroy_stream(s)

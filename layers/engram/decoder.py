@@ -17,7 +17,6 @@ its residual is left as it is. One decoder runs on one stream at a time (one set
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
@@ -53,8 +52,9 @@ class EngramDecoder(HistoryCalls):
     in-process group): each rank gathers the rows it holds, zeros elsewhere, and the sum of the
     ranks' rows is exact (one rank holds each row). ``host_threads``: with tables in host memory,
     calls of ``STAGED_ROWS`` rows or more have the host gather their rows on this many threads
-    (``layers.engram.host_staging``; None: up to 16, one a CPU; 0: the GPU reads every row in
-    place). Borrows the weights."""
+    (``layers.engram.host_staging``; 0, the default: the GPU reads every row in place). The
+    host's gather needs the GIL between its pieces: it slows down many times over while another
+    thread keeps the interpreter busy (docs/ENGRAM.md). Borrows the weights."""
 
     WHAT = _WHAT
     launches: EngramLaunches
@@ -69,7 +69,7 @@ class EngramDecoder(HistoryCalls):
         stream: int = 0,
         batch_invariant: bool = False,
         collective: Any = None,
-        host_threads: int | None = None,
+        host_threads: int = 0,
     ) -> None:
         if not isinstance(weights, EngramWeights):
             raise TypeError(f"{_WHAT}: weights must be EngramWeights, got {type(weights).__name__}")
@@ -82,8 +82,7 @@ class EngramDecoder(HistoryCalls):
         max_draft = validate.count(max_draft, f"{_WHAT}: max_draft", limit=1 << 31)
         stream = validate.stream(stream, f"{_WHAT}: stream")
         self.batch_invariant = validate.boolean(batch_invariant, f"{_WHAT}: batch_invariant")
-        threads = min(16, os.cpu_count() or 1) if host_threads is None else host_threads
-        threads = validate.count(threads, f"{_WHAT}: host_threads", limit=1025)
+        threads = validate.count(host_threads, f"{_WHAT}: host_threads", limit=1025)
         cfg, gpu = weights.config, weights.gpu
         self.weights, self.config, self.gpu, self.stream = weights, cfg, gpu, stream
         self.max_seqs, self.max_rows, self.max_draft = max_seqs, max_rows, max_draft

@@ -21,6 +21,7 @@ from .dense import (
     argmax_ids,
     batched_embed,
     batched_embed_fp8,
+    bf16_of_f64,
     dequant_fp8,
     embed_from_argmax,
     gemm_bf16,
@@ -31,7 +32,6 @@ from .dense import (
 from .engram import (
     EngramRef,
     act_quant,
-    bf16_of_f64,
     dequant_rows,
     dequant_weight,
     emb_from_rows,

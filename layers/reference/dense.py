@@ -9,7 +9,7 @@ import numpy as np
 
 from gpu_runtime import validate
 
-from .checks import BF16, FP8, SCALE_DTYPES, array, id_array
+from .checks import BF16, F32, FP8, SCALE_DTYPES, array, id_array
 
 
 # -- embed_from_argmax.cu ------------------------------------------------------------------
@@ -99,8 +99,20 @@ def _check_gemm(a: Any, w: Any, what: str) -> None:
     array(w, f"{what}: w", (BF16,), ("n", a.shape[1]))
 
 
+def bf16_of_f64(x: np.ndarray) -> np.ndarray:
+    """float64 to bf16 rounded once, to nearest even (subnormals and overflow as the format
+    says): rounded to odd at float32 first (24 bits, exact or sticky in the last), then to bf16,
+    which cannot round twice. Not ``astype``: ml_dtypes before 0.7 rounds through float32."""
+    x = np.asarray(x, np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        f = x.astype(F32)
+        inexact = np.isfinite(x) & (f.astype(np.float64) != x)
+        f = np.where(inexact & (np.abs(f.astype(np.float64)) > np.abs(x)), np.nextafter(f, F32.type(0)), f).astype(F32)
+    return (f.view(np.uint32) | inexact.astype(np.uint32)).view(F32).astype(BF16)
+
+
 def gemm_bf16_unchecked(a: np.ndarray, w: np.ndarray) -> np.ndarray:
-    return (a.astype(np.float64) @ w.astype(np.float64).T).astype(BF16)  # one rounding: fp64 to bf16
+    return bf16_of_f64(a.astype(np.float64) @ w.astype(np.float64).T)  # one rounding: fp64 to bf16
 
 
 def gemm_bf16(a: np.ndarray, w: np.ndarray) -> np.ndarray:

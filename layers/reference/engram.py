@@ -17,6 +17,7 @@ import numpy as np
 from gpu_runtime import validate
 
 from .checks import BF16, F32, FP8, array
+from .dense import bf16_of_f64
 
 U8 = np.dtype(np.uint8)
 E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
@@ -188,18 +189,6 @@ def _gate(
 
 
 # -- the references ------------------------------------------------------------------------
-def bf16_of_f64(x: np.ndarray) -> np.ndarray:
-    """float64 to bf16 rounded once, to nearest even (subnormals and overflow as the format
-    says): rounded to odd at float32 first (24 bits, exact or sticky in the last), then to bf16,
-    which cannot round twice. Not ``astype``: ml_dtypes before 0.7 rounds through float32."""
-    x = np.asarray(x, np.float64)
-    with np.errstate(over="ignore", invalid="ignore"):
-        f = x.astype(F32)
-        inexact = np.isfinite(x) & (f.astype(np.float64) != x)
-        f = np.where(inexact & (np.abs(f.astype(np.float64)) > np.abs(x)), np.nextafter(f, F32.type(0)), f).astype(F32)
-    return (f.view(np.uint32) | inexact.astype(np.uint32)).view(F32).astype(BF16)
-
-
 def dequant_rows(weight: np.ndarray, scale: np.ndarray, block: int = 32) -> np.ndarray:
     """bf16 ``[n, d]`` of e4m3 rows ``weight`` ``[n, d]`` (or their uint8 bytes) and their e8m0
     scale bytes ``scale`` ``[n, d // block]``: ``bf16(f32(e4m3) * 2**(byte - 127))`` per ``block``

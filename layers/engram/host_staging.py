@@ -7,10 +7,11 @@ stream order, all capturable:
 1. ``engram_row_ids`` hashes every item and writes its row to ``ids`` on the device (the tables
    are not read), with the call's row count and number in ``ids[0]``;
 2. ``ids`` is copied into pinned host memory;
-3. a host function posts ``start``: this object's worker thread wakes, reads the ids and gathers
-   each chunk of rows (a range of tokens, every layer) into pinned ``staging`` on its thread pool
-   (``np.take`` releases the GIL), stamps the chunk with the call's number in ``ready`` and posts
-   ``done``;
+3. a host function posts ``start``: this object's worker thread wakes, reads the call's header
+   and wakes its gather threads, each of which gathers its share of each chunk of rows (a range
+   of tokens, every layer) into pinned ``staging`` (``np.take`` releases the GIL) and posts; once
+   every share of a chunk is in, the worker stamps it with the call's number in ``ready`` and
+   posts ``done``;
 4. per chunk, a host function waits for ``done``, then 5. ``engram_staged_rows`` dequantises the
    chunk's rows into ``emb`` (reading ``staging`` in place over the link), while the worker
    gathers the next chunk.
@@ -27,7 +28,6 @@ from __future__ import annotations
 import ctypes
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, cast
 
 import numpy as np
@@ -120,11 +120,18 @@ class HostStaging:
         self._ready_dev = gpu.host_device_ptr(self.ready)
         self._post, self._wait = _function("sem_post"), _function("sem_wait")
         self.start, self.done = _Semaphore(), _Semaphore()
-        self.error: BaseException | None = None  # the worker's first failure (check_errors raises it)
-        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="engram-gather")
+        self.error: BaseException | None = None  # the first gather failure (check_errors raises it)
         self._stopping = False
+        self._call = (0, 0)  # the call being staged: (rows, number)
+        self._go = [_Semaphore() for _ in range(self.threads)]  # one a gather thread: a call to stage
+        self._parts = [_Semaphore() for _ in range(CHUNKS)]  # chunk c's: a post a thread, its share staged
         self._worker = threading.Thread(target=self._serve, name="engram-staging", daemon=True)
-        self._worker.start()
+        self._crew = [
+            threading.Thread(target=self._gather_parts, args=(p,), name=f"engram-gather-{p}", daemon=True)
+            for p in range(self.threads)
+        ]
+        for thread in (self._worker, *self._crew):
+            thread.start()
         own.on_close(self._stop)
 
     # -- the stream's side ---------------------------------------------------------------------
@@ -142,53 +149,65 @@ class HostStaging:
                 self.ids, self._staging_dev, self.gen, self._ready_dev, rows, r0, r1, c, self.staged_layers, stream
             )
 
-    # -- the worker's side ---------------------------------------------------------------------
+    # -- the host's side -----------------------------------------------------------------------
     def _serve(self) -> None:
-        """Each ``start``: gather the call's rows chunk by chunk, stamp each, post ``done``."""
+        """Each ``start``: wake the gather threads, then per chunk wait for all their parts,
+        stamp it and post ``done`` (as many posts as ``lookup`` queued waits)."""
         while True:
             self.start.wait()
             if self._stopping:
                 return
             header = int(self.ids_host[0])  # the call's rows and number (engram_row_ids)
             rows, gen = header & 0xFFFFFFFF, header >> 32
-            for c, (r0, r1) in enumerate(chunk_bounds(rows)):  # as many posts as lookup queued waits
+            self._call = (rows, gen)
+            for go in self._go:
+                go.post()
+            for c in range(len(chunk_bounds(rows))):
+                for _ in range(self.threads):
+                    self._parts[c].wait()
+                if self.error is None:
+                    self.ready[c] = gen
+                self.done.post()
+
+    def _gather_parts(self, part: int) -> None:
+        """Gather thread ``part``: each call, its share of every chunk in order, a post each."""
+        while True:
+            self._go[part].wait()
+            if self._stopping:
+                return
+            rows = self._call[0]
+            for c, (r0, r1) in enumerate(chunk_bounds(rows)):
                 try:
                     if self.error is None:
-                        self.gather(rows, r0, r1)
-                        self.ready[c] = gen
+                        self._take(part, rows, r0, r1)
                 except BaseException as exc:  # noqa: BLE001 - kept for check_errors; the stream must go on
-                    self.error = exc
+                    self.error = self.error or exc
                 finally:
-                    self.done.post()
+                    self._parts[c].post()
 
-    def gather(self, rows: int, r0: int, r1: int) -> None:
-        """Stage rows ``r0 .. r1`` of every host layer of a call of ``rows`` rows: ``staging[item]
-        = tables[l][ids[1 + item]]`` for ``item = (l * rows + r) * C + j``; a kNoRow id (-1 as
-        int64) reads row 0, which the kernel does not use."""
-        cols = self.launches.cols
-        parts = []
+    def _take(self, part: int, rows: int, r0: int, r1: int) -> None:
+        """Share ``part`` of rows ``r0 .. r1`` of every host layer of a call of ``rows`` rows:
+        ``staging[item] = tables[l][ids[1 + item]]`` for ``item = (l * rows + r) * C + j``; a
+        kNoRow id (-1 as int64) reads row 0, which the kernel does not use."""
+        cols, n = self.launches.cols, self.threads
         for layer, table in enumerate(self.tables):
             if table is None:
                 continue
             a, b = (layer * rows + r0) * cols, (layer * rows + r1) * cols
-            for p in range(self.threads):
-                lo, hi = a + (b - a) * p // self.threads, a + (b - a) * (p + 1) // self.threads
-                if hi > lo:
-                    parts.append((table, lo, hi))
-        for future in [self._pool.submit(self._take, *part) for part in parts]:
-            future.result()
-
-    def _take(self, table: np.ndarray, lo: int, hi: int) -> None:
-        ids = self.ids_host[1 + lo : 1 + hi].view(np.int64)
-        np.take(table, ids, axis=0, out=self.staging[lo:hi], mode="clip")
+            lo, hi = a + (b - a) * part // n, a + (b - a) * (part + 1) // n
+            if hi > lo:
+                ids = self.ids_host[1 + lo : 1 + hi].view(np.int64)
+                np.take(table, ids, axis=0, out=self.staging[lo:hi], mode="clip")
 
     def _stop(self) -> None:
         self._stopping = True
         self.start.post()
-        self._worker.join()
-        self._pool.shutdown()
-        self.start.destroy()
-        self.done.destroy()
+        for go in self._go:
+            go.post()
+        for thread in (self._worker, *self._crew):
+            thread.join()
+        for sem in (self.start, self.done, *self._parts, *self._go):
+            sem.destroy()
 
 
 def _pinned(gpu: StagingBackend, own: Resources, nbytes: int) -> np.ndarray:

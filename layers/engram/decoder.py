@@ -52,9 +52,8 @@ class EngramDecoder(HistoryCalls):
     in-process group): each rank gathers the rows it holds, zeros elsewhere, and the sum of the
     ranks' rows is exact (one rank holds each row). ``host_threads``: with tables in host memory,
     calls of ``STAGED_ROWS`` rows or more have the host gather their rows on this many threads
-    (``layers.engram.host_staging``; 0, the default: the GPU reads every row in place). The
-    host's gather needs the GIL between its pieces: it slows down many times over while another
-    thread keeps the interpreter busy (docs/ENGRAM.md). Borrows the weights."""
+    (``layers.engram.host_staging``; 0, the default: the GPU reads every row in place, which is
+    faster today: docs/ENGRAM.md). Borrows the weights."""
 
     WHAT = _WHAT
     launches: EngramLaunches

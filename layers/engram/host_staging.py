@@ -82,8 +82,9 @@ def _function(name: str) -> int:
 class HostStaging:
     """Staged lookups over ``launches`` (an ``EngramDecoder``'s) for calls of at most
     ``max_rows`` rows; ``blocks``: each Engram layer's table rows (those in host memory are
-    staged, the others read in place); ``threads``: the gather's thread pool. Buffers and the
-    worker thread are registered with ``own`` (released on its ``close``)."""
+    staged, the others read in place); ``threads``: the gather threads, each of which takes a
+    share of every chunk. Buffers and threads are registered with ``own`` (released on its
+    ``close``)."""
 
     def __init__(
         self,

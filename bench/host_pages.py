@@ -72,28 +72,28 @@ def hostalloc(gpu: CudaBackend, nbytes: int, block: np.ndarray) -> Iterator[Tabl
         gpu.free_host(host)
 
 
+def advised_memory(nbytes: int, advice: int) -> np.ndarray:
+    """``nbytes`` of anonymous memory as a uint8 array, 2 MiB-aligned (so that whole huge pages
+    fit) and advised ``advice`` (``mmap.MADV_*``); unmapped when the last array over it goes."""
+    mm = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    whole = np.frombuffer(mm, dtype=np.uint8)  # holds mm (and its arrays hold it)
+    start = -whole.ctypes.data % HUGE
+    mm.madvise(advice, start, nbytes)
+    return whole[start : start + nbytes]
+
+
 def registered(advice: int) -> Way:
     @contextlib.contextmanager
     def way(gpu: CudaBackend, nbytes: int, block: np.ndarray) -> Iterator[Table]:
         before = anon_huge_kib()
-        mm = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        views: list[np.ndarray] = []  # the arrays over mm: gone before it closes
+        host = advised_memory(nbytes, advice)
+        fill(host, block)
+        huge = (anon_huge_kib() - before) << 10
+        table = int(gpu.register_host(host))
         try:
-            views.append(np.frombuffer(mm, dtype=np.uint8))
-            start = -views[0].ctypes.data % HUGE  # 2 MiB-aligned, so that whole huge pages fit
-            mm.madvise(advice, start, nbytes)
-            views.append(views[0][start : start + nbytes])
-            fill(views[1], block)
-            huge = (anon_huge_kib() - before) << 10
-            table = int(gpu.register_host(views[1]))
-            try:
-                yield table, f"mmap, {huge / nbytes:.0%} in huge pages"
-            finally:
-                gpu.unregister_host(views[1])
+            yield table, f"mmap, {huge / nbytes:.0%} in huge pages"
         finally:
-            views.clear()
-            with contextlib.suppress(BufferError):  # an error's traceback may hold a view: freed with it
-                mm.close()
+            gpu.unregister_host(host)
 
     return way
 

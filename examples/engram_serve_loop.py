@@ -35,7 +35,6 @@ Run it on a CUDA GPU with the package installed (``pip install .``):
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -578,12 +577,8 @@ class Loop:
     def rollback(self, reqs: list[Request], k: int, slots: np.ndarray, skip: int) -> None:
         """Drafts rejected at random (0..k-1 of each request's k); padded and skipped entries
         carry garbage counts that must be ignored."""
-        e, rng = self.e, self.rng
-        counts = rng.integers(0, 2**32, slots.size, dtype=np.uint64).astype(np.uint32)
-        counts[: len(reqs)] = rng.integers(0, k, len(reqs))
-        slots = slots.copy()
-        if skip >= 0:
-            slots[skip] = PAD_SLOT
+        e = self.e
+        counts, slots = serving.rollback_args(self.rng, slots, len(reqs), k, skip, PAD_SLOT)
         e.upload(e.counts, counts)
         e.upload(e.slots, slots)
         e.dec.rollback(e.slots, e.counts, slots.size, e.s)
@@ -594,11 +589,8 @@ class Loop:
         self.report.rollbacks += 1
 
     def expect_flags(self, want: DecodeError) -> None:
-        got = self.e.dec.check_errors(self.e.s)
-        assert got == want, f"flags {got!r}, expected {want!r}"
-        for kind, bit in (("token", DecodeError.TOKEN), ("slot", DecodeError.SLOT)):
-            if got & bit:
-                self.report.flagged[kind] += 1
+        bits = {"token": DecodeError.TOKEN, "slot": DecodeError.SLOT}
+        serving.count_flags(self.e.dec.check_errors(self.e.s), want, bits, self.report.flagged)
 
     def retire(self) -> None:
         self.live = serving.retire(self.live, self.free, self.rng, FINISH)
@@ -612,23 +604,8 @@ def run(gpu: CudaBackend, steps: int = 2000, seed: int = 0) -> Report:
     before = gpu.held()
     engine = Engine(gpu, rng, report)
     try:
-        loop = Loop(engine, rng)
-        candidates = np.arange(min(10, steps // 2), steps)
-        count = min(max(int(steps * FAULT), 3), candidates.size)
-        fault_steps = set(rng.choice(candidates, count, replace=False).tolist())
-        kinds = iter(FAULTS * steps)
-        free_mid = 0
-        for step in range(steps):
-            loop.admit()
-            loop.step(next(kinds) if step in fault_steps else None)
-            loop.retire()
-            report.steps += 1
-            if step == steps // 2:  # every kernel loaded by now (lazy loading draws memory once)
-                free_mid = gpu.mem_info()[0]
+        serving.drive(gpu, Loop(engine, rng), report, steps, rng, FAULT, FAULTS)
         assert engine.dec.check_errors(engine.s) == DecodeError.NONE
-        report.drawn = free_mid - gpu.mem_info()[0]
-        if not os.environ.get("GPU_SANITIZER"):  # a sanitizer allocates device memory of its own
-            assert report.drawn == 0, f"{report.drawn} bytes of device memory drawn in the second half"
     finally:
         engine.close()
     assert gpu.held() == before, f"leaked: {gpu.held()} held after, {before} before"

@@ -1,6 +1,6 @@
 """What the layers need from a GPU: ``GpuBackend`` (the required core) and the optional
 capabilities a backend may add (pinned and mapped host memory, events, graphs, pitched and
-device-to-device copies, TMA tensor maps).
+device-to-device copies, host functions in stream order, TMA tensor maps).
 
 The layers are written against these interfaces only, so a test can record what a launcher
 builds without a GPU. A layer asks for a capability with ``isinstance(gpu, Graphs)``: a backend
@@ -202,7 +202,19 @@ class DeviceCopies(_Capability):
 
     @abstractmethod
     def copy_d2d_async(self, dst: int, src: int, nbytes: int, stream: int = 0) -> None:
-        """Device to device, ``nbytes`` from ``src`` to ``dst``, in stream order."""
+        """Device to device (a mapped host buffer's device address counts), ``nbytes`` from
+        ``src`` to ``dst``, in stream order."""
+
+
+class HostFunctions(_Capability):
+    """C functions queued in stream order (``cuLaunchHostFunc``; captured, they are graph nodes)."""
+
+    @abstractmethod
+    def launch_host_func(self, stream: int, fn: int, data: int) -> None:
+        """Queue the C function at address ``fn``, called as ``fn(data)`` on a driver thread once
+        the work queued on ``stream`` before it has finished; work queued after it waits until it
+        returns. It must not call CUDA, and should not take Python's GIL (a thread that holds
+        the GIL while it waits on the driver would deadlock with it)."""
 
 
 class TensorMaps(_Capability):

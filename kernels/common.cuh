@@ -31,6 +31,12 @@ __device__ __forceinline__ bool aligned16(const void* a, const void* b) {
     return ((reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(b)) & 15) == 0;
 }
 
+// 2^(byte - 127) as an f32 (byte 0: 2^-127, a subnormal; 255, e8m0's NaN: NaN).
+__device__ __forceinline__ float e8m0(uint32_t byte) {
+    const uint32_t bits = byte == 0 ? 0x00400000u : byte == 255 ? 0x7fc00000u : byte << 23;
+    return __uint_as_float(bits);
+}
+
 // out + scale * x with exactly two fp32 roundings and no FMA contraction, so numpy's float32
 // arithmetic reproduces it bit for bit.
 __device__ __forceinline__ float scaled_sum(float out, float scale, float x) {

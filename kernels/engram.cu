@@ -29,6 +29,12 @@
 // kPadSlot reads and writes no history; bad values only the device sees set a bit of ctrl[0]
 // (token_history.cuh). N <= 32 (lane k fetches the entry k back).
 //
+// engram_row_ids + engram_staged_rows: the same lookup in two halves, for a host table read by
+// the host's threads (layers/engram/host_staging.py): the first hashes and writes each item's row
+// to ids (the tables are not read; text flags, error bits and the history update as above), the
+// host gathers those rows into pinned staging, the second dequantises the staged rows into emb, a
+// range of rows at a time. emb gets the bits engram_lookup writes.
+//
 // engram_gate: one block per (token t, copy c) of the residual x [T, hc, D] (bf16, in place):
 // key = kv[t, c*D:(c+1)*D], value = kv[t, hc*D:(hc+1)*D], in f32: dot = sum(x * q[c] * k[c] *
 // key) * rsqrt(mean(x^2) + eps) * rsqrt(mean(key^2) + eps) * rsqrt(D); gate =
@@ -50,12 +56,6 @@ struct Table {
 __device__ __forceinline__ Table load_table(const uint64_t* tables, uint32_t l) {
     const uint64_t* t = tables + 4 * static_cast<uint64_t>(l);
     return Table{__ldg(t), __ldg(t + 1), __ldg(t + 2), __ldg(t + 3)};
-}
-
-// 2^(byte - 127) as an f32 (byte 0: 2^-127, a subnormal; 255, e8m0's NaN: NaN).
-__device__ __forceinline__ float e8m0(uint32_t byte) {
-    const uint32_t bits = byte == 0 ? 0x00400000u : byte == 255 ? 0x7fc00000u : byte << 23;
-    return __uint_as_float(bits);
 }
 
 __device__ __forceinline__ float bf16_round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
@@ -106,6 +106,74 @@ __device__ __forceinline__ void zero_row(bf16* dst, uint32_t width, uint32_t lan
     for (uint32_t i = lane; i < width / 8; i += kWarp) reinterpret_cast<uint4*>(dst)[i] = make_uint4(0, 0, 0, 0);
 }
 
+// What the lookup kernels read to find an item's row (the module comment's hash).
+struct Hash {
+    const uint32_t *tokens, *cu_seqlens, *slots;
+    history::TokenCode code;
+    const uint32_t *hist, *state;
+    const uint64_t *mult, *primes, *offsets, *tables;
+    uint8_t* text_out;
+    uint32_t* ctrl;
+    uint32_t rows, num_seqs, per_seq, max_seqs, hist_len, vocab, pad, max_ngram, heads;
+};
+
+constexpr uint64_t kNoRow = ~0ull;  // an item whose row is zeros
+constexpr uint32_t kErrStaging = 32;  // rows read before the host staged them (layers: DecodeError.STAGING)
+
+// Warp-uniform, every lane calls it: item (l, j, r)'s row among this rank's rows of table l, or
+// kNoRow where the row is zeros (padding, a bad or non-text row, another rank's row). The row's
+// first item (`first`) writes its text flag and raises its flags.
+__device__ __forceinline__ uint64_t item_row(const Hash& a, uint32_t l, uint32_t j, uint32_t r, bool first,
+                                             uint32_t lane) {
+    const uint32_t s = history::seq_of(a.cu_seqlens, a.per_seq, a.num_seqs, r);
+    const history::Span sp = history::span_of(a.cu_seqlens, a.per_seq, s);
+    const uint32_t slot = __ldg(a.slots + s);
+    const uint32_t token = __ldg(a.tokens + r);
+    const history::RowCheck check = history::check_row(sp, r, a.rows, slot, token, a.max_seqs, a.vocab);
+    const bool text_row = !check.skip && a.code.is_text(token, r);
+    if (first && lane == 0) {
+        if (check.flags) atomicOr(a.ctrl, check.flags);
+        a.text_out[r] = text_row;
+    }
+    if (!text_row) return kNoRow;  // padding, a bad row, or a non-text one (its gate is 0: no row needed)
+    // Lane k < N fetches entry k back; blocked from the first kNoToken on.
+    const uint32_t at = r - sp.start;
+    const uint32_t* h = a.hist + static_cast<uint64_t>(slot) * a.hist_len;
+    const uint32_t pos = a.state[2 * slot];
+    const uint32_t mine =
+        lane < a.max_ngram ? history::entry_back(a.tokens, a.code, r, at, lane, h, pos, a.hist_len) : kNoToken;
+    const uint32_t stops = __ballot_sync(kFull, mine == kNoToken);
+    const uint32_t cut = static_cast<uint32_t>(__ffs(static_cast<int>(stops))) - 1;  // lane max_ngram.. stop
+    const uint32_t cols = (a.max_ngram - 1) * a.heads, order = j / a.heads + 2;
+    uint64_t hash = 0;
+    for (uint32_t k = 0; k < order; ++k) {
+        const uint32_t tk = __shfl_sync(kFull, mine, k);
+        hash ^= static_cast<uint64_t>(k < cut ? tk : a.pad) * __ldg(a.mult + l * a.max_ngram + k);
+    }
+    const uint64_t id = hash % __ldg(a.primes + l * cols + j) + __ldg(a.offsets + l * cols + j);
+    const Table t = load_table(a.tables, l);
+    return id - t.lo < t.count ? id - t.lo : kNoRow;  // else another rank's (id < lo wraps above count)
+}
+
+// A packed row's values dequantised into dst (W bf16); zeros where row is null.
+__device__ __forceinline__ void write_row(const uint8_t* row, uint32_t width, uint32_t lane, bf16* dst) {
+    if (row == nullptr) {
+        zero_row(dst, width, lane);
+        return;
+    }
+    const uint32_t chunks = width / 8, passes = (chunks + kWarp - 1) / kWarp;
+    for (uint32_t p = 0; p < passes; ++p) {
+        const uint32_t i = p * kWarp + lane;
+        copy_chunk(row, width, i, i < chunks, dst);
+    }
+}
+
+// Item (l, j, r)'s row of emb [L, max_rows, C*W].
+__device__ __forceinline__ bf16* emb_row(bf16* emb, uint32_t l, uint32_t j, uint32_t r, uint32_t max_rows,
+                                         uint32_t cols, uint32_t width) {
+    return emb + (static_cast<uint64_t>(l) * max_rows + r) * cols * width + static_cast<uint64_t>(j) * width;
+}
+
 }  // namespace
 
 // emb [L, max_rows, C*W] bf16 (layer l's rows at emb + l * max_rows * C * W), text_out [rows] u8;
@@ -120,59 +188,93 @@ extern "C" __global__ void engram_lookup(
     uint32_t stride) {
     pdl_launch_dependents();  // the GEMMs may start streaming their weights (they wait for emb)
     const history::TokenCode code{map, text, vocab, dead};
+    const Hash a{tokens, cu_seqlens, slots, code, hist, state, mult, primes, offsets, tables, text_out, ctrl,
+                 rows, num_seqs, per_seq, max_seqs, hist_len, vocab, pad, max_ngram, heads};
     const uint32_t lane = threadIdx.x % kWarp;
     const uint32_t cols = (max_ngram - 1) * heads;
     const uint64_t items = static_cast<uint64_t>(layers) * cols * rows;
     const uint64_t warps = static_cast<uint64_t>(gridDim.x) * blockDim.x / kWarp;
-    const uint32_t chunks = width / 8, passes = (chunks + kWarp - 1) / kWarp;
     for (uint64_t item = (static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
          item < items; item += warps) {  // warp-uniform
         const uint32_t r = static_cast<uint32_t>(item % rows);
         const uint32_t lj = static_cast<uint32_t>(item / rows), l = lj / cols, j = lj % cols;
-        const uint32_t s = history::seq_of(cu_seqlens, per_seq, num_seqs, r);
-        const history::Span sp = history::span_of(cu_seqlens, per_seq, s);
-        const uint32_t slot = __ldg(slots + s);
-        const uint32_t token = __ldg(tokens + r);
-        const history::RowCheck check = history::check_row(sp, r, rows, slot, token, max_seqs, vocab);
-        bf16* dst = emb + (static_cast<uint64_t>(l) * max_rows + r) * cols * width + static_cast<uint64_t>(j) * width;
-        const bool text_row = !check.skip && code.is_text(token, r);
-        if (lj == 0 && lane == 0) {  // the row's own item: its flags and text flag, once
-            if (check.flags) atomicOr(ctrl, check.flags);
-            text_out[r] = text_row;
-        }
-        if (!text_row) {  // padding, a bad row, or a non-text one (its gate is 0: no row needed)
-            zero_row(dst, width, lane);
-            continue;
-        }
-        // Lane k < N fetches entry k back; blocked from the first kNoToken on.
-        const uint32_t at = r - sp.start;
-        const uint32_t* h = hist + static_cast<uint64_t>(slot) * hist_len;
-        const uint32_t pos = state[2 * slot];
-        const uint32_t mine = lane < max_ngram ? history::entry_back(tokens, code, r, at, lane, h, pos, hist_len)
-                                               : kNoToken;
-        const uint32_t stops = __ballot_sync(kFull, mine == kNoToken);
-        const uint32_t cut = static_cast<uint32_t>(__ffs(static_cast<int>(stops))) - 1;  // lane max_ngram.. stop
-        const uint32_t order = j / heads + 2;
-        uint64_t hash = 0;
-        for (uint32_t k = 0; k < order; ++k) {
-            const uint32_t tk = __shfl_sync(kFull, mine, k);
-            hash ^= static_cast<uint64_t>(k < cut ? tk : pad) * __ldg(mult + l * max_ngram + k);
-        }
-        const uint64_t id = hash % __ldg(primes + l * cols + j) + __ldg(offsets + l * cols + j);
-        const Table t = load_table(tables, l);
-        if (id - t.lo >= t.count) {  // another rank's row (id < lo wraps above count)
-            zero_row(dst, width, lane);
-            continue;
-        }
-        const uint8_t* row = reinterpret_cast<const uint8_t*>(t.data) + (id - t.lo) * stride;
-        for (uint32_t p = 0; p < passes; ++p) {
-            const uint32_t i = p * kWarp + lane;
-            copy_chunk(row, width, i, i < chunks, dst);
-        }
+        const uint64_t row = item_row(a, l, j, r, lj == 0, lane);
+        const uint8_t* data = reinterpret_cast<const uint8_t*>(load_table(tables, l).data);
+        write_row(row == kNoRow ? nullptr : data + row * stride, width, lane,
+                  emb_row(emb, l, j, r, max_rows, cols, width));
     }
     if (history::last_block(ctrl + 1))
         history::commit(tokens, code, cu_seqlens, slots, hist, state, ctrl, rows, num_seqs, per_seq,
                         max_seqs, hist_len);
+}
+
+// The staged lookup's first half (layers/engram/host_staging.py): engram_lookup's hash, text
+// flags, error bits and history update, with each item's row written to ids instead of read:
+// ids[0] = rows | gen << 32, ids[1 + (l * rows + r) * C + j] = item (l, j, r)'s row (kNoRow:
+// zeros), where gen = ++gen[0], this call's number (the host stamps each chunk it stages with it).
+extern "C" __global__ void engram_row_ids(
+    const uint32_t* tokens, const uint32_t* cu_seqlens, const uint32_t* slots, const uint8_t* text,
+    uint32_t* hist, uint32_t* state, const int32_t* map, const uint64_t* mult,
+    const uint64_t* primes, const uint64_t* offsets, const uint64_t* tables, uint64_t* ids, uint32_t* gen,
+    uint8_t* text_out, uint32_t* ctrl, uint32_t rows, uint32_t num_seqs, uint32_t per_seq,
+    uint32_t max_seqs, uint32_t hist_len, uint32_t vocab, uint32_t dead, uint32_t pad, uint32_t layers,
+    uint32_t max_ngram, uint32_t heads) {
+    const history::TokenCode code{map, text, vocab, dead};
+    const Hash a{tokens, cu_seqlens, slots, code, hist, state, mult, primes, offsets, tables, text_out, ctrl,
+                 rows, num_seqs, per_seq, max_seqs, hist_len, vocab, pad, max_ngram, heads};
+    const uint32_t lane = threadIdx.x % kWarp;
+    const uint32_t cols = (max_ngram - 1) * heads;
+    const uint64_t items = static_cast<uint64_t>(layers) * cols * rows;
+    const uint64_t warps = static_cast<uint64_t>(gridDim.x) * blockDim.x / kWarp;
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        const uint32_t g = gen[0] + 1;
+        gen[0] = g;
+        ids[0] = rows | static_cast<uint64_t>(g) << 32;
+    }
+    for (uint64_t item = (static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
+         item < items; item += warps) {  // warp-uniform; item = (l * rows + r) * C + j
+        const uint32_t j = static_cast<uint32_t>(item % cols);
+        const uint32_t lr = static_cast<uint32_t>(item / cols), l = lr / rows, r = lr % rows;
+        const uint64_t row = item_row(a, l, j, r, l == 0 && j == 0, lane);
+        if (lane == 0) ids[1 + item] = row;
+    }
+    if (history::last_block(ctrl + 1))
+        history::commit(tokens, code, cu_seqlens, slots, hist, state, ctrl, rows, num_seqs, per_seq,
+                        max_seqs, hist_len);
+}
+
+// The staged lookup's second half, rows r0 .. r1 (chunk `chunk`) of every layer: item (l, j, r)'s
+// row dequantised into emb as engram_lookup writes it; zeros where ids[1 + item] is kNoRow. A
+// layer whose bit is set in `staged` reads the row the host staged at staged + item * stride
+// (pinned host memory mapped for the device), with item = (l * rows + r) * C + j, once the host
+// has stamped the chunk ready[chunk] == gen[0]; where it has not (its wait returned early), the
+// rows are zeros and ctrl[0] gets kErrStaging. Another layer reads its table (device memory).
+extern "C" __global__ void engram_staged_rows(const uint64_t* ids, const uint8_t* staged, const uint64_t* tables,
+                                              const uint32_t* gen, const uint32_t* ready, uint32_t* ctrl,
+                                              bf16* emb, uint32_t rows, uint32_t r0, uint32_t r1, uint32_t chunk,
+                                              uint32_t max_rows, uint32_t layers, uint32_t cols, uint32_t width,
+                                              uint32_t stride, uint32_t staged_layers) {
+    pdl_launch_dependents();  // the GEMMs may start streaming their weights (they wait for emb)
+    const uint32_t lane = threadIdx.x % kWarp, span = r1 - r0;
+    const bool stamped = *reinterpret_cast<const volatile uint32_t*>(ready + chunk) == gen[0];
+    const uint64_t items = static_cast<uint64_t>(layers) * span * cols;
+    const uint64_t warps = static_cast<uint64_t>(gridDim.x) * blockDim.x / kWarp;
+    for (uint64_t i = (static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp; i < items;
+         i += warps) {  // warp-uniform; i = (l * span + (r - r0)) * C + j
+        const uint32_t j = static_cast<uint32_t>(i % cols);
+        const uint32_t lr = static_cast<uint32_t>(i / cols), l = lr / span, r = r0 + lr % span;
+        const uint64_t item = (static_cast<uint64_t>(l) * rows + r) * cols + j;
+        const uint64_t row = __ldg(ids + 1 + item);
+        const uint8_t* src = nullptr;
+        if (row != kNoRow && (staged_layers >> l & 1u) == 0) {
+            src = reinterpret_cast<const uint8_t*>(load_table(tables, l).data) + row * stride;
+        } else if (row != kNoRow && stamped) {
+            src = staged + item * stride;
+        } else if (row != kNoRow && lane == 0) {
+            atomicOr(ctrl, kErrStaging);
+        }
+        write_row(src, width, lane, emb_row(emb, l, j, r, max_rows, cols, width));
+    }
 }
 
 // x [rows, hc, dim] bf16 updated in place where text[t]; kv [rows, kv_stride] bf16 (keys, then

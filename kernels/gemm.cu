@@ -24,6 +24,8 @@
 //           butterfly sum per warp; 224 KB of shared memory (launched with less: small).
 //   small   gemm_small.cuh: m <= 64 (decode), mma.sync with the K loop split across the warps
 //           and a fixed-order reduction; 120 to 192 KB of shared memory.
+//   fp8w    gemm_fp8w.cuh: m <= 64 over an e4m3 w with 32 x 32 e8m0 block scales, each weight
+//           dequantised to bf16 in registers, k split in slabs over the CTAs (its own entry points).
 //   tiled   gemm_tiled.cuh: mma.sync, CTA tiles L = 128x256, M = 128x128, S = 64x64 (96, 64,
 //           32 KB).
 //   wgmma   gemm_wgmma.cuh: sm_90a only, CTA tile 128x256 on two warpgroups (193 KB). Without
@@ -45,6 +47,7 @@
 //                              (>= 96 KB: L, >= 64 KB: M, >= 32 KB: S);
 //   dense_gemm_bf16_wgmma      wgmma path (needs >= 197632 bytes of dynamic shared memory);
 //   dense_gemm_bf16_simt       the scalar path.
+//   dense_gemm_fp8w / _simt    the fp8-weight path (its own signature: w e4m3, ws its scales).
 // Word-row entry points (the plain signature + const uint32_t* word_ids, const bf16* word [vocab,
 // n] row-major, const bf16* const* word_over [m] (null, or per row an adapter's replacement word
 // row, null where none), float scale; same launch plans as their plain twins):
@@ -79,6 +82,14 @@ constexpr uint32_t kSmallChunk = 32;    // k per stage: 8 per lane in each of th
 constexpr uint32_t kSmallWPieces = 4;   // 16-byte w pieces per lane per stage (2 tiles x 2 rows)
 constexpr uint32_t kPieceBytes = 32 * 16;  // one 16-byte piece for each lane of a warp
 constexpr uint32_t kRedStride = kSmallCols + 4;  // floats per reduction row: conflict-free stores
+
+// fp8-weight path (the small path's warps and w pieces)
+constexpr uint32_t kFp8Block = 32;      // e8m0 scale block: 32 x 32 of w
+constexpr uint32_t kFp8MaxRows = 64;    // rows of a a launch takes (8 n8 tiles)
+constexpr uint32_t kFp8Chunk = 64;      // k per w stage: 16 per lane in each of the 4 lanes of a row
+constexpr uint32_t kFp8Stages = 6;      // w ring depth per warp (2 KB stages)
+constexpr uint32_t kFp8RingBytes = kWarps * kFp8Stages * kSmallWPieces * kPieceBytes;  // 96 KB
+constexpr uint32_t kFp8MaxSlab = 8192;  // k a slab holds at most (256 scale blocks: 8 bytes a lane)
 
 // tiled path
 constexpr uint32_t kTileK = 32;
@@ -137,6 +148,18 @@ __device__ __forceinline__ uint32_t small_smem_bytes(uint32_t m) {
     return kWarps * small_stages(nt) * (kSmallWPieces + nt) * kPieceBytes;
 }
 
+// The fp8-weight path's n8 tiles of a rows, a slab row's pitch in bytes (16 bytes of padding keep
+// the lanes' reads conflict-free) and its shared memory: the w rings, then the slab of a.
+__device__ __forceinline__ uint32_t fp8w_nt(uint32_t m) {
+    return m <= 8 ? 1 : m <= 16 ? 2 : m <= 32 ? 4 : 8;
+}
+
+__host__ __device__ constexpr uint32_t fp8w_pitch(uint32_t ks) { return ks * 2 + 16; }
+
+__host__ __device__ constexpr uint32_t fp8w_smem(uint32_t nt, uint32_t ks) {
+    return kFp8RingBytes + nt * 8 * fp8w_pitch(ks);
+}
+
 // The shared memory of the tiled path's config BM x BN.
 template <uint32_t BM, uint32_t BN>
 __host__ __device__ constexpr uint32_t tile_smem_bytes() {
@@ -150,6 +173,7 @@ __host__ __device__ constexpr uint32_t tile_smem_bytes() {
 #include "gemm_simt.cuh"
 #include "gemm_gemv.cuh"
 #include "gemm_small.cuh"
+#include "gemm_fp8w.cuh"
 #include "gemm_tiled.cuh"
 #include "gemm_wgmma.cuh"
 #include "gemm_tma.cuh"
@@ -182,6 +206,24 @@ __device__ __forceinline__ bool run_small(const bf16* a, const bf16* w, bf16* c,
         case 2: small_m_gemm<2>(a, w, c, m, n, k, ep); break;
         case 4: small_m_gemm<4>(a, w, c, m, n, k, ep); break;
         default: small_m_gemm<8>(a, w, c, m, n, k, ep); break;
+    }
+    return true;
+}
+
+// The fp8-weight path when the launch and the operands fit it (m <= 64, a slab ks that is a
+// multiple of 64 up to kFp8MaxSlab, a workspace where k takes several slabs, its shared memory).
+__device__ __forceinline__ bool run_fp8w(const bf16* a, const uint8_t* w, const uint8_t* ws, bf16* c,
+                                         uint32_t m, uint32_t n, uint32_t k, uint32_t ks, float* work,
+                                         uint32_t* counters) {
+    if (m > kFp8MaxRows || ks == 0 || ks % kFp8Chunk != 0 || ks > kFp8MaxSlab || !block_is_256()) return false;
+    if (ks < k && (work == nullptr || counters == nullptr)) return false;
+    const uint32_t nt = fp8w_nt(m);
+    if (dynamic_smem_bytes() < fp8w_smem(nt, ks)) return false;
+    switch (nt) {
+        case 1: fp8w_gemm<1>(a, w, ws, c, m, n, k, ks, work, counters); break;
+        case 2: fp8w_gemm<2>(a, w, ws, c, m, n, k, ks, work, counters); break;
+        case 4: fp8w_gemm<4>(a, w, ws, c, m, n, k, ks, work, counters); break;
+        default: fp8w_gemm<8>(a, w, ws, c, m, n, k, ks, work, counters); break;
     }
     return true;
 }
@@ -330,6 +372,27 @@ dense_gemm_bf16_tma_splitk(const __grid_constant__ TensorMap a_map,
                            const __grid_constant__ TensorMap w_map, const bf16* a, const bf16* w,
                            bf16* c, uint32_t m, uint32_t n, uint32_t k) {
     gemm::tma_or_simt_gemm<gemm::kTmaSplitK>(a_map, w_map, a_map, a, w, c, m, n, k, gemm::PlainEpilogue{});
+}
+
+// c = a @ W^T for an e4m3 w [n, k] with e8m0 32 x 32 block scales ws [ceil(n / 32), k / 32]
+// (k % 32 == 0, w 16-byte aligned), W = bf16(f32(w) * 2^(ws - 127)), m <= 64: the fp8-weight path
+// (gemm_fp8w.cuh) over k-slabs of ks (a multiple of 64, <= 8192; fp8w_smem(fp8w_nt(m), ks) bytes
+// of shared memory). Where k takes more than one slab, work ([ceil(k / ks)][64][n] fp32) and
+// counters ([ceil(n / 32)] u32, zero before the first launch; each launch leaves them zero) are
+// this launch's alone. A launch that does not fit runs the scalar path. May be a programmatic
+// dependent launch.
+extern "C" __global__ void __launch_bounds__(256, 1)
+dense_gemm_fp8w(const bf16* a, const uint8_t* w, const uint8_t* ws, bf16* c, uint32_t m, uint32_t n,
+                uint32_t k, uint32_t ks, float* work, uint32_t* counters) {
+    using namespace gemm;
+    if (!run_fp8w(a, w, ws, c, m, n, k, ks, work, counters)) fp8w_simt(a, w, ws, c, m, n, k, PlainEpilogue{});
+}
+
+// dense_gemm_fp8w's scalar path, one output per thread, any launch shape.
+extern "C" __global__ void
+dense_gemm_fp8w_simt(const bf16* a, const uint8_t* w, const uint8_t* ws, bf16* c, uint32_t m,
+                     uint32_t n, uint32_t k) {
+    gemm::fp8w_simt(a, w, ws, c, m, n, k, gemm::PlainEpilogue{});
 }
 
 // One output per thread, any launch shape.

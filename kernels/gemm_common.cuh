@@ -62,6 +62,14 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, uint32
                  :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
 
+// cp_async16 that also asks L2 to fetch the whole 256-byte block around src (a hint): a warp that
+// streams rows 64 bytes at a time then finds the next three pieces in L2, and DRAM serves 256-byte
+// bursts.
+__device__ __forceinline__ void cp_async16_l2_256(uint32_t dst, const void* src, uint32_t src_bytes) {
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n"
+                 :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+
 __device__ __forceinline__ void cp_async_commit() {
     asm volatile("cp.async.commit_group;\n" ::: "memory");
 }

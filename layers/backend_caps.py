@@ -1,5 +1,5 @@
 """Static types for a ``GpuBackend`` known to have some of the optional capabilities of
-``gpu_runtime.backend`` (events, pinned or mapped host memory, graphs, pitched copies).
+``gpu_runtime.backend`` (events, pinned or mapped host memory, graphs, copies, host functions).
 
 A layer checks a capability at run time, ``isinstance(gpu, Events)``; a backend may have one by
 defining its methods without inheriting it, so the type checker cannot follow that check into an
@@ -14,7 +14,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from gpu_runtime import Events, GpuBackend, Graphs, MappedHostMemory, PinnedHostMemory, PitchedCopies
+    from gpu_runtime import (
+        DeviceCopies,
+        Events,
+        GpuBackend,
+        Graphs,
+        HostFunctions,
+        MappedHostMemory,
+        PinnedHostMemory,
+        PitchedCopies,
+    )
 
     class EventsBackend(GpuBackend, Events):
         """Events: a watchdog polling streams (``tensor_parallel.nccl``)."""
@@ -27,6 +36,9 @@ if TYPE_CHECKING:
 
     class PinnedMappedBackend(MappedBackend, PinnedHostMemory):
         """Mapped pinned buffers (``HostWeight.from_numpy``)."""
+
+    class StagingBackend(PinnedMappedBackend, DeviceCopies, HostFunctions):
+        """Host functions in stream order over mapped pinned buffers (``engram.HostStaging``)."""
 
     class RunnerBackend(EventsBackend, PitchedCopies):
         """What the fused runners need (``runner_checks.check_weights``)."""

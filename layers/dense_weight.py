@@ -3,14 +3,15 @@
 bf16 weights are ``[rows, cols]`` ``ml_dtypes.bfloat16``; fp8 weights are
 ``ml_dtypes.float8_e4m3fn`` with one f32 scale per row (``row_scale``), without which an fp8
 weight raises ``ValueError``. The owner frees it with ``close()`` (or a ``with`` block): a weight owns the
-``DeviceBuffer`` s it was built on (``from_numpy``, ``owning``).
+``DeviceBuffer`` s it was built on (``from_numpy``, ``owning``). ``DeviceOwned`` holds that ownership
+for every weight on the device (this one and ``block_fp8_weight.BlockFp8Weight``).
 """
 
 from __future__ import annotations
 
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 import ml_dtypes
 import numpy as np
@@ -65,8 +66,46 @@ class WeightShape:
         return self.rows * self.cols * self.dtype.itemsize
 
 
+class DeviceOwned:
+    """The ownership of a weight on the device (``DenseWeight``, ``BlockFp8Weight``): ``gpu``, the
+    backend its addresses are on (None where not given, and once closed), and ``buffers``, the
+    device memory it owns and ``close`` frees (none for a weight over bare addresses)."""
+
+    gpu: GpuBackend | None
+    buffers: tuple[DeviceBuffer, ...]
+
+    @property
+    def closed(self) -> bool:
+        """True once ``close`` freed the memory it owned (never for a weight that owns none)."""
+        return any(buf.closed for buf in self.buffers)
+
+    def check_on(self, gpu: GpuBackend, what: str) -> None:
+        """What a launcher checks before it hands the weight's addresses to a kernel on ``gpu``:
+        ``ClosedError`` once the weight freed its memory, ``ValueError`` where it lives on another
+        backend (a weight over bare addresses names none, and passes)."""
+        check_backend(gpu, f"{what}: gpu")
+        if self.gpu is gpu or (self.gpu is None and not self.buffers):
+            return
+        if self.gpu is None:
+            raise ClosedError(f"{what}: the weight is closed (its device memory was freed)")
+        raise ValueError(f"{what}: the weight is on another backend than the launch")
+
+    def close(self) -> None:
+        """Free the device memory the weight owns (once; later calls do nothing); ``gpu``
+        becomes None."""
+        self.gpu = None
+        for buf in reversed(self.buffers):
+            buf.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 @dataclass
-class DenseWeight(WeightShape):
+class DenseWeight(DeviceOwned, WeightShape):
     """``weight`` (and, fp8 only, ``row_scale``): device addresses; ``gpu``: the backend they are
     on (None where not given, and once closed). ``buffers``: the device memory the weight owns
     (``from_numpy``'s uploads, or buffers handed over with ``owning``), freed by ``close``; a
@@ -128,32 +167,3 @@ class DenseWeight(WeightShape):
             scales = None if scale is None else undo.enter_context(DeviceBuffer.upload(gpu, scale, stream))
             undo.pop_all()
         return cls.owning(gpu, weight, array.shape, array.dtype, scales)
-
-    @property
-    def closed(self) -> bool:
-        """True once ``close`` freed the memory it owned (never for a weight that owns none)."""
-        return any(buf.closed for buf in self.buffers)
-
-    def check_on(self, gpu: GpuBackend, what: str) -> None:
-        """What a launcher checks before it hands the weight's addresses to a kernel on ``gpu``:
-        ``ClosedError`` once the weight freed its memory, ``ValueError`` where it lives on another
-        backend (a weight over bare addresses names none, and passes)."""
-        check_backend(gpu, f"{what}: gpu")
-        if self.gpu is gpu or (self.gpu is None and not self.buffers):
-            return
-        if self.gpu is None:
-            raise ClosedError(f"{what}: the weight is closed (its device memory was freed)")
-        raise ValueError(f"{what}: the weight is on another backend than the launch")
-
-    def close(self) -> None:
-        """Free the device memory the weight owns (once; later calls do nothing); ``gpu``
-        becomes None."""
-        self.gpu = None
-        for buf in reversed(self.buffers):
-            buf.close()
-
-    def __enter__(self) -> DenseWeight:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -160,19 +160,25 @@ def test_bench_engram_tables_and_targets_come_through_results(rng, capsys):
     """bench.engram's report (rows of made-up times, each target met or missed by a margin) prints
     tables that bench.results keeps, and each issue 50 target is met or missed as its numbers say:
     host lookups at B = 1, 64 against 3x the torch form's, at 1024, 8192 against 1.1x the read
-    floor, every whole step against the torch form's (none: not measured); device lookups have none."""
+    floor, every whole step against the torch form's (none: not measured); device lookups have none.
+    Issue 51's host reads: each staged host prefill lookup's GB/s of rows against 13 and against
+    0.7x the small table's rate (the in-place and busy-interpreter rows have none)."""
     from bench.engram import Check, Results, Row, report
 
-    def row(where, call, n, part, torch_x, floor_x):
-        ours = float(rng.uniform(5, 5000))  # torch_x: torch / ours, floor_x: ours / floor
+    def row(where, call, n, part, torch_x, floor_x, gbs=None):
+        # torch_x: torch / ours, floor_x: ours / floor; gbs: ours from GB/s of rows
+        ours = float(rng.uniform(5, 5000)) if gbs is None else n * 24 * 264 / gbs / 1e3
         return Row(where, call, n, part, ours, None if torch_x is None else ours * torch_x, ours / floor_x, 0, 1.5)
 
     host = Results("host", 384006168, 384006168 * 264, [
         row("host", "decode", 1, "lookup", 3.2, 2.0), row("host", "decode", 1, "whole", 1.1, 2.0),
         row("host", "decode", 64, "lookup", 2.8, 2.0), row("host", "decode", 64, "whole", 0.9, 2.0),
         row("host", "prefill", 1024, "lookup", 0.5, 1.05), row("host", "prefill", 1024, "whole", 1.3, 3.0),
+        row("host", "prefill", 1024, "lookup staged", None, 0.5, 20.0),
+        row("host", "prefill", 1024, "lookup staged, busy Python", None, 5.0, 1.0),
         row("host", "prefill", 8192, "lookup", 9.0, 1.15), row("host", "prefill", 8192, "whole", None, 3.0),
-    ], [Check("host", "decode", 1, 0, 6144, 0.0, 1e-3, 5e-3)])
+        row("host", "prefill", 8192, "lookup staged", None, 0.5, 12.0),
+    ], [Check("host", "decode", 1, 0, 6144, 0.0, 1e-3, 5e-3)], {1024: 40.0, 8192: 16.0})
     device = Results("device", 384006168, 384006168 * 264, [
         row("device", "decode", 1, "lookup", 0.5, 9.0), row("device", "decode", 1, "whole", 0.95, 2.0),
     ], [Check("device", "decode", 1, 0, 6144, 0.0, 1e-3, 0.1)])
@@ -191,7 +197,12 @@ def test_bench_engram_tables_and_targets_come_through_results(rng, capsys):
         ("whole step never slower than the torch form", "host", "prefill", 8192, "-"),
         ("whole step never slower than the torch form", "device", "decode", 1, "missed"),
     ]
-    assert "- targets: 4 met, 4 missed, 1 not measured" in text.splitlines()
+    reads = [(t, int(n), float(v), met) for t, _, _, n, v, met in _table(text, "issue 51's host-read targets")]
+    assert reads == [("host lookup >= 13 GB/s of rows", 1024, 20.0, "met"),
+                     ("host lookup >= 0.7x the small-table rate", 1024, 0.5, "missed"),
+                     ("host lookup >= 13 GB/s of rows", 8192, 12.0, "missed"),
+                     ("host lookup >= 0.7x the small-table rate", 8192, 0.75, "met")]
+    assert "- targets: 6 met, 6 missed, 1 not measured" in text.splitlines()
     title = "Engram layer 1 at DeepSeek-V4.1-Flash's dims, table in {} memory (384006168 rows, 101.4 GB)"
     host_rows, device_rows = _table(text, title.format("host")), _table(text, title.format("device"))
     assert [r[:3] for r in host_rows] == [[r.call, str(r.tokens), r.part] for r in host.rows]

@@ -118,10 +118,10 @@ def test_a_token_map_of_the_wrong_size_is_refused(rng):
 
 def fixed_device_bytes(cfg: EngramConfig) -> int:
     """What ``DeviceBudget`` counts before any table (worked out here, apart from the code):
-    each layer's bf16 wkv and q / k, the int32 token map, and the hash's u64 multipliers, primes,
-    offsets and 4-word table descriptors."""
+    each layer's wkv (bf16, and e4m3 with its e8m0 byte per 32 x 32 block) and q / k, the int32
+    token map, and the hash's u64 multipliers, primes, offsets and 4-word table descriptors."""
     layers = len(cfg.layer_ids)
-    wkv = cfg.kv_dim * cfg.emb_dim * 2
+    wkv = cfg.kv_dim * cfg.emb_dim * 2 + cfg.kv_dim * cfg.emb_dim + -(-cfg.kv_dim // 32) * (cfg.emb_dim // 32)
     qk = 2 * cfg.hc_mult * cfg.hidden_size * 2
     hash_arrays = layers * (cfg.max_ngram + 2 * cfg.n_hash_cols + 4) * 8
     return layers * (wkv + qk) + cfg.vocab_size * 4 + hash_arrays
@@ -141,8 +141,8 @@ def test_a_device_budget_puts_tables_on_the_device_in_order(rng, room, places):
 def test_a_device_budget_too_small_for_the_fixed_part_is_refused_before_any_upload(rng):
     cfg, a = tiny(), arrays(rng, tiny())
     gpu, fixed = RecordingBackend(), fixed_device_bytes(cfg)
-    with pytest.raises(ValueError, match=rf"DeviceBudget\({fixed - 1}\): wkv \(bf16\), q, k and the hash's arrays "
-                                         rf"alone take {fixed} bytes"):
+    with pytest.raises(ValueError, match=rf"DeviceBudget\({fixed - 1}\): wkv \(bf16 and fp8\), q, k and the hash's "
+                                         rf"arrays alone take {fixed} bytes"):
         EngramWeights.from_arrays(gpu, cfg, token_map(rng, cfg), a["tables"], a["wkv"], a["q"], a["k"],
                                   placement=DeviceBudget(fixed - 1))
     assert gpu.ops == [] and gpu.launches == []

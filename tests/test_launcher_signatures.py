@@ -131,11 +131,11 @@ LAUNCHERS[("ngram_decode", "ngram_decode_gather")] = _decode("ngram_decode_gathe
 for _name in ("token_history_seed", "token_history_fork", "token_history_rollback"):
     LAUNCHERS[("token_history", _name)] = _decode(_name)
 
-def _engram_lookup(g: Any, k: Any, v: Values) -> None:
+def _engram_launches(g: Any, v: Values) -> Any:
     from layers.ops.engram import EngramLaunches
     from layers.ops.token_history import TokenCode
 
-    plan = EngramLaunches(
+    return EngramLaunches(
         g, v.ptr("hist"), v.ptr("state"), v.ptr("ctrl"), max_seqs=v.u32("max_seqs"),
         hist_len=v.setdefault("hist_len", 5), max_draft=v.u32("max_draft"),
         code=TokenCode(v.ptr("map"), v.u32("vocab"), v.u32("dead")), pad=v.u32("pad"), mult=v.ptr("mult"),
@@ -143,8 +143,23 @@ def _engram_lookup(g: Any, k: Any, v: Values) -> None:
         text_out=v.ptr("text_out"), max_rows=v.u32("max_rows"), layers=v.u32("layers"),
         max_ngram=v.setdefault("max_ngram", 4), heads=v.u32("heads"), width=v.setdefault("width", 256),
         stride=v.setdefault("stride", 264))
-    plan.lookup(v.ptr("tokens"), v.ptr("cu_seqlens"), v.ptr("slots"), v.ptr("text"), v.u32("rows"),
-                v.u32("num_seqs"), v.u32("per_seq"), 3)
+
+
+def _engram_lookup(g: Any, k: Any, v: Values) -> None:
+    _engram_launches(g, v).lookup(v.ptr("tokens"), v.ptr("cu_seqlens"), v.ptr("slots"), v.ptr("text"),
+                                  v.u32("rows"), v.u32("num_seqs"), v.u32("per_seq"), 3)
+
+
+def _engram_row_ids(g: Any, k: Any, v: Values) -> None:
+    _engram_launches(g, v).row_ids(v.ptr("tokens"), v.ptr("cu_seqlens"), v.ptr("slots"), v.ptr("text"),
+                                   v.u32("rows"), v.u32("num_seqs"), v.u32("per_seq"), v.ptr("ids"), v.ptr("gen"), 3)
+
+
+def _engram_staged_rows(g: Any, k: Any, v: Values) -> None:
+    plan = _engram_launches(g, v)
+    v["cols"] = (v["max_ngram"] - 1) * v["heads"]
+    plan.staged_rows(v.ptr("ids"), v.ptr("staged"), v.ptr("gen"), v.ptr("ready"), v.u32("rows"), v.u32("r0"),
+                     v.u32("r1"), v.u32("chunk"), v.u32("staged_layers"), 3)
 
 
 def _engram_gate(g: Any, k: Any, v: Values) -> None:
@@ -157,6 +172,8 @@ def _engram_gate(g: Any, k: Any, v: Values) -> None:
 
 
 LAUNCHERS[("engram", "engram_lookup")] = _engram_lookup
+LAUNCHERS[("engram", "engram_row_ids")] = _engram_row_ids
+LAUNCHERS[("engram", "engram_staged_rows")] = _engram_staged_rows
 LAUNCHERS[("engram", "engram_gate")] = _engram_gate
 
 # gemm.cu's other kernels run a GEMM launcher's plans: by the path each shape and backend picks

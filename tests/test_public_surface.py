@@ -3,7 +3,7 @@ refuses a wrong one at once, naming the parameter, before it touches the backend
 
 The walk reads the public surface itself: the names in ``__all__`` of ``gpu_runtime``,
 ``layers.ngram_embed``, ``layers.overlay``, ``layers.peft_adapter``, ``layers.tensor_parallel``
-and ``layers.tensor_parallel.nccl`` (and ``DenseWeight``, ``OverlayKernels``), each function,
+and ``layers.tensor_parallel.nccl`` (and ``DenseWeight``, ``BlockFp8Weight``, ``OverlayKernels``), each function,
 each class's constructor and public methods, and the callables a class declares as attributes
 (``Kernel.launch``). Every one whose signature has a ``gpu`` / ``gpus`` or ``stream`` /
 ``streams`` parameter is an entry point, and needs a case in ``CASES``: how to build valid
@@ -40,6 +40,7 @@ from gpu_runtime import (
     Events,
     GpuBackend,
     Graphs,
+    HostFunctions,
     KernelLaunch,
     LaunchConfig,
     MappedHostMemory,
@@ -50,6 +51,7 @@ from gpu_runtime import (
 )
 from gpu_runtime.backend import check_backend
 from layers import safetensors_io
+from layers.block_fp8_weight import BlockFp8Weight
 from layers.dense_weight import BF16, DenseWeight
 from layers.engram import EngramCheckpoint, EngramDecoder, EngramWeights, Shard, lookup_all
 from layers.ngram_embed import (FusedNgramEmbedding, HostWeight, NgramDecoder, NgramEmbedding, NgramWeights, RowCache,
@@ -68,7 +70,8 @@ from tests.helpers.overlay import adapter_copy, random_overlay
 from tests.helpers.peft import EMBED, save_adapter, token_rows, tt_config
 from tests.helpers.public_names import exported
 
-INTERFACES = (GpuBackend, PinnedHostMemory, MappedHostMemory, Events, Graphs, PitchedCopies, DeviceCopies, TensorMaps)
+INTERFACES = (GpuBackend, PinnedHostMemory, MappedHostMemory, Events, Graphs, PitchedCopies, DeviceCopies, HostFunctions,
+              TensorMaps)
 BACKENDS, STREAMS = ("gpu", "gpus"), ("stream", "streams")
 PENDING: dict[str, str] = {}
 
@@ -274,6 +277,7 @@ def call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Callable[..
 G, NG, OV, TP = "gpu_runtime.", "layers.ngram_embed.", "layers.overlay.", "layers.tensor_parallel."
 EG, ED = "layers.engram.", "layers.engram.EngramDecoder"
 DW = "layers.dense_weight.DenseWeight"
+BW = "layers.block_fp8_weight.BlockFp8Weight"
 CASES: dict[str, Callable[[Env], tuple[Callable[..., Any], tuple, dict]]] = {
     # gpu_runtime
     G + "DeviceArray": lambda e: call(DeviceArray, e.gpu, e.out, (4, 4), np.float32),
@@ -364,6 +368,14 @@ CASES: dict[str, Callable[[Env], tuple[Callable[..., Any], tuple, dict]]] = {
     DW + ".owning": lambda e: call(DenseWeight.owning, e.gpu, DeviceBuffer(e.gpu, 8), (2, 2), BF16),
     DW + ".check_on": lambda e: call(DenseWeight(DevicePtr(0x1000), (2, 2), BF16, gpu=e.gpu).check_on, e.gpu, "a launch"),
     DW + ".from_numpy": lambda e: call(DenseWeight.from_numpy, e.gpu, random_bf16(e.rng, (2, 2))),
+    # layers.block_fp8_weight
+    BW: lambda e: call(BlockFp8Weight, DevicePtr(0x1000), DevicePtr(0x2000), (2, 32), gpu=e.gpu),
+    BW + ".owning": lambda e: call(BlockFp8Weight.owning, e.gpu, DeviceBuffer(e.gpu, 64), DeviceBuffer(e.gpu, 1),
+                                   (2, 32)),
+    BW + ".check_on": lambda e: call(
+        BlockFp8Weight(DevicePtr(0x1000), DevicePtr(0x2000), (2, 32), gpu=e.gpu).check_on, e.gpu, "a launch"),
+    BW + ".from_numpy": lambda e: call(BlockFp8Weight.from_numpy, e.gpu, e.rng.integers(0, 127, (2, 32), np.uint8),
+                                       np.full((1, 1), 127, np.uint8)),
     # layers.tensor_parallel (nccl over install_fake_nccl)
     TP + "LocalGroup": lambda e: call(LocalGroup, e.gpu, 2),
     TP + "nccl.NcclCollective": lambda e: call(nccl.NcclCollective, FakeComm(), e.gpu),

@@ -442,6 +442,54 @@ def test_pinned_upload_events_and_cross_stream_wait(gpu, rng):
         gpu.destroy_event(event)
 
 
+def test_host_functions_run_in_stream_order_and_from_graphs(gpu):
+    """libc's ``sem_wait`` queued on a stream holds the work after it until the host posts; a
+    ``sem_post`` queued after a memset runs once the memset is done; a captured one runs at each
+    replay; bad arguments raise before anything is queued."""
+    import ctypes
+    import time
+
+    libc = ctypes.CDLL(None)
+    fn = {name: ctypes.cast(getattr(libc, name), ctypes.c_void_p).value for name in ("sem_post", "sem_wait")}
+    sems = [ctypes.create_string_buffer(64) for _ in range(2)]
+    for sem in sems:
+        assert libc.sem_init(sem, 0, 0) == 0
+    posted, release = (ctypes.c_void_p(ctypes.addressof(sem)) for sem in sems)
+    n, s = 1 << 22, gpu.create_stream()
+    dev = gpu.alloc(n)
+    try:
+        for value in (7, 9):
+            gpu.launch_host_func(s, fn["sem_wait"], release.value)
+            gpu.memset(dev, value, n, s)
+            gpu.launch_host_func(s, fn["sem_post"], posted.value)
+            time.sleep(0.05)
+            assert libc.sem_trywait(posted) != 0, "the work after the wait ran before the host released it"
+            libc.sem_post(release)
+            assert libc.sem_wait(posted) == 0
+            back = np.zeros(n, np.uint8)
+            gpu.copy_d2h(back, dev, s)
+            assert (back == value).all()
+        gpu.begin_capture(s)
+        gpu.launch_host_func(s, fn["sem_post"], posted.value)
+        graph = gpu.end_capture(s)
+        for _ in range(3):
+            gpu.launch_graph(graph, s)
+            assert libc.sem_wait(posted) == 0
+        gpu.synchronize(s)
+        gpu.destroy_graph(graph)
+        with pytest.raises(ValueError, match="launch_host_func fn: null"):
+            gpu.launch_host_func(s, 0, posted.value)
+        with pytest.raises(TypeError):
+            gpu.launch_host_func("s", fn["sem_post"], posted.value)
+    finally:
+        libc.sem_post(release)  # a failure above may have left the stream held
+        gpu.synchronize(s)
+        gpu.free(dev)
+        gpu.destroy_stream(s)
+        for sem in sems:
+            libc.sem_destroy(sem)
+
+
 def test_graph_replays_with_new_pinned_input(gpu, rng):
     from layers.ops import scaled_add
     import ml_dtypes

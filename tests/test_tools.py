@@ -157,8 +157,8 @@ TOOLS = [
     "layers.precompile",
     "gpu_runtime.precompile",
     *(f"bench.{name}" for name in
-      ("launch", "kernels", "overlay", "ngram_embed", "cached", "decode", "host_gather", "host_pages",
-       "tensor_parallel", "gemm", "results", "row_reads", "real_scale", "engram", "engram_cache")),
+      ("launch", "kernels", "overlay", "ngram_embed", "cached", "decode", "host_gather", "host_pages", "host_staging",
+       "tensor_parallel", "gemm", "results", "row_reads", "real_scale", "engram", "engram_gemm", "engram_cache")),
     "tests.sanitize",
     "tests.bad_inputs",
 ]
@@ -332,6 +332,7 @@ MORE_BAD = {  # values of the form an option takes, wrong all the same
     ("bench.engram", "--rows"): ("1.5", "1e9"),
     ("bench.host_pages", "--ways"): (",", "hostalloc,bogus"),
     ("bench.host_gather", "--gib"): ("inf", "-inf"),
+    ("bench.host_staging", "--gib"): ("inf", "0"),
     ("bench.row_reads", "--ncu"): ("1.5",),
     ("bench.results", "log"): ("README.md", "bench/RESULTS.md", "bench"),
 }

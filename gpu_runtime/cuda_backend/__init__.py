@@ -36,6 +36,7 @@ class CudaBackend(
     backend.Graphs,
     backend.PitchedCopies,
     backend.DeviceCopies,
+    backend.HostFunctions,
     backend.TensorMaps,
 ):
     """``GpuBackend`` on the CUDA driver API, on one device's primary context.

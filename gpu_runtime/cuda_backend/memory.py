@@ -87,14 +87,15 @@ class CudaMemory(CudaContext):
         del keep
 
     def copy_d2d_async(self, dst: int, src: int, nbytes: int, stream: int = 0) -> None:
-        """Queue a copy of ``nbytes`` from ``src`` to ``dst`` (device addresses) on ``stream``."""
+        """Queue a copy of ``nbytes`` from ``src`` to ``dst`` (device addresses, or the device
+        addresses of mapped host memory) on ``stream``."""
         dst = validate.pointer(dst, "copy_d2d_async destination")
         src = validate.pointer(src, "copy_d2d_async source")
         nbytes = validate.count(nbytes, "copy size")
         stream = validate.stream(stream, "copy_d2d_async stream")
         self._live()
         if nbytes:
-            call(cu.cuMemcpyDtoDAsync, dst, src, nbytes, stream)
+            call(cu.cuMemcpyAsync, dst, src, nbytes, stream)  # unified addressing: mapped host memory too
 
     def copy_2d_async(
         self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int, stream: int = 0

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from functools import partial
+from typing import Any
 
 from cuda.bindings import driver as cu
 
@@ -10,6 +13,15 @@ from .. import validate
 from ..driver import call
 from ..errors import CudaError, attempt_each
 from .context import CudaContext
+
+
+@functools.cache
+def _driver_launch_host_func() -> Any:
+    """The driver's own ``cuLaunchHostFunc`` (ctypes releases the GIL around the call)."""
+    fn = ctypes.CDLL("libcuda.so.1").cuLaunchHostFunc
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
 
 
 class CudaStreams(CudaContext):
@@ -82,6 +94,18 @@ class CudaStreams(CudaContext):
         stream = validate.stream(stream, "wait_event stream")
         self._live()
         call(cu.cuStreamWaitEvent, stream, event, 0)
+
+    def launch_host_func(self, stream: int, fn: int, data: int) -> None:
+        """Queue the C function ``fn(data)`` (addresses) on ``stream`` (``HostFunctions``).
+        Called through ctypes, not cuda.bindings: its wrapper calls ``fn`` from Python with the
+        GIL held, which is what a host function here must not need."""
+        stream = validate.stream(stream, "launch_host_func stream")
+        fn = validate.pointer(fn, "launch_host_func fn")
+        data = validate.pointer(data, "launch_host_func data", nullable=True)
+        self._live()
+        result = _driver_launch_host_func()(stream or None, fn, data or None)
+        if result:
+            raise CudaError(result, "cuLaunchHostFunc")
 
     def event_synchronize(self, event: int) -> None:
         """Block the host until the work before ``event``'s last record has finished."""

@@ -24,12 +24,13 @@ import numpy as np
 from gpu_runtime import interop, validate
 
 from ..kernel_files import load_kernel
-from ..ops import gemm
+from ..ops import gemm, gemm_fp8
 from ..ops.engram import EngramGate, EngramLaunches
 from ..ops.token_history import NO_TOKEN, PAD_SLOT, DecodeError, TokenCode
 from ..resources import Resources
 from ..tensor_parallel import check_collective
 from ..token_history import HistoryCalls, SlotHistories
+from .host_staging import HostStaging
 from .weights import EngramWeights
 
 __all__ = ["DecodeError", "EngramDecoder", "PAD_SLOT"]
@@ -37,16 +38,22 @@ __all__ = ["DecodeError", "EngramDecoder", "PAD_SLOT"]
 Buffer = Any  # an address, a DeviceArray, or an array with __cuda_array_interface__ / __dlpack__
 
 _WHAT = "EngramDecoder"
+FP8_ROWS = 32  # up to this many rows the projection reads wkv in fp8, above it the bf16 copy (faster from 64)
+STAGED_ROWS = 256  # calls of this many rows or more read host tables through HostStaging
 _U8 = (np.dtype(np.uint8), np.dtype(np.bool_))
 
 
 class EngramDecoder(HistoryCalls):
     """Engram for ``max_seqs`` slots and calls of at most ``max_rows`` tokens (module docstring).
     ``batch_invariant``: every row's bits the same whatever else is in its call (the projection's
-    small GEMM path for every row count: a step's rows equal a prefill's). ``collective``: a
+    fp8-weight path for every row count: a step's rows equal a prefill's; without it, calls of up
+    to ``FP8_ROWS`` rows take that path and longer ones the bf16 GEMM). ``collective``: a
     tensor-parallel shard's all-reduce (one process per rank; ``lookup_all`` drives a whole
     in-process group): each rank gathers the rows it holds, zeros elsewhere, and the sum of the
-    ranks' rows is exact (one rank holds each row). Borrows the weights."""
+    ranks' rows is exact (one rank holds each row). ``host_threads``: with tables in host memory,
+    calls of ``STAGED_ROWS`` rows or more have the host gather their rows on this many threads
+    (``layers.engram.host_staging``; 0, the default: the GPU reads every row in place, which is
+    faster today: docs/ENGRAM.md). Borrows the weights."""
 
     WHAT = _WHAT
     launches: EngramLaunches
@@ -61,6 +68,7 @@ class EngramDecoder(HistoryCalls):
         stream: int = 0,
         batch_invariant: bool = False,
         collective: Any = None,
+        host_threads: int = 0,
     ) -> None:
         if not isinstance(weights, EngramWeights):
             raise TypeError(f"{_WHAT}: weights must be EngramWeights, got {type(weights).__name__}")
@@ -72,7 +80,8 @@ class EngramDecoder(HistoryCalls):
         max_rows = validate.positive(max_rows, f"{_WHAT}: max_rows", limit=1 << 31)
         max_draft = validate.count(max_draft, f"{_WHAT}: max_draft", limit=1 << 31)
         stream = validate.stream(stream, f"{_WHAT}: stream")
-        self.path = "small" if validate.boolean(batch_invariant, f"{_WHAT}: batch_invariant") else None
+        self.batch_invariant = validate.boolean(batch_invariant, f"{_WHAT}: batch_invariant")
+        threads = validate.count(host_threads, f"{_WHAT}: host_threads", limit=1025)
         cfg, gpu = weights.config, weights.gpu
         self.weights, self.config, self.gpu, self.stream = weights, cfg, gpu, stream
         self.max_seqs, self.max_rows, self.max_draft = max_seqs, max_rows, max_draft
@@ -111,11 +120,20 @@ class EngramDecoder(HistoryCalls):
                 stride=weights.stride,
                 host_tables=weights.host_tables,
             )
+            self.staging: HostStaging | None = None
+            if weights.host_tables and threads and max_rows >= STAGED_ROWS:
+                blocks = [layer.table for layer in weights.layers]
+                self.staging = HostStaging(gpu, own, self.launches, blocks, max_rows=max_rows, threads=threads)
             self.gates = [
                 EngramGate(gpu, layer.q, layer.k, hc=cfg.hc_mult, dim=cfg.hidden_size, eps=cfg.eps)
                 for layer in weights.layers
             ]
             self._gemm_kernel = load_kernel(gpu, "gemm", gemm.KERNEL)
+            self._fp8_kernel = load_kernel(gpu, "gemm", gemm_fp8.KERNEL)
+            need = gemm_fp8.workspace_bytes(cfg.kv_dim, cfg.emb_dim, gemm_fp8.shared_optin(gpu))
+            self.workspace = own.alloc(need) if need else 0  # the projections' partial sums, one layer at a time
+            if need:
+                gpu.memset(self.workspace, 0, need, stream)
             self._gemms: dict[int, list[Any]] = {}
         except BaseException:
             own.close()
@@ -215,21 +233,28 @@ class EngramDecoder(HistoryCalls):
         return interop.device_address(text, f"{_WHAT} text", dtypes=_U8, count=rows, gpu=self.gpu)
 
     def _projections(self, rows: int) -> list[Any]:
-        """Each layer's prepared GEMM ``kv[:rows] = emb[:rows] @ wkv^T`` (made once per row count)."""
+        """Each layer's prepared GEMM ``kv[:rows] = emb[:rows] @ wkv^T`` (made once per row count):
+        over the fp8 ``wkv`` up to ``FP8_ROWS`` rows or when batch invariant, else the bf16 copy."""
         plans = self._gemms.get(rows)
         if plans is None:
-            cfg = self.config
+            cfg, gpu = self.config, self.gpu
+            fp8 = self.batch_invariant or rows <= FP8_ROWS
             plans = [
-                gemm.plan_gemm(
-                    self.gpu,
-                    self._gemm_kernel,
+                gemm_fp8.plan_fp8w_gemm(
+                    gpu,
+                    self._fp8_kernel,
                     self.emb_of(i),
-                    layer.wkv,
+                    layer.wkv_fp8,
                     self.kv_of(i),
                     rows,
                     cfg.kv_dim,
                     cfg.emb_dim,
-                    path=self.path,
+                    workspace=self.workspace,
+                    batch_invariant=self.batch_invariant,
+                )
+                if fp8
+                else gemm.plan_gemm(
+                    gpu, self._gemm_kernel, self.emb_of(i), layer.wkv, self.kv_of(i), rows, cfg.kv_dim, cfg.emb_dim
                 )
                 for i, layer in enumerate(self.weights.layers)
             ]
@@ -261,8 +286,21 @@ class EngramDecoder(HistoryCalls):
         self, indices: tuple[int, int, int], text: int, num_seqs: int, rows: int, per_seq: int, stream: int
     ) -> None:
         """The lookup alone (hash, gather into ``emb``, the histories' update), on checked
-        arguments (``prefill`` / ``step`` check them; ``lookup_all`` and benchmarks call it)."""
-        self.launches.lookup(*indices, text, rows, num_seqs, per_seq, self._ready(stream))
+        arguments (``prefill`` / ``step`` check them; ``lookup_all`` and benchmarks call it);
+        staged where the decoder stages host tables and the call has ``STAGED_ROWS`` rows."""
+        stream = self._ready(stream)
+        if self.staging is not None and rows >= STAGED_ROWS:
+            self.staging.lookup(*indices, text, rows, num_seqs, per_seq, stream)
+        else:
+            self.launches.lookup(*indices, text, rows, num_seqs, per_seq, stream)
+
+    def check_errors(self, stream: int | None = None) -> DecodeError:
+        """``HistoryCalls.check_errors``; first, ``RuntimeError`` if the host staging's worker
+        failed (the rows of its calls since are not to be trusted)."""
+        failed = None if self.staging is None else self.staging.error
+        if failed is not None:
+            raise RuntimeError(f"{_WHAT}: the host's gather of table rows failed: {failed!r}") from failed
+        return super().check_errors(stream)
 
     def project(self, rows: int, stream: int) -> None:
         """Every layer's ``kv[:rows] = emb[:rows] @ wkv^T`` (the GEMMs alone; ``rows >= 1``)."""

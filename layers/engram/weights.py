@@ -2,8 +2,9 @@
 
 Per Engram layer: the table (``RowBlock``: each row packed as its ``head_dim`` fp8 bytes, then its
 ``head_dim // 32`` e8m0 scale bytes, padded to ``stride``; a tensor-parallel rank holds one range
-of rows), ``wkv`` dequantised once to a bf16 ``DenseWeight`` ``[kv_dim, emb_dim]`` (the correct
-path; the fp8 GEMM comes later), ``q_weight`` and ``k_weight`` (bf16 ``[hc_mult, hidden]``). For
+of rows), ``wkv`` as it comes (a ``BlockFp8Weight``: e4m3 with its 32 x 32 e8m0 scales, what a
+step's projection reads) and dequantised once to a bf16 ``DenseWeight`` ``[kv_dim, emb_dim]`` (a
+long prefill's), ``q_weight`` and ``k_weight`` (bf16 ``[hc_mult, hidden]``). For
 all layers: the token map, the hash's multipliers, primes and offsets, the tables' descriptors
 (``kernels/engram.cu``). Built from arrays (``from_arrays``) or a model folder
 (``from_checkpoint``: tables copied in pieces, never whole in Python memory).
@@ -21,6 +22,7 @@ import numpy as np
 from gpu_runtime import DevicePtr, GpuBackend, validate
 from gpu_runtime.backend import check_backend
 
+from ..block_fp8_weight import BlockFp8Weight
 from ..dense_weight import BF16, FP8, DenseWeight
 from ..ngram_store.placement import DeviceBudget, as_budget, fit_budget, placements
 from ..ngram_store.row_block import PLACES, RowBlock
@@ -88,13 +90,14 @@ class Shard:
 @dataclass(eq=False)
 class EngramLayer:
     """One Engram layer's weights: its table rows (``lo`` .. ``lo + count`` of the full table; a
-    rank that holds none keeps a one-row block), ``wkv`` (bf16 on the device) and ``q`` / ``k``
-    (device addresses, bf16 ``[hc, D]``)."""
+    rank that holds none keeps a one-row block), ``wkv`` (dequantised to bf16) and ``wkv_fp8`` (as
+    the checkpoint holds it) on the device, and ``q`` / ``k`` (device addresses, bf16 ``[hc, D]``)."""
 
     table: RowBlock
     lo: int
     count: int
     wkv: DenseWeight
+    wkv_fp8: BlockFp8Weight
     q: DevicePtr
     k: DevicePtr
 
@@ -201,17 +204,19 @@ class EngramWeights(Closing):
 
     def _placements(self, placement: Any) -> list[str]:
         """One of ``PLACES`` per layer's table, from names or a ``DeviceBudget``, which counts
-        what every layer puts on the device (``wkv`` in bf16, ``q`` / ``k``) and the hash's
+        what every layer puts on the device (``wkv`` in bf16 and in fp8, ``q`` / ``k``) and the hash's
         arrays first, then the tables (this rank's rows) in order."""
         cfg = self.config
         budget = as_budget(placement)
         if budget is None:
             return placements(placement, len(cfg.layer_ids), PLACES)
         layers, cols = len(cfg.layer_ids), cfg.n_hash_cols
-        fixed = layers * (cfg.kv_dim * cfg.emb_dim * 2 + 2 * cfg.hc_mult * cfg.hidden_size * 2)
+        wkv = cfg.kv_dim * cfg.emb_dim * 3 + -(-cfg.kv_dim // BLOCK) * (cfg.emb_dim // BLOCK)
+        fixed = layers * (wkv + 2 * cfg.hc_mult * cfg.hidden_size * 2)
         fixed += cfg.vocab_size * 4 + layers * (cfg.max_ngram * 8 + 2 * cols * 8 + 32)
         counts = [rows if self.shard is None else self.shard.rows(rows)[1] for rows in cfg.num_embeddings]
-        return fit_budget(budget, fixed, "wkv (bf16), q, k and the hash's arrays", [n * self.stride for n in counts])
+        what = "wkv (bf16 and fp8), q, k and the hash's arrays"
+        return fit_budget(budget, fixed, what, [n * self.stride for n in counts])
 
     def _checked(
         self, tables: Any, wkv: Any, q_weight: Any, k_weight: Any, scan_nan: bool
@@ -219,7 +224,8 @@ class EngramWeights(Closing):
         """Each layer's ``(table, wkv, q, k)``, checked: one entry per Engram layer in each
         sequence, a ``(weight, scale)`` pair for a table and ``wkv``, every dtype and shape as the
         config gives it; with ``scan_nan``, no e8m0 NaN byte (255) in ``wkv``'s scales or in the
-        table rows this rank holds (read ``CHUNK_ROWS`` rows at a time)."""
+        table rows this rank holds (read ``CHUNK_ROWS`` rows at a time). ``wkv`` holds no e4m3 NaN
+        byte (0x7f, 0xff) either way (the fp8 projection would not see it as NaN)."""
         cfg, n = self.config, len(self.config.layer_ids)
         for name, given in (("tables", tables), ("wkv", wkv), ("q_weight", q_weight), ("k_weight", k_weight)):
             if not isinstance(given, (Sequence, np.ndarray)):
@@ -244,6 +250,7 @@ class EngramWeights(Closing):
             _shape(s, (-(-cfg.kv_dim // BLOCK), cfg.emb_dim // BLOCK), (U8, E8M0), f"{what} wkv scale")
             if scan_nan:
                 _no_nan(s, 0, s.shape[0], f"{what} wkv scale")
+            _no_e4m3_nan(w, f"{what} wkv")
             for name, array in (("q_weight", q_weight[i]), ("k_weight", k_weight[i])):
                 _shape(array, (cfg.hc_mult, cfg.hidden_size), (BF16,), f"{what} {name}")
             out.append(((weight, scale), (w, s), q_weight[i], k_weight[i]))
@@ -265,9 +272,11 @@ class EngramWeights(Closing):
             assert piece is not None
             block.write(a - lo, pack_rows(w_rows, s_rows, self.stride, piece[: b - a]), stream)
             self.gpu.synchronize(stream)  # the piece is reused
-        dense = self._resources.adopt(DenseWeight.from_numpy(self.gpu, dequant_blocks(*wkv), stream=stream))
-        qk = [self._resources.upload(np.ascontiguousarray(array), stream) for array in (q, k)]
-        self.layers.append(EngramLayer(block, lo, count, dense, qk[0], qk[1]))
+        own = self._resources
+        dense = own.adopt(DenseWeight.from_numpy(self.gpu, dequant_blocks(*wkv), stream=stream))
+        fp8 = own.adopt(BlockFp8Weight.from_numpy(self.gpu, wkv[0], wkv[1], stream=stream))
+        qk = [own.upload(np.ascontiguousarray(array), stream) for array in (q, k)]
+        self.layers.append(EngramLayer(block, lo, count, dense, fp8, qk[0], qk[1]))
 
     def _upload_hash(self, stream: int) -> None:
         cfg, own = self.config, self._resources
@@ -311,6 +320,15 @@ def _no_nan(scale: Any, lo: int, count: int, what: str) -> None:
             raise ValueError(
                 f"{what}: row {a + r} holds the e8m0 byte {E8M0_NAN} (NaN) in column {int(np.argmax(bad[r]))}"
             )
+
+
+def _no_e4m3_nan(weight: Any, what: str) -> None:
+    """``ValueError`` naming the first (row, column) of the e4m3 ``weight`` that is NaN (0x7f, 0xff)."""
+    for a in range(0, weight.shape[0], CHUNK_ROWS):
+        bad = (np.asarray(weight[a : a + CHUNK_ROWS]).view(U8) & 0x7F) == 0x7F
+        if bad.any():
+            r = int(np.argmax(bad.any(axis=1)))
+            raise ValueError(f"{what}: row {a + r}, column {int(np.argmax(bad[r]))} is an e4m3 NaN")
 
 
 def _shape(array: Any, shape: tuple[int, ...], dtypes: tuple[np.dtype, ...], what: str) -> None:

@@ -20,6 +20,8 @@ from .token_history import HistoryLaunches, TokenCode
 
 MODULE = "engram"
 LOOKUP = "engram_lookup"
+ROW_IDS = "engram_row_ids"
+STAGED_ROWS = "engram_staged_rows"
 GATE = "engram_gate"
 MAX_NGRAM = 32  # a lane per look-back entry
 GATE_THREADS = 256
@@ -60,6 +62,8 @@ class EngramLaunches(HistoryLaunches):
     ) -> None:
         super().__init__(gpu, hist, state, ctrl, max_seqs=max_seqs, hist_len=hist_len, max_draft=max_draft, code=code)
         self.lookup_kernel = gpu.bind(load_kernel(gpu, MODULE, LOOKUP))
+        self.row_ids_kernel = gpu.bind(load_kernel(gpu, MODULE, ROW_IDS))
+        self.staged_rows_kernel = gpu.bind(load_kernel(gpu, MODULE, STAGED_ROWS))
         sizes = {"max_rows": max_rows, "layers": layers, "max_ngram": max_ngram, "heads": heads, "width": width}
         for name, value in sizes.items():
             if validate.u32(value, f"{LOOKUP} {name}") < 1:
@@ -77,9 +81,12 @@ class EngramLaunches(HistoryLaunches):
         self.cols = (max_ngram - 1) * heads
         self.layers = layers
         self.launches = PairLaunch(gpu, host_tables)
-        self._state = (self.hist, self.state, code.map, mult, primes, offsets, tables, emb, text_out, self.ctrl)
-        self._sizes = (
-            max_rows,
+        self.device_launches = PairLaunch(gpu, False)  # the staged halves read no host table by row
+        self.tables, self.emb, self.text_out = tables, emb, text_out
+        self.max_rows, self.width, self.stride = max_rows, width, stride
+        self._hash = (self.hist, self.state, code.map, mult, primes, offsets, tables)
+        self._state = (*self._hash, emb, text_out, self.ctrl)
+        self._hash_sizes = (
             self.max_seqs,
             self.hist_len,
             code.vocab,
@@ -88,9 +95,8 @@ class EngramLaunches(HistoryLaunches):
             layers,
             max_ngram,
             heads,
-            width,
-            stride,
         )
+        self._sizes = (max_rows, *self._hash_sizes, width, stride)
 
     def lookup(
         self, tokens: int, cu_seqlens: int, slots: int, text: int, rows: int, num_seqs: int, per_seq: int, stream: int
@@ -111,6 +117,78 @@ class EngramLaunches(HistoryLaunches):
             num_seqs,
             per_seq,
             *self._sizes,
+        )
+
+    def row_ids(
+        self,
+        tokens: int,
+        cu_seqlens: int,
+        slots: int,
+        text: int,
+        rows: int,
+        num_seqs: int,
+        per_seq: int,
+        ids: int,
+        gen: int,
+        stream: int,
+    ) -> None:
+        """``lookup``'s first half for a staged call: each item's row to ``ids`` (u64 ``[1 +
+        layers * rows * C]``, header first) and the call's number to ``gen`` (a u32 the calls
+        share); text flags, error bits and the histories as ``lookup``."""
+        self.row_ids_kernel.launch(
+            self.device_launches.config(rows * self.layers * self.cols),
+            stream,
+            tokens,
+            cu_seqlens,
+            slots,
+            text,
+            *self._hash,
+            ids,
+            gen,
+            self.text_out,
+            self.ctrl,
+            rows,
+            num_seqs,
+            per_seq,
+            *self._hash_sizes,
+        )
+
+    def staged_rows(
+        self,
+        ids: int,
+        staged: int,
+        gen: int,
+        ready: int,
+        rows: int,
+        r0: int,
+        r1: int,
+        chunk: int,
+        staged_layers: int,
+        stream: int,
+    ) -> None:
+        """``lookup``'s second half over rows ``r0 < r1`` (chunk ``chunk`` of a staged call of
+        ``rows``): every item's row into ``emb``; layer l's from ``staged`` where bit l of
+        ``staged_layers`` is set, else from its table."""
+        self.staged_rows_kernel.launch(
+            self.device_launches.config((r1 - r0) * self.layers * self.cols),
+            stream,
+            ids,
+            staged,
+            self.tables,
+            gen,
+            ready,
+            self.ctrl,
+            self.emb,
+            rows,
+            r0,
+            r1,
+            chunk,
+            self.max_rows,
+            self.layers,
+            self.cols,
+            self.width,
+            self.stride,
+            staged_layers,
         )
 
 

@@ -42,7 +42,7 @@ from typing import Any, cast
 
 from gpu_runtime import GpuBackend, KernelHandle, LaunchConfig, PreparedLaunch, TensorMaps, validate
 
-from ..dense_weight import BF16, DenseWeight
+from ..dense_weight import BF16, DenseWeight, DeviceOwned
 from ..kernel_files import load_kernel
 
 # The plans, their kernels and gemm.cu's constants live in gemm_plan; every public name of it
@@ -87,13 +87,10 @@ def gemv_available(gpu: GpuBackend, a: int, w: int, k: int) -> bool:
     return wgmma_available(gpu) and tma_operands(a, w, k)
 
 
-def _check_gemm(
-    name: str, gpu: GpuBackend, kernel: KernelHandle, w: DenseWeight, m: int, n: int, k: int, path: str | None
-) -> tuple[int, int, int]:
-    """The checks of every GEMM's operands but its pointers; returns (m, n, k) as ints."""
-    if not kernel:
-        raise ValueError(f"{name}: kernel not loaded (KernelHandle(0))")
-    if not (
+def checked_sizes(name: str, m: int, n: int, k: int) -> tuple[int, int, int]:
+    """A GEMM's (m, n, k) as ints in ``0 .. MAX_DIM``, else ``TypeError`` / ``ValueError`` naming
+    launcher ``name`` and the size."""
+    if (
         type(m) is int
         and type(n) is int
         and type(k) is int
@@ -101,11 +98,31 @@ def _check_gemm(
         and 0 <= n <= MAX_DIM
         and 0 <= k <= MAX_DIM
     ):  # the plain case first: the launchers run this on every call
-        m, n, k = (validate.count(v, f"{name} {what}", limit=MAX_DIM + 1) for v, what in ((m, "m"), (n, "n"), (k, "k")))
-    if not isinstance(w, DenseWeight):
-        raise TypeError(f"{name}: w must be a DenseWeight, got {type(w).__name__}")
+        return m, n, k
+    m, n, k = (validate.count(v, f"{name} {what}", limit=MAX_DIM + 1) for v, what in ((m, "m"), (n, "n"), (k, "k")))
+    return m, n, k
+
+
+def checked_operands(
+    name: str, gpu: GpuBackend, kernel: KernelHandle, w: object, kind: type[DeviceOwned], m: int, n: int, k: int
+) -> tuple[int, int, int]:
+    """What every GEMM launcher checks first: ``kernel`` loaded, (m, n, k) as ``checked_sizes``
+    takes them, ``w`` a ``kind`` usable on ``gpu``; returns (m, n, k) as ints."""
+    if not kernel:
+        raise ValueError(f"{name}: kernel not loaded (KernelHandle(0))")
+    m, n, k = checked_sizes(name, m, n, k)
+    if not isinstance(w, kind):
+        raise TypeError(f"{name}: w must be a {kind.__name__}, got {type(w).__name__}")
     if w.gpu is not gpu:  # (the plain case passes on this one test)
         w.check_on(gpu, name)
+    return m, n, k
+
+
+def _check_gemm(
+    name: str, gpu: GpuBackend, kernel: KernelHandle, w: DenseWeight, m: int, n: int, k: int, path: str | None
+) -> tuple[int, int, int]:
+    """The checks of every GEMM's operands but its pointers; returns (m, n, k) as ints."""
+    m, n, k = checked_operands(name, gpu, kernel, w, DenseWeight, m, n, k)
     if w.dtype is not BF16 and w.dtype != BF16:
         raise TypeError(f"{name}: w dtype {w.dtype}, expected {BF16} (bfloat16)")
     if w.shape != (n, k) and tuple(w.shape) != (n, k):

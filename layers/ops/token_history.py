@@ -38,6 +38,7 @@ class DecodeError(enum.IntFlag):
     SEQLENS = 4  # cu_seqlens not 0 <= ... <= num_tokens, non-decreasing: rows left out zeroed
     ROLLBACK = 8  # a rollback past max_draft below the slot's highest position: slot unchanged
     ADAPTER = 16  # (NgramDecoder) an adapter index >= the adapter slots, not NO_ADAPTER: rows zeroed
+    STAGING = 32  # (EngramDecoder, host tables) rows read before the host staged them: rows zeroed
 
 
 @dataclass(frozen=True)

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 from gpu_runtime import GpuBackend, KernelHandle
 from layers.kernel_files import load_kernel
-from layers.ops import embed, gemm, residual, row_cache, token_overlay
+from layers.ops import embed, gemm, gemm_fp8, residual, row_cache, token_overlay
 from tests.helpers.ngram_gather import ngram_gather
 
 LAUNCH_KERNEL = {
     "batched_embed": "batched_embed", "batched_embed_fp8": "batched_embed_fp8",
     "embed_from_argmax": "embed_from_argmax_bf16", "scaled_add": "bf16_scaled_add",
     "residual_add": "bf16_residual_add", "dense_gemm_bf16_pipelined": "dense_gemm_bf16_pipelined",
-    "dense_gemm_bf16_word": "dense_gemm_bf16_word", "embed_rowdiff": "embed_rowdiff_bf16",
+    "dense_gemm_bf16_word": "dense_gemm_bf16_word", "dense_gemm_fp8w": "dense_gemm_fp8w",
+    "embed_rowdiff": "embed_rowdiff_bf16",
     "embed_overlay_routed": "embed_overlay_routed_bf16",
     "lmhead_overlay_routed": "lmhead_overlay_routed_bf16", "scatter_rows": "scatter_rows",
     "ngram_gather": "ngram_gather",
@@ -36,7 +37,8 @@ LAUNCH_FN = {
     "batched_embed": embed.batched_embed, "batched_embed_fp8": embed.batched_embed_fp8,
     "embed_from_argmax": embed_from_argmax, "scaled_add": residual.scaled_add,
     "residual_add": residual.residual_add, "dense_gemm_bf16_pipelined": gemm.dense_gemm_bf16_pipelined,
-    "dense_gemm_bf16_word": gemm.dense_gemm_bf16_word, "embed_rowdiff": token_overlay.embed_rowdiff,
+    "dense_gemm_bf16_word": gemm.dense_gemm_bf16_word, "dense_gemm_fp8w": gemm_fp8.dense_gemm_fp8w,
+    "embed_rowdiff": token_overlay.embed_rowdiff,
     "embed_overlay_routed": token_overlay.embed_overlay_routed,
     "lmhead_overlay_routed": token_overlay.lmhead_overlay_routed,
     "scatter_rows": scatter_rows, "ngram_gather": ngram_gather,

@@ -33,6 +33,7 @@ ROWS = [
     ("residual_add", "`residual_add`"),
     ("dense_gemm_bf16_pipelined", "`dense_gemm_bf16_pipelined`"),
     ("dense_gemm_bf16_word", "`dense_gemm_bf16_word`"),
+    ("dense_gemm_fp8w", "`dense_gemm_fp8w`"),
     ("embed_rowdiff", "`embed_rowdiff`"),
     ("embed_overlay_routed", "`embed_overlay_routed`"),
     ("lmhead_overlay_routed", "`lmhead_overlay_routed`"),

@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from gpu_runtime import dlpack
+
 PUBLIC = {"gpu_runtime", "layers.engram", "layers.ngram_embed", "layers.overlay", "layers.tensor_parallel"}
 THIRD_PARTY = {"numpy", "ml_dtypes"}
 LOCAL = {"_requires", "_serving"}  # examples/_requires.py, examples/_serving.py: the examples' own helpers
@@ -51,3 +53,14 @@ def load_example(path: Path) -> Any:
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+def assert_loop_report(loop: Any, report: Any, steps: int) -> None:
+    """What a serving loop's ``report`` shows after ``steps`` steps of ``loop.run``: no DLPack
+    capsule alive, every step run, every fault kind injected, prefix hits, forks and rollbacks,
+    padded batches of many ladder sizes."""
+    assert dlpack.live_exports() == 0, "DLPack capsules left alive"
+    assert report.steps == steps
+    assert all(report.faults[kind] >= 1 for kind in loop.FAULTS), report.faults
+    assert report.prefix_hits and report.forks and report.rollbacks
+    assert len(report.replays) >= (3 if steps < 2000 else 6), "padded batches of many ladder sizes"

@@ -9,7 +9,8 @@ from typing import Any
 
 MODULES = ["gpu_runtime", "layers.engram", "layers.ngram_embed", "layers.overlay", "layers.peft_adapter", "layers.tensor_parallel",
            "layers.tensor_parallel.nccl"]
-MORE = {"layers.dense_weight": ["DenseWeight"], "layers.ops.token_overlay": ["OverlayKernels"]}
+MORE = {"layers.dense_weight": ["DenseWeight"], "layers.block_fp8_weight": ["BlockFp8Weight"],
+        "layers.ops.token_overlay": ["OverlayKernels"]}
 
 
 def exported(modules: Sequence[str] = MODULES) -> Iterator[tuple[str, str, Any]]:

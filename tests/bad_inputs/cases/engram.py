@@ -21,7 +21,7 @@ from layers.engram import (DeviceBudget, EngramCheckpoint, EngramConfig, EngramD
                            TokenMap, lookup_all)
 from layers.engram.checkpoint import E8M0_NAN, EMBED, EMBED_SCALE, WKV, WKV_SCALE
 from layers.ngram_store.errors import CheckpointError
-from layers.ops import gemm
+from layers.ops import gemm_fp8
 from layers.reference import engram as ref
 from tests.bad_inputs.matrix import GPU_TYPE, NULL, case, expect
 from tests.bad_inputs.world import FakeCollective, World
@@ -330,7 +330,8 @@ CPU_CASES = [
     _case("EngramWeights", "range", lambda w: _from_arrays(w, placement="gpu"), ValueError,
           "placement must be 'device' or 'host'", detail="placement"),
     _case("EngramWeights", "range", lambda w: _from_arrays(w, placement=DeviceBudget(1000)), ValueError,
-          r"placement DeviceBudget\(1000\): wkv \(bf16\), q, k and the hash's arrays alone take", detail="budget"),
+          r"placement DeviceBudget\(1000\): wkv \(bf16 and fp8\), q, k and the hash's arrays alone take",
+          detail="budget"),
     _case("EngramWeights", "range", lambda w: _from_arrays(w, stream=-1), ValueError,
           "EngramWeights: stream must be a stream handle", detail="stream"),
     _case("EngramWeights", "id", lambda w: _from_arrays(w, token_map=TokenMap(w.engram.map.ids[:49])), ValueError,
@@ -625,7 +626,7 @@ def _after_calls(w: World) -> None:
     d.seed(w.p[0], w.p[1], w.p[2], 2, 5)
     d.fork(w.p[1], w.p[2], 2)
     d.rollback(w.p[1], w.p[2], 2)
-    project = [gemm.KERNEL] * 2
+    project = [gemm_fp8.KERNEL] * 2  # (up to FP8_ROWS rows: over the fp8 wkv)
     expect(w.gpu.launched()[before:] == ["engram_lookup", *project, "engram_gate", "engram_lookup", *project,
                                          "token_history_seed", "token_history_fork", "token_history_rollback"])
 
@@ -635,7 +636,7 @@ def _after_lookup_all(w: World) -> None:
     before, reduces = len(w.gpu.launches), len(w.group.calls)
     _all(w)
     expect(len(w.group.calls) == reduces + 2)
-    expect(w.gpu.launched()[before:] == ["engram_lookup"] * 2 + [gemm.KERNEL] * 4)
+    expect(w.gpu.launched()[before:] == ["engram_lookup"] * 2 + [gemm_fp8.KERNEL] * 4)
 
 
 def _after_reference(w: World) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from gpu_runtime import ClosedError, CudaBackend, KernelHandle
+from layers.block_fp8_weight import BlockFp8Weight
 from layers.dense_weight import BF16, FP8, DenseWeight
 from tests.bad_inputs.device import (BatchedEmbedRig, GemmRig, NgramGatherRig, Rig, RowdiffRig, ScaledAddRig,
                                      ScatterRig)
@@ -34,6 +35,7 @@ def _launch_args(w: World, name: str) -> dict[str, Any]:
                                           n=6, k=8, stream=0),
         "dense_gemm_bf16_word": dict(a=p[0], w=DenseWeight(p[1], (6, 8), BF16), c=p[2], m=5, n=6,
                                      k=8, word_ids=p[3], word=p[4], scale=0.25, stream=0),
+        "dense_gemm_fp8w": dict(a=p[0], w=BlockFp8Weight(p[1], p[3], (6, 32)), c=p[2], m=5, n=6, k=32, stream=0),
         "embed_rowdiff": dict(base=p[0], served=p[1], flags=p[2], rows=50, h=7, thresh=0.5, stream=0),
         "embed_overlay_routed": dict(ids=p[0], seq_slot=p[1], active=1, slot_map_tab=p[2],
                                      rows_tab=p[3], n_tab=p[4], out=p[5], num_tokens=5, h=7,
@@ -108,6 +110,17 @@ CPU_CASES = [
     L("dense_gemm_bf16_word", "length", ValueError, "cannot be forced", m=64, path="tiled"),
     L("dense_gemm_bf16_word", "range", ValueError, "finite", scale=float("inf")),
     L("dense_gemm_bf16_word", "null", ValueError, NULL, word_ids=0),
+    L("dense_gemm_fp8w", "dtype", TypeError, "must be a BlockFp8Weight, got DenseWeight",
+      w=lambda w: DenseWeight(w.p[1], (6, 32), FP8)),
+    L("dense_gemm_fp8w", "dtype", TypeError, "workspace must be an int, got bool", detail="workspace",
+      workspace=True),
+    L("dense_gemm_fp8w", "shape", ValueError, "w shape", w=lambda w: BlockFp8Weight(w.p[1], w.p[3], (6, 64))),
+    L("dense_gemm_fp8w", "length", ValueError, GEMM_DIM, m=2**31),
+    L("dense_gemm_fp8w", "range", ValueError, "unknown path", path="tiled"),
+    L("dense_gemm_fp8w", "null", ValueError, NULL, w=lambda w: BlockFp8Weight(w.p[1], 0, (6, 32))),
+    L("dense_gemm_fp8w", "null", ValueError, "k = 2048 takes 2 slabs: give a workspace", detail="workspace",
+      w=lambda w: BlockFp8Weight(w.p[1], w.p[3], (6, 2048)), m=64, k=2048),
+    L("dense_gemm_fp8w", "null", ValueError, "kernel not loaded", detail="kernel", kernel=KernelHandle(0)),
     L("embed_rowdiff", "dtype", TypeError, "real number", thresh="x"),
     L("embed_rowdiff", "length", ValueError, ">= 1", h=0),
     L("embed_rowdiff", "range", ValueError, "NaN", thresh=float("nan")),
@@ -138,7 +151,7 @@ CPU_CASES = [
 # The columns alike for every launcher: a closed backend is refused, and a launch with nothing to
 # do is a no-op (the size named here 0).
 ZERO_SIZE = {"batched_embed": "n", "batched_embed_fp8": "dim", "embed_from_argmax": "m", "scaled_add": "n",
-             "residual_add": "n", "dense_gemm_bf16_pipelined": "m", "dense_gemm_bf16_word": "m",
+             "residual_add": "n", "dense_gemm_bf16_pipelined": "m", "dense_gemm_bf16_word": "m", "dense_gemm_fp8w": "m",
              "embed_rowdiff": "rows", "embed_overlay_routed": "num_tokens",
              "lmhead_overlay_routed": "max_n_override", "scatter_rows": "n", "ngram_gather": "rows"}
 assert ZERO_SIZE.keys() == LAUNCH_KERNEL.keys()

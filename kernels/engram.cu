@@ -247,8 +247,9 @@ extern "C" __global__ void engram_row_ids(
 // row dequantised into emb as engram_lookup writes it; zeros where ids[1 + item] is kNoRow. A
 // layer whose bit is set in `staged` reads the row the host staged at staged + item * stride
 // (pinned host memory mapped for the device), with item = (l * rows + r) * C + j, once the host
-// has stamped the chunk ready[chunk] == gen[0]; where it has not (its wait returned early), the
-// rows are zeros and ctrl[0] gets kErrStaging. Another layer reads its table (device memory).
+// has stamped the chunk ready[chunk] == gen[0] (ready: device memory, the host's stamp copied
+// there after the chunk's wait); where it has not (its wait returned early), the rows are zeros
+// and ctrl[0] gets kErrStaging. Another layer reads its table (device memory).
 extern "C" __global__ void engram_staged_rows(const uint64_t* ids, const uint8_t* staged, const uint64_t* tables,
                                               const uint32_t* gen, const uint32_t* ready, uint32_t* ctrl,
                                               bf16* emb, uint32_t rows, uint32_t r0, uint32_t r1, uint32_t chunk,

@@ -102,6 +102,7 @@ class Rig:
         ids_p, staged_p, _, gen, ready, _, _, rows, r0, r1, chunk = args[:11]
         staged_layers = args[16]
         g = int(gpu.read_as(gen, 1, np.uint32)[0])
+        assert not any(p <= ready < p + n for p, n in gpu.mapped.values()), "every warp reads its stamp over the link"
         assert int(gpu.read_as(ready + 4 * chunk, 1, np.uint32)[0]) == g, "read before the host stamped it"
         ids = gpu.read_as(ids_p + 8, LAYERS * rows * COLS, np.uint64).reshape(LAYERS, rows, COLS)
         staged = gpu.read_as(staged_p, LAYERS * rows * COLS * STRIDE, np.uint8).reshape(LAYERS, rows, COLS, STRIDE)

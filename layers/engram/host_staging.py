@@ -12,9 +12,9 @@ stream order, all capturable:
    of tokens, every layer) into pinned ``staging`` (``np.take`` releases the GIL) and posts; once
    every share of a chunk is in, the worker stamps it with the call's number in ``ready`` and
    posts ``done``;
-4. per chunk, a host function waits for ``done``, then 5. ``engram_staged_rows`` dequantises the
-   chunk's rows into ``emb`` (reading ``staging`` in place over the link), while the worker
-   gathers the next chunk.
+4. per chunk, a host function waits for ``done`` and the chunk's stamp is copied to the device,
+   then 5. ``engram_staged_rows`` dequantises the chunk's rows into ``emb`` (reading ``staging``
+   in place over the link), while the gather threads work on the next chunk.
 
 The host functions are libc's ``sem_post`` and ``sem_wait`` on this object's semaphores: the
 driver's thread never runs Python, so no thread that holds the GIL while it waits on the driver
@@ -116,6 +116,7 @@ class HostStaging:
         self.staging = _pinned(gpu, own, self.max_items * stride).reshape(self.max_items, stride)
         self.ready = _pinned(gpu, own, 4 * CHUNKS).view(np.uint32)
         self.ready[:] = 0
+        self.ready_copy = own.alloc(4 * CHUNKS)  # the stamps as the kernel reads them: every warp does
         self._ids_host_dev = gpu.host_device_ptr(self.ids_host)
         self._staging_dev = gpu.host_device_ptr(self.staging)
         self._ready_dev = gpu.host_device_ptr(self.ready)
@@ -146,8 +147,9 @@ class HostStaging:
         gpu.launch_host_func(stream, self._post, self.start.address)
         for c, (r0, r1) in enumerate(chunk_bounds(rows)):
             gpu.launch_host_func(stream, self._wait, self.done.address)
+            gpu.copy_d2d_async(self.ready_copy + 4 * c, self._ready_dev + 4 * c, 4, stream)
             launches.staged_rows(
-                self.ids, self._staging_dev, self.gen, self._ready_dev, rows, r0, r1, c, self.staged_layers, stream
+                self.ids, self._staging_dev, self.gen, self.ready_copy, rows, r0, r1, c, self.staged_layers, stream
             )
 
     # -- the host's side -----------------------------------------------------------------------

@@ -108,6 +108,13 @@ def test_bad_calls_are_refused_before_any_launch(rng):
     assert gpu.launches == []
 
 
+@pytest.mark.parametrize(("threads", "error"), [(-1, ValueError), (1024, ValueError), (2.0, TypeError), (True, TypeError)])
+def test_bad_host_threads_are_refused(rng, threads, error):
+    """The decoder's bound is the staging's own: a count it takes, HostStaging takes too."""
+    with pytest.raises(error, match="host_threads"):
+        recording(rng, host_threads=threads)
+
+
 def test_a_token_map_of_the_wrong_size_is_refused(rng):
     cfg = tiny()
     a = arrays(rng, cfg)

@@ -30,7 +30,7 @@ from ..ops.token_history import NO_TOKEN, PAD_SLOT, DecodeError, TokenCode
 from ..resources import Resources
 from ..tensor_parallel import check_collective
 from ..token_history import HistoryCalls, SlotHistories
-from .host_staging import HostStaging
+from .host_staging import THREADS_LIMIT, HostStaging
 from .weights import EngramWeights
 
 __all__ = ["DecodeError", "EngramDecoder", "PAD_SLOT"]
@@ -81,7 +81,7 @@ class EngramDecoder(HistoryCalls):
         max_draft = validate.count(max_draft, f"{_WHAT}: max_draft", limit=1 << 31)
         stream = validate.stream(stream, f"{_WHAT}: stream")
         self.batch_invariant = validate.boolean(batch_invariant, f"{_WHAT}: batch_invariant")
-        threads = validate.count(host_threads, f"{_WHAT}: host_threads", limit=1025)
+        threads = validate.count(host_threads, f"{_WHAT}: host_threads", limit=THREADS_LIMIT)
         cfg, gpu = weights.config, weights.gpu
         self.weights, self.config, self.gpu, self.stream = weights, cfg, gpu, stream
         self.max_seqs, self.max_rows, self.max_draft = max_seqs, max_rows, max_draft

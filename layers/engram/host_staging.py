@@ -41,6 +41,7 @@ from ..resources import Resources
 if TYPE_CHECKING:
     from ..backend_caps import StagingBackend
 
+THREADS_LIMIT = 1024  # gather threads: fewer than this (EngramDecoder's host_threads too)
 CHUNKS = 8  # token ranges a call's rows are staged in (the gather of one overlaps the reads of the last)
 _SEM_BYTES = 64  # at least sizeof(sem_t) (32 on glibc's 64-bit targets)
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -104,7 +105,7 @@ class HostStaging:
         self.gpu = cast("StagingBackend", gpu)
         self.launches = launches
         self.tables = [None if b.host is None else b.host.reshape(-1, b.stride) for b in blocks]  # [rows, stride]
-        self.threads = validate.positive(threads, "host staging threads", limit=1024)
+        self.threads = validate.positive(threads, "host staging threads", limit=THREADS_LIMIT)
         layers, cols, stride = launches.layers, launches.cols, launches.stride
         self.max_items = layers * max_rows * cols
         self.staged_layers = sum(1 << i for i, table in enumerate(self.tables) if table is not None)
@@ -124,7 +125,7 @@ class HostStaging:
         self.start, self.done = _Semaphore(), _Semaphore()
         self.error: BaseException | None = None  # the first gather failure (check_errors raises it)
         self._stopping = False
-        self._call = (0, 0)  # the call being staged: (rows, number)
+        self._rows = 0  # the rows of the call being staged
         self._go = [_Semaphore() for _ in range(self.threads)]  # one a gather thread: a call to stage
         self._parts = [_Semaphore() for _ in range(CHUNKS)]  # chunk c's: a post a thread, its share staged
         self._worker = threading.Thread(target=self._serve, name="engram-staging", daemon=True)
@@ -162,7 +163,7 @@ class HostStaging:
                 return
             header = int(self.ids_host[0])  # the call's rows and number (engram_row_ids)
             rows, gen = header & 0xFFFFFFFF, header >> 32
-            self._call = (rows, gen)
+            self._rows = rows
             for go in self._go:
                 go.post()
             for c in range(len(chunk_bounds(rows))):
@@ -178,7 +179,7 @@ class HostStaging:
             self._go[part].wait()
             if self._stopping:
                 return
-            rows = self._call[0]
+            rows = self._rows
             for c, (r0, r1) in enumerate(chunk_bounds(rows)):
                 try:
                     if self.error is None:

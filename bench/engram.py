@@ -107,7 +107,7 @@ HOST_ROWS_GBS = 13.0  # issue 51's host reads at the real footprint: GB/s of row
 HOST_X_SMALL = 0.7  # ... and that over the GPU's read rate of a small table (SMALL_BYTES of the same memory)
 SMALL_BYTES = 1 << 30
 ROWS_PER_TOKEN, ROW_BYTES = 24, 264  # a layer's rows a token ((N - 1) x heads) and their packed bytes
-HOST_THREADS = min(16, os.cpu_count() or 1)  # the staged lookup's gather threads
+HOST_THREADS = min(8, os.cpu_count() or 1)  # the staged lookup's gather threads (NOTES-engram: fastest)
 STAGED, BUSY = "lookup staged", "lookup staged, busy Python"  # the host table's extra prefill rows
 
 

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from ..backend_caps import StagingBackend
 
 THREADS_LIMIT = 1024  # gather threads: fewer than this (EngramDecoder's host_threads too)
-CHUNKS = 8  # token ranges a call's rows are staged in (the gather of one overlaps the reads of the last)
+CHUNKS = 4  # token ranges a call's rows are staged in (the gather of one overlaps the reads of the last)
 _SEM_BYTES = 64  # at least sizeof(sem_t) (32 on glibc's 64-bit targets)
 _libc = ctypes.CDLL(None, use_errno=True)
 

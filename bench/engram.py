@@ -577,9 +577,11 @@ class Placement:
             ours = [eager_us(fn, s) for fn in (lookup, whole)]
             if staged is not None:
                 staged.reset(0, s)
+                staging = staged.staging  # called directly: the decoder stages only from STAGED_ROWS
+                assert staging is not None
 
                 def staged_lookup(i: int) -> None:
-                    staged.gather((int(toks[i % POOL].ptr), int(cu_d.ptr), int(slot_d.ptr)), 0, 1, n, 0, s)
+                    staging.lookup(int(toks[i % POOL].ptr), int(cu_d.ptr), int(slot_d.ptr), 0, n, 1, 0, s)
 
                 alone = eager_us(staged_lookup, s)
                 with busy_interpreter():

@@ -39,7 +39,7 @@ Buffer = Any  # an address, a DeviceArray, or an array with __cuda_array_interfa
 
 _WHAT = "EngramDecoder"
 FP8_ROWS = 32  # up to this many rows the projection reads wkv in fp8, above it the bf16 copy (faster from 64)
-STAGED_ROWS = 256  # calls of this many rows or more read host tables through HostStaging
+STAGED_ROWS = 3072  # calls of this many rows or more read host tables through HostStaging (NOTES-engram)
 _U8 = (np.dtype(np.uint8), np.dtype(np.bool_))
 
 

@@ -1,6 +1,8 @@
-"""Per-launch host cost of every launch path against its floor: the bare driver call for the
-launchers (``Kernel.launch``, ``layers.ops``' seed launchers and planned ones), the same chain of
-calls doing nothing for the seed's ``KernelLaunch`` builder; cuda.core and CuPy beside them.
+"""Per-launch host cost of every launch path against its floor: the bare driver call for
+``Kernel.launch`` and prepared launches; for ``layers.ops``' launchers, their own kernel's launch
+with the same arguments (``Kernel.launch``, or the GEMM's ``PreparedLaunch.run``: what a launcher
+runs beyond packing and the driver call); the same chain of calls doing nothing for the seed's
+``KernelLaunch`` builder; cuda.core and CuPy beside them. Every row also over the bare call.
 
 Kernel: ``bf16_scaled_add`` (4 arguments: two pointers, an f32, a u32) on 1024 elements, so the
 GPU keeps up and the loop measures the host, unless a row names another. "bare" is
@@ -34,7 +36,7 @@ import numpy as np
 from cuda.bindings import driver as cu
 
 from bench.common import bench_parser, host_time_us, print_table, run
-from gpu_runtime import CudaBackend, KernelLaunch, LaunchConfig, compiler, driver
+from gpu_runtime import CudaBackend, Kernel, KernelLaunch, LaunchConfig, compiler, driver
 from gpu_runtime.cuda_backend import DRIVER_MODULES
 from layers.dense_weight import BF16, DenseWeight
 from layers.kernel_files import kernel_dir, load_kernel
@@ -114,6 +116,24 @@ def empty_chain(bare) -> Callable[[int], None]:
         _EmptyChain(bare, 0).grid([1, 1, 1]).block([256, 1, 1]).arg_ptr(1).arg_ptr(2).arg_f32(0.5).arg_u32(N).launch(0)
 
     return chain
+
+
+def own_launch(kernel: Kernel, launcher: Callable[[int], None]) -> Callable[[int], None]:
+    """``kernel.launch`` with the config, stream and arguments ``launcher`` hands it (recorded from
+    one call), packed at every call: the launcher's packing and driver call alone, its floor."""
+    calls: list[tuple[Any, int, tuple[Any, ...]]] = []
+    launch = kernel.launch
+    kernel.launch = lambda config, stream, *args: calls.append((config, stream, args))
+    try:
+        launcher(0)
+    finally:
+        kernel.launch = launch
+    ((config, stream, args),) = calls
+
+    def floor(i: int) -> None:
+        launch(config, stream, *args)
+
+    return floor
 
 
 def cuda_core_launcher(gpu: CudaBackend, out: int, x: int):
@@ -231,7 +251,14 @@ def gemm_rows(gpu: CudaBackend, stream: int, shapes: list[tuple[int, int, int]])
         def launcher(i: int, a=a, weight=weight, c=c, m=m, n=n, k=k) -> None:
             gemm.dense_gemm_bf16_pipelined(gpu, kernel, a, weight, c, m, n, k, stream)
 
-        rows.append((f"layers.ops.dense_gemm_bf16_pipelined, {m}x{n}x{k} {path}", launcher))
+        prepared = gemm.plan_gemm(gpu, kernel, a, weight, c, m, n, k)
+        assert prepared is not None  # m, n, k >= 1
+
+        def floor(i: int, run=prepared.run) -> None:
+            run(stream)
+
+        name = f"layers.ops.dense_gemm_bf16_pipelined, {m}x{n}x{k} {path}"
+        rows += [(f"{name}: its PreparedLaunch.run", floor, BARE), (name, launcher, f"{name}: its PreparedLaunch.run")]
     return rows
 
 
@@ -279,10 +306,15 @@ def planned_rows(gpu: CudaBackend, stream: int, stub: bool) -> list:
         launches.gather(tokens, 0, tokens, decode_out, 1, 1, 1, stream)
 
     fused_gather.keep = decode_gather.keep = keep  # type: ignore[attr-defined]
+    fused_row = "NgramGather.run (a fused runner's gather), 1 row"
+    decode_row = "DecodeLaunches.gather (the decoder's gather), 1 row"
+    fused_own, decode_own = f"{fused_row}: its Kernel.launch", f"{decode_row}: its Kernel.launch"
     return [
-        ("NgramGather.run (a fused runner's gather), 1 row", fused_gather),
-        ("NgramGather.prepare(...).run (as the fused runner calls it), 1 row", fused_prepared),
-        ("DecodeLaunches.gather (the decoder's gather), 1 row", decode_gather),
+        (fused_own, own_launch(gather.kernel, fused_gather), BARE),
+        (fused_row, fused_gather, fused_own),
+        ("NgramGather.prepare(...).run (as the fused runner calls it), 1 row", fused_prepared, BARE),
+        (decode_own, own_launch(launches.gather_kernel, decode_gather), BARE),
+        (decode_row, decode_gather, decode_own),
     ]
 
 
@@ -308,6 +340,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 BARE, CHAIN = "bare cuLaunchKernel, prebuilt args", "chain floor: the builder's 7 calls, empty, then bare"
+ONE = "Kernel.launch (the one mechanism)"
 
 
 def stubbed(args: argparse.Namespace) -> bool:
@@ -357,11 +390,11 @@ def main(args: argparse.Namespace) -> None:
             ("bare cuLaunchKernelEx, prebuilt config", bare_ex_launcher(kernel, out, x, stream), BARE),
             ("cuda.core launch", None if stub else cuda_core_launcher(gpu, out, x), BARE),
             ("CuPy RawKernel", None if stub else cupy_launcher(), BARE),
-            ("Kernel.launch (the one mechanism)", planned, BARE),
+            (ONE, planned, BARE),
             ("PreparedLaunch.run (arguments packed once)", prepared_run, BARE),
-            ("layers.ops.scaled_add", launcher, BARE),
-            *[(name, fn, BARE) for name, fn in gemm_rows(gpu, stream, [(1, 64, 64)])],
-            *[(name, fn, BARE) for name, fn in planned_rows(gpu, stream, stub)],
+            ("layers.ops.scaled_add", launcher, ONE),
+            *gemm_rows(gpu, stream, [(1, 64, 64)]),
+            *planned_rows(gpu, stream, stub),
             (CHAIN, empty_chain(bare_launcher(gpu, kernel, out, x, stream, handles=True)), BARE),
             ("KernelLaunch builder", builder, CHAIN),
         ]

@@ -204,3 +204,28 @@ def test_a_staging_buffer_is_refilled_only_after_the_copy_reading_it_ran(monkeyp
     driver.wait(driver.named("cuEventRecord")[2][0])
     assert driver.device == {dst: d.tobytes() for dst, d in zip(dsts, data)}
     pool.close()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: np.arange(40, dtype=np.uint32),  # writable
+        lambda: np.arange(40, dtype=np.uint32)[7:19],  # a view at an offset
+        lambda: np.frombuffer(bytes(range(64)), np.uint8),  # read-only
+        lambda: np.zeros(0, np.float32),  # empty
+        lambda: bytearray(b"abcdef"),
+        lambda: memoryview(bytearray(12))[4:],
+        lambda: b"read-only bytes",
+    ],
+    ids=["writable", "offset view", "read-only", "empty", "bytearray", "memoryview", "bytes"],
+)
+def test_host_view_gives_the_buffers_own_address_and_size(make):
+    from gpu_runtime.host_memory import host_view
+
+    host = make()
+    arr = host if isinstance(host, np.ndarray) else np.frombuffer(host, np.uint8)
+    addr, nbytes, keep = host_view(host)
+    assert (addr, nbytes) == (arr.ctypes.data, arr.nbytes)
+    assert np.shares_memory(keep, arr) or nbytes == 0
+    with pytest.raises(ValueError, match="C-contiguous"):
+        host_view(np.arange(40, dtype=np.uint32)[::2])

@@ -189,7 +189,7 @@ def fused_decode(
         "cached, all hits": FusedNgramEmbedding(cached, rows_max, stream),
     }
     sync = lambda: gpu.synchronize(stream)  # noqa: E731
-    table = []
+    table: list[list] = []
     try:
         for batch in FUSED_BATCHES:
             contexts = [rng.integers(0, vocab, CONTEXT + 1) for _ in range(batch)]
@@ -218,6 +218,10 @@ def fused_decode(
 
             for (name, step), (wall, host) in zip(steps.items(), times):
                 f = fused[name]
+
+                def packs(i: int, f: FusedNgramEmbedding = f) -> None:  # a def: mypy cannot type ``lambda i, f=f``
+                    return pack(i, f)
+
                 table.append(
                     [
                         batch,
@@ -227,7 +231,7 @@ def fused_decode(
                         gpu_time_ms(step, stream=stream, warmup=5, iters=50) * 1e3,
                         None,
                         None,
-                        host_time_us(lambda i, f=f: pack(i, f), warmup=100, iters=2000),
+                        host_time_us(packs, warmup=100, iters=2000),
                         misses if f.cached else None,
                     ]
                 )
@@ -395,7 +399,7 @@ def main(args: argparse.Namespace) -> None:
         }
         step_ids = [ids.astype(np.uint32) for ids in ngram_ids_tail(DIMS, ctx, 1)]
         times = interleaved_times_us(list(steps.values()), sync)  # the two alternate: a fair ratio
-        rows = [
+        rows: list[list] = [
             [name, wall, None, host, gpu_time_ms(step, stream=stream, warmup=5, iters=50) * 1e3, None, None, None]
             for (name, step), (wall, host) in zip(steps.items(), times)
         ]

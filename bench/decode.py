@@ -44,7 +44,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -59,15 +59,18 @@ from bench.common import (
     torch_or_none,
 )
 from bench.decode_serving import serving_rows
-from bench.ngram_embed import DIMS, bare_launch_us, device_weight, torch_view
+from bench.ngram_embed import DIMS, bare_launch_us, bf16_tables, device_weight, torch_view
 from gpu_runtime import CudaBackend, DeviceArray, DevicePtr
 from layers import reference
 from layers.dense_weight import BF16
 from layers.kernel_files import load_kernel
 from layers.ngram_embed import HostWeight, NgramDecoder, NgramDims, NgramTable, NgramWeights
-from layers.ngram_embed.tables import Bf16Table
+from layers.ngram_embed.tables import Bf16Table, HostTable
 from layers.ops.embed import batched_embed
 from layers.ops.residual import scaled_add
+
+if TYPE_CHECKING:
+    from layers.backend_caps import MappedBackend
 
 BATCHES = (1, 64)
 PROMPT = 32  # prefill tokens per sequence
@@ -192,7 +195,8 @@ class DeviceRows:
 def reference_check(ctx: Ctx, weights: NgramWeights, b: int, first: np.ndarray) -> None:
     """Rows 0 and B-1 of our first step against layers.reference.ngram_embed_fused (device
     bf16 tables only; other placements have no rows to fetch this way)."""
-    if not all(isinstance(tb, Bf16Table) for tb in weights.tables):
+    resident = [tb.weight for tb in weights.tables if isinstance(tb, Bf16Table)]
+    if len(resident) != len(weights.tables):
         return
     gpu, s, dims = ctx.gpu, ctx.stream, ctx.dims
     projs = []
@@ -200,8 +204,9 @@ def reference_check(ctx: Ctx, weights: NgramWeights, b: int, first: np.ndarray) 
         host = np.empty(p.shape, BF16)
         gpu.copy_d2h(host, p.weight, s)
         projs.append(host)
-    word = DeviceRows(gpu, weights.word, s)
-    tables = [(DeviceRows(gpu, tb.weight, s), None) for tb in weights.tables]
+    # DeviceRows stand in for the arrays: their shape, dtype and rows are all the reference reads
+    word = cast(np.ndarray, DeviceRows(gpu, weights.word, s))
+    tables: reference.NgramTables = [(cast(np.ndarray, DeviceRows(gpu, w, s)), None) for w in resident]
     prompts, pool = ctx.inputs(b)
     for i in sorted({0, b - 1}):
         tokens = np.concatenate([prompts[i], pool[0, i : i + 1]]).astype(np.int64)
@@ -315,7 +320,7 @@ def torch_rows(ctx: Ctx, weights: NgramWeights) -> list[Row]:
     gpu.synchronize(ctx.stream)
     gpu.synchronize(0)
     t_word = torch_view(gpu, weights.word)
-    stacked = torch.cat([torch_view(gpu, tb.weight) for tb in weights.tables])  # one gather, 8 GiB more
+    stacked = torch.cat([torch_view(gpu, w) for w in bf16_tables(weights)])  # one gather, 8 GiB more
     offsets = torch.tensor(np.cumsum([0] + moduli[:-1]), dtype=torch.int64, device="cuda")
     w_cat_t = torch.cat([torch_view(gpu, p) for p in weights.projs], dim=1).t()  # [T*td, D]
     mod = torch.tensor(moduli, dtype=torch.int64, device="cuda")
@@ -406,12 +411,12 @@ def placement_weights(ctx: Ctx, base: NgramWeights, placement: str) -> tuple[Ngr
         return base, None
     if placement == "host":
         gpu, tables = ctx.gpu, []
-        for table in base.tables:
-            w = table.weight
+        mapped = cast("MappedBackend", gpu)  # a CudaBackend: mapped pinned host memory
+        for w in bf16_tables(base):
             buf = gpu.alloc_host(w.nbytes, mapped=True)
             gpu.copy_d2h(buf, w.weight, 0)
             tables.append(
-                NgramTable.Host(HostWeight(gpu.host_device_ptr(buf), w.shape, w.dtype, DevicePtr(0), gpu, buf))
+                NgramTable.Host(HostWeight(gpu.host_device_ptr(buf), w.shape, w.dtype, DevicePtr(0), mapped, buf))
             )
         weights = NgramWeights(ctx.dims, base.word, tables, base.projs, gpu)
         weights.own(*(tb.weight for tb in tables))  # freed with these weights; base's stay base's
@@ -504,7 +509,8 @@ def zero_copy_probe(ctx: Ctx, weights: NgramWeights, out_per_table: bool = False
     table in place, one launch per table (the same rows, tables and footprint as the prefill's
     gather): the zero-copy rate the host-table prefill is compared with. Every launch writes the
     same 4 MiB, which stays in L2; ``out_per_table``: each its own, as the prefill's gather does."""
-    gpu, tables = ctx.gpu, [tb.weight for tb in weights.tables]
+    gpu, tables = ctx.gpu, [tb.weight for tb in weights.tables if isinstance(tb, HostTable)]
+    assert len(tables) == len(weights.tables)  # placement "host": every table a HostTable
     k = load_kernel(gpu, "embed_from_argmax", "batched_embed")
     ids = [DeviceArray.from_numpy(gpu, ctx.rng.integers(0, w.rows, PREFILL).astype(np.uint32)) for w in tables]
     cols = tables[0].cols

@@ -113,7 +113,11 @@ def serving_rows(gpu: Any, s: int, weights: NgramWeights, rng: np.random.Generat
     try:
         choice = rng.choice([0, 1, 2, NO_ADAPTER], 64)
         choice[0] = rng.integers(0, 3)  # B = 1 runs sequence 0 alone: on an adapter
-        ids_of = [adapter_slots.loaded(a).embed.ids for a in range(3)]
+        ids_of = []
+        for slot in range(3):
+            overlay = adapter_slots.loaded(slot)
+            assert overlay is not None and overlay.embed is not None  # _adapter_slots loaded embedding rows in each
+            ids_of.append(overlay.embed.ids)
 
         def token_pool(seqs: np.ndarray) -> np.ndarray:
             """[R, len(seqs)] tokens, column j sequence seqs[j]'s: a quarter of those of a
@@ -133,7 +137,7 @@ def serving_rows(gpu: Any, s: int, weights: NgramWeights, rng: np.random.Generat
         prompts = upload(rng.integers(0, v, 64 * PROMPT))
         cu = upload(np.arange(65) * PROMPT)
         dec.prefill(prompts, cu, live64, 64, 64 * PROMPT, out, s)
-        rows = []
+        rows: list[tuple[str, float, float | None, float | None, str]] = []
         steps += [_Steps(gpu, dec, s, pool, sl, 64, out, rng) for sl in (live64, pad48)]
         exact, padded = steps
         e_us, p_us = exact.us(), padded.us()

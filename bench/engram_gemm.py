@@ -25,12 +25,13 @@ from bench.common import (
     torch_or_none,
     torch_stream,
 )
-from gpu_runtime import CudaBackend
+from gpu_runtime import CudaBackend, PreparedLaunch
 from layers.block_fp8_weight import BlockFp8Weight
 from layers.dense_weight import DenseWeight
 from layers.engram.weights import dequant_blocks
 from layers.kernel_files import load_kernel
 from layers.ops import gemm, gemm_fp8
+from layers.ops.gemm_fp8 import Fp8wLaunch
 
 N, K = 25600, 6144
 ROWS = (1, 16, 64, 256, 1024, 8192)
@@ -53,12 +54,15 @@ def _ours(gpu: CudaBackend, weights: list, m: int, fp8: bool) -> float:
     try:
         gpu.memset(work, 0, need)
         gpu.memset(a, 0x3C, m * K * 2)
+        planned: list[Fp8wLaunch | PreparedLaunch | None]
         if fp8:
             kern = load_kernel(gpu, "gemm", gemm_fp8.KERNEL)
-            plans = [gemm_fp8.plan_fp8w_gemm(gpu, kern, a, w8, c, m, N, K, workspace=work) for w8, _ in weights]
+            planned = [gemm_fp8.plan_fp8w_gemm(gpu, kern, a, w8, c, m, N, K, workspace=work) for w8, _ in weights]
         else:
             kern = load_kernel(gpu, "gemm", gemm.KERNEL)
-            plans = [gemm.plan_gemm(gpu, kern, a, wb, c, m, N, K) for _, wb in weights]
+            planned = [gemm.plan_gemm(gpu, kern, a, wb, c, m, N, K) for _, wb in weights]
+        plans = [plan for plan in planned if plan is not None]
+        assert len(plans) == len(planned)  # m, N and K >= 1: a launch each
         return gated_gpu_us(lambda i: plans[i % SETS].run(0), batch=4)[0]
     finally:
         gpu.free(a)

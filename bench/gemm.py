@@ -111,7 +111,8 @@ def _torch_ms(m: int, n: int, k: int, sets: int) -> float | None:
             / 1e3
         )
     finally:
-        xs.clear(), ws.clear()
+        xs.clear()
+        ws.clear()
         torch.cuda.empty_cache()
 
 

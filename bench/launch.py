@@ -30,7 +30,7 @@ import tempfile
 import types
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from cuda.bindings import driver as cu
@@ -204,7 +204,7 @@ def stub_driver(bindings: bool = False) -> ctypes.CDLL | None:
     driver.init = lambda: None
     driver.device_count = lambda: 1
     driver.compute_capability = lambda device: (9, 0)
-    for module in DRIVER_MODULES:
+    for module in cast(tuple[Any, ...], DRIVER_MODULES):  # each has a ``call`` (a ModuleType declares none)
         module.call = call
     cu.cuFuncGetParamInfo = None  # "this driver cannot report layouts": the checks skip them
     if bindings:
@@ -279,8 +279,22 @@ def planned_rows(gpu: CudaBackend, stream: int, stub: bool) -> list:
         ptrs = [gpu.alloc(64) for _ in range(8)]
         kernel = load_kernel(gpu, "ngram_fused", "ngram_gather")
         gather = NgramGather(gpu, kernel, ptrs[0], ptrs[1], *table_dims)
-        state = dict(max_seqs=4, hist_len=2, vocab=dims.vocab_size, max_draft=0, tables=ptrs[0], pows=ptrs[1])
-        launches = DecodeLaunches(gpu, *ptrs[2:6], **state, **dict(zip(_TABLE_KEYS, table_dims)))
+        num_tables, max_ngram, splits, table_dim, eos = table_dims
+        launches = DecodeLaunches(
+            gpu,
+            *ptrs[2:6],
+            max_seqs=4,
+            hist_len=2,
+            vocab=dims.vocab_size,
+            max_draft=0,
+            tables=ptrs[0],
+            pows=ptrs[1],
+            num_tables=num_tables,
+            max_ngram=max_ngram,
+            splits=splits,
+            table_dim=table_dim,
+            eos=eos,
+        )
         windows, fused_out, decode_out = tokens, ptrs[6], ptrs[7]
     else:
         rng = np.random.default_rng(0)
@@ -316,9 +330,6 @@ def planned_rows(gpu: CudaBackend, stream: int, stub: bool) -> list:
         (decode_own, own_launch(launches.gather_kernel, decode_gather), BARE),
         (decode_row, decode_gather, decode_own),
     ]
-
-
-_TABLE_KEYS = ("num_tables", "max_ngram", "splits", "table_dim", "eos")
 
 
 def make_parser() -> argparse.ArgumentParser:

@@ -38,6 +38,7 @@ from bench.common import (
 from gpu_runtime import CudaBackend, DeviceArray, DeviceBuffer
 from layers.dense_weight import BF16, DenseWeight
 from layers.ngram_embed import FusedNgramEmbedding, NgramDims, NgramEmbedding, NgramTable, NgramWeights, ngram_ids_tail
+from layers.ngram_embed.tables import Bf16Table
 
 SEQ_LENS = (1, 16, 128, 2048, 8192)
 CONTEXT = 4096
@@ -58,6 +59,13 @@ def torch_view(gpu: CudaBackend, w: DenseWeight):
     torch = torch_or_none()
     arr = DeviceArray(gpu, w.weight, w.shape, np.int16)
     return torch.as_tensor(arr, device="cuda").view(torch.bfloat16)
+
+
+def bf16_tables(weights: NgramWeights) -> list[DenseWeight]:
+    """The weights of ``weights``' tables, every one a device bf16 table (``NgramTable.Bf16``)."""
+    tables = [tb.weight for tb in weights.tables if isinstance(tb, Bf16Table)]
+    assert len(tables) == len(weights.tables), "device bf16 tables only"
+    return tables
 
 
 DIMS = NgramDims(
@@ -227,7 +235,7 @@ def fused_table(
     fused = FusedNgramEmbedding(weights, max(SEQ_LENS), stream)
     torch = torch_or_none()
     if torch is not None:
-        stacked = torch.cat([torch_view(gpu, tb.weight) for tb in weights.tables])  # 8 GiB more
+        stacked = torch.cat([torch_view(gpu, w) for w in bf16_tables(weights)])  # 8 GiB more
         offsets = torch.tensor(np.cumsum([0] + [dims.table_rows(c) for c in range(t - 1)]), device="cuda")
         w_cat = torch.cat([torch_view(gpu, p) for p in weights.projs], dim=1)
         t_word = torch_view(gpu, weights.word)
@@ -241,6 +249,7 @@ def fused_table(
         eager_wall = wall_time_us(eager, sync, warmup=3, iters=30)
         ((graph_wall, graph_host),) = interleaved_times_us([graph], sync, warmup=5, iters=60)
         exe = fused.captured_graph(s, out, stream)
+        assert exe is not None  # captured by the graph=True calls just above
         graph_us, late2 = gated_gpu_us(lambda i: gpu.launch_graph(exe, stream), stream=stream)
         torch_us = None
         if torch is not None:

@@ -131,10 +131,51 @@ def test_a_prefill_projection_with_few_tiles_runs_the_persistent_kernel(m):
     NOTES.md "Prefill at real scale"), as the word GEMM does; without TMA, cp.async wgmma only
     with a full wave, else the tiled path."""
     with_tma = gemm.plan(m, 3072, 3072, wgmma=True, tma=True, tma_store=True)
-    assert with_tma.path == "tma_store" and with_tma.grid == min(-(-m // 128) * 12, 132)
-    assert gemm.word_plan(m, 3072, 3072, wgmma=True, tma=True, tma_store=True).kernel == gemm.WORD_TMA_STORE_KERNEL
+    # 128x128 tiles where 128x256 ones leave SMs idle in their last wave: 257 and 384 rows (36 of
+    # 132 SMs busy) and 2048 (192 tiles: a second wave half full); 1024 rows fill 96 SMs either way
+    n128 = m != 1024
+    assert with_tma.path == ("tma_store_n128" if n128 else "tma_store")
+    assert with_tma.grid == min(-(-m // 128) * (24 if n128 else 12), 132)
+    word = gemm.word_plan(m, 3072, 3072, wgmma=True, tma=True, tma_store=True).kernel
+    assert word == (gemm.WORD_TMA_STORE_N128_KERNEL if n128 else gemm.WORD_TMA_STORE_KERNEL)
     without = gemm.plan(m, 3072, 3072, wgmma=True).path
     assert without == ("wgmma" if -(-m // 128) * 12 >= gemm.FILL_TILES else "tiled_128x128" if m >= 768 else "tiled_64x64")
+
+
+@pytest.mark.parametrize("m, n, sms, n128", [
+    (1536, 3072, 132, True),   # 144 tiles of 128x256: 2 waves; 288 of 128x128: 3 half-waves
+    (1024, 3072, 132, False),  # 96 tiles: 1 wave either way, the wider tile kept
+    (257, 3072, 132, True),    # 36 tiles: 72 half-width ones use twice the SMs
+    (2048, 4096, 132, False),  # 256 tiles: 2 waves; 512: 4 half-waves, a tie
+    (2048, 4096, 114, True),   # an H100 PCIe's 114 SMs: 3 waves; 5 half-waves
+])
+def test_n128_tiles_where_they_run_fewer_waves_of_work(m, n, sms, n128):
+    """path=None takes 128x128 tiles only where they finish in fewer waves (half-width waves
+    counted as half); a forced tma_store keeps 128x256 tiles, a forced tma_store_n128 takes them."""
+    auto = gemm.plan(m, n, 512, wgmma=True, tma=True, tma_store=True, sms=sms)
+    assert gemm.use_n128(m, n, sms) is n128
+    assert (auto.path, auto.shared_mem) == (("tma_store_n128", gemm.TMA_N128_SMEM) if n128 else
+                                            ("tma_store", gemm.TMA_STORE_SMEM))
+    assert auto.grid == min(-(-m // 128) * -(-n // (128 if n128 else 256)), sms)
+    for path in ("tma_store", "tma_store_n128"):
+        forced = gemm.plan(m, n, 512, path, wgmma=True, tma=True, tma_store=True, sms=sms)
+        assert forced.path == path and forced.kernel == gemm.KERNELS[path]
+    # no TMA store (c does not suit a tensor map): tma, whatever the tiles
+    assert gemm.plan(m, n, 512, "tma_store_n128", wgmma=True, tma=True, sms=sms).path == "tma"
+
+
+def test_n128_launch_maps_w_in_128_row_boxes():
+    gpu = TmaBackend()
+    kern = load_kernel(gpu, "gemm", gemm.KERNEL)
+    dense_gemm_bf16_pipelined(gpu, kern, _p(0), _weight(3072, 512), _p(2), 1536, 3072, 512, 3)
+    (launch,) = gpu.launches
+    assert gpu.kernel_of(launch) == ("gemm", "dense_gemm_bf16_tma_store_n128")
+    assert launch.grid == (132, 1, 1) and launch.block == (384, 1, 1)
+    assert launch.shared_mem == gemm.TMA_N128_SMEM and launch.kinds == "TTTPPPUUU"
+    assert launch.args[:3] == [fake_tensor_map(int(_p(0)), 1536, 512, 128, 64),
+                               fake_tensor_map(0x200000, 3072, 512, 128, 64),
+                               fake_tensor_map(int(_p(2)), 1536, 3072, 64, 64)]
+    assert launch.args[3:] == [int(_p(0)), 0x200000, int(_p(2)), 1536, 3072, 512]
 
 
 @pytest.mark.parametrize("path", [None, "tma_store"])
@@ -177,8 +218,9 @@ def test_large_m_runs_tma_with_register_stores_where_c_cannot_be_a_tensor_map(c_
     (32, 4096, "small"), (33, 4096, "tma_splitk"), (64, 1024, "tma_splitk"), (64, 1016, "tma_splitk"),
     (32, 512, "small"), (33, 512, "tma_splitk"), (16, 256, "small"), (17, 256, "tma_splitk"),
     (200, 8, "tma_splitk"), (128, 4096, "tma_splitk"), (256, 1024, "tma_splitk"),
-    (257, 4096, "tma_store"), (257, 256, "tma_store"),  # past split-K: the persistent kernel, few tiles or not
-    (1024, 4096, "tma_store"),  # enough 128x256 tiles: the persistent kernel
+    # past split-K: the persistent kernel, few tiles or not (few: 128x128 tiles, 96 of them)
+    (257, 4096, "tma_store_n128"), (257, 256, "tma_store_n128"),
+    (1024, 4096, "tma_store"),  # 128 tiles of 128x256: the persistent kernel in one wave
 ])
 def test_mid_m_runs_splitk_on_sm90a(m, k, path):
     gpu = TmaBackend()
@@ -317,6 +359,7 @@ def test_tma_falls_back_to_wgmma_for_operands_a_tensor_map_cannot_describe(a_off
     ("wgmma", "dense_gemm_bf16_wgmma", 197632),
     ("tma", "dense_gemm_bf16_wgmma", 197632),  # no tensor maps on this backend
     ("tma_store", "dense_gemm_bf16_wgmma", 197632),
+    ("tma_store_n128", "dense_gemm_bf16_wgmma", 197632),
     ("tma_splitk", "dense_gemm_bf16_pipelined", 4 * (64 + 64) * 64),  # ... so path=None's plan
     ("simt", "dense_gemm_bf16_simt", 0),
     ("gemv", "dense_gemm_bf16_pipelined", 4 * (64 + 64) * 64),  # not sm_90a: path=None's plan
@@ -359,6 +402,9 @@ def test_launcher_constants_mirror_the_kernel():
     assert (cu["kTmaStoreStages"], cu["kTmaStagingBytes"], cu["kTmaStoreSmem"]) == (
         gemm.TMA_STORE_STAGES, gemm.TMA_STAGING_BYTES, gemm.TMA_STORE_SMEM)
     assert gemm.TMA_STORE_SMEM <= MAX_SHARED_OPTIN
+    assert (cu["kTmaN128"], cu["kTmaN128Stages"], cu["kTmaN128Smem"]) == (
+        gemm.TMA_N128, gemm.TMA_N128_STAGES, gemm.TMA_N128_SMEM)
+    assert gemm.TMA_N128_SMEM <= MAX_SHARED_OPTIN
     assert (cu["kSplitK"], cu["kSplitBN"], cu["kSplitBM"], cu["kSplitWideBM"], cu["kSplitStages"],
             cu["kSplitWideStages"], cu["kSplitNarrowSmem"], cu["kSplitSmem"]) == (
         gemm.SPLIT_K, gemm.SPLIT_BN, gemm.SPLIT_BM, gemm.SPLIT_WIDE_BM, gemm.SPLIT_STAGES,
@@ -573,6 +619,7 @@ def test_pipelined_kernel_correct_for_any_launch(gpu, rng, m, n, k, grid, block,
 _DIRECT = {  # path -> (rows of a and of w per box, shared memory, maps c too)
     "tma": (gemm.WG_BM, gemm.WG_BN, gemm.TMA_SMEM, False),
     "tma_store": (gemm.WG_BM, gemm.WG_BN, gemm.TMA_STORE_SMEM, True),
+    "tma_store_n128": (gemm.WG_BM, gemm.TMA_N128, gemm.TMA_N128_SMEM, True),
     "tma_splitk": (gemm.SPLIT_BM, gemm.SPLIT_BN, gemm.SPLIT_SMEM, False),
 }
 
@@ -619,8 +666,9 @@ def test_tma_kernel_correct_for_any_launch(gpu, rng, m, n, k, grid, block, smem)
 @pytest.mark.gpu
 @pytest.mark.parametrize("m, n, k", [(1100, 600, 200), (300, 1032, 1032)])  # c maps: n % 8 == 0
 @pytest.mark.parametrize("grid, block, smem", _PERSISTENT_LAUNCHES)
-def test_tma_store_kernel_correct_for_any_launch(gpu, rng, m, n, k, grid, block, smem):
-    _direct_tma_launch(gpu, rng, "tma_store", m, n, k, grid, block, smem)
+@pytest.mark.parametrize("path", ["tma_store", "tma_store_n128"])
+def test_tma_store_kernel_correct_for_any_launch(gpu, rng, path, m, n, k, grid, block, smem):
+    _direct_tma_launch(gpu, rng, path, m, n, k, grid, block, smem)
 
 
 @pytest.mark.gpu

@@ -19,6 +19,7 @@ KERNELS = {
     "wgmma": "dense_gemm_bf16_wgmma",
     "tma": "dense_gemm_bf16_tma",
     "tma_store": "dense_gemm_bf16_tma_store",
+    "tma_store_n128": "dense_gemm_bf16_tma_store_n128",
     "tma_splitk": "dense_gemm_bf16_tma_splitk",
     "simt": "dense_gemm_bf16_simt",
 }
@@ -32,6 +33,7 @@ PATHS = (
     "wgmma",
     "tma",
     "tma_store",
+    "tma_store_n128",
     "tma_splitk",
     "simt",
 )
@@ -45,10 +47,12 @@ WORD_WGMMA_KERNEL = "dense_gemm_bf16_word_wgmma"
 WORD_TMA_KERNEL = "dense_gemm_bf16_word_tma"
 WORD_SPLITK_KERNEL = "dense_gemm_bf16_word_tma_splitk"
 WORD_TMA_STORE_KERNEL = "dense_gemm_bf16_word_tma_store"
+WORD_TMA_STORE_N128_KERNEL = "dense_gemm_bf16_word_tma_store_n128"
 WORD_TWINS = {
     "wgmma": WORD_WGMMA_KERNEL,
     "tma": WORD_TMA_KERNEL,
     "tma_store": WORD_TMA_STORE_KERNEL,
+    "tma_store_n128": WORD_TMA_STORE_N128_KERNEL,
     "tma_splitk": WORD_SPLITK_KERNEL,
 }
 
@@ -96,6 +100,12 @@ TMA_SMEM = TMA_STAGES * (WG_BM + WG_BN) * WG_BK * 2 + 1024 + 16 * TMA_STAGES
 TMA_STORE_STAGES, TMA_STAGING_BYTES = 3, 64 * WG_BN * 2
 TMA_STORE_SMEM = (
     TMA_STORE_STAGES * (WG_BM + WG_BN) * WG_BK * 2 + TMA_CONSUMERS * TMA_STAGING_BYTES + 1024 + 16 * TMA_STORE_STAGES
+)
+# ... with 128x128 tiles (gemm.cu: kTmaN128*): 5 stages, a 64 x 128 staging area per consumer;
+# path=None takes it over 128x256 tiles where it runs fewer waves of work (``use_n128``)
+TMA_N128, TMA_N128_STAGES = 128, 5
+TMA_N128_SMEM = (
+    TMA_N128_STAGES * (WG_BM + TMA_N128) * WG_BK * 2 + TMA_CONSUMERS * 64 * TMA_N128 * 2 + 1024 + 16 * TMA_N128_STAGES
 )
 SMS = 132  # H100 / H200 SXM: the persistent grid when the backend does not say
 
@@ -187,6 +197,14 @@ def use_wgmma(m: int, n: int) -> bool:
     )
 
 
+def use_n128(m: int, n: int, sms: int) -> bool:
+    """Whether 128x128 tiles finish the persistent TMA kernel in fewer waves of work than 128x256
+    tiles: a wave of half-width tiles counted as half a wave (each does half the work), so only
+    where the last wave of 128x256 tiles would leave SMs idle (1536 rows at n = 3072: 3 half-waves
+    against 2 full ones)."""
+    return _cdiv(tile_count(m, n, WG_BM, TMA_N128), sms) < 2 * _cdiv(tile_count(m, n, WG_BM, WG_BN), sms)
+
+
 def use_gemv(m: int, k: int, forced: bool = False) -> bool:
     """The gemv path's shapes: a few rows of a, staged whole in its shared memory; unless
     ``forced``, only k up to GEMV_AUTO_MAX_K (above it ``path=None`` keeps the small path)."""
@@ -218,9 +236,10 @@ def plan(
 
     ``path=None`` chooses: gemv where ``use_gemv`` holds and ``gemv`` (the device and the operands
     allow it: ``gemm.gemv_available``); for m > 64 with enough 128x256 tiles (``use_wgmma``), tma_store
-    (when ``tma`` and ``tma_store``: the device has TMA, a and w suit a tensor map, and so does c),
-    tma (c does not) or wgmma (when ``wgmma``: no TMA); else tma_splitk where ``use_splitk`` (and
-    ``tma``); else, with ``tma``, tma_store or tma for every m > 64 however few tiles; else small
+    (when ``tma`` and ``tma_store``: the device has TMA, a and w suit a tensor map, and so does c;
+    tma_store_n128 where ``use_n128``), tma (c does not) or wgmma (when ``wgmma``: no TMA); else
+    tma_splitk where ``use_splitk`` (and ``tma``); else, with ``tma``, tma_store (or
+    tma_store_n128) or tma for every m > 64 however few tiles; else small
     for m <= 64 and the tiled config ``pick_tile`` gives above, both run by ``KERNEL``
     (``dense_gemm_bf16_pipelined``) itself. A forced TMA or gemv path falls back the same way.
     ``sms``: the persistent TMA grid. ``word=True`` (``word_plan``): the same launch, run by the word-epilogue kernels
@@ -254,8 +273,9 @@ def _path_plan(m: int, n: int, k: int, path: str | None, wgmma: bool, tma: bool,
     if path == "tiled" or path.startswith("tiled_"):
         bm, bn = pick_tile(m, n) if path == "tiled" else _tile_config(path)
         return GemmPlan(f"tiled_{bm}x{bn}", KERNELS["tiled"], _grid(tile_count(m, n, bm, bn)), tile_smem(bm, bn))
-    if path in ("wgmma", "tma", "tma_store"):
-        return _wgmma_plan(m, n, tma and path != "wgmma", tma_store and path == "tma_store", sms)
+    if path in ("wgmma", "tma", "tma_store", "tma_store_n128"):
+        store = tma_store and path.startswith("tma_store")
+        return _wgmma_plan(m, n, tma and path != "wgmma", store, sms, n128=path == "tma_store_n128")
     if path == "tma_splitk":
         return _splitk_plan(m, n, k) if tma else _path_plan(m, n, k, None, wgmma, False, False, sms)
     if path == "simt":
@@ -270,8 +290,14 @@ def _splitk_plan(m: int, n: int, k: int) -> GemmPlan:
     return GemmPlan("tma_splitk", KERNELS["tma_splitk"], min(ctas, _GRID_MAX - 1), SPLIT_SMEM, TMA_THREADS)
 
 
-def _wgmma_plan(m: int, n: int, tma: bool, store: bool, sms: int) -> GemmPlan:
+def _wgmma_plan(m: int, n: int, tma: bool, store: bool, sms: int, n128: bool | None = None) -> GemmPlan:
+    """The persistent TMA kernel (with TMA stores where ``store``, then in 128x128 tiles where
+    ``n128``, or where ``use_n128`` holds when it is None: path=None's choice), else cp.async
+    wgmma."""
     tiles = tile_count(m, n, WG_BM, WG_BN)
+    if tma and store and (n128 or (n128 is None and use_n128(m, n, sms))):
+        grid = min(tile_count(m, n, WG_BM, TMA_N128), sms)
+        return GemmPlan("tma_store_n128", KERNELS["tma_store_n128"], grid, TMA_N128_SMEM, TMA_THREADS)
     if tma and store:
         return GemmPlan("tma_store", KERNELS["tma_store"], min(tiles, sms), TMA_STORE_SMEM, TMA_THREADS)
     if tma:

@@ -106,7 +106,6 @@ LOOKUP_X_FLOOR = 1.1
 HOST_ROWS_GBS = 13.0  # issue 51's host reads at the real footprint: GB/s of rows, prefill lookups ...
 HOST_X_SMALL = 0.7  # ... and that over the GPU's read rate of a small table (SMALL_BYTES of the same memory)
 SMALL_BYTES = 1 << 30
-ROWS_PER_TOKEN, ROW_BYTES = 24, 264  # a layer's rows a token ((N - 1) x heads) and their packed bytes
 HOST_THREADS = min(8, os.cpu_count() or 1)  # the staged lookup's gather threads (NOTES-engram: fastest)
 STAGED, BUSY = "lookup staged", "lookup staged, busy Python"  # the host table's extra prefill rows
 
@@ -757,7 +756,8 @@ def host_read_targets(places: Sequence[Results]) -> list[tuple[str, str, str, in
         for r in p.rows:
             if p.where != "host" or r.call != "prefill" or r.part != STAGED:
                 continue
-            gbs = r.tokens * ROWS_PER_TOKEN * ROW_BYTES / r.ours / 1e3
+            assert r.read_gbs is not None  # a lookup row: its floor's rate over the same rows' bytes
+            gbs = r.read_gbs * r.floor / r.ours
             small = p.small_gbs.get(r.tokens)
             out.append(
                 (
@@ -855,7 +855,7 @@ def report(places: Sequence[Results]) -> None:
         ["target", "table", "call", "tokens", "value", "met"],
         reads,
         note=f"Each row is one prefill lookup with the host table, staged (the host's {HOST_THREADS} threads "
-        f"gather the rows, engram.HostStaging): its GB/s of rows (tokens x {ROWS_PER_TOKEN} x {ROW_BYTES} bytes "
+        f"gather the rows, engram.HostStaging): its GB/s of rows (the rows' bytes, as its floor counts them, "
         f"over its us) at least {HOST_ROWS_GBS:g}, and that over the GPU's random-read rate of a "
         f"{SMALL_BYTES >> 30} GiB table of the same memory "
         f"({', '.join(f'{n} tokens: {g:.1f} GB/s' for n, g in small.items()) or 'not measured'}) at least "

@@ -166,9 +166,12 @@ def test_bench_engram_tables_and_targets_come_through_results(rng, capsys):
     from bench.engram import Check, Results, Row, report
 
     def row(where, call, n, part, torch_x, floor_x, gbs=None):
-        # torch_x: torch / ours, floor_x: ours / floor; gbs: ours from GB/s of rows
+        # torch_x: torch / ours, floor_x: ours / floor; gbs: ours from GB/s of rows (n x 24 rows of 264 bytes,
+        # which the floor's read rate counts too, as bench.engram's floors do)
         ours = float(rng.uniform(5, 5000)) if gbs is None else n * 24 * 264 / gbs / 1e3
-        return Row(where, call, n, part, ours, None if torch_x is None else ours * torch_x, ours / floor_x, 0, 1.5)
+        floor = ours / floor_x
+        return Row(where, call, n, part, ours, None if torch_x is None else ours * torch_x, floor, 0,
+                   n * 24 * 264 / floor / 1e3)
 
     host = Results("host", 384006168, 384006168 * 264, [
         row("host", "decode", 1, "lookup", 3.2, 2.0), row("host", "decode", 1, "whole", 1.1, 2.0),

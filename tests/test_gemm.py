@@ -217,7 +217,9 @@ def test_large_m_runs_tma_with_register_stores_where_c_cannot_be_a_tensor_map(c_
 @pytest.mark.parametrize("m, k, path", [
     (32, 4096, "small"), (33, 4096, "tma_splitk"), (64, 1024, "tma_splitk"), (64, 1016, "tma_splitk"),
     (32, 512, "small"), (33, 512, "tma_splitk"), (16, 256, "small"), (17, 256, "tma_splitk"),
-    (200, 8, "tma_splitk"), (128, 4096, "tma_splitk"), (256, 1024, "tma_splitk"),
+    (200, 8, "tma_splitk"), (128, 4096, "tma_splitk"), (256, 256, "tma_splitk"),
+    # 129-256 rows with k > 256: 128x128 tiles in one wave (64 of them) over split-K
+    (129, 4096, "tma_store_n128"), (256, 1024, "tma_store_n128"),
     # past split-K: the persistent kernel, few tiles or not (few: 128x128 tiles, 96 of them)
     (257, 4096, "tma_store_n128"), (257, 256, "tma_store_n128"),
     (1024, 4096, "tma_store"),  # 128 tiles of 128x256: the persistent kernel in one wave
@@ -240,6 +242,23 @@ def test_mid_m_runs_splitk_on_sm90a(m, k, path):
         dense_gemm_bf16_pipelined(other, load_kernel(other, "gemm", gemm.KERNEL), a, _weight(4096, k),
                                   _p(2), m, 4096, k, 0)
         assert other.kernel_of(other.launches[0])[1] != "dense_gemm_bf16_tma_splitk"
+
+
+@pytest.mark.parametrize("m, n, k, n128", [
+    (129, 3072, 3072, True),     # 48 tiles of 128x128: one wave, half the work of split-K's
+    (256, 4096, 4096, True),
+    (128, 3072, 3072, False),    # split-K's own rows
+    (256, 3072, 256, False),     # short k: split-K's 64-token tiles kept
+    (256, 25600, 6144, False),   # Engram's wkv: 400 tiles of 128x128 run 4 waves, 2 of 128x256
+    (257, 3072, 3072, False),    # past split-K's rows: use_n128 alone decides
+])
+def test_n128_takes_long_k_rows_from_splitk_where_one_wave_holds_them(m, n, k, n128):
+    assert gemm.n128_over_splitk(m, n, k, 132) is n128
+    auto = gemm.plan(m, n, k, wgmma=True, tma=True, tma_store=True)
+    if gemm.use_splitk(m, k) and not gemm.use_wgmma(m, n):
+        assert auto.path == ("tma_store_n128" if n128 else "tma_splitk")
+        # without a TMA store of c (c misaligned) split-K keeps its rows: 128x256 tiles lose there
+        assert gemm.plan(m, n, k, wgmma=True, tma=True).path == "tma_splitk"
 
 
 def test_forced_splitk_plan_is_whole_clusters_of_its_tiles():

@@ -20,7 +20,8 @@ Paths (``path=`` forces one; how each one works: docs/design_notes.md):
   n % 8 == 0), else ``tma``.
 - ``tma_store_n128``  ``tma_store`` in 128x128 tiles: chosen over it where they run fewer waves of
   work on the device's SMs (``use_n128``: the last wave of 128x256 tiles would leave SMs idle).
-- ``tma_splitk``  few rows of a (33 to 256, 17 to 256 for k <= 256: ``use_splitk``): k split over a
+- ``tma_splitk``  few rows of a (33 to 256, 17 to 256 for k <= 256: ``use_splitk``; 129-256 go to
+  ``tma_store_n128`` where ``n128_over_splitk``): k split over a
   2-CTA cluster (its word-epilogue kernel requests its first weight stages before a programmatic
   dependent launch waits); a forced one whose operands a tensor map cannot describe runs what ``path=None``
   would.

@@ -120,6 +120,9 @@ SPLIT_BK = TMA_CONSUMERS * WG_BK
 # beat the small and tiled paths; below those m the small path is quicker to start (the timings:
 # NOTES.md, "Moved from docstrings")
 SPLIT_AUTO_ROWS, SPLIT_AUTO_SHORT_MIN_ROWS = (33, 256), 17
+# ... except above this many rows (k > SPLIT_SHORT_K), where 128x128 TMA-store tiles take them when
+# ``use_n128`` holds (``n128_over_splitk``; NOTES-gemm.md, "128x128 tiles on the GPU")
+SPLIT_N128_ROWS = 128
 
 
 def _split_smem(bm: int, stages: int) -> int:
@@ -205,6 +208,13 @@ def use_n128(m: int, n: int, sms: int) -> bool:
     return _cdiv(tile_count(m, n, WG_BM, TMA_N128), sms) < 2 * _cdiv(tile_count(m, n, WG_BM, WG_BN), sms)
 
 
+def n128_over_splitk(m: int, n: int, k: int, sms: int) -> bool:
+    """Whether ``path=None`` (with TMA stores) takes 128x128 tiles over split-K for rows that
+    ``use_splitk`` would give it: above ``SPLIT_N128_ROWS`` rows with k > ``SPLIT_SHORT_K``,
+    where ``use_n128`` holds."""
+    return m > SPLIT_N128_ROWS and k > SPLIT_SHORT_K and use_splitk(m, k) and use_n128(m, n, sms)
+
+
 def use_gemv(m: int, k: int, forced: bool = False) -> bool:
     """The gemv path's shapes: a few rows of a, staged whole in its shared memory; unless
     ``forced``, only k up to GEMV_AUTO_MAX_K (above it ``path=None`` keeps the small path)."""
@@ -238,7 +248,8 @@ def plan(
     allow it: ``gemm.gemv_available``); for m > 64 with enough 128x256 tiles (``use_wgmma``), tma_store
     (when ``tma`` and ``tma_store``: the device has TMA, a and w suit a tensor map, and so does c;
     tma_store_n128 where ``use_n128``), tma (c does not) or wgmma (when ``wgmma``: no TMA); else
-    tma_splitk where ``use_splitk`` (and ``tma``); else, with ``tma``, tma_store (or
+    tma_splitk where ``use_splitk`` (and ``tma``) unless, with TMA stores, ``n128_over_splitk``
+    gives the rows to tma_store_n128; else, with ``tma``, tma_store (or
     tma_store_n128) or tma for every m > 64 however few tiles; else small
     for m <= 64 and the tiled config ``pick_tile`` gives above, both run by ``KERNEL``
     (``dense_gemm_bf16_pipelined``) itself. A forced TMA or gemv path falls back the same way.
@@ -260,9 +271,10 @@ def _path_plan(m: int, n: int, k: int, path: str | None, wgmma: bool, tma: bool,
         # With TMA, every m > 64 that split-K passes over runs the persistent wgmma kernel, however
         # few tiles it fills: the tiled path was 2-3x slower at every such m measured (NOTES.md,
         # "Prefill at real scale").
-        if wgmma and m > SMALL_MAX_ROWS and (use_wgmma(m, n) or (tma and not use_splitk(m, k))):
+        splitk = tma and use_splitk(m, k) and not (tma_store and n128_over_splitk(m, n, k, sms))
+        if wgmma and m > SMALL_MAX_ROWS and (use_wgmma(m, n) or (tma and not splitk)):
             return _wgmma_plan(m, n, tma, tma_store, sms)
-        if tma and use_splitk(m, k):
+        if splitk:
             return _splitk_plan(m, n, k)
         if m <= SMALL_MAX_ROWS:
             return GemmPlan("small", KERNEL, _small_grid(m, n), small_smem(m))

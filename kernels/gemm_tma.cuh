@@ -17,9 +17,10 @@
 //              store their 64x256 fp32 accumulators through the epilogue (store_fragment), as
 //              the wgmma path does, or with TMA stores (store_tile_tma), the epilogue's operands
 //              then staged in shared memory during the main loop (stage_operands).
-// dense_gemm_bf16_tma_store_n128 runs the same with 128x128 tiles (wgmma m64n128k16, a 128x64
-// box of w, kTmaN128Stages stages): twice the tiles, for shapes whose last wave of 128x256 tiles
-// would leave SMs idle (layers/ops/gemm_plan.py, use_n128).
+// dense_gemm_bf16_tma_store_n128 and _n192 run the same with 128x128 and 128x192 tiles (wgmma
+// m64n128k16 / m64n192k16, a 128x64 / 192x64 box of w, kTmaN128Stages / kTmaN192Stages stages):
+// more tiles of less work, for shapes whose last wave of 128x256 tiles would leave SMs idle
+// (layers/ops/gemm_plan.py, tma_store_width).
 // Mbarrier phases: the n-th use of stage s (n = it / kTmaStages over the CTA's whole k-tile
 // sequence) waits for full-phase parity n & 1; the producer waits for empty-phase parity
 // (n & 1) ^ 1, which a fresh barrier already satisfies for n = 0.
@@ -107,9 +108,12 @@ __device__ __forceinline__ void init_ring(uint32_t full, uint32_t empty, uint32_
 
 template <bool kStore, uint32_t BN>
 __device__ __forceinline__ bool tma_launch_fits() {
-    static_assert(BN == kWgBN || (kStore && BN == kTmaN128), "the TMA path's tiles");
+    static_assert(BN == kWgBN || (kStore && (BN == kTmaN128 || BN == kTmaN192)), "the TMA path's tiles");
     return blockDim.x == kTmaThreads && blockDim.y == 1 && blockDim.z == 1 &&
-           dynamic_smem_bytes() >= (BN == kTmaN128 ? kTmaN128Smem : kStore ? kTmaStoreSmem : kTmaSmem);
+           dynamic_smem_bytes() >= (BN == kTmaN128   ? kTmaN128Smem
+                                    : BN == kTmaN192 ? kTmaN192Smem
+                                    : kStore         ? kTmaStoreSmem
+                                                     : kTmaSmem);
 }
 
 // The TMA-store epilogue. Each consumer owns a 64 x BN staging area: BN / 64 boxes of 64 x 64, 128-byte
@@ -195,8 +199,8 @@ __device__ __forceinline__ void store_tile_tma(const TensorMap& cmap, uint32_t s
 }
 
 // kStore: the TMA-store epilogue (cmap), kTmaStoreStages stages; else register stores to c.
-// BN: the tile's columns, kWgBN (wgmma m64n256k16), or kTmaN128 with kStore (m64n128k16,
-// kTmaN128Stages stages; w_map's box BN rows).
+// BN: the tile's columns, kWgBN (wgmma m64n256k16), or with kStore kTmaN128 (m64n128k16,
+// kTmaN128Stages stages) or kTmaN192 (m64n192k16, kTmaN192Stages); w_map's box BN rows.
 template <bool kStore, uint32_t BN, class Ep>
 __device__ __forceinline__ void tma_gemm(const TensorMap& amap, const TensorMap& wmap,
                                          const TensorMap& cmap, bf16* c, uint32_t m, uint32_t n,
@@ -204,7 +208,10 @@ __device__ __forceinline__ void tma_gemm(const TensorMap& amap, const TensorMap&
     constexpr uint32_t kABytes = kWgBM * kWgBK * 2;
     constexpr uint32_t kStageBytes = (kWgBM + BN) * kWgBK * 2;
     constexpr uint32_t kStagingBytes = 64 * BN * 2;  // a consumer's, kStore only
-    constexpr uint32_t kTmaStages = BN == kTmaN128 ? kTmaN128Stages : kStore ? kTmaStoreStages : kTmaLoadStages;
+    constexpr uint32_t kTmaStages = BN == kTmaN128   ? kTmaN128Stages
+                                    : BN == kTmaN192 ? kTmaN192Stages
+                                    : kStore         ? kTmaStoreStages
+                                                     : kTmaLoadStages;
     const uint32_t tid = threadIdx.x, wg = tid / 128;
     const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
     const uint32_t staging = base + kTmaStages * kStageBytes;

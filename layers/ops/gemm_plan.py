@@ -20,6 +20,7 @@ KERNELS = {
     "tma": "dense_gemm_bf16_tma",
     "tma_store": "dense_gemm_bf16_tma_store",
     "tma_store_n128": "dense_gemm_bf16_tma_store_n128",
+    "tma_store_n192": "dense_gemm_bf16_tma_store_n192",
     "tma_splitk": "dense_gemm_bf16_tma_splitk",
     "simt": "dense_gemm_bf16_simt",
 }
@@ -34,6 +35,7 @@ PATHS = (
     "tma",
     "tma_store",
     "tma_store_n128",
+    "tma_store_n192",
     "tma_splitk",
     "simt",
 )
@@ -48,11 +50,13 @@ WORD_TMA_KERNEL = "dense_gemm_bf16_word_tma"
 WORD_SPLITK_KERNEL = "dense_gemm_bf16_word_tma_splitk"
 WORD_TMA_STORE_KERNEL = "dense_gemm_bf16_word_tma_store"
 WORD_TMA_STORE_N128_KERNEL = "dense_gemm_bf16_word_tma_store_n128"
+WORD_TMA_STORE_N192_KERNEL = "dense_gemm_bf16_word_tma_store_n192"
 WORD_TWINS = {
     "wgmma": WORD_WGMMA_KERNEL,
     "tma": WORD_TMA_KERNEL,
     "tma_store": WORD_TMA_STORE_KERNEL,
     "tma_store_n128": WORD_TMA_STORE_N128_KERNEL,
+    "tma_store_n192": WORD_TMA_STORE_N192_KERNEL,
     "tma_splitk": WORD_SPLITK_KERNEL,
 }
 
@@ -102,11 +106,21 @@ TMA_STORE_SMEM = (
     TMA_STORE_STAGES * (WG_BM + WG_BN) * WG_BK * 2 + TMA_CONSUMERS * TMA_STAGING_BYTES + 1024 + 16 * TMA_STORE_STAGES
 )
 # ... with 128x128 tiles (gemm.cu: kTmaN128*): 5 stages, a 64 x 128 staging area per consumer;
-# path=None takes it over 128x256 tiles where it runs fewer waves of work (``use_n128``)
+# and 128x192 tiles (kTmaN192*): 4 stages, 64 x 192. path=None picks the width (``tma_store_width``).
 TMA_N128, TMA_N128_STAGES = 128, 5
-TMA_N128_SMEM = (
-    TMA_N128_STAGES * (WG_BM + TMA_N128) * WG_BK * 2 + TMA_CONSUMERS * 64 * TMA_N128 * 2 + 1024 + 16 * TMA_N128_STAGES
-)
+TMA_N192, TMA_N192_STAGES = 192, 4
+
+
+def _narrow_smem(bn: int, stages: int) -> int:
+    return stages * (WG_BM + bn) * WG_BK * 2 + TMA_CONSUMERS * 64 * bn * 2 + 1024 + 16 * stages
+
+
+TMA_N128_SMEM = _narrow_smem(TMA_N128, TMA_N128_STAGES)
+TMA_N192_SMEM = _narrow_smem(TMA_N192, TMA_N192_STAGES)
+# A tile's time over a 128x256 tile's, by width: 128 measured on an H100 (bench.gemm --sweep-wide
+# 3072x3072: 55 us for 3 waves of 128x128 tiles at 1536 rows, 36 for one wave of 128x256 at 1024);
+# 192 on the line through those two (NOTES-gemm.md, "128x192 tiles")
+TMA_TILE_COST = {WG_BN: 1.0, TMA_N192: 0.79, TMA_N128: 0.58}
 SMS = 132  # H100 / H200 SXM: the persistent grid when the backend does not say
 
 # TMA split-K path (gemm.cu: kSplit*): 64 w rows x 64 tokens a tile for m <= 64, 128 tokens above
@@ -120,9 +134,9 @@ SPLIT_BK = TMA_CONSUMERS * WG_BK
 # beat the small and tiled paths; below those m the small path is quicker to start (the timings:
 # NOTES.md, "Moved from docstrings")
 SPLIT_AUTO_ROWS, SPLIT_AUTO_SHORT_MIN_ROWS = (33, 256), 17
-# ... except above this many rows (k > SPLIT_SHORT_K), where 128x128 TMA-store tiles take them when
-# ``use_n128`` holds (``n128_over_splitk``; NOTES-gemm.md, "128x128 tiles on the GPU")
-SPLIT_N128_ROWS = 128
+# ... except above this many rows (k > SPLIT_SHORT_K), where narrow TMA-store tiles take them when
+# ``tma_store_width`` picks them (``narrow_over_splitk``; NOTES-gemm.md, "128x128 tiles on the GPU")
+SPLIT_NARROW_ROWS = 128
 
 
 def _split_smem(bm: int, stages: int) -> int:
@@ -200,19 +214,19 @@ def use_wgmma(m: int, n: int) -> bool:
     )
 
 
-def use_n128(m: int, n: int, sms: int) -> bool:
-    """Whether 128x128 tiles finish the persistent TMA kernel in fewer waves of work than 128x256
-    tiles: a wave of half-width tiles counted as half a wave (each does half the work), so only
-    where the last wave of 128x256 tiles would leave SMs idle (1536 rows at n = 3072: 3 half-waves
-    against 2 full ones)."""
-    return _cdiv(tile_count(m, n, WG_BM, TMA_N128), sms) < 2 * _cdiv(tile_count(m, n, WG_BM, WG_BN), sms)
+def tma_store_width(m: int, n: int, sms: int) -> int:
+    """The tile width (256, 192 or 128 columns) whose waves on ``sms`` SMs, each costing its
+    ``TMA_TILE_COST``, finish the persistent TMA-store kernel first; the wider on a tie. Narrow
+    tiles win where the last wave of wide ones would leave SMs idle (1024 rows at n = 3072: 96
+    tiles of 128x256 on 132 SMs, 128 of 128x192)."""
+    return min(TMA_TILE_COST, key=lambda bn: (_cdiv(tile_count(m, n, WG_BM, bn), sms) * TMA_TILE_COST[bn], -bn))
 
 
-def n128_over_splitk(m: int, n: int, k: int, sms: int) -> bool:
-    """Whether ``path=None`` (with TMA stores) takes 128x128 tiles over split-K for rows that
-    ``use_splitk`` would give it: above ``SPLIT_N128_ROWS`` rows with k > ``SPLIT_SHORT_K``,
-    where ``use_n128`` holds."""
-    return m > SPLIT_N128_ROWS and k > SPLIT_SHORT_K and use_splitk(m, k) and use_n128(m, n, sms)
+def narrow_over_splitk(m: int, n: int, k: int, sms: int) -> bool:
+    """Whether ``path=None`` (with TMA stores) takes narrow TMA-store tiles over split-K for rows
+    that ``use_splitk`` would give it: above ``SPLIT_NARROW_ROWS`` rows with k > ``SPLIT_SHORT_K``,
+    where ``tma_store_width`` is under 256."""
+    return m > SPLIT_NARROW_ROWS and k > SPLIT_SHORT_K and use_splitk(m, k) and tma_store_width(m, n, sms) < WG_BN
 
 
 def use_gemv(m: int, k: int, forced: bool = False) -> bool:
@@ -247,10 +261,10 @@ def plan(
     ``path=None`` chooses: gemv where ``use_gemv`` holds and ``gemv`` (the device and the operands
     allow it: ``gemm.gemv_available``); for m > 64 with enough 128x256 tiles (``use_wgmma``), tma_store
     (when ``tma`` and ``tma_store``: the device has TMA, a and w suit a tensor map, and so does c;
-    tma_store_n128 where ``use_n128``), tma (c does not) or wgmma (when ``wgmma``: no TMA); else
-    tma_splitk where ``use_splitk`` (and ``tma``) unless, with TMA stores, ``n128_over_splitk``
-    gives the rows to tma_store_n128; else, with ``tma``, tma_store (or
-    tma_store_n128) or tma for every m > 64 however few tiles; else small
+    tma_store_n128 or tma_store_n192 where ``tma_store_width`` says), tma (c does not) or wgmma
+    (when ``wgmma``: no TMA); else tma_splitk where ``use_splitk`` (and ``tma``) unless, with TMA
+    stores, ``narrow_over_splitk`` gives the rows to narrow tiles; else, with ``tma``, tma_store
+    (or a narrow one) or tma for every m > 64 however few tiles; else small
     for m <= 64 and the tiled config ``pick_tile`` gives above, both run by ``KERNEL``
     (``dense_gemm_bf16_pipelined``) itself. A forced TMA or gemv path falls back the same way.
     ``sms``: the persistent TMA grid. ``word=True`` (``word_plan``): the same launch, run by the word-epilogue kernels
@@ -271,7 +285,7 @@ def _path_plan(m: int, n: int, k: int, path: str | None, wgmma: bool, tma: bool,
         # With TMA, every m > 64 that split-K passes over runs the persistent wgmma kernel, however
         # few tiles it fills: the tiled path was 2-3x slower at every such m measured (NOTES.md,
         # "Prefill at real scale").
-        splitk = tma and use_splitk(m, k) and not (tma_store and n128_over_splitk(m, n, k, sms))
+        splitk = tma and use_splitk(m, k) and not (tma_store and narrow_over_splitk(m, n, k, sms))
         if wgmma and m > SMALL_MAX_ROWS and (use_wgmma(m, n) or (tma and not splitk)):
             return _wgmma_plan(m, n, tma, tma_store, sms)
         if splitk:
@@ -285,9 +299,10 @@ def _path_plan(m: int, n: int, k: int, path: str | None, wgmma: bool, tma: bool,
     if path == "tiled" or path.startswith("tiled_"):
         bm, bn = pick_tile(m, n) if path == "tiled" else _tile_config(path)
         return GemmPlan(f"tiled_{bm}x{bn}", KERNELS["tiled"], _grid(tile_count(m, n, bm, bn)), tile_smem(bm, bn))
-    if path in ("wgmma", "tma", "tma_store", "tma_store_n128"):
+    if path in ("wgmma", "tma", "tma_store", "tma_store_n128", "tma_store_n192"):
         store = tma_store and path.startswith("tma_store")
-        return _wgmma_plan(m, n, tma and path != "wgmma", store, sms, n128=path == "tma_store_n128")
+        width = TMA_N128 if path == "tma_store_n128" else TMA_N192 if path == "tma_store_n192" else WG_BN
+        return _wgmma_plan(m, n, tma and path != "wgmma", store, sms, width)
     if path == "tma_splitk":
         return _splitk_plan(m, n, k) if tma else _path_plan(m, n, k, None, wgmma, False, False, sms)
     if path == "simt":
@@ -302,16 +317,15 @@ def _splitk_plan(m: int, n: int, k: int) -> GemmPlan:
     return GemmPlan("tma_splitk", KERNELS["tma_splitk"], min(ctas, _GRID_MAX - 1), SPLIT_SMEM, TMA_THREADS)
 
 
-def _wgmma_plan(m: int, n: int, tma: bool, store: bool, sms: int, n128: bool | None = None) -> GemmPlan:
-    """The persistent TMA kernel (with TMA stores where ``store``, then in 128x128 tiles where
-    ``n128``, or where ``use_n128`` holds when it is None: path=None's choice), else cp.async
-    wgmma."""
+def _wgmma_plan(m: int, n: int, tma: bool, store: bool, sms: int, width: int | None = None) -> GemmPlan:
+    """The persistent TMA kernel (with TMA stores where ``store``, then in tiles ``width`` columns
+    wide, or ``tma_store_width``'s when it is None: path=None's choice), else cp.async wgmma."""
     tiles = tile_count(m, n, WG_BM, WG_BN)
-    if tma and store and (n128 or (n128 is None and use_n128(m, n, sms))):
-        grid = min(tile_count(m, n, WG_BM, TMA_N128), sms)
-        return GemmPlan("tma_store_n128", KERNELS["tma_store_n128"], grid, TMA_N128_SMEM, TMA_THREADS)
     if tma and store:
-        return GemmPlan("tma_store", KERNELS["tma_store"], min(tiles, sms), TMA_STORE_SMEM, TMA_THREADS)
+        bn = tma_store_width(m, n, sms) if width is None else width
+        path = "tma_store" if bn == WG_BN else f"tma_store_n{bn}"
+        smem = {WG_BN: TMA_STORE_SMEM, TMA_N192: TMA_N192_SMEM, TMA_N128: TMA_N128_SMEM}[bn]
+        return GemmPlan(path, KERNELS[path], min(tile_count(m, n, WG_BM, bn), sms), smem, TMA_THREADS)
     if tma:
         return GemmPlan("tma", KERNELS["tma"], min(tiles, sms), TMA_SMEM, TMA_THREADS)
     return GemmPlan("wgmma", KERNELS["wgmma"], _grid(tiles), WG_SMEM)

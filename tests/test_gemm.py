@@ -144,14 +144,16 @@ def test_a_prefill_projection_with_few_tiles_runs_the_persistent_kernel(m):
 
 
 @pytest.mark.parametrize("m, n, sms, bn", [
-    (1536, 3072, 132, 192),   # 144 tiles of 128x256: 2 waves (2.0); 192 of 128x192: 2 (1.58); 288 of 128x128: 3 (1.74)
-    (1024, 3072, 132, 192),   # 96 tiles: 1 wave (1.0); 128 of 128x192: 1 (0.79); 192 of 128x128: 2 (1.16)
-    (1280, 3072, 132, 256),   # 120 tiles: 1 wave; 160 and 240 narrow ones: 2 waves each
+    # waves x TMA_TILE_COST: 256 wide 1.0, 192 0.72, 128 0.51; narrower only at <= 0.97x
+    (1536, 3072, 132, 192),   # 144 tiles of 128x256: 2 waves (2.0); 192 of 128x192: 2 (1.44); 288 of 128x128: 3 (1.53)
+    (1024, 3072, 132, 192),   # 96 tiles: 1 wave (1.0); 128 of 128x192: 1 (0.72); 192 of 128x128: 2 (1.02)
+    (1280, 3072, 132, 256),   # 120 tiles: 1 wave; 160 and 240 narrow ones: 2 waves (1.44, 1.02)
     (257, 3072, 132, 128),    # 36 tiles: 72 of 128x128 still one wave, the cheapest tiles
-    (2048, 4096, 132, 256),   # 256 tiles: 2 waves (2.0); 352: 3 (2.37); 512: 4 (2.32)
-    (1536, 4096, 132, 192),   # 192 tiles: 2 (2.0); 264 of 128x192 (22 columns, the last part-filled): 2 (1.58)
-    (2048, 4096, 114, 128),   # an H100 PCIe's 114 SMs: 3 waves (3.0); 4 (3.16); 5 (2.9)
-    (8192, 8192, 132, 256),   # many waves: the wide tile, least overhead
+    (2048, 4096, 132, 256),   # 256 tiles: 2 waves (2.0); 352: 3 (2.16); 512: 4 (2.04)
+    (1536, 4096, 132, 192),   # 192 tiles: 2 (2.0); 264 of 128x192 (22 columns, the last part-filled): 2 (1.44)
+    (2048, 4096, 114, 128),   # an H100 PCIe's 114 SMs: 3 waves (3.0); 4 (2.88); 5 (2.55)
+    (8192, 4096, 132, 256),   # 1024 tiles: 8 waves (8.0); 1408: 11 (7.92), not 0.97x
+    (8192, 8192, 132, 192),   # 2048 tiles: 16 waves (16.0); 2752: 21 (15.12)
 ])
 def test_narrow_tiles_where_they_finish_sooner(m, n, sms, bn):
     """path=None takes the tile width whose waves, each at its TMA_TILE_COST, finish first; a
@@ -225,7 +227,7 @@ def test_large_m_runs_tma_with_register_stores_where_c_cannot_be_a_tensor_map(c_
     (32, 4096, "small"), (33, 4096, "tma_splitk"), (64, 1024, "tma_splitk"), (64, 1016, "tma_splitk"),
     (32, 512, "small"), (33, 512, "tma_splitk"), (16, 256, "small"), (17, 256, "tma_splitk"),
     (200, 8, "tma_splitk"), (128, 4096, "tma_splitk"), (256, 256, "tma_splitk"),
-    # 129-256 rows with k > 256: 128x128 tiles in one wave (64 of them) over split-K
+    # 129-256 rows with k > 256: 128x128 tiles in one wave (64 of them) over split-K's 256 CTAs
     (129, 4096, "tma_store_n128"), (256, 1024, "tma_store_n128"),
     # past split-K: the persistent kernel, few tiles or not (few: 128x128 tiles, 96 of them)
     (257, 4096, "tma_store_n128"), (257, 256, "tma_store_n128"),
@@ -252,11 +254,14 @@ def test_mid_m_runs_splitk_on_sm90a(m, k, path):
 
 
 @pytest.mark.parametrize("m, n, k, narrow", [
-    (129, 3072, 3072, True),     # 48 tiles of 128x128: one wave, faster than split-K's
-    (256, 4096, 4096, True),
-    (128, 3072, 3072, False),    # split-K's own rows
+    (129, 3072, 3072, True),     # split-K: 192 CTAs, past one wave; 48 tiles of 128x128: one
+    (256, 4096, 4096, True),     # 256 CTAs; 64 tiles
+    (128, 8192, 4096, True),     # 256 CTAs (64-row tiles of w, one 128-token tile); 64 tiles
+    (128, 3072, 3072, False),    # 96 CTAs: split-K's one wave kept
+    (128, 4096, 4096, False),    # 128 CTAs
     (256, 3072, 256, False),     # short k: split-K's 64-token tiles kept
     (256, 25600, 6144, False),   # Engram's wkv: 400 tiles of 128x128 run 4 waves, 2 of 128x256
+    (64, 8192, 4096, False),     # m <= 64: never the persistent kernel's 128-row tiles
     (257, 3072, 3072, False),    # past split-K's rows: tma_store_width alone decides
 ])
 def test_narrow_tiles_take_long_k_rows_from_splitk_where_they_run_faster(m, n, k, narrow):

@@ -21,8 +21,8 @@ Paths (``path=`` forces one; how each one works: docs/design_notes.md):
 - ``tma_store_n128``, ``tma_store_n192``  ``tma_store`` in 128x128 or 128x192 tiles: chosen over it
   where they finish sooner on the device's SMs (``tma_store_width``: the last wave of 128x256
   tiles would leave SMs idle).
-- ``tma_splitk``  few rows of a (33 to 256, 17 to 256 for k <= 256: ``use_splitk``; 129-256 go to
-  narrow TMA-store tiles where ``narrow_over_splitk``): k split over a
+- ``tma_splitk``  few rows of a (33 to 256, 17 to 256 for k <= 256: ``use_splitk``; some go to
+  narrow TMA-store tiles: ``narrow_over_splitk``): k split over a
   2-CTA cluster (its word-epilogue kernel requests its first weight stages before a programmatic
   dependent launch waits); a forced one whose operands a tensor map cannot describe runs what ``path=None``
   would.

@@ -117,10 +117,12 @@ def _narrow_smem(bn: int, stages: int) -> int:
 
 TMA_N128_SMEM = _narrow_smem(TMA_N128, TMA_N128_STAGES)
 TMA_N192_SMEM = _narrow_smem(TMA_N192, TMA_N192_STAGES)
-# A tile's time over a 128x256 tile's, by width: 128 measured on an H100 (bench.gemm --sweep-wide
-# 3072x3072: 55 us for 3 waves of 128x128 tiles at 1536 rows, 36 for one wave of 128x256 at 1024);
-# 192 on the line through those two (NOTES-gemm.md, "128x192 tiles")
-TMA_TILE_COST = {WG_BN: 1.0, TMA_N192: 0.79, TMA_N128: 0.58}
+# A wave of tiles' time over a wave of 128x256 tiles', by width: what each further wave added in
+# bench.gemm --sweep-wide 3072x3072 on an H100 (128x256 ~34.5 us, 128x192 ~25, 128x128 ~17.5);
+# a narrower width is taken only where it comes out at least TMA_NARROW_GAIN cheaper (NOTES-gemm.md,
+# "128x192 tiles on the GPU")
+TMA_TILE_COST = {WG_BN: 1.0, TMA_N192: 0.72, TMA_N128: 0.51}
+TMA_NARROW_GAIN = 0.97
 SMS = 132  # H100 / H200 SXM: the persistent grid when the backend does not say
 
 # TMA split-K path (gemm.cu: kSplit*): 64 w rows x 64 tokens a tile for m <= 64, 128 tokens above
@@ -134,9 +136,8 @@ SPLIT_BK = TMA_CONSUMERS * WG_BK
 # beat the small and tiled paths; below those m the small path is quicker to start (the timings:
 # NOTES.md, "Moved from docstrings")
 SPLIT_AUTO_ROWS, SPLIT_AUTO_SHORT_MIN_ROWS = (33, 256), 17
-# ... except above this many rows (k > SPLIT_SHORT_K), where narrow TMA-store tiles take them when
-# ``tma_store_width`` picks them (``narrow_over_splitk``; NOTES-gemm.md, "128x128 tiles on the GPU")
-SPLIT_NARROW_ROWS = 128
+# ... except where its clusters need more than one wave and narrow TMA-store tiles fit in one
+# (``narrow_over_splitk``; NOTES-gemm.md, "128x192 tiles on the GPU")
 
 
 def _split_smem(bm: int, stages: int) -> int:
@@ -216,17 +217,30 @@ def use_wgmma(m: int, n: int) -> bool:
 
 def tma_store_width(m: int, n: int, sms: int) -> int:
     """The tile width (256, 192 or 128 columns) whose waves on ``sms`` SMs, each costing its
-    ``TMA_TILE_COST``, finish the persistent TMA-store kernel first; the wider on a tie. Narrow
-    tiles win where the last wave of wide ones would leave SMs idle (1024 rows at n = 3072: 96
-    tiles of 128x256 on 132 SMs, 128 of 128x192)."""
-    return min(TMA_TILE_COST, key=lambda bn: (_cdiv(tile_count(m, n, WG_BM, bn), sms) * TMA_TILE_COST[bn], -bn))
+    ``TMA_TILE_COST``, finish the persistent TMA-store kernel first, a narrower one only where it
+    is ``TMA_NARROW_GAIN`` of the wider's or less. Narrow tiles win where the last wave of wide
+    ones would leave SMs idle (1024 rows at n = 3072: 96 tiles of 128x256 on 132 SMs, 128 of
+    128x192)."""
+    best, cost = WG_BN, float(_cdiv(tile_count(m, n, WG_BM, WG_BN), sms))
+    for bn in (TMA_N192, TMA_N128):
+        narrow = _cdiv(tile_count(m, n, WG_BM, bn), sms) * TMA_TILE_COST[bn]
+        if narrow <= TMA_NARROW_GAIN * cost:
+            best, cost = bn, narrow
+    return best
 
 
 def narrow_over_splitk(m: int, n: int, k: int, sms: int) -> bool:
     """Whether ``path=None`` (with TMA stores) takes narrow TMA-store tiles over split-K for rows
-    that ``use_splitk`` would give it: above ``SPLIT_NARROW_ROWS`` rows with k > ``SPLIT_SHORT_K``,
-    where ``tma_store_width`` is under 256."""
-    return m > SPLIT_NARROW_ROWS and k > SPLIT_SHORT_K and use_splitk(m, k) and tma_store_width(m, n, sms) < WG_BN
+    that ``use_splitk`` would give it: past ``SMALL_MAX_ROWS`` rows with k > ``SPLIT_SHORT_K``,
+    where split-K's clusters need more CTAs than ``sms`` and ``tma_store_width`` is under 256 (its
+    tiles then fit one wave: 256 rows at n = 3072, 128 at n = 8192)."""
+    return (
+        m > SMALL_MAX_ROWS
+        and k > SPLIT_SHORT_K
+        and use_splitk(m, k)
+        and _splitk_plan(m, n, k).grid > sms
+        and tma_store_width(m, n, sms) < WG_BN
+    )
 
 
 def use_gemv(m: int, k: int, forced: bool = False) -> bool:

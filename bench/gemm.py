@@ -200,8 +200,8 @@ def one_shape(spec: tuple[int, ...], path: str | None) -> None:
 SWEEP_ROWS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
 SWEEP_PATHS = ("gemv", "small", "tiled", "tma_splitk")
 # --sweep-wide: a prefill's rows, on the paths for m > 64
-WIDE_ROWS = (128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 8192)
-WIDE_PATHS = ("tiled", "tma_splitk", "wgmma", "tma", "tma_store")
+WIDE_ROWS = (128, 256, 384, 512, 768, 1024, 1280, 1536, 1792, 2048, 3072, 4096, 8192)
+WIDE_PATHS = ("tiled", "tma_splitk", "wgmma", "tma", "tma_store", "tma_store_n128", "tma_store_n192")
 
 
 def sweep(spec: tuple[int, ...], wide: bool = False) -> None:

@@ -409,16 +409,14 @@ def main(args: argparse.Namespace) -> None:
             (CHAIN, empty_chain(bare_launcher(gpu, kernel, out, x, stream, handles=True)), BARE),
             ("KernelLaunch builder", builder, CHAIN),
         ]
-        times = {}
-        for name, fn, _ in cases:
-            if fn is None:
-                continue
-            sync = getattr(fn, "sync", lambda: None if stub else gpu.synchronize(stream))
-            best = []
-            for _ in range(3):  # best of three medians-of-loops: host noise only adds
-                best.append(host_time_us(fn))
-                sync()
-            times[name] = min(best)
+        times: dict[str, float] = {}
+        for _round in range(3):  # best of three rounds over every row (host noise only adds; a drift of
+            for name, fn, _ in cases:  # the host's clock during the run reaches each row alike)
+                if fn is None:
+                    continue
+                us = host_time_us(fn)
+                getattr(fn, "sync", lambda: None if stub else gpu.synchronize(stream))()
+                times[name] = min(us, times.get(name, us))
         bare = times[BARE]
         rows = []
         for name, _, floor in cases:
@@ -436,8 +434,9 @@ def main(args: argparse.Namespace) -> None:
             "The driver is stubbed (every call returns at once): us/launch is the Python a path costs on top of "
             "the driver call, x floor that over its floor's row (cuda.core and CuPy not run)."
             if stub
-            else "Each row is a launch path: us/launch is host time per launch (tight loop, best of 3), x floor that "
-            "over its floor's row (measured in this run), x bare over the bare cuLaunchKernel; - where not installed."
+            else "Each row is a launch path: us/launch is host time per launch (tight loop, best of 3 rounds over "
+            "every row), x floor that over its floor's row (measured in this run), x bare over the bare "
+            "cuLaunchKernel; - where not installed."
         )
         print_table(
             f"launch cost ({what}, 4-argument kernel unless named)",

@@ -115,6 +115,16 @@ constexpr uint32_t kTmaSmem = kTmaLoadStages * kWgStageBytes + 1024 + 16 * kTmaL
 constexpr uint32_t kTmaStoreStages = 3;
 constexpr uint32_t kTmaStagingBytes = 64 * kWgBN * 2;
 constexpr uint32_t kTmaStoreSmem = kTmaStoreStages * kWgStageBytes + kTmaConsumers * kTmaStagingBytes + 1024 + 16 * kTmaStoreStages;
+// ... with 128-column tiles (tma_store_n128: twice the tiles, for shapes whose last wave of
+// 128x256 tiles leaves SMs idle): 32 KB stages, 5 of them, a 64 x 128 staging area per consumer
+constexpr uint32_t kTmaN128 = 128;
+constexpr uint32_t kTmaN128Stages = 5;
+constexpr uint32_t kTmaN128Smem = kTmaN128Stages * (kWgBM + kTmaN128) * kWgBK * 2 + kTmaConsumers * 64 * kTmaN128 * 2 + 1024 + 16 * kTmaN128Stages;
+// ... with 192-column tiles (tma_store_n192: three quarters of the work a tile, for shapes whose
+// 128x256 tiles fill one wave only in part): 40 KB stages, 4 of them, a 64 x 192 staging area per consumer
+constexpr uint32_t kTmaN192 = 192;
+constexpr uint32_t kTmaN192Stages = 4;
+constexpr uint32_t kTmaN192Smem = kTmaN192Stages * (kWgBM + kTmaN192) * kWgBK * 2 + kTmaConsumers * 64 * kTmaN192 * 2 + 1024 + 16 * kTmaN192Stages;
 
 // TMA split-K path (swap-AB): tiles of 64 w rows x 64 tokens (m <= 64) or 128 tokens (m > 64,
 // so that w is read once for m <= 128); k split over a cluster of kSplitK CTAs and, inside a CTA,
@@ -274,10 +284,12 @@ __device__ __forceinline__ void wgmma_or_tiled_gemm(const bf16* a, const bf16* w
 // The TMA paths on sm_90a builds when the launch fits the one chosen (384 threads and its shared
 // memory), else simt (a and w come by pointer too, for it; the tiled path would need more than the
 // 168 registers of a 384-thread CTA). kTmaLoadOnly / kTmaStoreC: tma_gemm with register or TMA
-// stores (cmap is read only by the latter); kTmaSplitK: tma_splitk_gemm. kDependent (split-K only):
+// stores (cmap is read only by the latter); kTmaStoreN128 / kTmaStoreN192: kTmaStoreC with 128- or
+// 192-column tiles;
+// kTmaSplitK: tma_splitk_gemm. kDependent (split-K only):
 // a programmatic dependent launch that waits for the kernel before itself (pdl_wait), the split-K
 // path once it has requested its first weight stages.
-enum TmaPath : uint32_t { kTmaLoadOnly, kTmaStoreC, kTmaSplitK };
+enum TmaPath : uint32_t { kTmaLoadOnly, kTmaStoreC, kTmaSplitK, kTmaStoreN128, kTmaStoreN192 };
 
 template <uint32_t P, bool kDependent = false, class Ep>
 __device__ __forceinline__ void tma_or_simt_gemm(const TensorMap& amap, const TensorMap& wmap,
@@ -286,11 +298,13 @@ __device__ __forceinline__ void tma_or_simt_gemm(const TensorMap& amap, const Te
                                                   uint32_t k, const Ep& ep) {
     static_assert(!kDependent || P == kTmaSplitK, "only the split-K path waits itself");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    if (P == kTmaSplitK ? splitk_launch_fits() : tma_launch_fits<P == kTmaStoreC>()) {
+    constexpr bool kStore = P == kTmaStoreC || P == kTmaStoreN128 || P == kTmaStoreN192;
+    constexpr uint32_t kBN = P == kTmaStoreN128 ? kTmaN128 : P == kTmaStoreN192 ? kTmaN192 : kWgBN;
+    if (P == kTmaSplitK ? splitk_launch_fits() : tma_launch_fits<kStore, kBN>()) {
         if constexpr (P == kTmaSplitK) {
             tma_splitk_gemm<kDependent>(amap, wmap, c, m, n, k, ep);
         } else {
-            tma_gemm<P == kTmaStoreC>(amap, wmap, cmap, c, m, n, k, ep);
+            tma_gemm<kStore, kBN>(amap, wmap, cmap, c, m, n, k, ep);
         }
         return;
     }
@@ -358,6 +372,24 @@ dense_gemm_bf16_tma_store(const __grid_constant__ TensorMap a_map,
                           const __grid_constant__ TensorMap c_map, const bf16* a, const bf16* w,
                           bf16* c, uint32_t m, uint32_t n, uint32_t k) {
     gemm::tma_or_simt_gemm<gemm::kTmaStoreC>(a_map, w_map, c_map, a, w, c, m, n, k, gemm::PlainEpilogue{});
+}
+
+// dense_gemm_bf16_tma_store with 128x128 tiles (kTmaN128Smem bytes): w_map's box 64 x 128.
+extern "C" __global__ void __launch_bounds__(384, 1)
+dense_gemm_bf16_tma_store_n128(const __grid_constant__ TensorMap a_map,
+                               const __grid_constant__ TensorMap w_map,
+                               const __grid_constant__ TensorMap c_map, const bf16* a, const bf16* w,
+                               bf16* c, uint32_t m, uint32_t n, uint32_t k) {
+    gemm::tma_or_simt_gemm<gemm::kTmaStoreN128>(a_map, w_map, c_map, a, w, c, m, n, k, gemm::PlainEpilogue{});
+}
+
+// dense_gemm_bf16_tma_store with 128x192 tiles (kTmaN192Smem bytes): w_map's box 64 x 192.
+extern "C" __global__ void __launch_bounds__(384, 1)
+dense_gemm_bf16_tma_store_n192(const __grid_constant__ TensorMap a_map,
+                               const __grid_constant__ TensorMap w_map,
+                               const __grid_constant__ TensorMap c_map, const bf16* a, const bf16* w,
+                               bf16* c, uint32_t m, uint32_t n, uint32_t k) {
+    gemm::tma_or_simt_gemm<gemm::kTmaStoreN192>(a_map, w_map, c_map, a, w, c, m, n, k, gemm::PlainEpilogue{});
 }
 
 // The split-K TMA path (sm_90a builds; 384 threads, kSplitSmem bytes, a grid of whole clusters of
@@ -455,6 +487,32 @@ dense_gemm_bf16_word_tma_store(const __grid_constant__ TensorMap a_map,
     pdl_wait();
     gemm::tma_or_simt_gemm<gemm::kTmaStoreC>(a_map, w_map, c_map, a, w, c, m, n, k,
                                  gemm::word_epilogue(word_ids, word, word_over, n, scale));
+}
+
+// dense_gemm_bf16_tma_store_n128 with the word epilogue.
+extern "C" __global__ void __launch_bounds__(384, 1)
+dense_gemm_bf16_word_tma_store_n128(const __grid_constant__ TensorMap a_map,
+                                    const __grid_constant__ TensorMap w_map,
+                                    const __grid_constant__ TensorMap c_map, const bf16* a,
+                                    const bf16* w, bf16* c, uint32_t m, uint32_t n, uint32_t k,
+                                    const uint32_t* word_ids, const bf16* word,
+                                    const bf16* const* word_over, float scale) {
+    pdl_wait();
+    gemm::tma_or_simt_gemm<gemm::kTmaStoreN128>(a_map, w_map, c_map, a, w, c, m, n, k,
+                                    gemm::word_epilogue(word_ids, word, word_over, n, scale));
+}
+
+// dense_gemm_bf16_tma_store_n192 with the word epilogue.
+extern "C" __global__ void __launch_bounds__(384, 1)
+dense_gemm_bf16_word_tma_store_n192(const __grid_constant__ TensorMap a_map,
+                                    const __grid_constant__ TensorMap w_map,
+                                    const __grid_constant__ TensorMap c_map, const bf16* a,
+                                    const bf16* w, bf16* c, uint32_t m, uint32_t n, uint32_t k,
+                                    const uint32_t* word_ids, const bf16* word,
+                                    const bf16* const* word_over, float scale) {
+    pdl_wait();
+    gemm::tma_or_simt_gemm<gemm::kTmaStoreN192>(a_map, w_map, c_map, a, w, c, m, n, k,
+                                    gemm::word_epilogue(word_ids, word, word_over, n, scale));
 }
 
 // dense_gemm_bf16_tma_splitk with the word epilogue.

@@ -17,6 +17,10 @@
 //              store their 64x256 fp32 accumulators through the epilogue (store_fragment), as
 //              the wgmma path does, or with TMA stores (store_tile_tma), the epilogue's operands
 //              then staged in shared memory during the main loop (stage_operands).
+// dense_gemm_bf16_tma_store_n128 and _n192 run the same with 128x128 and 128x192 tiles (wgmma
+// m64n128k16 / m64n192k16, a 128x64 / 192x64 box of w, kTmaN128Stages / kTmaN192Stages stages):
+// more tiles of less work, for shapes whose last wave of 128x256 tiles would leave SMs idle
+// (layers/ops/gemm_plan.py, tma_store_width).
 // Mbarrier phases: the n-th use of stage s (n = it / kTmaStages over the CTA's whole k-tile
 // sequence) waits for full-phase parity n & 1; the producer waits for empty-phase parity
 // (n & 1) ^ 1, which a fresh barrier already satisfies for n = 0.
@@ -102,13 +106,17 @@ __device__ __forceinline__ void init_ring(uint32_t full, uint32_t empty, uint32_
     __syncthreads();
 }
 
-template <bool kStore>
+template <bool kStore, uint32_t BN>
 __device__ __forceinline__ bool tma_launch_fits() {
+    static_assert(BN == kWgBN || (kStore && (BN == kTmaN128 || BN == kTmaN192)), "the TMA path's tiles");
     return blockDim.x == kTmaThreads && blockDim.y == 1 && blockDim.z == 1 &&
-           dynamic_smem_bytes() >= (kStore ? kTmaStoreSmem : kTmaSmem);
+           dynamic_smem_bytes() >= (BN == kTmaN128   ? kTmaN128Smem
+                                    : BN == kTmaN192 ? kTmaN192Smem
+                                    : kStore         ? kTmaStoreSmem
+                                                     : kTmaSmem);
 }
 
-// The TMA-store epilogue. Each consumer owns a 64 x 256 staging area: four 64 x 64 boxes, 128-byte
+// The TMA-store epilogue. Each consumer owns a 64 x BN staging area: BN / 64 boxes of 64 x 64, 128-byte
 // rows, 16-byte chunk ch of row r at ch ^ (r & 7) (the SWIZZLE_128B layout of c_map, and
 // conflict-free for the fragment's writes). Thread (wq, g, t) owns rows r = 16 wq + g and r + 8,
 // and in each 16-byte chunk (column group j = 8 box + ch) the 4 bytes at 4t: columns 8j + 2t, +1.
@@ -124,7 +132,7 @@ __device__ __forceinline__ uint32_t staging_chunk(uint32_t stage, uint32_t r, ui
     return stage + (j / 8) * 8192 + r * 128 + (((j % 8) ^ (r & 7)) << 4);
 }
 
-template <class Row>
+template <uint32_t BN, class Row>
 __device__ __forceinline__ void stage_operands(uint32_t stage, uint32_t n0, uint32_t n, uint32_t cw,
                                                const Row& e0, const Row& e8) {
     const uint32_t tid = threadIdx.x & 127, lane = tid & 31, wq = tid >> 5, g = lane >> 2, t = lane & 3;
@@ -133,7 +141,7 @@ __device__ __forceinline__ void stage_operands(uint32_t stage, uint32_t n0, uint
     const uint32_t r = wq * 16 + g;
     const bool s0 = e0.staged(n0), s8 = e8.staged(n0);
 #pragma unroll
-    for (uint32_t j = t; j < kWgBN / 8; j += 4) {
+    for (uint32_t j = t; j < BN / 8; j += 4) {
         const uint32_t col = n0 + 8 * j;
         if (col + 8 > n) continue;
         if (s0) cp_async16(staging_chunk(stage, r, j), e0.src(col), 16);
@@ -156,9 +164,9 @@ __device__ __forceinline__ void apply_pair(const Row& e, bool staged, uint32_t a
     }
 }
 
-// A consumer's 64 x 256 results, through e0 / e8 (staged by stage_operands, or loaded here) and
+// A consumer's 64 x BN results, through e0 / e8 (staged by stage_operands, or loaded here) and
 // rounded, into its staging area, then stored by one thread with TMA (clipped at m and n).
-template <class Row>
+template <uint32_t BN, class Row>
 __device__ __forceinline__ void store_tile_tma(const TensorMap& cmap, uint32_t stage, const float* d,
                                                uint32_t row0, uint32_t n0, uint32_t n, uint32_t cw,
                                                const Row& e0, const Row& e8) {
@@ -168,7 +176,7 @@ __device__ __forceinline__ void store_tile_tma(const TensorMap& cmap, uint32_t s
     const uint32_t r = wq * 16 + g;  // row of the consumer's 64 (and r + 8)
     const bool s0 = e0.staged(n0), s8 = e8.staged(n0);
 #pragma unroll
-    for (uint32_t j = 0; j < kWgBN / 8; ++j) {
+    for (uint32_t j = 0; j < BN / 8; ++j) {
         const uint32_t col = n0 + 8 * j + 2 * t;
         const uint32_t a0 = staging_chunk(stage, r, j) + 4 * t, a8 = staging_chunk(stage, r + 8, j) + 4 * t;
         const bool whole = n0 + 8 * j + 8 <= n;  // the chunk was staged (for a staged row)
@@ -185,27 +193,34 @@ __device__ __forceinline__ void store_tile_tma(const TensorMap& cmap, uint32_t s
     warpgroup_bar(1 + cw);
     if (tid == 0) {
 #pragma unroll
-        for (uint32_t b = 0; b < 4; ++b) tma_store_2d(cmap, stage + b * 8192, n0 + 64 * b, row0);
+        for (uint32_t b = 0; b < BN / 64; ++b) tma_store_2d(cmap, stage + b * 8192, n0 + 64 * b, row0);
         asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
     }
 }
 
 // kStore: the TMA-store epilogue (cmap), kTmaStoreStages stages; else register stores to c.
-template <bool kStore, class Ep>
+// BN: the tile's columns, kWgBN (wgmma m64n256k16), or with kStore kTmaN128 (m64n128k16,
+// kTmaN128Stages stages) or kTmaN192 (m64n192k16, kTmaN192Stages); w_map's box BN rows.
+template <bool kStore, uint32_t BN, class Ep>
 __device__ __forceinline__ void tma_gemm(const TensorMap& amap, const TensorMap& wmap,
                                          const TensorMap& cmap, bf16* c, uint32_t m, uint32_t n,
                                          uint32_t k, const Ep& ep) {
     constexpr uint32_t kABytes = kWgBM * kWgBK * 2;
-    constexpr uint32_t kTmaStages = kStore ? kTmaStoreStages : kTmaLoadStages;
+    constexpr uint32_t kStageBytes = (kWgBM + BN) * kWgBK * 2;
+    constexpr uint32_t kStagingBytes = 64 * BN * 2;  // a consumer's, kStore only
+    constexpr uint32_t kTmaStages = BN == kTmaN128   ? kTmaN128Stages
+                                    : BN == kTmaN192 ? kTmaN192Stages
+                                    : kStore         ? kTmaStoreStages
+                                                     : kTmaLoadStages;
     const uint32_t tid = threadIdx.x, wg = tid / 128;
     const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
-    const uint32_t staging = base + kTmaStages * kWgStageBytes;  // kStore: 32 KB per consumer
-    const uint32_t full = staging + (kStore ? kTmaConsumers * kTmaStagingBytes : 0);
+    const uint32_t staging = base + kTmaStages * kStageBytes;
+    const uint32_t full = staging + (kStore ? kTmaConsumers * kStagingBytes : 0);
     const uint32_t empty = full + 8 * kTmaStages;
     init_ring(full, empty, kTmaStages);
 
     const uint32_t ktiles = ceil_div(k, kWgBK);
-    const uint64_t tiles_m = ceil_div(m, kWgBM), tiles_n = ceil_div(n, kWgBN);
+    const uint64_t tiles_m = ceil_div(m, kWgBM), tiles_n = ceil_div(n, BN);
     const uint64_t tiles = tiles_m * tiles_n;
 
     if (wg == 0) {  // producer
@@ -217,12 +232,12 @@ __device__ __forceinline__ void tma_gemm(const TensorMap& amap, const TensorMap&
         for (uint64_t tile = block_rank(); tile < tiles; tile += grid_blocks()) {
             uint64_t tm, tn;
             grouped_tile(tile, tiles_m, tiles_n, tm, tn);
-            const uint32_t m0 = static_cast<uint32_t>(tm) * kWgBM, n0 = static_cast<uint32_t>(tn) * kWgBN;
+            const uint32_t m0 = static_cast<uint32_t>(tm) * kWgBM, n0 = static_cast<uint32_t>(tn) * BN;
             for (uint32_t kt = 0; kt < ktiles; ++kt, ++it) {
                 const uint32_t s = it % kTmaStages, use = it / kTmaStages;
                 mbar_wait(empty + 8 * s, (use & 1) ^ 1);
-                mbar_expect_tx(full + 8 * s, kWgStageBytes);
-                const uint32_t sa = base + s * kWgStageBytes;
+                mbar_expect_tx(full + 8 * s, kStageBytes);
+                const uint32_t sa = base + s * kStageBytes;
                 tma_load_2d(sa, amap, kt * kWgBK, m0, full + 8 * s);
                 tma_load_2d(sa + kABytes, wmap, kt * kWgBK, n0, full + 8 * s);
             }
@@ -237,23 +252,23 @@ __device__ __forceinline__ void tma_gemm(const TensorMap& amap, const TensorMap&
     for (uint64_t tile = block_rank(); tile < tiles; tile += grid_blocks()) {
         uint64_t tm, tn;
         grouped_tile(tile, tiles_m, tiles_n, tm, tn);
-        const uint32_t m0 = static_cast<uint32_t>(tm) * kWgBM, n0 = static_cast<uint32_t>(tn) * kWgBN;
+        const uint32_t m0 = static_cast<uint32_t>(tm) * kWgBM, n0 = static_cast<uint32_t>(tn) * BN;
         // d[4j + e]: row 16*wq + g (+8 for e >= 2), column 8j + 2t (+1 for odd e).
         const uint32_t row = m0 + cw * 64 + wq * 16 + g;
         const auto e0 = ep.row(row, m), e8 = ep.row(row + 8, m);
         const uint32_t stage_at = ktiles > 1 ? 1 : 0;  // behind a k-tile's wgmma, once e0 / e8 are known
-        float d[128];
+        float d[BN / 2];
 #pragma unroll
-        for (uint32_t i = 0; i < 128; ++i) d[i] = 0.0f;
+        for (uint32_t i = 0; i < BN / 2; ++i) d[i] = 0.0f;
 
         for (uint32_t kt = 0; kt < ktiles; ++kt, ++it) {
             const uint32_t s = it % kTmaStages;
             mbar_wait(full + 8 * s, (it / kTmaStages) & 1);
-            const uint32_t sa = base + s * kWgStageBytes;
+            const uint32_t sa = base + s * kStageBytes;
             const uint32_t sa_wg = sa + cw * 64 * WgmmaLayout::kRowBytes, sb = sa + kABytes;
             wgmma_k_tile(d, sa_wg, sb);
             if constexpr (kStore) {
-                if (kt == stage_at) stage_operands(staging + cw * kTmaStagingBytes, n0, n, cw, e0, e8);
+                if (kt == stage_at) stage_operands<BN>(staging + cw * kStagingBytes, n0, n, cw, e0, e8);
             }
             asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
             wg_fence_operands(d);
@@ -265,11 +280,11 @@ __device__ __forceinline__ void tma_gemm(const TensorMap& amap, const TensorMap&
         if (ktiles > 0 && lane == 0) mbar_arrive(empty + 8 * ((it - 1) % kTmaStages));
 
         if constexpr (kStore) {
-            if (ktiles == 0) stage_operands(staging + cw * kTmaStagingBytes, n0, n, cw, e0, e8);
-            store_tile_tma(cmap, staging + cw * kTmaStagingBytes, d, m0 + cw * 64, n0, n, cw, e0, e8);
+            if (ktiles == 0) stage_operands<BN>(staging + cw * kStagingBytes, n0, n, cw, e0, e8);
+            store_tile_tma<BN>(cmap, staging + cw * kStagingBytes, d, m0 + cw * 64, n0, n, cw, e0, e8);
         } else {
 #pragma unroll
-            for (uint32_t j = 0; j < kWgBN / 8; ++j)
+            for (uint32_t j = 0; j < BN / 8; ++j)
                 store_fragment(c, row, n0 + 8 * j + 2 * t, m, n, d + 4 * j, vec, e0, e8);
         }
     }

@@ -131,10 +131,60 @@ def test_a_prefill_projection_with_few_tiles_runs_the_persistent_kernel(m):
     NOTES.md "Prefill at real scale"), as the word GEMM does; without TMA, cp.async wgmma only
     with a full wave, else the tiled path."""
     with_tma = gemm.plan(m, 3072, 3072, wgmma=True, tma=True, tma_store=True)
-    assert with_tma.path == "tma_store" and with_tma.grid == min(-(-m // 128) * 12, 132)
-    assert gemm.word_plan(m, 3072, 3072, wgmma=True, tma=True, tma_store=True).kernel == gemm.WORD_TMA_STORE_KERNEL
+    # narrow tiles where 128x256 ones leave SMs idle in their last wave: 257 and 384 rows (36 of
+    # 132 SMs busy: 128x128, one wave), 1024 (96 tiles: 128 of 128x192 fill one wave) and 2048
+    # (192 tiles: a second wave half full; 256 of 128x192 make two shorter ones)
+    bn = 128 if m < 1024 else 192
+    assert with_tma.path == f"tma_store_n{bn}"
+    assert with_tma.grid == min(-(-m // 128) * (3072 // bn), 132)
+    word = gemm.word_plan(m, 3072, 3072, wgmma=True, tma=True, tma_store=True).kernel
+    assert word == (gemm.WORD_TMA_STORE_N128_KERNEL if bn == 128 else gemm.WORD_TMA_STORE_N192_KERNEL)
     without = gemm.plan(m, 3072, 3072, wgmma=True).path
     assert without == ("wgmma" if -(-m // 128) * 12 >= gemm.FILL_TILES else "tiled_128x128" if m >= 768 else "tiled_64x64")
+
+
+@pytest.mark.parametrize("m, n, sms, bn", [
+    # waves x TMA_TILE_COST: 256 wide 1.0, 192 0.72, 128 0.51; narrower only at <= 0.97x
+    (1536, 3072, 132, 192),   # 144 tiles of 128x256: 2 waves (2.0); 192 of 128x192: 2 (1.44); 288 of 128x128: 3 (1.53)
+    (1024, 3072, 132, 192),   # 96 tiles: 1 wave (1.0); 128 of 128x192: 1 (0.72); 192 of 128x128: 2 (1.02)
+    (1280, 3072, 132, 256),   # 120 tiles: 1 wave; 160 and 240 narrow ones: 2 waves (1.44, 1.02)
+    (257, 3072, 132, 128),    # 36 tiles: 72 of 128x128 still one wave, the cheapest tiles
+    (2048, 4096, 132, 256),   # 256 tiles: 2 waves (2.0); 352: 3 (2.16); 512: 4 (2.04)
+    (1536, 4096, 132, 192),   # 192 tiles: 2 (2.0); 264 of 128x192 (22 columns, the last part-filled): 2 (1.44)
+    (2048, 4096, 114, 128),   # an H100 PCIe's 114 SMs: 3 waves (3.0); 4 (2.88); 5 (2.55)
+    (8192, 4096, 132, 256),   # 1024 tiles: 8 waves (8.0); 1408: 11 (7.92), not 0.97x
+    (8192, 8192, 132, 192),   # 2048 tiles: 16 waves (16.0); 2752: 21 (15.12)
+])
+def test_narrow_tiles_where_they_finish_sooner(m, n, sms, bn):
+    """path=None takes the tile width whose waves, each at its TMA_TILE_COST, finish first; a
+    forced width takes its own tiles."""
+    auto = gemm.plan(m, n, 512, wgmma=True, tma=True, tma_store=True, sms=sms)
+    assert gemm.tma_store_width(m, n, sms) == bn
+    smem = {256: gemm.TMA_STORE_SMEM, 192: gemm.TMA_N192_SMEM, 128: gemm.TMA_N128_SMEM}
+    assert (auto.path, auto.shared_mem) == ("tma_store" if bn == 256 else f"tma_store_n{bn}", smem[bn])
+    assert auto.grid == min(-(-m // 128) * -(-n // bn), sms)
+    for path, width in (("tma_store", 256), ("tma_store_n192", 192), ("tma_store_n128", 128)):
+        forced = gemm.plan(m, n, 512, path, wgmma=True, tma=True, tma_store=True, sms=sms)
+        assert forced.path == path and forced.kernel == gemm.KERNELS[path] and forced.shared_mem == smem[width]
+        assert forced.grid == min(-(-m // 128) * -(-n // width), sms)
+        # no TMA store (c does not suit a tensor map): tma, whatever the tiles
+        assert gemm.plan(m, n, 512, path, wgmma=True, tma=True, sms=sms).path == "tma"
+
+
+@pytest.mark.parametrize("m, bn", [(384, 128), (1536, 192)])
+def test_narrow_launch_maps_w_in_boxes_of_its_width(m, bn):
+    gpu = TmaBackend()
+    kern = load_kernel(gpu, "gemm", gemm.KERNEL)
+    dense_gemm_bf16_pipelined(gpu, kern, _p(0), _weight(3072, 512), _p(2), m, 3072, 512, 3)
+    (launch,) = gpu.launches
+    assert gpu.kernel_of(launch) == ("gemm", f"dense_gemm_bf16_tma_store_n{bn}")
+    assert launch.grid == (min(-(-m // 128) * 3072 // bn, 132), 1, 1) and launch.block == (384, 1, 1)
+    smem = gemm.TMA_N128_SMEM if bn == 128 else gemm.TMA_N192_SMEM
+    assert launch.shared_mem == smem and launch.kinds == "TTTPPPUUU"
+    assert launch.args[:3] == [fake_tensor_map(int(_p(0)), m, 512, 128, 64),
+                               fake_tensor_map(0x200000, 3072, 512, bn, 64),
+                               fake_tensor_map(int(_p(2)), m, 3072, 64, 64)]
+    assert launch.args[3:] == [int(_p(0)), 0x200000, int(_p(2)), m, 3072, 512]
 
 
 @pytest.mark.parametrize("path", [None, "tma_store"])
@@ -176,9 +226,12 @@ def test_large_m_runs_tma_with_register_stores_where_c_cannot_be_a_tensor_map(c_
 @pytest.mark.parametrize("m, k, path", [
     (32, 4096, "small"), (33, 4096, "tma_splitk"), (64, 1024, "tma_splitk"), (64, 1016, "tma_splitk"),
     (32, 512, "small"), (33, 512, "tma_splitk"), (16, 256, "small"), (17, 256, "tma_splitk"),
-    (200, 8, "tma_splitk"), (128, 4096, "tma_splitk"), (256, 1024, "tma_splitk"),
-    (257, 4096, "tma_store"), (257, 256, "tma_store"),  # past split-K: the persistent kernel, few tiles or not
-    (1024, 4096, "tma_store"),  # enough 128x256 tiles: the persistent kernel
+    (200, 8, "tma_splitk"), (128, 4096, "tma_splitk"), (256, 256, "tma_splitk"),
+    # 129-256 rows with k > 256: 128x128 tiles in one wave (64 of them) over split-K's 256 CTAs
+    (129, 4096, "tma_store_n128"), (256, 1024, "tma_store_n128"),
+    # past split-K: the persistent kernel, few tiles or not (few: 128x128 tiles, 96 of them)
+    (257, 4096, "tma_store_n128"), (257, 256, "tma_store_n128"),
+    (1024, 4096, "tma_store"),  # 128 tiles of 128x256: the persistent kernel in one wave
 ])
 def test_mid_m_runs_splitk_on_sm90a(m, k, path):
     gpu = TmaBackend()
@@ -198,6 +251,26 @@ def test_mid_m_runs_splitk_on_sm90a(m, k, path):
         dense_gemm_bf16_pipelined(other, load_kernel(other, "gemm", gemm.KERNEL), a, _weight(4096, k),
                                   _p(2), m, 4096, k, 0)
         assert other.kernel_of(other.launches[0])[1] != "dense_gemm_bf16_tma_splitk"
+
+
+@pytest.mark.parametrize("m, n, k, narrow", [
+    (129, 3072, 3072, True),     # split-K: 192 CTAs, past one wave; 48 tiles of 128x128: one
+    (256, 4096, 4096, True),     # 256 CTAs; 64 tiles
+    (128, 8192, 4096, True),     # 256 CTAs (64-row tiles of w, one 128-token tile); 64 tiles
+    (128, 3072, 3072, False),    # 96 CTAs: split-K's one wave kept
+    (128, 4096, 4096, False),    # 128 CTAs
+    (256, 3072, 256, False),     # short k: split-K's 64-token tiles kept
+    (256, 25600, 6144, False),   # Engram's wkv: 400 tiles of 128x128 run 4 waves, 2 of 128x256
+    (64, 8192, 4096, False),     # m <= 64: never the persistent kernel's 128-row tiles
+    (257, 3072, 3072, False),    # past split-K's rows: tma_store_width alone decides
+])
+def test_narrow_tiles_take_long_k_rows_from_splitk_where_they_run_faster(m, n, k, narrow):
+    assert gemm.narrow_over_splitk(m, n, k, 132) is narrow
+    auto = gemm.plan(m, n, k, wgmma=True, tma=True, tma_store=True)
+    if gemm.use_splitk(m, k) and not gemm.use_wgmma(m, n):
+        assert auto.path == ("tma_store_n128" if narrow else "tma_splitk")
+        # without a TMA store of c (c misaligned) split-K keeps its rows: 128x256 tiles lose there
+        assert gemm.plan(m, n, k, wgmma=True, tma=True).path == "tma_splitk"
 
 
 def test_forced_splitk_plan_is_whole_clusters_of_its_tiles():
@@ -317,6 +390,8 @@ def test_tma_falls_back_to_wgmma_for_operands_a_tensor_map_cannot_describe(a_off
     ("wgmma", "dense_gemm_bf16_wgmma", 197632),
     ("tma", "dense_gemm_bf16_wgmma", 197632),  # no tensor maps on this backend
     ("tma_store", "dense_gemm_bf16_wgmma", 197632),
+    ("tma_store_n128", "dense_gemm_bf16_wgmma", 197632),
+    ("tma_store_n192", "dense_gemm_bf16_wgmma", 197632),
     ("tma_splitk", "dense_gemm_bf16_pipelined", 4 * (64 + 64) * 64),  # ... so path=None's plan
     ("simt", "dense_gemm_bf16_simt", 0),
     ("gemv", "dense_gemm_bf16_pipelined", 4 * (64 + 64) * 64),  # not sm_90a: path=None's plan
@@ -359,6 +434,11 @@ def test_launcher_constants_mirror_the_kernel():
     assert (cu["kTmaStoreStages"], cu["kTmaStagingBytes"], cu["kTmaStoreSmem"]) == (
         gemm.TMA_STORE_STAGES, gemm.TMA_STAGING_BYTES, gemm.TMA_STORE_SMEM)
     assert gemm.TMA_STORE_SMEM <= MAX_SHARED_OPTIN
+    assert (cu["kTmaN128"], cu["kTmaN128Stages"], cu["kTmaN128Smem"]) == (
+        gemm.TMA_N128, gemm.TMA_N128_STAGES, gemm.TMA_N128_SMEM)
+    assert (cu["kTmaN192"], cu["kTmaN192Stages"], cu["kTmaN192Smem"]) == (
+        gemm.TMA_N192, gemm.TMA_N192_STAGES, gemm.TMA_N192_SMEM)
+    assert max(gemm.TMA_N128_SMEM, gemm.TMA_N192_SMEM) <= MAX_SHARED_OPTIN
     assert (cu["kSplitK"], cu["kSplitBN"], cu["kSplitBM"], cu["kSplitWideBM"], cu["kSplitStages"],
             cu["kSplitWideStages"], cu["kSplitNarrowSmem"], cu["kSplitSmem"]) == (
         gemm.SPLIT_K, gemm.SPLIT_BN, gemm.SPLIT_BM, gemm.SPLIT_WIDE_BM, gemm.SPLIT_STAGES,
@@ -573,6 +653,8 @@ def test_pipelined_kernel_correct_for_any_launch(gpu, rng, m, n, k, grid, block,
 _DIRECT = {  # path -> (rows of a and of w per box, shared memory, maps c too)
     "tma": (gemm.WG_BM, gemm.WG_BN, gemm.TMA_SMEM, False),
     "tma_store": (gemm.WG_BM, gemm.WG_BN, gemm.TMA_STORE_SMEM, True),
+    "tma_store_n128": (gemm.WG_BM, gemm.TMA_N128, gemm.TMA_N128_SMEM, True),
+    "tma_store_n192": (gemm.WG_BM, gemm.TMA_N192, gemm.TMA_N192_SMEM, True),
     "tma_splitk": (gemm.SPLIT_BM, gemm.SPLIT_BN, gemm.SPLIT_SMEM, False),
 }
 
@@ -619,8 +701,9 @@ def test_tma_kernel_correct_for_any_launch(gpu, rng, m, n, k, grid, block, smem)
 @pytest.mark.gpu
 @pytest.mark.parametrize("m, n, k", [(1100, 600, 200), (300, 1032, 1032)])  # c maps: n % 8 == 0
 @pytest.mark.parametrize("grid, block, smem", _PERSISTENT_LAUNCHES)
-def test_tma_store_kernel_correct_for_any_launch(gpu, rng, m, n, k, grid, block, smem):
-    _direct_tma_launch(gpu, rng, "tma_store", m, n, k, grid, block, smem)
+@pytest.mark.parametrize("path", ["tma_store", "tma_store_n128", "tma_store_n192"])
+def test_tma_store_kernel_correct_for_any_launch(gpu, rng, path, m, n, k, grid, block, smem):
+    _direct_tma_launch(gpu, rng, path, m, n, k, grid, block, smem)
 
 
 @pytest.mark.gpu

@@ -140,6 +140,8 @@ def test_default_plan_matches_the_plain_launcher_per_shape():
             twin = {gemm.KERNEL: gemm.WORD_KERNEL, "dense_gemm_bf16_wgmma": gemm.WORD_WGMMA_KERNEL,
                     "dense_gemm_bf16_tma": gemm.WORD_TMA_KERNEL,
                     "dense_gemm_bf16_tma_store": gemm.WORD_TMA_STORE_KERNEL,
+                    "dense_gemm_bf16_tma_store_n128": gemm.WORD_TMA_STORE_N128_KERNEL,
+                    "dense_gemm_bf16_tma_store_n192": gemm.WORD_TMA_STORE_N192_KERNEL,
                     "dense_gemm_bf16_tma_splitk": gemm.WORD_SPLITK_KERNEL}
             assert word.kernel_of(lw)[1] == twin[plain.kernel_of(lp)[1]], (backend, m, n, k)
 
@@ -365,7 +367,7 @@ def _paths(m: int) -> list[str | None]:
     """The paths the word launcher runs for this m (small needs m <= 64, tiled m > 64)."""
     fixed = ["gemv", "small"] if m <= gemm.SMALL_MAX_ROWS else [
         "small", "tiled", "tiled_128x256", "tiled_128x128", "tiled_64x64"]
-    return [None, *fixed, "wgmma", "tma", "tma_store", "tma_splitk", "simt"]
+    return [None, *fixed, "wgmma", "tma", "tma_store", "tma_store_n128", "tma_store_n192", "tma_splitk", "simt"]
 
 
 FORCED = [(m, n, k, path) for m, n, k in [(1, 1, 1), (3, 100, 7), (2, 264, 1000), (4, 4100, 4096),
@@ -434,7 +436,7 @@ def test_repeated_and_extreme_ids(gpu, rng):
     m, n, k = 130, 300, 64
     a, w, word, _ = _inputs(rng, m, n, k)
     for ids in (np.full(m, 7, np.uint32), np.where(np.arange(m) % 2, VOCAB - 1, 0).astype(np.uint32)):
-        for path in (None, "wgmma", "tma", "tma_store", "tma_splitk", "simt"):
+        for path in (None, "wgmma", "tma", "tma_store", "tma_store_n128", "tma_store_n192", "tma_splitk", "simt"):
             got = run_word(gpu, rng, a, w, word, ids, SCALE, path=path)
             check_word_gemm(a, w, word, ids, SCALE, got)
 

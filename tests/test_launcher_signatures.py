@@ -199,6 +199,8 @@ def test_each_kernel_parameter_gets_the_launchers_value_of_its_name(module, name
 
 
 @pytest.mark.parametrize("path, name", [("tma", "dense_gemm_bf16_tma"), ("tma_store", "dense_gemm_bf16_tma_store"),
+                                        ("tma_store_n128", "dense_gemm_bf16_tma_store_n128"),
+                                        ("tma_store_n192", "dense_gemm_bf16_tma_store_n192"),
                                         ("tma_splitk", "dense_gemm_bf16_tma_splitk"),
                                         ("wgmma", "dense_gemm_bf16_wgmma"), ("small", "dense_gemm_bf16_small_m"),
                                         ("tiled", "dense_gemm_bf16_tiled"), ("simt", "dense_gemm_bf16_simt")])

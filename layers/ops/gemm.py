@@ -18,7 +18,11 @@ Paths (``path=`` forces one; how each one works: docs/design_notes.md):
   ``TensorMaps`` when c does not suit a tensor map; a forced ``tma`` it cannot take runs ``wgmma``.
 - ``tma_store``  ``tma`` with a TMA store of c: chosen where c suits a tensor map (16-byte aligned,
   n % 8 == 0), else ``tma``.
-- ``tma_splitk``  few rows of a (33 to 256, 17 to 256 for k <= 256: ``use_splitk``): k split over a
+- ``tma_store_n128``, ``tma_store_n192``  ``tma_store`` in 128x128 or 128x192 tiles: chosen over it
+  where they finish sooner on the device's SMs (``tma_store_width``: the last wave of 128x256
+  tiles would leave SMs idle).
+- ``tma_splitk``  few rows of a (33 to 256, 17 to 256 for k <= 256: ``use_splitk``; some go to
+  narrow TMA-store tiles: ``narrow_over_splitk``): k split over a
   2-CTA cluster (its word-epilogue kernel requests its first weight stages before a programmatic
   dependent launch waits); a forced one whose operands a tensor map cannot describe runs what ``path=None``
   would.
@@ -54,6 +58,8 @@ from .gemm_plan import (
     SMS,
     SPLIT_BM,
     SPLIT_BN,
+    TMA_N128,
+    TMA_N192,
     WG_BK,
     WG_BM,
     WG_BN,
@@ -321,9 +327,15 @@ def _launch_plan(
     return plan(m, n, k, path, wgmma=wgmma, tma=tma, tma_store=tma_store, gemv=gemv, sms=sms, word=word)
 
 
-# rows of a and of w per box of the TMA paths' maps (k: WG_BK); tma_store also maps c (64 x 64);
+# rows of a and of w per box of the TMA paths' maps (k: WG_BK); tma_store(_n128, _n192) also maps c (64 x 64);
 # tma_splitk's 128-token tiles load two a boxes
-_TMA_BOXES = {"tma": (WG_BM, WG_BN), "tma_store": (WG_BM, WG_BN), "tma_splitk": (SPLIT_BM, SPLIT_BN)}
+_TMA_BOXES = {
+    "tma": (WG_BM, WG_BN),
+    "tma_store": (WG_BM, WG_BN),
+    "tma_store_n128": (WG_BM, TMA_N128),
+    "tma_store_n192": (WG_BM, TMA_N192),
+    "tma_splitk": (SPLIT_BM, SPLIT_BN),
+}
 _C_BOX = 64
 
 
@@ -338,4 +350,4 @@ def _tensor_maps(
         maker.tensor_map_2d(int(a), m, k, a_rows, WG_BK),
         maker.tensor_map_2d(int(w.weight), n, k, w_rows, WG_BK),
     )
-    return (*maps, maker.tensor_map_2d(int(c), m, n, _C_BOX, _C_BOX)) if path == "tma_store" else maps
+    return (*maps, maker.tensor_map_2d(int(c), m, n, _C_BOX, _C_BOX)) if path.startswith("tma_store") else maps

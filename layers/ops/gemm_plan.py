@@ -19,6 +19,8 @@ KERNELS = {
     "wgmma": "dense_gemm_bf16_wgmma",
     "tma": "dense_gemm_bf16_tma",
     "tma_store": "dense_gemm_bf16_tma_store",
+    "tma_store_n128": "dense_gemm_bf16_tma_store_n128",
+    "tma_store_n192": "dense_gemm_bf16_tma_store_n192",
     "tma_splitk": "dense_gemm_bf16_tma_splitk",
     "simt": "dense_gemm_bf16_simt",
 }
@@ -32,6 +34,8 @@ PATHS = (
     "wgmma",
     "tma",
     "tma_store",
+    "tma_store_n128",
+    "tma_store_n192",
     "tma_splitk",
     "simt",
 )
@@ -45,10 +49,14 @@ WORD_WGMMA_KERNEL = "dense_gemm_bf16_word_wgmma"
 WORD_TMA_KERNEL = "dense_gemm_bf16_word_tma"
 WORD_SPLITK_KERNEL = "dense_gemm_bf16_word_tma_splitk"
 WORD_TMA_STORE_KERNEL = "dense_gemm_bf16_word_tma_store"
+WORD_TMA_STORE_N128_KERNEL = "dense_gemm_bf16_word_tma_store_n128"
+WORD_TMA_STORE_N192_KERNEL = "dense_gemm_bf16_word_tma_store_n192"
 WORD_TWINS = {
     "wgmma": WORD_WGMMA_KERNEL,
     "tma": WORD_TMA_KERNEL,
     "tma_store": WORD_TMA_STORE_KERNEL,
+    "tma_store_n128": WORD_TMA_STORE_N128_KERNEL,
+    "tma_store_n192": WORD_TMA_STORE_N192_KERNEL,
     "tma_splitk": WORD_SPLITK_KERNEL,
 }
 
@@ -97,6 +105,24 @@ TMA_STORE_STAGES, TMA_STAGING_BYTES = 3, 64 * WG_BN * 2
 TMA_STORE_SMEM = (
     TMA_STORE_STAGES * (WG_BM + WG_BN) * WG_BK * 2 + TMA_CONSUMERS * TMA_STAGING_BYTES + 1024 + 16 * TMA_STORE_STAGES
 )
+# ... with 128x128 tiles (gemm.cu: kTmaN128*): 5 stages, a 64 x 128 staging area per consumer;
+# and 128x192 tiles (kTmaN192*): 4 stages, 64 x 192. path=None picks the width (``tma_store_width``).
+TMA_N128, TMA_N128_STAGES = 128, 5
+TMA_N192, TMA_N192_STAGES = 192, 4
+
+
+def _narrow_smem(bn: int, stages: int) -> int:
+    return stages * (WG_BM + bn) * WG_BK * 2 + TMA_CONSUMERS * 64 * bn * 2 + 1024 + 16 * stages
+
+
+TMA_N128_SMEM = _narrow_smem(TMA_N128, TMA_N128_STAGES)
+TMA_N192_SMEM = _narrow_smem(TMA_N192, TMA_N192_STAGES)
+# A wave of tiles' time over a wave of 128x256 tiles', by width: what each further wave added in
+# bench.gemm --sweep-wide 3072x3072 on an H100 (128x256 ~34.5 us, 128x192 ~25, 128x128 ~17.5);
+# a narrower width is taken only where it comes out at least TMA_NARROW_GAIN cheaper (NOTES-gemm.md,
+# "128x192 tiles on the GPU")
+TMA_TILE_COST = {WG_BN: 1.0, TMA_N192: 0.72, TMA_N128: 0.51}
+TMA_NARROW_GAIN = 0.97
 SMS = 132  # H100 / H200 SXM: the persistent grid when the backend does not say
 
 # TMA split-K path (gemm.cu: kSplit*): 64 w rows x 64 tokens a tile for m <= 64, 128 tokens above
@@ -110,6 +136,8 @@ SPLIT_BK = TMA_CONSUMERS * WG_BK
 # beat the small and tiled paths; below those m the small path is quicker to start (the timings:
 # NOTES.md, "Moved from docstrings")
 SPLIT_AUTO_ROWS, SPLIT_AUTO_SHORT_MIN_ROWS = (33, 256), 17
+# ... except where its clusters need more than one wave and narrow TMA-store tiles fit in one
+# (``narrow_over_splitk``; NOTES-gemm.md, "128x192 tiles on the GPU")
 
 
 def _split_smem(bm: int, stages: int) -> int:
@@ -187,6 +215,34 @@ def use_wgmma(m: int, n: int) -> bool:
     )
 
 
+def tma_store_width(m: int, n: int, sms: int) -> int:
+    """The tile width (256, 192 or 128 columns) whose waves on ``sms`` SMs, each costing its
+    ``TMA_TILE_COST``, finish the persistent TMA-store kernel first, a narrower one only where it
+    is ``TMA_NARROW_GAIN`` of the wider's or less. Narrow tiles win where the last wave of wide
+    ones would leave SMs idle (1024 rows at n = 3072: 96 tiles of 128x256 on 132 SMs, 128 of
+    128x192)."""
+    best, cost = WG_BN, float(_cdiv(tile_count(m, n, WG_BM, WG_BN), sms))
+    for bn in (TMA_N192, TMA_N128):
+        narrow = _cdiv(tile_count(m, n, WG_BM, bn), sms) * TMA_TILE_COST[bn]
+        if narrow <= TMA_NARROW_GAIN * cost:
+            best, cost = bn, narrow
+    return best
+
+
+def narrow_over_splitk(m: int, n: int, k: int, sms: int) -> bool:
+    """Whether ``path=None`` (with TMA stores) takes narrow TMA-store tiles over split-K for rows
+    that ``use_splitk`` would give it: past ``SMALL_MAX_ROWS`` rows with k > ``SPLIT_SHORT_K``,
+    where split-K's clusters need more CTAs than ``sms`` and ``tma_store_width`` is under 256 (its
+    tiles then fit one wave: 256 rows at n = 3072, 128 at n = 8192)."""
+    return (
+        m > SMALL_MAX_ROWS
+        and k > SPLIT_SHORT_K
+        and use_splitk(m, k)
+        and _splitk_plan(m, n, k).grid > sms
+        and tma_store_width(m, n, sms) < WG_BN
+    )
+
+
 def use_gemv(m: int, k: int, forced: bool = False) -> bool:
     """The gemv path's shapes: a few rows of a, staged whole in its shared memory; unless
     ``forced``, only k up to GEMV_AUTO_MAX_K (above it ``path=None`` keeps the small path)."""
@@ -218,9 +274,11 @@ def plan(
 
     ``path=None`` chooses: gemv where ``use_gemv`` holds and ``gemv`` (the device and the operands
     allow it: ``gemm.gemv_available``); for m > 64 with enough 128x256 tiles (``use_wgmma``), tma_store
-    (when ``tma`` and ``tma_store``: the device has TMA, a and w suit a tensor map, and so does c),
-    tma (c does not) or wgmma (when ``wgmma``: no TMA); else tma_splitk where ``use_splitk`` (and
-    ``tma``); else, with ``tma``, tma_store or tma for every m > 64 however few tiles; else small
+    (when ``tma`` and ``tma_store``: the device has TMA, a and w suit a tensor map, and so does c;
+    tma_store_n128 or tma_store_n192 where ``tma_store_width`` says), tma (c does not) or wgmma
+    (when ``wgmma``: no TMA); else tma_splitk where ``use_splitk`` (and ``tma``) unless, with TMA
+    stores, ``narrow_over_splitk`` gives the rows to narrow tiles; else, with ``tma``, tma_store
+    (or a narrow one) or tma for every m > 64 however few tiles; else small
     for m <= 64 and the tiled config ``pick_tile`` gives above, both run by ``KERNEL``
     (``dense_gemm_bf16_pipelined``) itself. A forced TMA or gemv path falls back the same way.
     ``sms``: the persistent TMA grid. ``word=True`` (``word_plan``): the same launch, run by the word-epilogue kernels
@@ -241,9 +299,10 @@ def _path_plan(m: int, n: int, k: int, path: str | None, wgmma: bool, tma: bool,
         # With TMA, every m > 64 that split-K passes over runs the persistent wgmma kernel, however
         # few tiles it fills: the tiled path was 2-3x slower at every such m measured (NOTES.md,
         # "Prefill at real scale").
-        if wgmma and m > SMALL_MAX_ROWS and (use_wgmma(m, n) or (tma and not use_splitk(m, k))):
+        splitk = tma and use_splitk(m, k) and not (tma_store and narrow_over_splitk(m, n, k, sms))
+        if wgmma and m > SMALL_MAX_ROWS and (use_wgmma(m, n) or (tma and not splitk)):
             return _wgmma_plan(m, n, tma, tma_store, sms)
-        if tma and use_splitk(m, k):
+        if splitk:
             return _splitk_plan(m, n, k)
         if m <= SMALL_MAX_ROWS:
             return GemmPlan("small", KERNEL, _small_grid(m, n), small_smem(m))
@@ -254,8 +313,10 @@ def _path_plan(m: int, n: int, k: int, path: str | None, wgmma: bool, tma: bool,
     if path == "tiled" or path.startswith("tiled_"):
         bm, bn = pick_tile(m, n) if path == "tiled" else _tile_config(path)
         return GemmPlan(f"tiled_{bm}x{bn}", KERNELS["tiled"], _grid(tile_count(m, n, bm, bn)), tile_smem(bm, bn))
-    if path in ("wgmma", "tma", "tma_store"):
-        return _wgmma_plan(m, n, tma and path != "wgmma", tma_store and path == "tma_store", sms)
+    if path in ("wgmma", "tma", "tma_store", "tma_store_n128", "tma_store_n192"):
+        store = tma_store and path.startswith("tma_store")
+        width = TMA_N128 if path == "tma_store_n128" else TMA_N192 if path == "tma_store_n192" else WG_BN
+        return _wgmma_plan(m, n, tma and path != "wgmma", store, sms, width)
     if path == "tma_splitk":
         return _splitk_plan(m, n, k) if tma else _path_plan(m, n, k, None, wgmma, False, False, sms)
     if path == "simt":
@@ -270,10 +331,15 @@ def _splitk_plan(m: int, n: int, k: int) -> GemmPlan:
     return GemmPlan("tma_splitk", KERNELS["tma_splitk"], min(ctas, _GRID_MAX - 1), SPLIT_SMEM, TMA_THREADS)
 
 
-def _wgmma_plan(m: int, n: int, tma: bool, store: bool, sms: int) -> GemmPlan:
+def _wgmma_plan(m: int, n: int, tma: bool, store: bool, sms: int, width: int | None = None) -> GemmPlan:
+    """The persistent TMA kernel (with TMA stores where ``store``, then in tiles ``width`` columns
+    wide, or ``tma_store_width``'s when it is None: path=None's choice), else cp.async wgmma."""
     tiles = tile_count(m, n, WG_BM, WG_BN)
     if tma and store:
-        return GemmPlan("tma_store", KERNELS["tma_store"], min(tiles, sms), TMA_STORE_SMEM, TMA_THREADS)
+        bn = tma_store_width(m, n, sms) if width is None else width
+        path = "tma_store" if bn == WG_BN else f"tma_store_n{bn}"
+        smem = {WG_BN: TMA_STORE_SMEM, TMA_N192: TMA_N192_SMEM, TMA_N128: TMA_N128_SMEM}[bn]
+        return GemmPlan(path, KERNELS[path], min(tile_count(m, n, WG_BM, bn), sms), smem, TMA_THREADS)
     if tma:
         return GemmPlan("tma", KERNELS["tma"], min(tiles, sms), TMA_SMEM, TMA_THREADS)
     return GemmPlan("wgmma", KERNELS["wgmma"], _grid(tiles), WG_SMEM)

@@ -315,7 +315,7 @@ def _path_plan(m: int, n: int, k: int, path: str | None, wgmma: bool, tma: bool,
         return GemmPlan(f"tiled_{bm}x{bn}", KERNELS["tiled"], _grid(tile_count(m, n, bm, bn)), tile_smem(bm, bn))
     if path in ("wgmma", "tma", "tma_store", "tma_store_n128", "tma_store_n192"):
         store = tma_store and path.startswith("tma_store")
-        width = TMA_N128 if path == "tma_store_n128" else TMA_N192 if path == "tma_store_n192" else WG_BN
+        width = {"tma_store_n128": TMA_N128, "tma_store_n192": TMA_N192}.get(path, WG_BN)
         return _wgmma_plan(m, n, tma and path != "wgmma", store, sms, width)
     if path == "tma_splitk":
         return _splitk_plan(m, n, k) if tma else _path_plan(m, n, k, None, wgmma, False, False, sms)

@@ -285,10 +285,9 @@ __device__ __forceinline__ void wgmma_or_tiled_gemm(const bf16* a, const bf16* w
 // memory), else simt (a and w come by pointer too, for it; the tiled path would need more than the
 // 168 registers of a 384-thread CTA). kTmaLoadOnly / kTmaStoreC: tma_gemm with register or TMA
 // stores (cmap is read only by the latter); kTmaStoreN128 / kTmaStoreN192: kTmaStoreC with 128- or
-// 192-column tiles;
-// kTmaSplitK: tma_splitk_gemm. kDependent (split-K only):
-// a programmatic dependent launch that waits for the kernel before itself (pdl_wait), the split-K
-// path once it has requested its first weight stages.
+// 192-column tiles; kTmaSplitK: tma_splitk_gemm. kDependent (split-K only): a programmatic
+// dependent launch that waits for the kernel before itself (pdl_wait), the split-K path once it
+// has requested its first weight stages.
 enum TmaPath : uint32_t { kTmaLoadOnly, kTmaStoreC, kTmaSplitK, kTmaStoreN128, kTmaStoreN192 };
 
 template <uint32_t P, bool kDependent = false, class Ep>

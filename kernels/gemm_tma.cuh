@@ -106,14 +106,25 @@ __device__ __forceinline__ void init_ring(uint32_t full, uint32_t empty, uint32_
     __syncthreads();
 }
 
+// A TMA path's ring depth and launch shared memory, by epilogue (kStore: TMA stores) and tile
+// width BN: kWgBN, or with kStore kTmaN128 / kTmaN192.
+template <bool kStore, uint32_t BN>
+struct TmaTile {
+    static_assert(BN == kWgBN || (kStore && (BN == kTmaN128 || BN == kTmaN192)), "the TMA path's tiles");
+    static constexpr uint32_t kStages = BN == kTmaN128   ? kTmaN128Stages
+                                        : BN == kTmaN192 ? kTmaN192Stages
+                                        : kStore         ? kTmaStoreStages
+                                                         : kTmaLoadStages;
+    static constexpr uint32_t kSmem = BN == kTmaN128   ? kTmaN128Smem
+                                      : BN == kTmaN192 ? kTmaN192Smem
+                                      : kStore         ? kTmaStoreSmem
+                                                       : kTmaSmem;
+};
+
 template <bool kStore, uint32_t BN>
 __device__ __forceinline__ bool tma_launch_fits() {
-    static_assert(BN == kWgBN || (kStore && (BN == kTmaN128 || BN == kTmaN192)), "the TMA path's tiles");
     return blockDim.x == kTmaThreads && blockDim.y == 1 && blockDim.z == 1 &&
-           dynamic_smem_bytes() >= (BN == kTmaN128   ? kTmaN128Smem
-                                    : BN == kTmaN192 ? kTmaN192Smem
-                                    : kStore         ? kTmaStoreSmem
-                                                     : kTmaSmem);
+           dynamic_smem_bytes() >= TmaTile<kStore, BN>::kSmem;
 }
 
 // The TMA-store epilogue. Each consumer owns a 64 x BN staging area: BN / 64 boxes of 64 x 64, 128-byte
@@ -198,9 +209,9 @@ __device__ __forceinline__ void store_tile_tma(const TensorMap& cmap, uint32_t s
     }
 }
 
-// kStore: the TMA-store epilogue (cmap), kTmaStoreStages stages; else register stores to c.
-// BN: the tile's columns, kWgBN (wgmma m64n256k16), or with kStore kTmaN128 (m64n128k16,
-// kTmaN128Stages stages) or kTmaN192 (m64n192k16, kTmaN192Stages); w_map's box BN rows.
+// kStore: the TMA-store epilogue (cmap); else register stores to c. BN: the tile's columns,
+// kWgBN (wgmma m64n256k16), or with kStore kTmaN128 (m64n128k16) or kTmaN192 (m64n192k16);
+// w_map's box BN rows. The ring's stages: TmaTile.
 template <bool kStore, uint32_t BN, class Ep>
 __device__ __forceinline__ void tma_gemm(const TensorMap& amap, const TensorMap& wmap,
                                          const TensorMap& cmap, bf16* c, uint32_t m, uint32_t n,
@@ -208,10 +219,7 @@ __device__ __forceinline__ void tma_gemm(const TensorMap& amap, const TensorMap&
     constexpr uint32_t kABytes = kWgBM * kWgBK * 2;
     constexpr uint32_t kStageBytes = (kWgBM + BN) * kWgBK * 2;
     constexpr uint32_t kStagingBytes = 64 * BN * 2;  // a consumer's, kStore only
-    constexpr uint32_t kTmaStages = BN == kTmaN128   ? kTmaN128Stages
-                                    : BN == kTmaN192 ? kTmaN192Stages
-                                    : kStore         ? kTmaStoreStages
-                                                     : kTmaLoadStages;
+    constexpr uint32_t kTmaStages = TmaTile<kStore, BN>::kStages;
     const uint32_t tid = threadIdx.x, wg = tid / 128;
     const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
     const uint32_t staging = base + kTmaStages * kStageBytes;

@@ -123,6 +123,13 @@ TMA_N192_SMEM = _narrow_smem(TMA_N192, TMA_N192_STAGES)
 # "128x192 tiles on the GPU")
 TMA_TILE_COST = {WG_BN: 1.0, TMA_N192: 0.72, TMA_N128: 0.51}
 TMA_NARROW_GAIN = 0.97
+# the TMA-store paths by tile width: (path, shared memory)
+_TMA_STORE = {
+    WG_BN: ("tma_store", TMA_STORE_SMEM),
+    TMA_N192: ("tma_store_n192", TMA_N192_SMEM),
+    TMA_N128: ("tma_store_n128", TMA_N128_SMEM),
+}
+_TMA_STORE_WIDTH = {path: bn for bn, (path, _) in _TMA_STORE.items()}
 SMS = 132  # H100 / H200 SXM: the persistent grid when the backend does not say
 
 # TMA split-K path (gemm.cu: kSplit*): 64 w rows x 64 tokens a tile for m <= 64, 128 tokens above
@@ -313,10 +320,9 @@ def _path_plan(m: int, n: int, k: int, path: str | None, wgmma: bool, tma: bool,
     if path == "tiled" or path.startswith("tiled_"):
         bm, bn = pick_tile(m, n) if path == "tiled" else _tile_config(path)
         return GemmPlan(f"tiled_{bm}x{bn}", KERNELS["tiled"], _grid(tile_count(m, n, bm, bn)), tile_smem(bm, bn))
-    if path in ("wgmma", "tma", "tma_store", "tma_store_n128", "tma_store_n192"):
-        store = tma_store and path.startswith("tma_store")
-        width = {"tma_store_n128": TMA_N128, "tma_store_n192": TMA_N192}.get(path, WG_BN)
-        return _wgmma_plan(m, n, tma and path != "wgmma", store, sms, width)
+    if path in ("wgmma", "tma") or path in _TMA_STORE_WIDTH:
+        store = tma_store and path in _TMA_STORE_WIDTH
+        return _wgmma_plan(m, n, tma and path != "wgmma", store, sms, _TMA_STORE_WIDTH.get(path, WG_BN))
     if path == "tma_splitk":
         return _splitk_plan(m, n, k) if tma else _path_plan(m, n, k, None, wgmma, False, False, sms)
     if path == "simt":
@@ -337,8 +343,7 @@ def _wgmma_plan(m: int, n: int, tma: bool, store: bool, sms: int, width: int | N
     tiles = tile_count(m, n, WG_BM, WG_BN)
     if tma and store:
         bn = tma_store_width(m, n, sms) if width is None else width
-        path = "tma_store" if bn == WG_BN else f"tma_store_n{bn}"
-        smem = {WG_BN: TMA_STORE_SMEM, TMA_N192: TMA_N192_SMEM, TMA_N128: TMA_N128_SMEM}[bn]
+        path, smem = _TMA_STORE[bn]
         return GemmPlan(path, KERNELS[path], min(tile_count(m, n, WG_BM, bn), sms), smem, TMA_THREADS)
     if tma:
         return GemmPlan("tma", KERNELS["tma"], min(tiles, sms), TMA_SMEM, TMA_THREADS)

@@ -102,21 +102,21 @@ TMA_SMEM = TMA_STAGES * (WG_BM + WG_BN) * WG_BK * 2 + 1024 + 16 * TMA_STAGES
 # ... with the TMA-store epilogue (gemm.cu: kTmaStore*): 3 stages, a 64 x 256 bf16 staging area per
 # consumer; c must suit a tensor map too (16-byte aligned, n % 8 == 0), else it runs ``tma``
 TMA_STORE_STAGES, TMA_STAGING_BYTES = 3, 64 * WG_BN * 2
-TMA_STORE_SMEM = (
-    TMA_STORE_STAGES * (WG_BM + WG_BN) * WG_BK * 2 + TMA_CONSUMERS * TMA_STAGING_BYTES + 1024 + 16 * TMA_STORE_STAGES
-)
+
+
+def _tma_store_smem(bn: int, stages: int) -> int:
+    """A TMA-store kernel's shared memory: its ring, a 64 x bn staging area per consumer, alignment
+    slack and two mbarriers a stage (gemm.cu's kTmaStoreSmem, kTmaN128Smem, kTmaN192Smem)."""
+    return stages * (WG_BM + bn) * WG_BK * 2 + TMA_CONSUMERS * 64 * bn * 2 + 1024 + 16 * stages
+
+
+TMA_STORE_SMEM = _tma_store_smem(WG_BN, TMA_STORE_STAGES)
 # ... with 128x128 tiles (gemm.cu: kTmaN128*): 5 stages, a 64 x 128 staging area per consumer;
 # and 128x192 tiles (kTmaN192*): 4 stages, 64 x 192. path=None picks the width (``tma_store_width``).
 TMA_N128, TMA_N128_STAGES = 128, 5
 TMA_N192, TMA_N192_STAGES = 192, 4
-
-
-def _narrow_smem(bn: int, stages: int) -> int:
-    return stages * (WG_BM + bn) * WG_BK * 2 + TMA_CONSUMERS * 64 * bn * 2 + 1024 + 16 * stages
-
-
-TMA_N128_SMEM = _narrow_smem(TMA_N128, TMA_N128_STAGES)
-TMA_N192_SMEM = _narrow_smem(TMA_N192, TMA_N192_STAGES)
+TMA_N128_SMEM = _tma_store_smem(TMA_N128, TMA_N128_STAGES)
+TMA_N192_SMEM = _tma_store_smem(TMA_N192, TMA_N192_STAGES)
 # A wave of tiles' time over a wave of 128x256 tiles', by width: what each further wave added in
 # bench.gemm --sweep-wide 3072x3072 on an H100 (128x256 ~34.5 us, 128x192 ~25, 128x128 ~17.5);
 # a narrower width is taken only where it comes out at least TMA_NARROW_GAIN cheaper (NOTES-gemm.md,
